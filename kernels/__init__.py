@@ -1,0 +1,1 @@
+"""tigon.kernels: exact, fused Triton kernels for LLM training."""

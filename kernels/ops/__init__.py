@@ -1,0 +1,1 @@
+"""Triton kernels and the autograd functions that launch them, one op per module."""

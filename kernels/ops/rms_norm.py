@@ -1,0 +1,227 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * (offset + weight), one read and one write per pass.
+
+Two casting conventions, both exact matches of their Hugging Face modules:
+- ``"llama"``: normalize in float32, cast to the input dtype, then multiply by the weight.
+- ``"gemma"``: normalize and scale in float32, cast once at the end (Gemma also uses offset 1).
+
+The forward kernel also serves the fused residual add (``fused_add_rms_norm.py``): with
+``HAS_RESIDUAL`` it adds the residual first and writes the new residual stream beside the output.
+The backward kernel runs a persistent grid: each program walks a contiguous band of rows and
+keeps its share of the weight gradient in registers, so dW costs one small partial-sum matrix
+instead of a second pass over the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.kernels import reference
+from tigon.kernels.utils import (
+    check_float,
+    check_same_device,
+    check_vector,
+    multiprocessor_count,
+    rows_view,
+    use_triton,
+    warps_for,
+)
+
+CASTING_MODES = ("llama", "gemma")
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD,
+    n_rows, n_cols, eps, offset,
+    HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA_CASTING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    normed = x * rstd[:, None]
+
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        if GEMMA_CASTING:
+            y = normed * w[None, :]
+        else:
+            y = normed.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
+    else:
+        y = normed
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY, stride_dy, X, stride_x, W, RSTD, DS, stride_ds, DX, stride_dx, DW_PARTIAL,
+    n_rows, n_cols, offset, rows_per_program,
+    HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, GEMMA_CASTING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    first_row = pid.to(tl.int64) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    for start in range(first_row, last_row, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < last_row
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        normed = x * rstd[:, None]
+        if HAS_WEIGHT:
+            grad_normed = dy * w[None, :]
+            if GEMMA_CASTING:
+                dw += tl.sum(dy * normed, axis=0)
+            else:
+                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+        else:
+            grad_normed = dy
+        projection = tl.sum(grad_normed * normed, axis=1) / n_cols
+        dx = rstd[:, None] * (grad_normed - normed * projection[:, None])
+        if HAS_DS:
+            dx += tl.load(DS + rows[:, None] * stride_ds + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+
+
+def _forward_config(n_cols: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    return block_m, block_n, warps_for(block_m * block_n)
+
+
+def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    programs = min(triton.cdiv(n_rows, block_m), multiprocessor_count(device) * 4)
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
+    programs = triton.cdiv(n_rows, rows_per_program)
+    return block_m, block_n, warps_for(block_m * block_n), programs, rows_per_program
+
+
+def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> None:
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    check_vector("weight", weight, x.shape[-1], "the hidden size (x.shape[-1])")
+    check_same_device("x", x, weight=weight)
+    if casting not in CASTING_MODES:
+        raise ValueError(f"casting={casting!r} is not one of {CASTING_MODES}")
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(
+            f"hidden size {x.shape[-1]} is above the {MAX_HIDDEN} a single-pass RMSNorm kernel holds; "
+            "use tigon.kernels.reference.rms_norm for such sizes"
+        )
+
+
+def rms_norm_forward(
+    x2d: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str,
+    residual2d: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel on a (rows, hidden) view; returns (y, rstd, new_residual)."""
+    n_rows, n_cols = x2d.shape
+    out_dtype = x2d.dtype
+    if weight is not None and casting == "llama":
+        out_dtype = torch.promote_types(weight.dtype, x2d.dtype)
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2d.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    new_residual = torch.empty_like(x2d) if residual2d is not None else None
+    block_m, block_n, num_warps = _forward_config(n_cols)
+    _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2d, x2d.stride(0),
+        residual2d if residual2d is not None else x2d, residual2d.stride(0) if residual2d is not None else 0,
+        new_residual if new_residual is not None else x2d, new_residual.stride(0) if new_residual is not None else 0,
+        y, y.stride(0), weight if weight is not None else x2d, rstd,
+        n_rows, n_cols, eps, offset,
+        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual2d is not None, GEMMA_CASTING=casting == "gemma",
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, rstd, new_residual
+
+
+def rms_norm_backward(
+    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+    offset: float, casting: str, in_place: bool, grad_residual2d: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the backward kernel; returns (dx, dweight). With `in_place`, dx reuses dy's memory."""
+    n_rows, n_cols = x2d.shape
+    if in_place and dy2d.dtype == x2d.dtype and dy2d.is_contiguous():
+        dx = dy2d
+    else:
+        dx = torch.empty_like(x2d)
+    block_m, block_n, num_warps, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
+    dw_partial = None
+    if weight is not None:
+        dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    _rms_norm_backward_kernel[(programs,)](
+        dy2d, dy2d.stride(0), x2d, x2d.stride(0), weight if weight is not None else x2d, rstd,
+        grad_residual2d if grad_residual2d is not None else x2d,
+        grad_residual2d.stride(0) if grad_residual2d is not None else 0,
+        dx, dx.stride(0), dw_partial if dw_partial is not None else rstd,
+        n_rows, n_cols, offset, rows_per_program,
+        HAS_WEIGHT=weight is not None, HAS_DS=grad_residual2d is not None, GEMMA_CASTING=casting == "gemma",
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    return dx, dweight
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting, in_place_backward):
+        x2d = rows_view(x)
+        y, rstd, _ = rms_norm_forward(x2d, weight, eps, offset, casting)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.offset, ctx.casting, ctx.in_place = offset, casting, in_place_backward
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        dx, dweight = rms_norm_backward(
+            rows_view(dy), x2d, weight, rstd, ctx.offset, ctx.casting, ctx.in_place
+        )
+        return dx.view(dy.shape), dweight, None, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+    in_place_backward: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of `x`.
+
+    `weight=None` gives the weightless variant; Gemma is `offset=1.0, casting="gemma"`.
+    `in_place_backward` writes the input gradient into the incoming gradient's memory, which
+    saves one activation-sized buffer when nothing else reads that gradient.
+    """
+    check_rms_norm_inputs(x, weight, casting)
+    if not use_triton("rms_norm", x):
+        return reference.rms_norm(x, weight, eps, offset, casting)
+    return RMSNormFunction.apply(x, weight, eps, offset, casting, in_place_backward)

@@ -1,0 +1,88 @@
+"""Shared plumbing for the ops: where a kernel runs, input checks, launch sizes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("tigon.kernels")
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _announce_reference(op: str) -> None:
+    logger.warning(
+        "tigon.kernels.%s: CPU tensors and no TRITON_INTERPRET=1, so the pure-PyTorch reference "
+        "runs instead of the Triton kernel (same results, no speed-up).",
+        op,
+    )
+
+
+def use_triton(op: str, tensor: torch.Tensor) -> bool:
+    """Whether `op` should launch its Triton kernel for `tensor`; logs once when it cannot."""
+    if tensor.is_cuda or interpreter_active():
+        return True
+    _announce_reference(op)
+    return False
+
+
+def check_float(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype}; tigon kernels take float32, bfloat16 or float16 "
+            f"(cast it first, e.g. {name}.to(torch.bfloat16))"
+        )
+
+
+def check_same_device(reference_name: str, reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != reference.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but {reference_name} is on {reference.device}; "
+                f"move it with {name}.to({reference_name}.device)"
+            )
+
+
+def check_vector(name: str, vector: torch.Tensor | None, size: int, what: str) -> None:
+    """A per-feature parameter (weight, bias) must be 1-D with `size` elements."""
+    if vector is None:
+        return
+    check_float(name, vector)
+    if vector.dim() != 1 or vector.numel() != size:
+        raise ValueError(
+            f"{name} has shape {tuple(vector.shape)} but {what} is {size}; "
+            f"it must be a 1-D tensor of {size} elements"
+        )
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a (rows, features) matrix whose last dimension is contiguous (copies only if needed)."""
+    if x.dim() == 0:
+        raise ValueError("expected a tensor with a feature dimension, got a scalar")
+    matrix = x.reshape(-1, x.shape[-1])
+    if matrix.shape[-1] > 1 and matrix.stride(-1) != 1:
+        matrix = matrix.contiguous()
+    return matrix
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors on a GPU; a small fixed count under the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def warps_for(block: int) -> int:
+    """Warps for a program that owns `block` elements of a row."""
+    return max(1, min(16, block // 256))

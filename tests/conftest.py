@@ -1,0 +1,41 @@
+"""Test set-up: run the Triton kernels through the interpreter when no GPU is present.
+
+TRITON_INTERPRET must be set before triton is imported, so this happens at conftest import.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            raise pytest.UsageError(
+                f"{item.nodeid} is a GPU test but no CUDA device is present; deselect with -m 'not gpu'"
+            )
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialized_memory():
+    """Fill every torch.empty with NaN so an element a kernel forgets to write fails the test."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,31 @@
+"""Comparison helpers shared by the kernel tests (DESIGN.md, "Exactness")."""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:
+    """||out - ref|| / ||ref|| under the dtype's tolerance (times `scale`); NaN never passes."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (an unwritten or poisoned element)"
+    error = relative_error(out, ref)
+    bound = TOLERANCE[dtype] * scale
+    assert error < bound, f"{what}: relative error {error:.3e} >= {bound:.1e} ({dtype})"
+
+
+def leaf(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype).detach().requires_grad_(True)
+
+
+def as_float64(tensor: torch.Tensor) -> torch.Tensor:
+    """A float64 leaf copy of a low-precision input, for the reference."""
+    return tensor.detach().double().requires_grad_(True)

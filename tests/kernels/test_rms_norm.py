@@ -1,0 +1,116 @@
+import pytest
+import torch
+
+from tigon.kernels import reference
+from tigon.kernels.ops.rms_norm import rms_norm
+from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
+
+HIDDEN = [1, 3, 127, 128, 4097]
+ROWS = 37  # not a multiple of any block size
+
+
+def run_case(rows, hidden, dtype, device, casting="llama", offset=0.0, with_weight=True, in_place=False):
+    torch.manual_seed(hidden * 7 + rows)
+    x = leaf(torch.randn(rows, hidden, device=device), dtype)
+    weight = leaf(torch.rand(hidden, device=device) + 0.5, dtype) if with_weight else None
+    y = rms_norm(x, weight, eps=1e-6, offset=offset, casting=casting, in_place_backward=in_place)
+    dy = torch.randn_like(y)
+    y.backward(dy.clone())  # an in-place backward overwrites the gradient it is given
+
+    x64 = as_float64(x)
+    w64 = as_float64(weight) if with_weight else None
+    y64 = reference.rms_norm(x64, w64, eps=1e-6, offset=offset, casting=casting)
+    y64.backward(dy.double())
+
+    assert y.dtype == dtype
+    assert_close(y, y64, dtype, "y")
+    assert_close(x.grad, x64.grad, dtype, "dx")
+    if with_weight:
+        # dW sums over rows: its rounding is the output's, so it gets the same tolerance.
+        assert_close(weight.grad, w64.grad, dtype, "dweight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_llama_casting(hidden, dtype, device):
+    run_case(ROWS, hidden, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [3, 127, 4097])
+def test_gemma_casting_with_offset(hidden, dtype, device):
+    run_case(ROWS, hidden, dtype, device, casting="gemma", offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_weight(dtype, device):
+    run_case(ROWS, 127, dtype, device, with_weight=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_backward(dtype, device):
+    run_case(ROWS, 255, dtype, device, in_place=True)
+
+
+def test_many_rows_use_several_programs_per_band(device):
+    run_case(1031, 64, torch.float32, device)
+
+
+def test_in_place_backward_reuses_gradient_memory(device):
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    weight = torch.ones(16, device=device, requires_grad=True)
+    dy = torch.randn(5, 16, device=device)
+    captured = {}
+    y = rms_norm(x, weight, in_place_backward=True)
+    y.register_hook(lambda grad: captured.update(ptr=grad.data_ptr()))
+    y.backward(dy)
+    assert x.grad.data_ptr() == captured["ptr"]
+
+
+def test_non_contiguous_input(device):
+    torch.manual_seed(0)
+    base = torch.randn(12, 2 * 33, device=device)
+    x = base[:, ::2].detach().requires_grad_(True)  # stride 2 in the hidden dimension
+    weight = torch.rand(33, device=device, requires_grad=True)
+    y = rms_norm(x, weight)
+    y.sum().backward()
+    x64, w64 = as_float64(x), as_float64(weight)
+    reference.rms_norm(x64, w64).sum().backward()
+    assert_close(y, reference.rms_norm(x64, w64), torch.float32, "y")
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    assert_close(weight.grad, w64.grad, torch.float32, "dweight")
+
+
+def test_transposed_rows_three_dims(device):
+    torch.manual_seed(1)
+    x = torch.randn(4, 6, 40, device=device).transpose(0, 1).detach().requires_grad_(True)
+    y = rms_norm(x, None)
+    x64 = as_float64(x)
+    assert_close(y, reference.rms_norm(x64, None), torch.float32, "y")
+
+
+def test_bad_inputs(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="hidden size"):
+        rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        rms_norm(torch.ones(4, 8, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="casting"):
+        rms_norm(x, torch.ones(8, device=device), casting="mistral")
+    with pytest.raises(ValueError, match="non-empty"):
+        rms_norm(torch.randn(4, 0, device=device))
+
+
+def test_weight_on_another_device():
+    x = torch.randn(4, 8, device="cpu")
+    weight = torch.ones(8, device="meta")
+    with pytest.raises(ValueError, match="weight is on meta"):
+        rms_norm(x, weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(16384, 4096), (4099, 8192), (333, 16384), (2048, 5120)])
+def test_gpu_real_sizes(shape, dtype):
+    run_case(*shape, dtype, "cuda")
+    run_case(*shape, dtype, "cuda", casting="gemma", offset=1.0)
