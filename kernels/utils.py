@@ -61,8 +61,7 @@ def check_vector(name: str, vector: torch.Tensor | None, size: int, what: str) -
     check_float(name, vector)
     if vector.dim() != 1 or vector.numel() != size:
         raise ValueError(
-            f"{name} has shape {tuple(vector.shape)} but {what} is {size}; "
-            f"it must be a 1-D tensor of {size} elements"
+            f"{name} has shape {tuple(vector.shape)} but {what} is {size}; it must be a 1-D tensor of {size} elements"
         )
 
 

@@ -39,3 +39,16 @@ def poison_uninitialized_memory():
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def restore_rope():
+    """RoPE patching replaces a module-level function; put the originals back after the test."""
+    import importlib
+
+    from tigon.kernels.patching import FAMILIES
+
+    saved = {name: importlib.import_module(f.modeling).apply_rotary_pos_emb for name, f in FAMILIES.items()}
+    yield
+    for name, function in saved.items():
+        importlib.import_module(FAMILIES[name].modeling).apply_rotary_pos_emb = function

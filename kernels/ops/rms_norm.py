@@ -34,10 +34,25 @@ MAX_HIDDEN = 65536
 
 @triton.jit
 def _rms_norm_forward_kernel(
-    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, RSTD,
-    n_rows, n_cols, eps, offset,
-    HAS_WEIGHT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA_CASTING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    X,
+    stride_x,
+    R,
+    stride_r,
+    S,
+    stride_s,
+    Y,
+    stride_y,
+    W,
+    RSTD,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA_CASTING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -67,10 +82,26 @@ def _rms_norm_forward_kernel(
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    DY, stride_dy, X, stride_x, W, RSTD, DS, stride_ds, DX, stride_dx, DW_PARTIAL,
-    n_rows, n_cols, offset, rows_per_program,
-    HAS_WEIGHT: tl.constexpr, HAS_DS: tl.constexpr, GEMMA_CASTING: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY,
+    stride_dy,
+    X,
+    stride_x,
+    W,
+    RSTD,
+    DS,
+    stride_ds,
+    DX,
+    stride_dx,
+    DW_PARTIAL,
+    n_rows,
+    n_cols,
+    offset,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    GEMMA_CASTING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -138,7 +169,11 @@ def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, casting:
 
 
 def rms_norm_forward(
-    x2d: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str,
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting: str,
     residual2d: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on a (rows, hidden) view; returns (y, rstd, new_residual)."""
@@ -151,20 +186,39 @@ def rms_norm_forward(
     new_residual = torch.empty_like(x2d) if residual2d is not None else None
     block_m, block_n, num_warps = _forward_config(n_cols)
     _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
-        x2d, x2d.stride(0),
-        residual2d if residual2d is not None else x2d, residual2d.stride(0) if residual2d is not None else 0,
-        new_residual if new_residual is not None else x2d, new_residual.stride(0) if new_residual is not None else 0,
-        y, y.stride(0), weight if weight is not None else x2d, rstd,
-        n_rows, n_cols, eps, offset,
-        HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual2d is not None, GEMMA_CASTING=casting == "gemma",
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        x2d,
+        x2d.stride(0),
+        residual2d if residual2d is not None else x2d,
+        residual2d.stride(0) if residual2d is not None else 0,
+        new_residual if new_residual is not None else x2d,
+        new_residual.stride(0) if new_residual is not None else 0,
+        y,
+        y.stride(0),
+        weight if weight is not None else x2d,
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        offset,
+        HAS_WEIGHT=weight is not None,
+        HAS_RESIDUAL=residual2d is not None,
+        GEMMA_CASTING=casting == "gemma",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return y, rstd, new_residual
 
 
 def rms_norm_backward(
-    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
-    offset: float, casting: str, in_place: bool, grad_residual2d: torch.Tensor | None = None,
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    casting: str,
+    in_place: bool,
+    grad_residual2d: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the backward kernel; returns (dx, dweight). With `in_place`, dx reuses dy's memory."""
     n_rows, n_cols = x2d.shape
@@ -177,13 +231,27 @@ def rms_norm_backward(
     if weight is not None:
         dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
     _rms_norm_backward_kernel[(programs,)](
-        dy2d, dy2d.stride(0), x2d, x2d.stride(0), weight if weight is not None else x2d, rstd,
+        dy2d,
+        dy2d.stride(0),
+        x2d,
+        x2d.stride(0),
+        weight if weight is not None else x2d,
+        rstd,
         grad_residual2d if grad_residual2d is not None else x2d,
         grad_residual2d.stride(0) if grad_residual2d is not None else 0,
-        dx, dx.stride(0), dw_partial if dw_partial is not None else rstd,
-        n_rows, n_cols, offset, rows_per_program,
-        HAS_WEIGHT=weight is not None, HAS_DS=grad_residual2d is not None, GEMMA_CASTING=casting == "gemma",
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dx,
+        dx.stride(0),
+        dw_partial if dw_partial is not None else rstd,
+        n_rows,
+        n_cols,
+        offset,
+        rows_per_program,
+        HAS_WEIGHT=weight is not None,
+        HAS_DS=grad_residual2d is not None,
+        GEMMA_CASTING=casting == "gemma",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dweight
@@ -201,9 +269,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dweight = rms_norm_backward(
-            rows_view(dy), x2d, weight, rstd, ctx.offset, ctx.casting, ctx.in_place
-        )
+        dx, dweight = rms_norm_backward(rows_view(dy), x2d, weight, rstd, ctx.offset, ctx.casting, ctx.in_place)
         return dx.view(dy.shape), dweight, None, None, None, None
 
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
 from tigon.kernels import reference
 from tigon.kernels.ops.rms_norm import rms_norm
-from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
 
 HIDDEN = [1, 3, 127, 128, 4097]
 ROWS = 37  # not a multiple of any block size

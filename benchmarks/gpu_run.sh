@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
+# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-bench-out}
+mkdir -p "$out" /tmp/tigonpath/tigon
+for layer in kernels runtime platform; do ln -sfn "$PWD/$layer" "/tmp/tigonpath/tigon/$layer"; done
+export PYTHONPATH="/tmp/tigonpath:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+for step in "$@"; do
+  case "$step" in
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -n 40 | tee "$out/gpu-tests.log" ;;
+    demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
+    tune) python3 -m benchmarks.tune --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
+    bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
+    bench-main) python3 -m benchmarks.kernels --no-sweeps --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

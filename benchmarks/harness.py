@@ -1,0 +1,78 @@
+"""Measurement plumbing for the benchmarks: medians with do_bench, peak memory, the two ceilings."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.testing
+
+
+@dataclass
+class Measurement:
+    op: str
+    provider: str
+    shape: str
+    ms: float
+    floor_ms: float
+    bytes_moved: int
+    peak_extra_mb: float
+    fraction_of_copy: float
+
+
+def measure_copy_bandwidth(gigabytes: float = 2.0) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    n = int(gigabytes * 2**30) // 2
+    src = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bytes_moved = 2 * src.numel() * src.element_size()
+    return bytes_moved / (ms * 1e-3)
+
+
+def measure_matmul_rate(size: int = 8192) -> float:
+    """bf16 matrix-product rate in FLOP/s on random data."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * size**3 / (ms * 1e-3)
+
+
+def median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    return triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=grads, return_mode="median")
+
+
+def peak_extra_mb(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    """Peak bytes allocated during one step beyond what was live before it, in MB."""
+    for tensor in grads:
+        tensor.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    for tensor in grads:
+        tensor.grad = None
+    return peak / 1e6
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write JSON to a temporary name in the same folder, then rename into place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
+        json.dump(payload, handle, indent=1)
+        temporary = handle.name
+    os.replace(temporary, path)
+
+
+def as_dicts(measurements: list[Measurement]) -> list[dict]:
+    return [asdict(m) for m in measurements]

@@ -1,0 +1,274 @@
+"""Kernel benchmarks: tigon against HF eager, torch.compile and Liger-Kernel, forward+backward, bf16.
+
+    python benchmarks/kernels.py --out results.json            # the issue's shapes and the sweeps
+    python benchmarks/kernels.py --out r.json --only rms_norm  # one op
+
+Each time is a `triton.testing.do_bench` median of a full forward+backward step; the floor is
+the fewest bytes that step must move over the measured copy bandwidth. Peak memory is what the
+step allocates beyond its live inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from benchmarks.harness import (
+    Measurement,
+    as_dicts,
+    measure_copy_bandwidth,
+    measure_matmul_rate,
+    median_ms,
+    peak_extra_mb,
+    write_json_atomic,
+)
+
+DTYPE = torch.bfloat16
+EPS = 1e-6
+
+
+@dataclass
+class Case:
+    """Inputs that need gradients, the output gradients, the floor bytes, and one forward per provider."""
+
+    leaves: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    bytes_moved: int
+    providers: dict[str, Callable[[], tuple[torch.Tensor, ...]]]
+
+
+def hf_llama_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The body of transformers' LlamaRMSNorm.forward."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + EPS)
+    return weight * hidden.to(input_dtype)
+
+
+def hf_rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin):
+    """The body of transformers' apply_rotary_pos_emb (unsqueeze_dim=1)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + hf_rotate_half(q) * sin, k * cos + hf_rotate_half(k) * sin
+
+
+def compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def liger():
+    try:
+        from liger_kernel.transformers import functional
+    except ImportError:
+        return None
+    return functional
+
+
+def rms_norm_case(tokens: int, hidden: int) -> Case:
+    from tigon.kernels.functional import rms_norm
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = (torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5).requires_grad_(True)
+    providers = {
+        "tigon": lambda: (rms_norm(x, w, EPS),),
+        "eager": lambda: (hf_llama_rms_norm(x, w),),
+        "compile": (lambda fn: lambda: (fn(x, w),))(compiled(hf_llama_rms_norm)),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_rms_norm(x, w, EPS),)
+    return Case([x, w], [torch.randn_like(x)], 5 * x.numel() * x.element_size(), providers)
+
+
+def fused_add_rms_norm_case(tokens: int, hidden: int) -> Case:
+    from tigon.kernels.functional import fused_add_rms_norm
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    r = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = (torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5).requires_grad_(True)
+
+    def eager(x, r, w):
+        s = x + r
+        return hf_llama_rms_norm(s, w), s
+
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: fused_add_rms_norm(x, r, w, EPS),
+        "eager": lambda: eager(x, r, w),
+        "compile": lambda: compiled_eager(x, r, w),
+    }
+    if liger():
+        providers["liger"] = lambda: liger().liger_fused_add_rms_norm(x, r, w, EPS)
+    grads = [torch.randn_like(x), torch.randn_like(x)]
+    return Case([x, r, w], grads, 8 * x.numel() * x.element_size(), providers)
+
+
+def layer_norm_case(tokens: int, hidden: int) -> Case:
+    from tigon.kernels.functional import layer_norm
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = (torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5).requires_grad_(True)
+    b = torch.randn(hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    eager = lambda x, w, b: F.layer_norm(x, (hidden,), w, b, EPS)
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (layer_norm(x, w, b, EPS),),
+        "eager": lambda: (eager(x, w, b),),
+        "compile": lambda: (compiled_eager(x, w, b),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_layer_norm(x, w, b, EPS),)
+    return Case([x, w, b], [torch.randn_like(x)], 5 * x.numel() * x.element_size(), providers)
+
+
+def rope_case(batch: int, q_heads: int, kv_heads: int, seq: int, head_dim: int) -> Case:
+    """q and k as attention makes them: (B, S, H, D) projections viewed as (B, H, S, D)."""
+    from tigon.kernels.functional import rope
+
+    q_base = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    k_base = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    angles = torch.rand(1, seq, head_dim // 2, device="cuda") * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(DTYPE)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DTYPE)
+    compiled_eager = compiled(hf_apply_rotary_pos_emb)
+    qk = lambda: (q_base.transpose(1, 2), k_base.transpose(1, 2))
+    providers = {
+        "tigon": lambda: rope(*qk(), cos, sin),
+        "eager": lambda: hf_apply_rotary_pos_emb(*qk(), cos, sin),
+        "compile": lambda: compiled_eager(*qk(), cos, sin),
+    }
+    if liger():
+        providers["liger"] = lambda: liger().liger_rope(*qk(), cos, sin)
+    q_bytes = (q_base.numel() + k_base.numel()) * q_base.element_size()
+    grads = [torch.randn_like(q_base).transpose(1, 2), torch.randn_like(k_base).transpose(1, 2)]
+    return Case([q_base, k_base], grads, 4 * q_bytes + 4 * cos.numel() * cos.element_size(), providers)
+
+
+def gated_case(tokens: int, inner: int, activation: str) -> Case:
+    """The MLP activation; tigon runs it as its MLP module does (gradients over the inputs)."""
+    from tigon.kernels.functional import geglu, swiglu
+
+    a = torch.randn(tokens, inner, device="cuda", dtype=DTYPE, requires_grad=True)
+    b = torch.randn(tokens, inner, device="cuda", dtype=DTYPE, requires_grad=True)
+    if activation == "swiglu":
+        eager = lambda a, b: F.silu(a) * b
+        ours = lambda: (swiglu(a, b, in_place_backward=True),)
+        theirs = "liger_swiglu"
+    else:
+        eager = lambda a, b: F.gelu(a, approximate="tanh") * b
+        ours = lambda: (geglu(a, b, approximate="tanh", in_place_backward=True),)
+        theirs = "liger_geglu"
+    compiled_eager = compiled(eager)
+    providers = {"tigon": ours, "eager": lambda: (eager(a, b),), "compile": lambda: (compiled_eager(a, b),)}
+    if liger():
+        providers["liger"] = lambda: (getattr(liger(), theirs)(a, b),)
+    return Case([a, b], [torch.randn_like(a)], 8 * a.numel() * a.element_size(), providers)
+
+
+def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
+    return [
+        ("rms_norm", "16384x4096", lambda: rms_norm_case(16384, 4096)),
+        ("fused_add_rms_norm", "16384x4096", lambda: fused_add_rms_norm_case(16384, 4096)),
+        ("layer_norm", "16384x4096", lambda: layer_norm_case(16384, 4096)),
+        ("rope", "q 4x32x4096x128, k 4x8x4096x128", lambda: rope_case(4, 32, 8, 4096, 128)),
+        ("swiglu", "8192x14336", lambda: gated_case(8192, 14336, "swiglu")),
+        ("geglu", "8192x14336", lambda: gated_case(8192, 14336, "geglu")),
+    ]
+
+
+def sweep_cases() -> list[tuple[str, str, Callable[[], Case]]]:
+    cases = []
+    for hidden in (1024, 2048, 4096, 8192, 16384):
+        cases.append(("rms_norm/hidden", f"16384x{hidden}", lambda h=hidden: rms_norm_case(16384, h)))
+        cases.append(("layer_norm/hidden", f"16384x{hidden}", lambda h=hidden: layer_norm_case(16384, h)))
+    for tokens in (1024, 4096, 16384, 65536):
+        cases.append(("rms_norm/tokens", f"{tokens}x4096", lambda t=tokens: rms_norm_case(t, 4096)))
+    for seq in (1024, 2048, 8192):
+        cases.append(("rope/seq", f"4x32/8x{seq}x128", lambda s=seq: rope_case(4, 32, 8, s, 128)))
+    for tokens in (1024, 4096, 16384):
+        cases.append(("swiglu/tokens", f"{tokens}x14336", lambda t=tokens: gated_case(t, 14336, "swiglu")))
+    return cases
+
+
+def run_case(op: str, shape: str, make: Callable[[], Case], copy_bw: float, with_memory: bool) -> list[Measurement]:
+    case = make()
+    floor_ms = case.bytes_moved / copy_bw * 1e3
+    results = []
+    for provider, forward in case.providers.items():
+
+        def step(forward=forward):
+            torch.autograd.backward(forward(), case.grads)
+
+        try:
+            step()  # compile and warm up outside the timed region
+            ms = median_ms(step, case.leaves)
+            peak = peak_extra_mb(step, case.leaves) if with_memory else float("nan")
+        except Exception as error:  # a provider that fails at a shape is reported, not fatal
+            print(f"  {op} {shape} {provider}: FAILED {type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        results.append(Measurement(op, provider, shape, ms, floor_ms, case.bytes_moved, peak, floor_ms / ms))
+        print(
+            f"  {op:22s} {shape:34s} {provider:8s} {ms:8.3f} ms  {100 * floor_ms / ms:5.1f}% of copy  "
+            f"peak +{peak:8.1f} MB",
+            flush=True,
+        )
+    case = None
+    torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON file for the results (written atomically)")
+    parser.add_argument("--only", default=None, help="run only ops whose name starts with this")
+    parser.add_argument("--no-sweeps", action="store_true", help="only the issue's shapes")
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    started = time.time()
+    copy_bw, matmul = measure_copy_bandwidth(), measure_matmul_rate()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
+    cases = [(op, shape, make, True) for op, shape, make in main_cases()]
+    if not args.no_sweeps:
+        cases += [(op, shape, make, False) for op, shape, make in sweep_cases()]
+    results = []
+    for index, (op, shape, make, with_memory) in enumerate(cases, 1):
+        if args.only and not op.startswith(args.only):
+            continue
+        print(f"[{index}/{len(cases)}] {op} {shape}", flush=True)
+        results += run_case(op, shape, make, copy_bw, with_memory)
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger_kernel": _liger_version(),
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "bf16_matmul_flops_per_s": matmul,
+        "seconds": time.time() - started,
+        "results": as_dicts(results),
+    }
+    write_json_atomic(args.out, payload)
+    print(f"wrote {len(results)} measurements to {args.out} in {payload['seconds']:.0f} s")
+
+
+def _liger_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("liger-kernel")
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

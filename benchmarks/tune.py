@@ -1,0 +1,124 @@
+"""Launch-configuration sweep for the norm and RoPE kernels, forward and backward timed apart.
+
+    python -m benchmarks.tune --out tune.json
+
+It swaps each op's config function for fixed variants, so the heuristics in `kernels/ops/` can be
+set from measurements. Prints the best variant per (op, direction, shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.testing
+
+from benchmarks.harness import write_json_atomic
+from tigon.kernels.ops import layer_norm, rms_norm, rope
+
+DTYPE = torch.bfloat16
+
+
+def time_directions(forward, leaves, grads) -> tuple[float, float]:
+    forward_ms = triton.testing.do_bench(forward, warmup=25, rep=100, return_mode="median")
+    outputs = forward()
+
+    def backward():
+        torch.autograd.backward(outputs, grads, retain_graph=True)
+
+    backward_ms = triton.testing.do_bench(backward, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    return forward_ms, backward_ms
+
+
+def norm_variants(module, tokens: int, hidden: int, make_forward) -> list[dict]:
+    results = []
+    block_n = triton.next_power_of_2(hidden)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    original_forward, original_backward = module._forward_config, module._backward_config
+    for block_m, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (2, 4, 8)):
+        if block_m * block_n > 16384:
+            continue
+        programs = min(triton.cdiv(tokens, block_m), sms * per_sm)
+        rows_per_program = triton.cdiv(triton.cdiv(tokens, programs), block_m) * block_m
+        programs = triton.cdiv(tokens, rows_per_program)
+        module._forward_config = lambda n_cols, c=(block_m, block_n, warps): c
+        module._backward_config = (
+            lambda n_rows, n_cols, device, c=(block_m, block_n, warps, programs, rows_per_program): c
+        )
+        forward, leaves, grads = make_forward(tokens, hidden)
+        try:
+            forward_ms, backward_ms = time_directions(forward, leaves, grads)
+        except Exception as error:  # a variant that does not compile (too many registers) is skipped
+            print(f"  skipped block_m={block_m} warps={warps} per_sm={per_sm}: {type(error).__name__}")
+            continue
+        results.append(
+            dict(block_m=block_m, warps=warps, per_sm=per_sm, forward_ms=forward_ms, backward_ms=backward_ms)
+        )
+    module._forward_config, module._backward_config = original_forward, original_backward
+    return results
+
+
+def rms_norm_inputs(tokens, hidden):
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.rand(hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    return (lambda: rms_norm.rms_norm(x, w)), [x, w], [torch.randn_like(x)]
+
+
+def layer_norm_inputs(tokens, hidden):
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.rand(hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    b = torch.rand(hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+    return (lambda: layer_norm.layer_norm(x, w, b)), [x, w, b], [torch.randn_like(x)]
+
+
+def rope_variants(batch, q_heads, kv_heads, seq, head_dim) -> list[dict]:
+    q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    k = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
+    cos = torch.rand(1, seq, head_dim, device="cuda", dtype=DTYPE)
+    sin = torch.rand(1, seq, head_dim, device="cuda", dtype=DTYPE)
+    grads = [torch.randn_like(q).transpose(1, 2), torch.randn_like(k).transpose(1, 2)]
+    original = rope._launch_config
+    results = []
+    block_half = triton.next_power_of_2(head_dim // 2)
+    for block_hq, warps in itertools.product((4, 8, 16, 32), (2, 4, 8, 16)):
+        block_hk = min(block_hq, triton.next_power_of_2(kv_heads))
+        rope._launch_config = lambda *a, c=(block_hq, block_hk, block_half, warps): c
+        forward = lambda: rope.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        try:
+            forward_ms, backward_ms = time_directions(forward, [q, k], grads)
+        except Exception as error:
+            print(f"  skipped block_hq={block_hq} warps={warps}: {type(error).__name__}")
+            continue
+        results.append(dict(block_hq=block_hq, warps=warps, forward_ms=forward_ms, backward_ms=backward_ms))
+    rope._launch_config = original
+    return results
+
+
+def best(rows: list[dict], key: str) -> dict:
+    return min(rows, key=lambda r: r[key])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    report = {}
+    for hidden in (1024, 4096, 16384):
+        for name, module, inputs in (
+            ("rms_norm", rms_norm, rms_norm_inputs),
+            ("layer_norm", layer_norm, layer_norm_inputs),
+        ):
+            rows = norm_variants(module, 16384, hidden, inputs)
+            report[f"{name}/16384x{hidden}"] = rows
+            print(f"{name} 16384x{hidden}: best forward {best(rows, 'forward_ms')}", flush=True)
+            print(f"{name} 16384x{hidden}: best backward {best(rows, 'backward_ms')}", flush=True)
+    rows = rope_variants(4, 32, 8, 4096, 128)
+    report["rope/4x32x8x4096x128"] = rows
+    print(f"rope: best forward {best(rows, 'forward_ms')}; best backward {best(rows, 'backward_ms')}")
+    write_json_atomic(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Functional API: every tigon op, plus Hugging Face-compatible call signatures."""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
+from tigon.kernels.ops.gated_activation import geglu, swiglu
+from tigon.kernels.ops.layer_norm import layer_norm
+from tigon.kernels.ops.rms_norm import rms_norm
+from tigon.kernels.ops.rope import rope
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "fused_add_rms_norm",
+    "geglu",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for `transformers.models.llama.modeling_llama.apply_rotary_pos_emb`.
+
+    `cos`/`sin` are the rotary module's per-token `(B, S, D)` outputs; `position_ids` is accepted
+    and ignored there, as in transformers. `unsqueeze_dim=2` means q/k are `(B, S, H, D)`.
+    """
+    if unsqueeze_dim == 1:
+        return rope(q, k, cos, sin)
+    if unsqueeze_dim == 2:
+        q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    raise ValueError(f"unsqueeze_dim must be 1 (q is B,H,S,D) or 2 (q is B,S,H,D), got {unsqueeze_dim}")

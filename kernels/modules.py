@@ -1,0 +1,147 @@
+"""`nn.Module` wrappers with the signatures of the Hugging Face modules they replace.
+
+Each can be built fresh or `from_module(...)` an existing HF module, sharing its parameters (and
+its Linear layers, so LoRA adapters stay in place) rather than copying them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tigon.kernels import functional as F
+
+GATED_ACTIVATIONS = {
+    "silu": ("swiglu", None),
+    "swish": ("swiglu", None),
+    "gelu_pytorch_tanh": ("geglu", "tanh"),
+    "gelu_new": ("geglu", "tanh"),
+    "gelu": ("geglu", "none"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm (`LlamaRMSNorm`, `MistralRMSNorm`, `Qwen2RMSNorm`, ...)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting: str = "llama",
+        init: float = 1.0,
+        with_weight: bool = True,
+        in_place_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((hidden_size,), init)) if with_weight else None
+        self.variance_epsilon = eps
+        self.offset, self.casting, self.in_place_backward = offset, casting, in_place_backward
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **options) -> RMSNorm:
+        """Wrap an HF RMSNorm, sharing its weight parameter."""
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+        weight = getattr(module, "weight", None)
+        new = cls(weight.shape[0] if weight is not None else 1, eps=eps, with_weight=False, **options)
+        new.weight = weight
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(
+            hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting, self.in_place_backward
+        )
+
+    def extra_repr(self) -> str:
+        size = None if self.weight is None else tuple(self.weight.shape)
+        return f"{size}, eps={self.variance_epsilon}, offset={self.offset}, casting={self.casting}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `(1 + weight)` scale, float32 throughout, weight initialized to zero."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, in_place_backward: bool = False) -> None:
+        super().__init__(dim, eps, offset=1.0, casting="gemma", init=0.0, in_place_backward=in_place_backward)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **options) -> GemmaRMSNorm:
+        new = cls(module.weight.shape[0], eps=module.eps, **options)
+        new.weight = module.weight
+        return new
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """`forward(hidden_states, residual) -> (rms_norm(hidden_states + residual), hidden_states + residual)`."""
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.fused_add_rms_norm(
+            hidden_states,
+            residual,
+            self.weight,
+            self.variance_epsilon,
+            self.offset,
+            self.casting,
+            self.in_place_backward,
+        )
+
+
+class LayerNorm(nn.Module):
+    """`nn.LayerNorm` over the last dimension, with optional bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.eps = eps
+
+    @classmethod
+    def from_module(cls, module: nn.LayerNorm) -> LayerNorm:
+        new = cls(module.weight.shape[0], eps=module.eps, bias=False)
+        new.weight, new.bias = module.weight, module.bias
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(hidden_states, self.weight, self.bias, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))`: drop-in for the Llama, Mistral, Qwen and Gemma MLPs.
+
+    The activation comes from `config.hidden_activation` or `config.hidden_act`. Its backward
+    recomputes the activation and writes its gradients over the two projections' outputs,
+    which only it reads, so the MLP holds no extra activation-sized buffer.
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.activation, self.approximate = gated_activation_for(config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> GatedMLP:
+        """Wrap an HF MLP, keeping its three Linear layers (and any adapters on them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_proj, new.up_proj, new.down_proj = module.gate_proj, module.up_proj, module.down_proj
+        new.activation, new.approximate = gated_activation_for(config)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation == "swiglu":
+            hidden = F.swiglu(gate, up, in_place_backward=True)
+        else:
+            hidden = F.geglu(gate, up, approximate=self.approximate, in_place_backward=True)
+        return self.down_proj(hidden)
+
+
+def gated_activation_for(config) -> tuple[str, str | None]:
+    """('swiglu', None) or ('geglu', 'tanh' | 'none') for a transformers config's activation name."""
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if name not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation {name!r} has no fused kernel; supported: {sorted(GATED_ACTIVATIONS)}")
+    return GATED_ACTIVATIONS[name]

@@ -1,0 +1,270 @@
+"""LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, one read and one write per pass.
+
+Matches ``torch.nn.functional.layer_norm`` over the last dimension: statistics and the affine
+transform run in float32 whatever the input dtype, and the output is cast once to the input dtype.
+The row is held in registers, so the variance is taken around the already-known mean (two passes
+over registers, not over memory), which stays exact for inputs with a large offset.
+
+The forward kernel stores mean and rstd per row so the backward need not recompute them. The
+backward kernel runs a persistent grid: each program walks a contiguous band of rows and keeps
+its share of the weight and bias gradients in registers, so dW and dB cost two small partial-sum
+matrices instead of a second pass over the activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tigon.kernels import reference
+from tigon.kernels.utils import (
+    check_float,
+    check_same_device,
+    check_vector,
+    multiprocessor_count,
+    rows_view,
+    use_triton,
+    warps_for,
+)
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _layer_norm_forward_kernel(
+    X,
+    stride_x,
+    Y,
+    stride_y,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    y = centered * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    DY,
+    stride_dy,
+    X,
+    stride_x,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    stride_dx,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+
+    first_row = pid.to(tl.int64) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    for start in range(first_row, last_row, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < last_row
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_WEIGHT:
+            grad_xhat = dy * w[None, :]
+            dw += tl.sum(dy * xhat, axis=0)
+        else:
+            grad_xhat = dy
+        if HAS_BIAS:
+            db += tl.sum(dy, axis=0)
+        grad_mean = tl.sum(grad_xhat, axis=1) / n_cols
+        projection = tl.sum(grad_xhat * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (grad_xhat - grad_mean[:, None] - xhat * projection[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, db, mask=col_mask)
+
+
+def _forward_config(n_cols: int) -> tuple[int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    return block_m, block_n, warps_for(block_m * block_n)
+
+
+def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    programs = min(triton.cdiv(n_rows, block_m), multiprocessor_count(device) * 4)
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
+    programs = triton.cdiv(n_rows, rows_per_program)
+    return block_m, block_n, warps_for(block_m * block_n), programs, rows_per_program
+
+
+def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")
+    check_vector("weight", weight, x.shape[-1], "the hidden size (x.shape[-1])")
+    check_vector("bias", bias, x.shape[-1], "the hidden size (x.shape[-1])")
+    check_same_device("x", x, weight=weight, bias=bias)
+    if x.shape[-1] > MAX_HIDDEN:
+        raise ValueError(
+            f"hidden size {x.shape[-1]} is above the {MAX_HIDDEN} a single-pass LayerNorm kernel holds; "
+            "use tigon.kernels.reference.layer_norm for such sizes"
+        )
+
+
+def layer_norm_forward(
+    x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on a (rows, hidden) view; returns (y, mean, rstd)."""
+    n_rows, n_cols = x2d.shape
+    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    block_m, block_n, num_warps = _forward_config(n_cols)
+    _layer_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        x2d,
+        x2d.stride(0),
+        y,
+        y.stride(0),
+        weight if weight is not None else x2d,
+        bias if bias is not None else x2d,
+        mean,
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_backward(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel; returns (dx, dweight, dbias). With `in_place`, dx reuses dy's memory."""
+    n_rows, n_cols = x2d.shape
+    if in_place and dy2d.dtype == x2d.dtype and dy2d.is_contiguous():
+        dx = dy2d
+    else:
+        dx = torch.empty_like(x2d)
+    block_m, block_n, num_warps, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
+    dw_partial = db_partial = None
+    if weight is not None:
+        dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    if bias is not None:
+        db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    _layer_norm_backward_kernel[(programs,)](
+        dy2d,
+        dy2d.stride(0),
+        x2d,
+        x2d.stride(0),
+        weight if weight is not None else x2d,
+        mean,
+        rstd,
+        dx,
+        dx.stride(0),
+        dw_partial if dw_partial is not None else rstd,
+        db_partial if db_partial is not None else rstd,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    dbias = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dweight, dbias
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, in_place_backward):
+        x2d = rows_view(x)
+        y, mean, rstd = layer_norm_forward(x2d, weight, bias, eps)
+        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
+        ctx.in_place = in_place_backward
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = layer_norm_backward(rows_view(dy), x2d, weight, bias, mean, rstd, ctx.in_place)
+        return dx.view(dy.shape), dweight, dbias, None, None
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    in_place_backward: bool = False,
+) -> torch.Tensor:
+    """LayerNorm over the last dimension of `x`, as `torch.nn.functional.layer_norm`.
+
+    `weight` and `bias` are each optional. `in_place_backward` writes the input gradient into the
+    incoming gradient's memory, which saves one activation-sized buffer when nothing else reads
+    that gradient.
+    """
+    check_layer_norm_inputs(x, weight, bias)
+    if not use_triton("layer_norm", x):
+        return reference.layer_norm(x, weight, bias, eps)
+    return LayerNormFunction.apply(x, weight, bias, eps, in_place_backward)

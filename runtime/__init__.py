@@ -1,0 +1,1 @@
+"""tigon.runtime: config schema, trainers, parallelism, data, checkpoints (see the runtime issue)."""

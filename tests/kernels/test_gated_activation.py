@@ -1,0 +1,160 @@
+import pytest
+import torch
+
+from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
+from tigon.kernels import reference
+from tigon.kernels.ops.gated_activation import geglu, swiglu
+
+# activation -> (kernel op, reference op)
+ACTIVATIONS = {
+    "silu": (swiglu, reference.swiglu),
+    "gelu_tanh": (lambda g, u, **kw: geglu(g, u, approximate="tanh", **kw), reference.geglu),
+    "gelu_erf": (
+        lambda g, u, **kw: geglu(g, u, approximate="none", **kw),
+        lambda g, u: reference.geglu(g, u, approximate="none"),
+    ),
+}
+SHAPES = [(1,), (3,), (127,), (4097,), (37, 127), (2, 5, 4097)]
+
+
+def check_against_reference(gate, up, activation, dtype, in_place=False, scale=1.0):
+    """Run the kernel on (gate, up) leaves, forward and backward, and compare with float64."""
+    op, ref_op = ACTIVATIONS[activation]
+    y = op(gate, up, in_place_backward=in_place)
+    grad = torch.randn_like(y)
+    y.backward(grad.clone())
+
+    gate64, up64 = as_float64(gate), as_float64(up)
+    y64 = ref_op(gate64, up64)
+    y64.backward(grad.double())
+
+    assert y.dtype == dtype and y.shape == gate.shape
+    assert_close(y, y64, dtype, f"{activation} y", scale)
+    assert_close(gate.grad, gate64.grad, dtype, f"{activation} dgate", scale)
+    assert_close(up.grad, up64.grad, dtype, f"{activation} dup", scale)
+
+
+def run_case(shape, dtype, device, activation, gate_scale=1.0):
+    torch.manual_seed(sum(shape) * 11 + len(activation))
+    gate = leaf(torch.randn(shape, device=device) * gate_scale, dtype)
+    up = leaf(torch.randn(shape, device=device), dtype)
+    check_against_reference(gate, up, activation, dtype)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(shape, dtype, activation, device):
+    run_case(shape, dtype, device, activation)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter: exp(+large) = inf
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_magnitude_gate(dtype, activation, device):
+    """Gate values around +-10 reach the saturating tails of sigmoid, tanh and erf."""
+    run_case((4097,), dtype, device, activation, gate_scale=10.0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter: exp(+large) = inf
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_saturated_tails_are_finite(activation, device):
+    gate = torch.tensor([-1e4, -100.0, -30.0, -10.0, 10.0, 30.0, 100.0, 1e4], device=device).requires_grad_(True)
+    up = torch.ones_like(gate).requires_grad_(True)
+    check_against_reference(gate, up, activation, torch.float32)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_backward(dtype, activation, device):
+    """dgate and dup land in the memory of gate and up (here intermediates, as in an MLP)."""
+    torch.manual_seed(3)
+    gate_leaf = leaf(torch.randn(37, 127, device=device), dtype)
+    up_leaf = leaf(torch.randn(37, 127, device=device), dtype)
+    gate, up = gate_leaf * 1, up_leaf * 1
+    gate_ptr, up_ptr = gate.data_ptr(), up.data_ptr()
+    captured = {}
+    gate.register_hook(lambda g: captured.update(dgate=g.data_ptr()))
+    up.register_hook(lambda g: captured.update(dup=g.data_ptr()))
+
+    op, ref_op = ACTIVATIONS[activation]
+    gate64, up64 = as_float64(gate), as_float64(up)  # copied before the backward overwrites gate and up
+    y = op(gate, up, in_place_backward=True)
+    grad = torch.randn_like(y)
+    y.backward(grad.clone())
+    y64 = ref_op(gate64, up64)
+    y64.backward(grad.double())
+
+    assert captured == {"dgate": gate_ptr, "dup": up_ptr}
+    assert_close(y, y64, dtype, "y")
+    assert_close(gate_leaf.grad, gate64.grad, dtype, "dgate")
+    assert_close(up_leaf.grad, up64.grad, dtype, "dup")
+
+
+def test_default_backward_leaves_inputs_intact(device):
+    gate = torch.randn(5, 16, device=device, requires_grad=True)
+    up = torch.randn(5, 16, device=device, requires_grad=True)
+    before = gate.detach().clone(), up.detach().clone()
+    swiglu(gate, up).sum().backward()  # sum() hands the backward a stride-0 gradient
+    assert torch.equal(gate.detach(), before[0]) and torch.equal(up.detach(), before[1])
+    assert gate.grad.data_ptr() != gate.data_ptr()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_non_contiguous_inputs(activation, device):
+    torch.manual_seed(4)
+    gate_up = torch.randn(12, 2 * 33, device=device)
+    gate = gate_up[:, :33].detach().requires_grad_(True)  # halves of a fused projection
+    up = gate_up[:, 33:].detach().requires_grad_(True)
+    check_against_reference(gate, up, activation, torch.float32)
+    transposed = torch.randn(7, 9, 5, device=device).transpose(0, 2).detach().requires_grad_(True)
+    check_against_reference(
+        transposed, torch.randn(5, 9, 7, device=device).requires_grad_(True), activation, torch.float32
+    )
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(0,), (4, 0, 8)], ids=str)
+def test_empty(shape, activation, device):
+    op = ACTIVATIONS[activation][0]
+    gate = torch.empty(shape, device=device, requires_grad=True)
+    up = torch.empty(shape, device=device, requires_grad=True)
+    y = op(gate, up)
+    y.backward(torch.empty_like(y))
+    assert y.shape == shape and gate.grad.shape == shape and up.grad.shape == shape
+
+
+def test_scalar(device):
+    gate = torch.tensor(1.5, device=device, requires_grad=True)
+    up = torch.tensor(-2.0, device=device, requires_grad=True)
+    check_against_reference(gate, up, "silu", torch.float32)
+
+
+def test_bad_inputs(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"gate has shape \(4, 8\) but up has shape \(4, 7\)"):
+        swiglu(x, torch.randn(4, 7, device=device))
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        swiglu(torch.ones(4, 8, dtype=torch.long, device=device), x)
+    with pytest.raises(TypeError, match="gate has dtype torch.float32 but up has dtype torch.bfloat16"):
+        geglu(x, x.bfloat16())
+    with pytest.raises(ValueError, match="approximate='erf'"):
+        geglu(x, x, approximate="erf")
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu(x.t(), x.t().contiguous(), in_place_backward=True)
+    with pytest.raises(ValueError, match="separate memory"):
+        swiglu(x, x, in_place_backward=True)
+
+
+def test_up_on_another_device():
+    with pytest.raises(ValueError, match="up is on meta"):
+        swiglu(torch.randn(4, 8), torch.randn(4, 8, device="meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(8192, 14336), (4099, 11008), (3, 1000003)], ids=str)
+def test_gpu_real_sizes(shape, dtype, activation):
+    run_case(shape, dtype, "cuda", activation)
+    run_case(shape, dtype, "cuda", activation, gate_scale=4.0)
