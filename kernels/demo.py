@@ -1,7 +1,7 @@
 """Kernel demo: train steps of a small Llama with and without tigon's kernels, side by side.
 
-    python -m tigon.kernels.demo            # GPU: speed-up and memory saved; CPU: reference path
-    python -m tigon.kernels.demo --steps 3  # fewer timed steps
+python -m tigon.kernels.demo            # GPU: speed-up and memory saved; CPU: reference path
+python -m tigon.kernels.demo --steps 3  # fewer timed steps
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
 
     tokens = batch.numel()
     print("\n                 step time    tokens/s     peak memory   first loss")
-    print(f"HF eager      {base_time * 1e3:10.1f} ms {tokens / base_time:11.0f} {base_peak / 2**30:11.2f} GiB   {base_loss:.5f}")
-    print(f"tigon         {tigon_time * 1e3:10.1f} ms {tokens / tigon_time:11.0f} {tigon_peak / 2**30:11.2f} GiB   {tigon_loss:.5f}")
+    for name, seconds, peak, loss in (
+        ("HF eager", base_time, base_peak, base_loss),
+        ("tigon", tigon_time, tigon_peak, tigon_loss),
+    ):
+        print(f"{name:12s}  {seconds * 1e3:10.1f} ms {tokens / seconds:11.0f} {peak / 2**30:11.2f} GiB   {loss:.5f}")
     if device == "cuda":
         saved = 100 * (1 - tigon_peak / base_peak)
         print(f"\nspeed-up {base_time / tigon_time:.2f}x, peak memory {saved:.0f}% lower")

@@ -60,7 +60,8 @@ def apply(model: nn.Module, rms_norm: bool = True, rope: bool = True, swiglu: bo
     report = PatchReport(model_type)
     family = FAMILIES.get(model_type)
     if family is None:
-        report.skipped = [name for name, wanted in (("rms_norm", rms_norm), ("rope", rope), ("swiglu", swiglu)) if wanted]
+        wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
+        report.skipped = [name for name, on in wanted.items() if on]
         logger.warning(
             "tigon: model_type %r has no kernel table entry (supported: %s); nothing was applied",
             model_type,
