@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
-# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main]
+# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main] [bench-sweeps]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -20,6 +20,7 @@ for step in "$@"; do
     tune) python3 -m benchmarks.tune --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
     bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-main) python3 -m benchmarks.kernels --no-sweeps --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
+    bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -233,12 +233,13 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON file for the results (written atomically)")
     parser.add_argument("--only", default=None, help="run only ops whose name starts with this")
     parser.add_argument("--no-sweeps", action="store_true", help="only the issue's shapes")
+    parser.add_argument("--sweeps-only", action="store_true", help="only the size sweeps")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     started = time.time()
     copy_bw, matmul = measure_copy_bandwidth(), measure_matmul_rate()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
-    cases = [(op, shape, make, True) for op, shape, make in main_cases()]
+    cases = [] if args.sweeps_only else [(op, shape, make, True) for op, shape, make in main_cases()]
     if not args.no_sweeps:
         cases += [(op, shape, make, False) for op, shape, make in sweep_cases()]
     results = []

@@ -1,4 +1,4 @@
-"""Launch-configuration sweep for the norm and RoPE kernels, forward and backward timed apart.
+"""Launch-configuration sweep for the norm kernels, forward and backward timed apart.
 
     python -m benchmarks.tune --out tune.json
 
@@ -16,7 +16,7 @@ import triton
 import triton.testing
 
 from benchmarks.harness import write_json_atomic
-from tigon.kernels.ops import layer_norm, rms_norm, rope
+from tigon.kernels.ops import layer_norm, rms_norm
 
 DTYPE = torch.bfloat16
 
@@ -73,29 +73,6 @@ def layer_norm_inputs(tokens, hidden):
     return (lambda: layer_norm.layer_norm(x, w, b)), [x, w, b], [torch.randn_like(x)]
 
 
-def rope_variants(batch, q_heads, kv_heads, seq, head_dim) -> list[dict]:
-    q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
-    k = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE, requires_grad=True)
-    cos = torch.rand(1, seq, head_dim, device="cuda", dtype=DTYPE)
-    sin = torch.rand(1, seq, head_dim, device="cuda", dtype=DTYPE)
-    grads = [torch.randn_like(q).transpose(1, 2), torch.randn_like(k).transpose(1, 2)]
-    original = rope._launch_config
-    results = []
-    block_half = triton.next_power_of_2(head_dim // 2)
-    for block_hq, warps in itertools.product((4, 8, 16, 32), (2, 4, 8, 16)):
-        block_hk = min(block_hq, triton.next_power_of_2(kv_heads))
-        rope._launch_config = lambda *a, c=(block_hq, block_hk, block_half, warps): c
-        forward = lambda: rope.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        try:
-            forward_ms, backward_ms = time_directions(forward, [q, k], grads)
-        except Exception as error:
-            print(f"  skipped block_hq={block_hq} warps={warps}: {type(error).__name__}")
-            continue
-        results.append(dict(block_hq=block_hq, warps=warps, forward_ms=forward_ms, backward_ms=backward_ms))
-    rope._launch_config = original
-    return results
-
-
 def best(rows: list[dict], key: str) -> dict:
     return min(rows, key=lambda r: r[key])
 
@@ -114,9 +91,6 @@ def main() -> None:
             report[f"{name}/16384x{hidden}"] = rows
             print(f"{name} 16384x{hidden}: best forward {best(rows, 'forward_ms')}", flush=True)
             print(f"{name} 16384x{hidden}: best backward {best(rows, 'backward_ms')}", flush=True)
-    rows = rope_variants(4, 32, 8, 4096, 128)
-    report["rope/4x32x8x4096x128"] = rows
-    print(f"rope: best forward {best(rows, 'forward_ms')}; best backward {best(rows, 'backward_ms')}")
     write_json_atomic(args.out, report)
 
 

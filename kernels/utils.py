@@ -85,3 +85,11 @@ def multiprocessor_count(device: torch.device) -> int:
 def warps_for(block: int) -> int:
     """Warps for a program that owns `block` elements of a row."""
     return max(1, min(16, block // 256))
+
+
+def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
+    """(programs, rows_per_program) for a grid where each program walks a band of whole row blocks."""
+    programs = min(-(-n_rows // block_m), multiprocessor_count(device) * programs_per_sm)
+    rows_per_program = -(-n_rows // programs)
+    rows_per_program = -(-rows_per_program // block_m) * block_m
+    return -(-n_rows // rows_per_program), rows_per_program

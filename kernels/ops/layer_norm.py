@@ -22,7 +22,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
-    multiprocessor_count,
+    persistent_grid,
     rows_view,
     use_triton,
     warps_for,
@@ -129,19 +129,29 @@ def _layer_norm_backward_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, db, mask=col_mask)
 
 
+# Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
+# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor).
+FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)}
+BACKWARD_CONFIGS = {1024: (4, 4, 4), 2048: (2, 4, 4), 4096: (1, 4, 2), 8192: (1, 8, 2)}
+
+
 def _forward_config(n_cols: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(16, 2048 // block_n))
-    return block_m, block_n, warps_for(block_m * block_n)
+    if block_n < 1024:
+        block_m = 1024 // block_n
+        return block_m, block_n, warps_for(block_m * block_n)
+    block_m, warps = FORWARD_CONFIGS.get(block_n, (1, 8))
+    return block_m, block_n, warps
 
 
 def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(16, 2048 // block_n))
-    programs = min(triton.cdiv(n_rows, block_m), multiprocessor_count(device) * 4)
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
-    programs = triton.cdiv(n_rows, rows_per_program)
-    return block_m, block_n, warps_for(block_m * block_n), programs, rows_per_program
+    if block_n < 1024:
+        block_m, warps, per_sm = 4096 // block_n, 4, 4
+    else:
+        block_m, warps, per_sm = BACKWARD_CONFIGS.get(block_n, (1, 8, 2))
+    programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
+    return block_m, block_n, warps, programs, rows_per_program
 
 
 def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -204,11 +214,8 @@ def layer_norm_backward(
     else:
         dx = torch.empty_like(x2d)
     block_m, block_n, num_warps, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
-    dw_partial = db_partial = None
-    if weight is not None:
-        dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
-    if bias is not None:
-        db_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
+    # dW and dB partials share one buffer, so one reduction (and one cast) finishes both.
+    partials = torch.empty((2, programs, n_cols), dtype=torch.float32, device=x2d.device)
     _layer_norm_backward_kernel[(programs,)](
         dy2d,
         dy2d.stride(0),
@@ -219,8 +226,8 @@ def layer_norm_backward(
         rstd,
         dx,
         dx.stride(0),
-        dw_partial if dw_partial is not None else rstd,
-        db_partial if db_partial is not None else rstd,
+        partials[0],
+        partials[1],
         n_rows,
         n_cols,
         rows_per_program,
@@ -230,8 +237,12 @@ def layer_norm_backward(
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-    dbias = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    dweight = dbias = None
+    if weight is not None and bias is not None and weight.dtype == bias.dtype:
+        dweight, dbias = partials.sum(1).to(weight.dtype).unbind(0)
+    else:
+        dweight = partials[0].sum(0).to(weight.dtype) if weight is not None else None
+        dbias = partials[1].sum(0).to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias
 
 

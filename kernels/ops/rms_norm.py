@@ -22,7 +22,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
-    multiprocessor_count,
+    persistent_grid,
     rows_view,
     use_triton,
     warps_for,
@@ -138,19 +138,29 @@ def _rms_norm_backward_kernel(
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
 
 
+# Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
+# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor).
+FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 16), 8192: (1, 16)}
+BACKWARD_CONFIGS = {1024: (1, 8, 4), 2048: (2, 8, 4), 4096: (4, 8, 2), 8192: (2, 16, 2)}
+
+
 def _forward_config(n_cols: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(16, 2048 // block_n))
-    return block_m, block_n, warps_for(block_m * block_n)
+    if block_n < 1024:
+        block_m = 1024 // block_n
+        return block_m, block_n, warps_for(block_m * block_n)
+    block_m, warps = FORWARD_CONFIGS.get(block_n, (1, 16))
+    return block_m, block_n, warps
 
 
 def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
-    block_m = max(1, min(16, 2048 // block_n))
-    programs = min(triton.cdiv(n_rows, block_m), multiprocessor_count(device) * 4)
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_m) * block_m
-    programs = triton.cdiv(n_rows, rows_per_program)
-    return block_m, block_n, warps_for(block_m * block_n), programs, rows_per_program
+    if block_n < 1024:
+        block_m, warps, per_sm = 1024 // block_n, 4, 4
+    else:
+        block_m, warps, per_sm = BACKWARD_CONFIGS.get(block_n, (1, 16, 2))
+    programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
+    return block_m, block_n, warps, programs, rows_per_program
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> None:

@@ -3,6 +3,7 @@ import torch
 
 from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
 from tigon.kernels import reference
+from tigon.kernels.ops import rope as rope_module
 from tigon.kernels.ops.rope import rope
 
 
@@ -104,6 +105,13 @@ def test_packed_positions_index_the_table(dtype, device):
     run_case(q, k, cos.float(), sin.float(), dtype, position_ids=packed[:1].int())  # (1, S), int32
     q.grad = k.grad = None
     run_case(q, k, cos.float(), sin.float(), dtype, position_ids=packed[1])  # (S,)
+
+
+def test_heads_split_over_a_second_grid_dimension(device, monkeypatch):
+    """With tiles capped at 8 elements, D=10 (BLOCK_HALF 8) gives one head per program: 6 head blocks."""
+    monkeypatch.setattr(rope_module, "MAX_TILE", 8)
+    assert rope_module._launch_config(6, 2, 10)[:4] == (1, 1, 8, 6)
+    random_case(2, 6, 2, 3, 10, torch.float32, device)
 
 
 def test_random_tables_with_positions(device):
