@@ -20,6 +20,7 @@ class Measurement:
     provider: str
     shape: str
     ms: float
+    graph_ms: float
     floor_ms: float
     bytes_moved: int
     peak_extra_mb: float
@@ -46,6 +47,15 @@ def measure_matmul_rate(size: int = 8192) -> float:
 
 def median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
     return triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=grads, return_mode="median")
+
+
+def graph_median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    """Median of the step replayed from a CUDA graph: GPU time without Python launch overhead."""
+    try:
+        return triton.testing.do_bench_cudagraph(step, rep=50, grad_to_none=grads, return_mode="median")
+    except Exception as error:  # a provider that cannot be captured is reported without a graph time
+        print(f"  (no CUDA-graph time: {type(error).__name__}: {error})")
+        return float("nan")
 
 
 def peak_extra_mb(step: Callable[[], object], grads: list[torch.Tensor]) -> float:

@@ -37,7 +37,8 @@ def norm_variants(module, tokens: int, hidden: int, make_forward) -> list[dict]:
     block_n = triton.next_power_of_2(hidden)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     original_forward, original_backward = module._forward_config, module._backward_config
-    for block_m, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (2, 4, 8)):
+    stages_options = (1, 2, 3) if hidden == 4096 else (1,)
+    for block_m, warps, per_sm, stages in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4), stages_options):
         if block_m * block_n > 16384:
             continue
         programs = min(triton.cdiv(tokens, block_m), sms * per_sm)
@@ -45,16 +46,23 @@ def norm_variants(module, tokens: int, hidden: int, make_forward) -> list[dict]:
         programs = triton.cdiv(tokens, rows_per_program)
         module._forward_config = lambda n_cols, c=(block_m, block_n, warps): c
         module._backward_config = (
-            lambda n_rows, n_cols, device, c=(block_m, block_n, warps, programs, rows_per_program): c
+            lambda n_rows, n_cols, device, c=(block_m, block_n, warps, stages, programs, rows_per_program): c
         )
         forward, leaves, grads = make_forward(tokens, hidden)
         try:
             forward_ms, backward_ms = time_directions(forward, leaves, grads)
         except Exception as error:  # a variant that does not compile (too many registers) is skipped
-            print(f"  skipped block_m={block_m} warps={warps} per_sm={per_sm}: {type(error).__name__}")
+            print(f"  skipped block_m={block_m} warps={warps} per_sm={per_sm} stages={stages}: {type(error).__name__}")
             continue
         results.append(
-            dict(block_m=block_m, warps=warps, per_sm=per_sm, forward_ms=forward_ms, backward_ms=backward_ms)
+            dict(
+                block_m=block_m,
+                warps=warps,
+                per_sm=per_sm,
+                stages=stages,
+                forward_ms=forward_ms,
+                backward_ms=backward_ms,
+            )
         )
     module._forward_config, module._backward_config = original_forward, original_backward
     return results
@@ -82,7 +90,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     report = {}
-    for hidden in (1024, 4096, 16384):
+    for hidden in (4096,):
         for name, module, inputs in (
             ("rms_norm", rms_norm, rms_norm_inputs),
             ("layer_norm", layer_norm, layer_norm_inputs),
@@ -91,6 +99,8 @@ def main() -> None:
             report[f"{name}/16384x{hidden}"] = rows
             print(f"{name} 16384x{hidden}: best forward {best(rows, 'forward_ms')}", flush=True)
             print(f"{name} 16384x{hidden}: best backward {best(rows, 'backward_ms')}", flush=True)
+            for row in sorted(rows, key=lambda r: r["backward_ms"])[:6]:
+                print(f"    {row}")
     write_json_atomic(args.out, report)
 
 

@@ -130,8 +130,10 @@ def _layer_norm_backward_kernel(
 
 
 # Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
-# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor).
+# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor),
+# with BACKWARD_STAGES software-pipelining stages for the backward's row loop.
 FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)}
+BACKWARD_STAGES = 1
 BACKWARD_CONFIGS = {1024: (4, 4, 4), 2048: (2, 4, 4), 4096: (1, 4, 2), 8192: (1, 8, 2)}
 
 
@@ -144,14 +146,14 @@ def _forward_config(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
-def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
     if block_n < 1024:
         block_m, warps, per_sm = 4096 // block_n, 4, 4
     else:
         block_m, warps, per_sm = BACKWARD_CONFIGS.get(block_n, (1, 8, 2))
     programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
-    return block_m, block_n, warps, programs, rows_per_program
+    return block_m, block_n, warps, BACKWARD_STAGES, programs, rows_per_program
 
 
 def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
@@ -213,7 +215,7 @@ def layer_norm_backward(
         dx = dy2d
     else:
         dx = torch.empty_like(x2d)
-    block_m, block_n, num_warps, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
+    block_m, block_n, num_warps, num_stages, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
     # dW and dB partials share one buffer, so one reduction (and one cast) finishes both.
     partials = torch.empty((2, programs, n_cols), dtype=torch.float32, device=x2d.device)
     _layer_norm_backward_kernel[(programs,)](
@@ -236,6 +238,7 @@ def layer_norm_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     dweight = dbias = None
     if weight is not None and bias is not None and weight.dtype == bias.dtype:

@@ -139,8 +139,10 @@ def _rms_norm_backward_kernel(
 
 
 # Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
-# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor).
+# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor),
+# with BACKWARD_STAGES software-pipelining stages for the backward's row loop.
 FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 16), 8192: (1, 16)}
+BACKWARD_STAGES = 1
 BACKWARD_CONFIGS = {1024: (1, 8, 4), 2048: (2, 8, 4), 4096: (4, 8, 2), 8192: (2, 16, 2)}
 
 
@@ -153,14 +155,14 @@ def _forward_config(n_cols: int) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
-def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
     if block_n < 1024:
         block_m, warps, per_sm = 1024 // block_n, 4, 4
     else:
         block_m, warps, per_sm = BACKWARD_CONFIGS.get(block_n, (1, 16, 2))
     programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
-    return block_m, block_n, warps, programs, rows_per_program
+    return block_m, block_n, warps, BACKWARD_STAGES, programs, rows_per_program
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> None:
@@ -236,7 +238,7 @@ def rms_norm_backward(
         dx = dy2d
     else:
         dx = torch.empty_like(x2d)
-    block_m, block_n, num_warps, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
+    block_m, block_n, num_warps, num_stages, programs, rows_per_program = _backward_config(n_rows, n_cols, x2d.device)
     dw_partial = None
     if weight is not None:
         dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x2d.device)
@@ -262,6 +264,7 @@ def rms_norm_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dweight
