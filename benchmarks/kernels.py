@@ -1,12 +1,13 @@
 """Kernel benchmarks: tigon against HF eager, torch.compile and Liger-Kernel, forward+backward, bf16.
 
-    python benchmarks/kernels.py --out results.json            # the issue's shapes and the sweeps
-    python benchmarks/kernels.py --out r.json --only rms_norm  # one op
+    python -m benchmarks.kernels --out results.json            # the issue's shapes and the sweeps
+    python -m benchmarks.kernels --out r.json --only rms_norm  # one op
 
 Each step is timed twice: launched from Python (`triton.testing.do_bench` median, launch overhead
 included) and replayed from a CUDA graph (`do_bench_cudagraph` median, GPU time alone). The floor is
 the fewest bytes that step must move over the measured copy bandwidth. Peak memory is what the
-step allocates beyond its live inputs.
+step allocates beyond its live inputs. tigon runs with `in_place_backward=True`, as the patched
+models run it and as Liger-Kernel runs by default.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def rms_norm_case(tokens: int, hidden: int) -> Case:
     x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
     w = (torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5).requires_grad_(True)
     providers = {
-        "tigon": lambda: (rms_norm(x, w, EPS),),
+        "tigon": lambda: (rms_norm(x, w, EPS, in_place_backward=True),),
         "eager": lambda: (hf_llama_rms_norm(x, w),),
         "compile": (lambda fn: lambda: (fn(x, w),))(compiled(hf_llama_rms_norm)),
     }
@@ -106,7 +107,7 @@ def fused_add_rms_norm_case(tokens: int, hidden: int) -> Case:
 
     compiled_eager = compiled(eager)
     providers = {
-        "tigon": lambda: fused_add_rms_norm(x, r, w, EPS),
+        "tigon": lambda: fused_add_rms_norm(x, r, w, EPS, in_place_backward=True),
         "eager": lambda: eager(x, r, w),
         "compile": lambda: compiled_eager(x, r, w),
     }
@@ -125,7 +126,7 @@ def layer_norm_case(tokens: int, hidden: int) -> Case:
     eager = lambda x, w, b: F.layer_norm(x, (hidden,), w, b, EPS)
     compiled_eager = compiled(eager)
     providers = {
-        "tigon": lambda: (layer_norm(x, w, b, EPS),),
+        "tigon": lambda: (layer_norm(x, w, b, EPS, in_place_backward=True),),
         "eager": lambda: (eager(x, w, b),),
         "compile": lambda: (compiled_eager(x, w, b),),
     }
@@ -210,7 +211,8 @@ def run_case(op: str, shape: str, make: Callable[[], Case], copy_bw: float, with
     for provider, forward in case.providers.items():
 
         def step(forward=forward):
-            torch.autograd.backward(forward(), case.grads)
+            # autograd.grad, not backward: the op's own work, without accumulating into .grad
+            torch.autograd.grad(forward(), case.leaves, case.grads)
 
         try:
             step()  # compile and warm up outside the timed region

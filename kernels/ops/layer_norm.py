@@ -130,11 +130,10 @@ def _layer_norm_backward_kernel(
 
 
 # Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
-# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor),
-# with BACKWARD_STAGES software-pipelining stages for the backward's row loop.
+# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor,
+# software-pipelining stages of the row loop).
 FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)}
-BACKWARD_STAGES = 1
-BACKWARD_CONFIGS = {1024: (4, 4, 4), 2048: (2, 4, 4), 4096: (1, 4, 2), 8192: (1, 8, 2)}
+BACKWARD_CONFIGS = {1024: (4, 4, 4, 1), 2048: (2, 4, 4, 1), 4096: (2, 4, 2, 1), 8192: (1, 8, 2, 1)}
 
 
 def _forward_config(n_cols: int) -> tuple[int, int, int]:
@@ -149,11 +148,11 @@ def _forward_config(n_cols: int) -> tuple[int, int, int]:
 def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
     block_n = triton.next_power_of_2(n_cols)
     if block_n < 1024:
-        block_m, warps, per_sm = 4096 // block_n, 4, 4
+        block_m, warps, per_sm, stages = 4096 // block_n, 4, 4, 1
     else:
-        block_m, warps, per_sm = BACKWARD_CONFIGS.get(block_n, (1, 8, 2))
+        block_m, warps, per_sm, stages = BACKWARD_CONFIGS.get(block_n, (1, 8, 2, 1))
     programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
-    return block_m, block_n, warps, BACKWARD_STAGES, programs, rows_per_program
+    return block_m, block_n, warps, stages, programs, rows_per_program
 
 
 def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:

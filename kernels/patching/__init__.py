@@ -21,12 +21,19 @@ logger = logging.getLogger("tigon.kernels")
 
 @dataclass(frozen=True)
 class Family:
-    """What tigon swaps in one model family: the modeling module and the classes to replace."""
+    """What tigon swaps in one model family: the modeling module and the classes to replace.
+
+    `in_place_norm_backward` lets the norms write their input gradient over the incoming one.
+    That is safe when every norm opens a branch (pre-norm blocks: the gradient reaching it is
+    a fresh sum from the projections); a family with norms whose output joins the residual
+    stream directly (Gemma 2's post-norms) must set it False.
+    """
 
     modeling: str
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...]
     gemma_norm: bool = False
+    in_place_norm_backward: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -75,7 +82,8 @@ def apply(model: nn.Module, rms_norm: bool = True, rope: bool = True, swiglu: bo
             kind = type(child).__name__
             if rms_norm and kind in family.rms_norm:
                 norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
-                setattr(parent, name, norm_class.from_module(child))
+                norm = norm_class.from_module(child, in_place_backward=family.in_place_norm_backward)
+                setattr(parent, name, norm)
                 report.applied["rms_norm"] = report.applied.get("rms_norm", 0) + 1
             elif swiglu and kind in family.mlp:
                 setattr(parent, name, GatedMLP.from_module(child, text_config))
