@@ -78,8 +78,18 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors on a GPU; a small fixed count under the interpreter."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (plain integer math: launch settings sit on the hot path)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def warps_for(block: int) -> int:

@@ -22,6 +22,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
+    next_power_of_2,
     persistent_grid,
     rows_view,
     use_triton,
@@ -137,7 +138,7 @@ BACKWARD_CONFIGS = {1024: (4, 4, 4, 1), 2048: (2, 4, 4, 1), 4096: (2, 4, 2, 1), 
 
 
 def _forward_config(n_cols: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     if block_n < 1024:
         block_m = 1024 // block_n
         return block_m, block_n, warps_for(block_m * block_n)
@@ -146,7 +147,7 @@ def _forward_config(n_cols: int) -> tuple[int, int, int]:
 
 
 def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     if block_n < 1024:
         block_m, warps, per_sm, stages = 4096 // block_n, 4, 4, 1
     else:

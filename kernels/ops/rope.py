@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import check_float, check_same_device, use_triton
+from tigon.kernels.utils import check_float, check_same_device, next_power_of_2, use_triton
 
 MAX_TILE = 4096  # elements of one half-tile [heads, D/2] a program holds at a time
 POSITION_DTYPES = (torch.int64, torch.int32)
@@ -177,17 +177,13 @@ def _position_strides(position_ids: torch.Tensor | None) -> tuple[int, int]:
     return (0 if position_ids.shape[0] == 1 else position_ids.stride(0)), position_ids.stride(1)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def _launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, head blocks per token, num_warps), in plain integer math:
     the op is short enough that host time shows, and triton's helpers cost microseconds a call."""
-    block_half = _next_power_of_2(head_dim // 2)
+    block_half = next_power_of_2(head_dim // 2)
     max_heads = max(1, MAX_TILE // block_half)
-    block_hq = min(_next_power_of_2(n_q_heads), max_heads)
-    block_hk = min(_next_power_of_2(n_k_heads), max_heads)
+    block_hq = min(next_power_of_2(n_q_heads), max_heads)
+    block_hk = min(next_power_of_2(n_k_heads), max_heads)
     head_blocks = max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk), 1)
     # About 512 elements of each half per warp, rounded down to a power of two: measured best on H200
     # from tiny [4+4, 32] tiles (1 warp) to [16+16, 128] (8 warps).

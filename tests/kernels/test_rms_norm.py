@@ -114,3 +114,21 @@ def test_weight_on_another_device():
 def test_gpu_real_sizes(shape, dtype):
     run_case(*shape, dtype, "cuda")
     run_case(*shape, dtype, "cuda", casting="gemma", offset=1.0)
+
+
+def test_cpu_without_interpreter_uses_reference_and_logs_once():
+    """Without TRITON_INTERPRET, CPU tensors take the reference path, announced once per op."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.WARNING, format='%(message)s');"
+        "from tigon.kernels import functional as F, reference;"
+        "x = torch.randn(3, 8); w = torch.rand(8);"
+        "assert torch.equal(F.rms_norm(x, w), reference.rms_norm(x, w)); F.rms_norm(x, w); F.swiglu(x, x)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = [line for line in result.stderr.splitlines() if "reference runs instead" in line]
+    assert len(lines) == 2 and "rms_norm" in lines[0] and "swiglu" in lines[1], result.stderr
