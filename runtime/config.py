@@ -1,0 +1,229 @@
+"""The run configuration: one YAML file, one pydantic model per concern, validated on load.
+
+    config = load_config("examples/demo.yaml", overrides=["training.max_steps=20"])
+
+Unknown keys and wrong types fail at load time with the key's dotted path and, for a misspelt
+key, the closest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Which model to train: a local directory, or a transformers config built from scratch."""
+
+    path: str | None = Field(None, description="local directory with config.json (and weights) for from_pretrained")
+    config_name: str | None = Field(
+        None, description="transformers model_type to build from a config (random init), e.g. 'llama'"
+    )
+    config_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="config fields set inline, e.g. hidden_size, num_hidden_layers"
+    )
+    tokenizer: str | None = Field(
+        None, description="local tokenizer directory; defaults to `path`; 'char' builds tigon's character tokenizer"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights")
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.config_name is None):
+            raise ValueError("set exactly one of model.path (a local directory) or model.config_name (e.g. 'llama')")
+        if self.path is None and self.tokenizer is None:
+            raise ValueError("a model built from a config needs model.tokenizer (a local directory, or 'char')")
+        return self
+
+
+class DataConfig(Section):
+    """Where the examples come from and how they become fixed-length training sequences."""
+
+    train: str = Field(description="JSONL or Parquet file, or a directory saved by datasets.save_to_disk")
+    eval: str | None = Field(None, description="held-out examples in the same format")
+    format: Literal["text", "instruction", "chat"] = "text"
+    text_field: str = "text"
+    prompt_field: str = "instruction"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    max_seq_len: int = Field(512, gt=0)
+    packing: bool = Field(True, description="pack documents into full sequences; positions restart per document")
+    skip_malformed: bool = Field(False, description="skip malformed records (and report how many) instead of failing")
+
+
+class TrainingConfig(Section):
+    """The optimization: length, learning rate and schedule, batch shape, precision."""
+
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps; set this or epochs")
+    epochs: float | None = Field(None, gt=0)
+    learning_rate: float = Field(3e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    micro_batch_size: int = Field(8, gt=0, description="sequences per device per forward pass")
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm; null turns it off")
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
+    plan: Literal["manual", "auto"] = Field("manual", description="auto: let the memory planner pick the batch shape")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainingConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of training.max_steps or training.epochs")
+        return self
+
+
+class KernelsConfig(Section):
+    """Which tigon kernels to apply to the model (see tigon.kernels.patching)."""
+
+    enabled: bool = True
+    rms_norm: bool = True
+    rope: bool = True
+    swiglu: bool = True
+
+
+class ParallelismConfig(Section):
+    """How the model is spread over processes; rank and world size come from torchrun's environment."""
+
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
+    cpu_offload: bool = Field(False, description="FSDP2 / DeepSpeed: keep parameters and optimizer state on the CPU")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters through peft; the base weights are frozen."""
+
+    enabled: bool = False
+    r: int = Field(8, gt=0)
+    alpha: int = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class CheckpointConfig(Section):
+    """Full training state every N steps (atomic, last K kept), resume, and the exported model."""
+
+    every_steps: int = Field(0, ge=0, description="0 turns periodic checkpoints off")
+    keep_last: int = Field(2, gt=0)
+    resume: bool = Field(True, description="continue from the newest checkpoint in the run directory, if any")
+    export: bool = Field(True, description="write the final model as a save_pretrained directory")
+    merge_lora: bool = Field(True, description="merge LoRA adapters into the exported weights")
+
+
+class LoggingConfig(Section):
+    """Where a run writes, and how often it reports."""
+
+    run_dir: str = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
+    every_steps: int = Field(10, gt=0)
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during and after training."""
+
+    every_steps: int = Field(0, ge=0, description="0: evaluate only at the end")
+    max_batches: int | None = Field(None, gt=0)
+    metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss"])
+
+
+class RunConfig(Section):
+    """Everything one training run needs."""
+
+    name: str = "run"
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    trainer: Literal["torch", "hf", "lightning"] = "torch"
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be loaded; the message lists every problem with its key path."""
+
+
+def _suggestion(location: tuple, model: type[BaseModel]) -> str:
+    """' (did you mean X?)' for a misspelt key, found by walking the models along its path."""
+    current: Any = model
+    for part in location[:-1]:
+        field = getattr(current, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        current = annotation
+    names = list(getattr(current, "model_fields", {}))
+    close = difflib.get_close_matches(str(location[-1]), names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
+
+
+def format_errors(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key{_suggestion(item['loc'], RunConfig)}")
+        else:
+            lines.append(f"  {path}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set `a.b.c=value` in a raw config dict; the value is parsed as YAML (numbers, booleans, lists)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like key.path=value, e.g. training.max_steps=20")
+    key, value = override.split("=", 1)
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def parse_config(raw: dict, source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(format_errors(error, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config, apply `key.path=value` overrides, and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (examples: examples/*.yaml)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides or []:
+        apply_override(raw, override)
+    return parse_config(raw, str(path))
+
+
+def json_schema() -> str:
+    """The JSON schema of the config file, for editors (`tigon schema > tigon.schema.json`)."""
+    return json.dumps(RunConfig.model_json_schema(), indent=2)
