@@ -176,12 +176,16 @@ def _suggestion(location: tuple, model: type[BaseModel]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(names)})"
 
 
-def format_errors(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+def format_errors(
+    error: ValidationError, source: str, model: type[BaseModel] | None = None, what: str = "config"
+) -> str:
+    """Every validation problem on its own line, with its key path and, for unknown keys, a suggestion."""
+    model = model or RunConfig
+    lines = [f"invalid {what} {source}:"]
     for item in error.errors():
         path = ".".join(str(part) for part in item["loc"]) or "(top level)"
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {path}: unknown key{_suggestion(item['loc'], RunConfig)}")
+            lines.append(f"  {path}: unknown key{_suggestion(item['loc'], model)}")
         else:
             lines.append(f"  {path}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

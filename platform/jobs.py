@@ -1,0 +1,169 @@
+"""From a run config and a job template to what the cluster runs.
+
+Two outputs of one mapping:
+- `pytorchjob_manifests`: a ConfigMap with the validated config and a Kubeflow PyTorchJob (v1, the
+  API Flyte's pytorch plugin targets), for `kubectl apply` (`tigon render-job`).
+- `flyte_task_options`: the `@task` settings (Elastic config, resources, pod template, image) for
+  the Flyte workflow's train task.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from tigon.platform.templates import JobTemplate
+from tigon.runtime.config import RunConfig
+
+CONFIG_MOUNT = "/etc/tigon"
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+REPLICA_TYPES = ("Master", "Worker")
+
+
+class JobSpecError(ValueError):
+    """A manifest the training-operator would reject; the message names the rule."""
+
+
+def job_name(run_name: str) -> str:
+    """A DNS-1035 label from a run name: lower case, dashes, starts with a letter, at most 63 characters."""
+    name = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"tigon-{name}".rstrip("-")
+    return name[:63].rstrip("-")
+
+
+def torchrun_command(template: JobTemplate) -> list[str]:
+    """The container command: torchrun reads the node count and rendezvous from the operator's PET_* env."""
+    command = ["torchrun", f"--nproc_per_node={template.nproc_per_node}"]
+    if template.nnodes == 1:
+        command.append("--standalone")
+    else:
+        command += [f"--nnodes={template.nnodes}", "--rdzv_backend=c10d", f"--max_restarts={template.max_restarts}"]
+    return command + ["-m", "tigon.runtime", "train", f"{CONFIG_MOUNT}/config.yaml"]
+
+
+def _resources(template: JobTemplate) -> dict[str, dict[str, Any]]:
+    amounts: dict[str, Any] = {"cpu": template.cpu, "memory": template.memory}
+    if template.gpus_per_node:
+        amounts["nvidia.com/gpu"] = template.gpus_per_node
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    if template.shared_memory:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "pytorch",
+        "image": template.image,
+        "command": torchrun_command(template),
+        "env": [{"name": key, "value": value} for key, value in sorted(template.env.items())],
+        "resources": _resources(template),
+        "volumeMounts": mounts,
+    }
+    spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    if template.node_selector:
+        spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        spec["tolerations"] = [t.model_dump(exclude_none=True) for t in template.tolerations]
+    if template.priority_class:
+        spec["priorityClassName"] = template.priority_class
+    if template.service_account:
+        spec["serviceAccountName"] = template.service_account
+    if template.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in template.image_pull_secrets]
+    labels = {"app.kubernetes.io/name": "tigon", "tigon.dev/run": run, "tigon.dev/job-template": template.name}
+    return {"metadata": {"labels": labels}, "spec": spec}
+
+
+def pytorchjob_manifests(config: RunConfig, template: JobTemplate, namespace: str | None = None) -> list[dict]:
+    """A ConfigMap holding the run config and the PyTorchJob that trains it."""
+    name = job_name(config.name)
+    metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "tigon", "tigon.dev/run": name}}
+    if namespace:
+        metadata["namespace"] = namespace
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {**metadata, "name": f"{name}-config"},
+        "data": {"config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)},
+    }
+    pod = _pod_template(template, f"{name}-config", name)
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+    spec: dict[str, Any] = {
+        "nprocPerNode": str(template.nproc_per_node),
+        "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": template.max_restarts},
+        "pytorchReplicaSpecs": replicas,
+    }
+    if template.nnodes > 1:
+        replicas["Worker"] = {"replicas": template.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
+        spec["elasticPolicy"] = {
+            "rdzvBackend": "c10d",
+            "minReplicas": template.nnodes,
+            "maxReplicas": template.nnodes,
+            "nProcPerNode": template.nproc_per_node,
+            "maxRestarts": template.max_restarts,
+        }
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
+    check_pytorchjob(job)
+    return [config_map, job]
+
+
+def check_pytorchjob(job: dict) -> None:
+    """The PyTorchJob v1 rules of the training-operator's API and admission webhook."""
+    name = job.get("metadata", {}).get("name", "")
+    if not DNS_1035.match(name) or len(name) > 63:
+        raise JobSpecError(f"PyTorchJob name {name!r} is not a DNS-1035 label (a-z, 0-9, '-', starts with a letter)")
+    specs = job.get("spec", {}).get("pytorchReplicaSpecs", {})
+    unknown = set(specs) - set(REPLICA_TYPES)
+    if unknown:
+        raise JobSpecError(f"replica types {sorted(unknown)} are not allowed; only {REPLICA_TYPES}")
+    if specs.get("Master", {}).get("replicas") != 1:
+        raise JobSpecError("a PyTorchJob needs exactly one Master replica")
+    for kind, replica in specs.items():
+        containers = replica.get("template", {}).get("spec", {}).get("containers", [])
+        pytorch = [c for c in containers if c.get("name") == "pytorch"]
+        if not pytorch or not pytorch[0].get("image"):
+            raise JobSpecError(f"{kind}: a container named 'pytorch' with an image is required")
+    if "elasticPolicy" in job["spec"] and "Worker" not in specs:
+        raise JobSpecError("elasticPolicy needs a Worker replica spec")
+
+
+def render_yaml(manifests: list[dict]) -> str:
+    return yaml.safe_dump_all(manifests, sort_keys=False)
+
+
+def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
+    """Keyword arguments for flytekit's `@task` that run the train task as this template says."""
+    from flytekit import PodTemplate, Resources
+    from flytekitplugins.kfpytorch import Elastic
+    from kubernetes.client import V1Container, V1PodSpec, V1Toleration
+
+    resources = Resources(cpu=template.cpu, mem=template.memory, gpu=template.gpus_per_node or None)
+    pod_spec = V1PodSpec(
+        containers=[V1Container(name="primary")],
+        node_selector=template.node_selector or None,
+        tolerations=[V1Toleration(**t.model_dump(exclude_none=True)) for t in template.tolerations] or None,
+        priority_class_name=template.priority_class,
+        service_account_name=template.service_account,
+    )
+    options: dict[str, Any] = {
+        "task_config": Elastic(
+            nnodes=template.nnodes,
+            nproc_per_node=template.nproc_per_node,
+            max_restarts=template.max_restarts,
+            increase_shared_mem=False,
+        ),
+        "requests": resources,
+        "limits": resources,
+        "pod_template": PodTemplate(pod_spec=pod_spec),
+        "container_image": template.image,
+        "environment": dict(template.env),
+    }
+    if template.shared_memory:
+        options["shared_memory"] = template.shared_memory
+    return options

@@ -1,0 +1,105 @@
+"""Job templates: the YAML files platform engineers edit to say what a training job gets.
+
+A template fixes the image, nodes and processes, GPUs, CPU and memory, shared memory, node
+selectors, tolerations and environment. Users pick one by name; the platform maps it to Flyte
+task settings (`tigon.platform.jobs`) or to a PyTorchJob manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tigon.runtime.config import format_errors
+
+TEMPLATES_ENV = "TIGON_JOB_TEMPLATES"
+REPO_TEMPLATES = Path(__file__).resolve().parents[1] / "deploy" / "job-templates"
+
+
+class Toleration(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    operator: str = "Exists"
+    value: str | None = None
+    effect: str | None = None
+
+
+class JobTemplate(BaseModel):
+    """What one named kind of training job gets on the cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    description: str = ""
+    image: str
+    nnodes: int = Field(1, gt=0)
+    nproc_per_node: int = Field(1, gt=0)
+    max_nnodes: int = Field(1, gt=0, description="the most nodes a run may ask for with this template")
+    gpus_per_node: int = Field(0, ge=0)
+    gpu_type: str | None = None
+    cpu: str = "2"
+    memory: str = "4Gi"
+    shared_memory: str | None = "1Gi"
+    max_restarts: int = Field(0, ge=0)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    priority_class: str | None = None
+    service_account: str | None = "tigon-trainer"
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobTemplate:
+        if self.nnodes > self.max_nnodes:
+            raise ValueError(f"nnodes {self.nnodes} is above max_nnodes {self.max_nnodes}")
+        if self.gpus_per_node and self.nproc_per_node != self.gpus_per_node:
+            raise ValueError(f"nproc_per_node {self.nproc_per_node} must equal gpus_per_node {self.gpus_per_node}")
+        return self
+
+    def with_nodes(self, nnodes: int | None) -> JobTemplate:
+        """This template with a run's own node count, checked against the template's limit."""
+        if not nnodes or nnodes == self.nnodes:
+            return self
+        if nnodes > self.max_nnodes:
+            raise TemplateError(
+                f"job template {self.name!r} allows at most {self.max_nnodes} node(s); {nnodes} were requested. "
+                "Pick a larger template (see `tigon templates`) or fewer nodes."
+            )
+        return self.model_copy(update={"nnodes": nnodes})
+
+
+class TemplateError(ValueError):
+    """An unknown template, a malformed template file, or a request beyond a template's limits."""
+
+
+def templates_dir() -> Path:
+    return Path(os.environ.get(TEMPLATES_ENV, REPO_TEMPLATES))
+
+
+def load_templates(directory: Path | None = None) -> dict[str, JobTemplate]:
+    """Every `*.yaml` template in the directory, by name; a malformed file names its key paths."""
+    directory = Path(directory or templates_dir())
+    if not directory.is_dir():
+        raise TemplateError(f"job template directory {directory} does not exist; set {TEMPLATES_ENV}")
+    templates = {}
+    for path in sorted(directory.glob("*.yaml")):
+        try:
+            template = JobTemplate.model_validate(yaml.safe_load(path.read_text()) or {})
+        except ValidationError as error:
+            raise TemplateError(format_errors(error, str(path), JobTemplate, "job template")) from None
+        if template.name != path.stem:
+            raise TemplateError(f"{path}: name {template.name!r} must match the file name {path.stem!r}")
+        templates[template.name] = template
+    return templates
+
+
+def get_template(name: str, directory: Path | None = None) -> JobTemplate:
+    templates = load_templates(directory)
+    if name not in templates:
+        listing = "\n".join(f"  {t.name:12s} {t.description}" for t in templates.values())
+        raise TemplateError(f"unknown job template {name!r}; these exist:\n{listing}")
+    return templates[name]

@@ -1,0 +1,132 @@
+"""Job templates and the PyTorchJob manifests rendered from them, validated against Kubernetes schemas."""
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tigon.platform.jobs import JobSpecError, check_pytorchjob, job_name, pytorchjob_manifests, render_yaml
+from tigon.platform.templates import TemplateError, get_template, load_templates
+from tigon.runtime.config import parse_config
+
+KUBERNETES_VERSION = "1.33.0"
+
+
+def run_config(name="Demo Run 1"):
+    return parse_config(
+        {
+            "name": name,
+            "model": {"config_name": "llama", "tokenizer": "char"},
+            "data": {"train": "examples/data/arithmetic-train.jsonl"},
+            "training": {"max_steps": 10},
+        }
+    )
+
+
+def validate_kubernetes(manifest: dict) -> None:
+    kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+
+
+def pods_of(job: dict):
+    for kind, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        template = replica["template"]
+        yield (
+            kind,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "x", **template["metadata"]},
+                "spec": template["spec"],
+            },
+        )
+
+
+def test_shipped_templates_load():
+    templates = load_templates()
+    assert {"cpu-small", "h100x1", "h100x8", "h100x8x2"} <= set(templates)
+    assert templates["h100x8"].gpus_per_node == 8 and templates["cpu-small"].gpus_per_node == 0
+
+
+@pytest.mark.parametrize("name", ["cpu-small", "h100x1", "h100x8", "h100x8x2"])
+def test_rendered_manifests_are_valid(name):
+    template = get_template(name)
+    config_map, job = pytorchjob_manifests(run_config(), template, namespace="ml")
+    validate_kubernetes(config_map)
+    for _, pod in pods_of(job):
+        validate_kubernetes(pod)
+    assert job["metadata"]["name"] == "demo-run-1"
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["image"] == template.image
+    assert container["command"][:2] == ["torchrun", f"--nproc_per_node={template.nproc_per_node}"]
+    assert container["resources"]["limits"].get("nvidia.com/gpu", 0) == template.gpus_per_node
+    loaded = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert parse_config(loaded) == run_config()
+    documents = list(yaml.safe_load_all(render_yaml([config_map, job])))
+    assert [d["kind"] for d in documents] == ["ConfigMap", "PyTorchJob"]
+
+
+def test_multi_node_job_has_workers_and_elastic_policy():
+    _, job = pytorchjob_manifests(run_config(), get_template("h100x8x2"))
+    spec = job["spec"]
+    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert spec["elasticPolicy"] == {
+        "rdzvBackend": "c10d",
+        "minReplicas": 2,
+        "maxReplicas": 2,
+        "nProcPerNode": 8,
+        "maxRestarts": 3,
+    }
+    pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
+
+
+def test_single_node_job_has_only_a_master():
+    _, job = pytorchjob_manifests(run_config(), get_template("h100x8"))
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"} and "elasticPolicy" not in job["spec"]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda j: j["metadata"].update(name="Bad_Name"), "DNS-1035"),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief={}), "not allowed"),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2), "exactly one Master"),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].update(name="x"),
+            "named 'pytorch'",
+        ),
+        (lambda j: j["spec"].update(elasticPolicy={"rdzvBackend": "c10d"}), "needs a Worker"),
+    ],
+)
+def test_operator_rules_reject_bad_jobs(mutate, message):
+    _, job = pytorchjob_manifests(run_config(), get_template("cpu-small"))
+    broken = copy.deepcopy(job)
+    mutate(broken)
+    with pytest.raises(JobSpecError, match=message):
+        check_pytorchjob(broken)
+
+
+def test_job_name_is_dns_1035():
+    assert job_name("My_Run 42!") == "my-run-42"
+    assert job_name("7b-sft") == "tigon-7b-sft"
+    assert len(job_name("x" * 100)) == 63
+
+
+def test_unknown_template_lists_what_exists():
+    with pytest.raises(TemplateError, match="unknown job template 'h200x64'") as error:
+        get_template("h200x64")
+    assert "cpu-small" in str(error.value) and "h100x8" in str(error.value)
+
+
+def test_request_beyond_template_limit():
+    with pytest.raises(TemplateError, match="at most 1 node"):
+        get_template("h100x8").with_nodes(2)
+    assert get_template("h100x8x2").with_nodes(4).nnodes == 4
+
+
+def test_malformed_template_names_the_key(tmp_path):
+    (tmp_path / "bad.yaml").write_text("name: bad\nimage: x\ngpus_per_node: many\n")
+    with pytest.raises(TemplateError, match="gpus_per_node"):
+        load_templates(tmp_path)
