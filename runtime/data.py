@@ -1,0 +1,575 @@
+"""Training data: read records, tokenize them with loss masks, pack them into fixed-length sequences.
+
+    tokenizer = load_tokenizer(config.model)
+    train, eval_, summary = build_datasets(config, tokenizer)
+    for batch in DataLoader(train, batch_size=8, shuffle=True):
+        batch = {key: value.to(device) for key, value in batch.items()}
+        loss = model(**model_inputs(batch, config.model.attn_implementation), use_cache=False).loss
+
+Conventions:
+- Labels are aligned with input_ids, not shifted (Hugging Face's convention: the model shifts them);
+  -100 marks a token that carries no loss. The first token of every document has label -100, so no
+  token is ever predicted from the previous document; padding has label -100.
+- Sequences are `data.max_seq_len` long. With packing, documents follow each other greedily in file
+  order; a document that does not fit in what is left of a sequence starts the next one. Position ids
+  restart at 0 for every document and for the padding at the tail, so documents are told apart by
+  their position ids alone (flash-attention 2 varlen needs nothing else) or by the block-diagonal
+  causal mask `packed_attention_mask` builds from them (sdpa and eager).
+- Formats: `text` (loss on every token), `instruction` (prompt then response + eos; loss on the
+  response and eos), `chat` (messages rendered by the tokenizer's chat template; loss on the
+  assistant turns, including the end-of-turn tokens the template puts inside them).
+
+Chat loss masks come from rendering prefixes: for the i-th message, an assistant turn, the template
+renders messages[:i] with the generation prompt, then messages[:i + 1]; the text between the two is
+that turn. This works for any template that renders a conversation's prefixes as prefixes of its
+rendering (nearly all do) and needs no `{% generation %}` markers, which most released templates lack.
+Each span is tokenized on its own, so the assistant tokens are exactly the tokens the model would
+generate after the rendered prompt. A template that breaks the prefix rule but has generation
+markers falls back to `apply_chat_template(..., return_assistant_tokens_mask=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .config import DataConfig, RunConfig
+
+IGNORE_INDEX = -100
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+SAVED_DATASET_FILES = ("state.json", "dataset_dict.json", "dataset_info.json")
+SKIP_HINT = "fix the record, or set data.skip_malformed: true to skip malformed records and count them"
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as configured; the message names the file and what to change."""
+
+
+class MalformedRecordError(DataError):
+    """One record that cannot be read or tokenized; `data.skip_malformed` skips these and counts them."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_records(path: str | Path, skip_malformed: bool = False) -> tuple[list[dict], int]:
+    """All records of a JSONL or Parquet file, or of a directory saved by `datasets.save_to_disk`.
+
+    Returns (records, skipped): with `skip_malformed`, lines that are not a JSON object are skipped and
+    counted; without it, the first one raises MalformedRecordError naming the file and its 1-based line.
+    Blank lines are not records. A missing path or a dataset with no records raises DataError.
+    """
+    records, _, skipped = _read_located(path, skip_malformed)
+    return records, skipped
+
+
+def _read_located(path: str | Path, skip_malformed: bool) -> tuple[list[dict], list[str], int]:
+    """(records, where each record came from as 'file, line N' / 'file, row N', skipped count)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(
+            f"dataset {path} does not exist (data.train / data.eval take a JSONL or Parquet file, "
+            "or a directory saved by datasets.save_to_disk)"
+        )
+    skipped = 0
+    if path.is_dir():
+        records = _read_saved_dataset(path)
+        locations = [f"{path}, row {index}" for index in range(1, len(records) + 1)]
+    elif path.name.lower().endswith(PARQUET_SUFFIXES):
+        records = _read_parquet(path)
+        locations = [f"{path}, row {index}" for index in range(1, len(records) + 1)]
+    elif path.name.lower().endswith(JSONL_SUFFIXES):
+        records, locations, skipped = _read_jsonl(path, skip_malformed)
+    else:
+        raise DataError(
+            f"dataset {path}: unknown file type {path.suffix or '(no suffix)'!r}; use JSONL "
+            f"({', '.join(JSONL_SUFFIXES)}), Parquet ({', '.join(PARQUET_SUFFIXES)}), "
+            "or a directory saved by datasets.save_to_disk"
+        )
+    if not records:
+        if skipped:
+            raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
+        raise DataError(f"dataset {path} holds no records")
+    return records, locations, skipped
+
+
+def _read_jsonl(path: Path, skip_malformed: bool) -> tuple[list[dict], list[str], int]:
+    records, locations, skipped = [], [], 0
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            where = f"{path}, line {number}"
+            try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise MalformedRecordError(f"{where}: not UTF-8 text ({error}); {SKIP_HINT}") from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise MalformedRecordError(f"{where}: invalid JSON ({error}); {SKIP_HINT}") from None
+                if not isinstance(record, dict):
+                    raise MalformedRecordError(
+                        f"{where}: expected a JSON object, got {type(record).__name__}; {SKIP_HINT}"
+                    )
+            except MalformedRecordError:
+                if not skip_malformed:
+                    raise
+                skipped += 1
+                continue
+            records.append(record)
+            locations.append(where)
+    return records, locations, skipped
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"dataset {path}: not a readable Parquet file ({error})") from None
+
+
+def _read_saved_dataset(path: Path) -> list[dict]:
+    if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        raise DataError(
+            f"dataset {path} is a directory but not one saved by datasets.save_to_disk "
+            f"(it has none of {', '.join(SAVED_DATASET_FILES)}); point data.train at a JSONL or Parquet file"
+        )
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"dataset {path} was saved by datasets.save_to_disk; reading it needs the datasets package: "
+            "pip install datasets (or convert it to JSONL or Parquet)"
+        ) from None
+    dataset = datasets.load_from_disk(str(path))
+    if isinstance(dataset, datasets.DatasetDict):
+        if len(dataset) != 1:
+            raise DataError(
+                f"dataset {path} holds the splits {sorted(dataset)}; point data.train / data.eval at one "
+                f"split's directory, e.g. {path / sorted(dataset)[0]}"
+            )
+        dataset = next(iter(dataset.values()))
+    return [dict(row) for row in dataset.to_list()]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+def _field(record: dict, name: str, setting: str, where: str, kind: type | tuple[type, ...] = str) -> Any:
+    if name not in record or record[name] is None:
+        raise MalformedRecordError(
+            f"{where}: record has no field {name!r} (data.{setting}); its fields are {sorted(record)}; "
+            f"set data.{setting} to the right field name, or {SKIP_HINT}"
+        )
+    value = record[name]
+    if not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise MalformedRecordError(
+            f"{where}: field {name!r} (data.{setting}) is a {type(value).__name__}, expected {expected}; {SKIP_HINT}"
+        )
+    return value
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> list[int]:
+    if not text and not add_special_tokens:
+        return []
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase, data_format: str) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError(
+            f"tokenizer {tokenizer.name_or_path!r} has no eos token, which data.format {data_format!r} needs to "
+            "end every response; use a tokenizer with one (or model.tokenizer: char)"
+        )
+    return tokenizer.eos_token_id
+
+
+def instruction_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """An instruction prompt's ids as training sees them: the tokenizer's own leading special tokens (e.g.
+    Llama's <bos>, the char tokenizer's <bos>) and the prompt, never ending in eos. Generate from these."""
+    ids = _encode(tokenizer, prompt, add_special_tokens=True)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return ids
+
+
+def tokenize_record(
+    record: dict, data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, where: str = "record"
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one record; labels are input_ids with -100 where no loss is taken.
+
+    `where` ('file, line N') prefixes error messages; a record missing the configured field, or with a
+    field of the wrong type, raises MalformedRecordError.
+    """
+    fmt = data_config.format
+    if fmt == "text":
+        text = _field(record, data_config.text_field, "text_field", where)
+        ids = _encode(tokenizer, text, add_special_tokens=True)
+        eos = tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return ids, list(ids)
+    if fmt == "instruction":
+        prompt = _field(record, data_config.prompt_field, "prompt_field", where)
+        response = _field(record, data_config.response_field, "response_field", where)
+        prompt_ids = instruction_prompt_ids(tokenizer, prompt)
+        response_ids = _encode(tokenizer, response, add_special_tokens=False) + [_eos_id(tokenizer, fmt)]
+        return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
+    if fmt == "chat":
+        messages = _messages(record, data_config, where)
+        return _tokenize_chat(messages, tokenizer, where)
+    raise DataError(f"unknown data.format {fmt!r}; use text, instruction or chat")
+
+
+def encode_prompt(
+    record: dict, data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, where: str = "record"
+) -> tuple[list[int], str]:
+    """(prompt_ids, reference) for generation-based evaluation, tokenized exactly as in training.
+
+    instruction: the prompt's ids and the response. chat: the conversation before its last assistant
+    turn, rendered with the generation prompt, and that turn's content.
+    """
+    if data_config.format == "instruction":
+        prompt = _field(record, data_config.prompt_field, "prompt_field", where)
+        response = _field(record, data_config.response_field, "response_field", where)
+        return instruction_prompt_ids(tokenizer, prompt), response
+    if data_config.format == "chat":
+        messages = _messages(record, data_config, where)
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            raise MalformedRecordError(f"{where}: the conversation has no assistant message to compare against")
+        prompt = _render(tokenizer, messages[:last], True, where)
+        return _encode(tokenizer, prompt, add_special_tokens=False), messages[last]["content"]
+    raise DataError("generation-based evaluation needs data.format instruction or chat (text has no prompt)")
+
+
+def _messages(record: dict, data_config: DataConfig, where: str) -> list[dict]:
+    messages = _field(record, data_config.messages_field, "messages_field", where, list)
+    for index, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise MalformedRecordError(
+                f"{where}: message {index} of {data_config.messages_field!r} must be an object with string 'role' "
+                f"and 'content', got {message!r}; {SKIP_HINT}"
+            )
+    return messages
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"data.format 'chat' needs a tokenizer with a chat template, and {tokenizer.name_or_path!r} has none; "
+            "use a tokenizer directory whose tokenizer_config.json (or chat_template.jinja) has one, or "
+            "model.tokenizer: char"
+        )
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        raise MalformedRecordError(
+            f"{where}: the chat template rejects this conversation: {error}; {SKIP_HINT}"
+        ) from None
+
+
+_GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _chat_segments(messages: list[dict], tokenizer: PreTrainedTokenizerBase, where: str) -> list[tuple[str, bool]]:
+    """The rendered conversation cut into (text, is_assistant_turn) pieces, by rendering its prefixes."""
+    full = _render(tokenizer, messages, False, where)
+    segments, cursor = [], 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], True, where)
+        through = _render(tokenizer, messages[: index + 1], False, where)
+        if not (len(before) >= cursor and through.startswith(before) and full.startswith(through)):
+            raise _PrefixRuleBroken(
+                f"{where}: the chat template of {tokenizer.name_or_path!r} does not render the first {index} messages "
+                f"(with the generation prompt) as a prefix of the first {index + 1}, so assistant turns cannot be "
+                "located by rendering prefixes; add {% generation %} markers around the assistant content in the "
+                "template, or use a template that renders prefixes consistently"
+            )
+        segments.append((full[cursor : len(before)], False))
+        segments.append((full[len(before) : len(through)], True))
+        cursor = len(through)
+    segments.append((full[cursor:], False))
+    return [(text, trainable) for text, trainable in segments if text]
+
+
+class _PrefixRuleBroken(DataError):
+    pass
+
+
+def _tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, where: str) -> tuple[list[int], list[int]]:
+    try:
+        segments = _chat_segments(messages, tokenizer, where)
+    except _PrefixRuleBroken:
+        if not _GENERATION_MARKER.search(tokenizer.chat_template or ""):
+            raise
+        return _tokenize_chat_by_generation_markers(messages, tokenizer)
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trainable in segments:
+        piece = _encode(tokenizer, text, add_special_tokens=False)
+        ids += piece
+        labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+    return ids, labels
+
+
+def _tokenize_chat_by_generation_markers(
+    messages: list[dict], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], list[int]]:
+    """The fallback: Hugging Face's assistant mask from the template's {% generation %} markers."""
+    encoded = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = list(encoded["input_ids"])
+    labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, encoded["assistant_masks"], strict=True)]
+    return ids, labels
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+class PackedDataset(Dataset):
+    """Fixed-length sequences of documents; items are dicts of LongTensors input_ids, labels, position_ids.
+
+    `documents` are (input_ids, labels) pairs. A document longer than `max_seq_len` keeps its first
+    `max_seq_len` tokens (counted in `truncated`); one with no label left after that (and after its first
+    label is set to -100) is dropped (counted in `dropped`). With `packing`, documents are placed greedily
+    in order; otherwise each gets its own sequence. Tails are padded with `pad_token_id`, label -100, and
+    position ids counting from 0, so padding is a document of its own that no real token attends to.
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[tuple[Sequence[int], Sequence[int]]],
+        max_seq_len: int,
+        pad_token_id: int,
+        packing: bool = True,
+    ):
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        if pad_token_id is None:
+            raise ValueError(
+                "pad_token_id is None: give the tokenizer a pad token (tigon.runtime.tokenizer.load_tokenizer does)"
+            )
+        self.max_seq_len, self.packing = max_seq_len, packing
+        self.truncated = self.dropped = self.documents = 0
+        self.num_tokens = self.num_loss_tokens = self.num_padding_tokens = 0
+        rows_ids: list[list[int]] = []
+        rows_labels: list[list[int]] = []
+        rows_positions: list[list[int]] = []
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+
+        def close() -> None:
+            pad = max_seq_len - len(ids)
+            self.num_padding_tokens += pad
+            rows_ids.append(ids + [pad_token_id] * pad)
+            rows_labels.append(labels + [IGNORE_INDEX] * pad)
+            rows_positions.append(positions + list(range(pad)))
+
+        for number, (doc_ids, doc_labels) in enumerate(documents):
+            if len(doc_ids) != len(doc_labels):
+                raise ValueError(f"document {number}: {len(doc_ids)} input ids but {len(doc_labels)} labels")
+            if not doc_ids:
+                self.dropped += 1
+                continue
+            if len(doc_ids) > max_seq_len:
+                doc_ids, doc_labels = doc_ids[:max_seq_len], doc_labels[:max_seq_len]
+                self.truncated += 1
+            doc_labels = [IGNORE_INDEX, *doc_labels[1:]]
+            loss_tokens = sum(label != IGNORE_INDEX for label in doc_labels)
+            if not loss_tokens:
+                self.dropped += 1
+                continue
+            if ids and (not packing or len(ids) + len(doc_ids) > max_seq_len):
+                close()
+                ids, labels, positions = [], [], []
+            ids += doc_ids
+            labels += doc_labels
+            positions += range(len(doc_ids))
+            self.documents += 1
+            self.num_tokens += len(doc_ids)
+            self.num_loss_tokens += loss_tokens
+        if ids:
+            close()
+        shape = (len(rows_ids), max_seq_len)
+        self.input_ids = torch.tensor(rows_ids, dtype=torch.long).reshape(shape)
+        self.labels = torch.tensor(rows_labels, dtype=torch.long).reshape(shape)
+        self.position_ids = torch.tensor(rows_positions, dtype=torch.long).reshape(shape)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids[index],
+            "labels": self.labels[index],
+            "position_ids": self.position_ids[index],
+        }
+
+
+def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The (B, 1, L, L) block-diagonal causal mask of packed sequences, for a custom 4D attention_mask.
+
+    A new document starts wherever position_ids is 0; token i may attend to token j when j <= i and both
+    are in the same document. For a floating `dtype` the mask is additive (0 where allowed, the dtype's
+    minimum where masked): what eager attention needs (it adds the mask to the scores) and what sdpa
+    accepts when the dtype matches the query's. `dtype=torch.bool` gives True where allowed: what sdpa
+    accepts at any query dtype, and what eager must NOT be given (it would add 1 and 0 to the scores).
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
+        got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise ValueError(f"position_ids must be a (batch, length) tensor, got {got}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+    if not (dtype == torch.bool or dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating dtype (additive mask) or torch.bool, got {dtype}")
+    length = position_ids.shape[1]
+    document = (position_ids == 0).cumsum(dim=-1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+    if dtype == torch.bool:
+        return allowed
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def model_inputs(batch: dict, attn_implementation: str) -> dict[str, Any]:
+    """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
+
+    Gives input_ids, labels and position_ids, plus attention_mask:
+    - "sdpa": the boolean block-diagonal causal mask (any weight dtype or autocast);
+    - "eager": the additive float32 mask (eager adds it to the scores; promotion handles bf16/fp16);
+    - "flash_attention_2": none; flash-attention's varlen path finds the documents from position_ids.
+    The mask is (B, 1, L, L), made on position_ids' device: move the batch there first. Call the model with
+    use_cache=False too: transformers 5 skips its own packed-sequence detection when a cache is made.
+    """
+    missing = [key for key in ("input_ids", "labels", "position_ids") if key not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing}; expected a collated batch of PackedDataset items")
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}
+    if attn_implementation == "flash_attention_2":
+        return inputs
+    if attn_implementation == "sdpa":
+        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.bool)
+    elif attn_implementation == "eager":
+        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.float32)
+    else:
+        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use sdpa, eager or flash_attention_2")
+    return inputs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Building
+
+
+@dataclass
+class DataSummary:
+    """What building a dataset did: records read and skipped, documents truncated or dropped, tokens."""
+
+    path: str
+    records: int  # records read (not counting skipped ones)
+    skipped: int  # malformed records skipped (unreadable lines, missing or mistyped fields)
+    truncated: int  # documents cut to data.max_seq_len
+    dropped: int  # documents with no loss token left (e.g. a prompt longer than max_seq_len)
+    sequences: int
+    tokens: int  # real tokens in the sequences (padding excluded)
+    loss_tokens: int  # tokens with a label
+    padding_tokens: int
+    loss_fraction: float = field(init=False)  # loss_tokens / tokens
+    eval: DataSummary | None = None
+
+    def __post_init__(self) -> None:
+        self.loss_fraction = self.loss_tokens / self.tokens if self.tokens else 0.0
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        lines = [
+            f"{self.path}: {self.records} records ({self.skipped} malformed skipped), {self.truncated} truncated, "
+            f"{self.dropped} without loss tokens dropped -> {self.sequences} sequences, {self.tokens} tokens "
+            f"({self.loss_fraction:.1%} with loss, {self.padding_tokens} padding)"
+        ]
+        if self.eval is not None:
+            lines.append("eval " + self.eval.describe())
+        return "\n".join(lines)
+
+
+def _build(
+    path: str, data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, pad_token_id: int
+) -> tuple[PackedDataset, DataSummary]:
+    records, locations, skipped = _read_located(path, data_config.skip_malformed)
+    documents = []
+    for record, where in zip(records, locations, strict=True):
+        try:
+            documents.append(tokenize_record(record, data_config, tokenizer, where=where))
+        except MalformedRecordError:
+            if not data_config.skip_malformed:
+                raise
+            skipped += 1
+    if not documents:
+        raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
+    dataset = PackedDataset(documents, data_config.max_seq_len, pad_token_id, data_config.packing)
+    if not len(dataset):
+        raise DataError(
+            f"dataset {path}: none of its {len(documents)} documents has a token with loss within the first "
+            f"data.max_seq_len={data_config.max_seq_len} tokens; raise data.max_seq_len or check data.format"
+        )
+    summary = DataSummary(
+        path=str(path),
+        records=len(records),
+        skipped=skipped,
+        truncated=dataset.truncated,
+        dropped=dataset.dropped,
+        sequences=len(dataset),
+        tokens=dataset.num_tokens,
+        loss_tokens=dataset.num_loss_tokens,
+        padding_tokens=dataset.num_padding_tokens,
+    )
+    return dataset, summary
+
+
+def build_datasets(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PackedDataset, PackedDataset | None, DataSummary]:
+    """The train and (if data.eval is set) eval datasets, and a summary (the eval one in summary.eval)."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise DataError(
+            f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token; load it with load_tokenizer"
+        )
+    train, summary = _build(config.data.train, config.data, tokenizer, pad_token_id)
+    evaluation = None
+    if config.data.eval is not None:
+        evaluation, summary.eval = _build(config.data.eval, config.data, tokenizer, pad_token_id)
+    return train, evaluation, summary

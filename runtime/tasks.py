@@ -1,0 +1,94 @@
+"""Generated demo tasks: small enough that a tiny Llama visibly learns them on a CPU in minutes.
+
+    held_out = write_arithmetic_dataset("data/eval.jsonl", 200, seed=1)
+    write_arithmetic_dataset("data/train.jsonl", 5000, seed=0, exclude={r["instruction"] for r in held_out})
+
+Each line is an instruction/response record, e.g. {"instruction": "23+58=", "response": "81"}, for
+`data.format: instruction`; `exact_match` scores a generated answer against the response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arithmetic_record(a: int, b: int, operator: str) -> dict[str, str]:
+    """One example: {"instruction": "a<op>b=", "response": "<result>"}."""
+    return {"instruction": f"{a}{operator}{b}=", "response": str(OPERATORS[operator](a, b))}
+
+
+def write_arithmetic_dataset(
+    path: str | Path,
+    n_examples: int,
+    seed: int,
+    max_operand: int = 99,
+    operators: str = "+",
+    exclude: Iterable[str] = (),
+) -> list[dict[str, str]]:
+    """Write `n_examples` arithmetic problems as JSONL, atomically; the same arguments give the same file.
+
+    Operands are drawn uniformly from 0..max_operand (for "-", the larger comes first, so no result is
+    negative). Problems whose instruction is in `exclude` are never drawn: pass a held-out set's
+    instructions to keep train and eval apart. Returns the records written.
+    """
+    if n_examples <= 0:
+        raise ValueError(f"n_examples must be positive, got {n_examples}")
+    if max_operand < 0:
+        raise ValueError(f"max_operand must be >= 0, got {max_operand}")
+    unknown = sorted(set(operators) - set(OPERATORS))
+    if not operators or unknown:
+        raise ValueError(f"operators must be drawn from {''.join(OPERATORS)!r}, got {operators!r}")
+    excluded = set(exclude)
+    ops = sorted(set(operators), key=operators.index)
+    rng = random.Random(seed)
+    records: list[dict[str, str]] = []
+    draws, max_draws = 0, 1000 + 100 * n_examples
+    while len(records) < n_examples:
+        draws += 1
+        if draws > max_draws:
+            raise ValueError(
+                f"could not draw {n_examples} problems outside `exclude` in {max_draws} tries: raise max_operand "
+                f"(now {max_operand}), add operators, or exclude fewer"
+            )
+        op = ops[rng.randrange(len(ops))]
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if op == "-" and b > a:
+            a, b = b, a
+        record = arithmetic_record(a, b, op)
+        if record["instruction"] not in excluded:
+            records.append(record)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, "".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it into place."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """True when the generated answer equals the reference, ignoring surrounding whitespace.
+
+    Pass the decoded generation up to (not including) the eos token, e.g.
+    `tokenizer.decode(new_tokens, skip_special_tokens=True)` after generation stopped at eos.
+    """
+    return prediction.strip() == reference.strip()
