@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tigon.kernels.ops.cross_entropy import cross_entropy
 from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
+from tigon.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.kernels.ops.gated_activation import geglu, swiglu
 from tigon.kernels.ops.layer_norm import layer_norm
 from tigon.kernels.ops.rms_norm import rms_norm
@@ -12,7 +14,9 @@ from tigon.kernels.ops.rope import rope
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "cross_entropy",
     "fused_add_rms_norm",
+    "fused_linear_cross_entropy",
     "geglu",
     "layer_norm",
     "rms_norm",

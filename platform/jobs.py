@@ -60,7 +60,7 @@ def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str,
     container = {
         "name": "pytorch",
         "image": template.image,
-        "command": torchrun_command(template),
+        "args": torchrun_command(template),  # args, not command: the image's entrypoint warms the kernels first
         "env": [{"name": key, "value": value} for key, value in sorted(template.env.items())],
         "resources": _resources(template),
         "volumeMounts": mounts,
@@ -143,7 +143,9 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     from flytekitplugins.kfpytorch import Elastic
     from kubernetes.client import V1Container, V1PodSpec, V1Toleration
 
-    resources = Resources(cpu=template.cpu, mem=template.memory, gpu=template.gpus_per_node or None)
+    resources = Resources(
+        cpu=template.cpu, mem=template.memory, gpu=str(template.gpus_per_node) if template.gpus_per_node else None
+    )
     pod_spec = V1PodSpec(
         containers=[V1Container(name="primary")],
         node_selector=template.node_selector or None,

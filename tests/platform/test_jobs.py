@@ -58,7 +58,8 @@ def test_rendered_manifests_are_valid(name):
     assert job["metadata"]["name"] == "demo-run-1"
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     assert container["name"] == "pytorch" and container["image"] == template.image
-    assert container["command"][:2] == ["torchrun", f"--nproc_per_node={template.nproc_per_node}"]
+    assert container["args"][:2] == ["torchrun", f"--nproc_per_node={template.nproc_per_node}"]
+    assert "command" not in container  # the image entrypoint (kernel warm-up) runs first
     assert container["resources"]["limits"].get("nvidia.com/gpu", 0) == template.gpus_per_node
     loaded = yaml.safe_load(config_map["data"]["config.yaml"])
     assert parse_config(loaded) == run_config()

@@ -1,0 +1,493 @@
+"""Cross entropy over logits (N, V): one program per row, online softmax, gradient written in place.
+
+Per token ``i`` with target ``t`` (``z`` = the logits, or ``softcap * tanh(logits / softcap)``):
+
+    lse  = logsumexp(z)
+    ce   = (1 - eps) * w[t] * (lse - z[t]) + eps / V * sum_j w[j] * (lse - z[j])   (torch's label smoothing)
+    zl   = lse_square_scale * lse^2                                             (z-loss, not class-weighted)
+    loss = ce * ce_scale + zl * z_scale
+
+with ``w = 1`` without class weights and ``ce_scale``/``z_scale`` the reduction's normalizers (``"mean"``:
+1 / sum of the target weights and 1 / count of non-ignored tokens; ``num_items_in_batch``: 1 / that
+number for both; ``"sum"``/``"none"``: 1). The gradient of that loss with respect to the logits is
+
+    dz[j] = p[j] * (ce_scale * ((1 - eps) * w[t] + eps / V * sum(w)) + z_scale * 2 * lse_square_scale * lse)
+            - ce_scale * eps / V * w[j] - [j == t] * ce_scale * (1 - eps) * w[t]
+
+times ``1 - tanh^2`` with softcapping. The normalizers are computed on the device from the targets
+before the launch (no host sync), so the kernel knows the final gradient of the reduced loss.
+
+One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
+(running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
+pass 2 reads the row again and, when a gradient is wanted, overwrites the logits with ``dz``. So
+forward computes loss and gradient in one launch and no second vocabulary-sized tensor exists; the
+backward only scales that buffer by the incoming gradient (and skips even that when it is 1).
+Ignored rows skip both passes: they write zeros. A target out of range (only reachable with
+``check_targets=False``) gives that row a NaN loss and a NaN gradient instead of a wild read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from tigon.kernels import reference
+from tigon.kernels.reference import check_target_range
+from tigon.kernels.utils import check_float, check_same_device, check_vector, next_power_of_2, use_triton, warps_for
+
+REDUCTIONS = ("mean", "sum", "none")
+MAX_BLOCK_V = 8192  # vocabulary elements one program handles per step
+SCALE_BLOCK = 4096  # elements per program of the backward's scaling kernel
+
+
+@triton.jit
+def _softcap(x, cap):
+    """(cap * tanh(x / cap), tanh(x / cap)) in float32; tanh from one exp of a non-positive number."""
+    u = x / cap
+    e = tl.exp(tl.abs(u) * -2.0)
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(u < 0, -t, t)
+    return t * cap, t
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    X,
+    stride_x,
+    TARGET,
+    CLASS_WEIGHT,
+    SCALES,
+    ROW_SCALE,
+    stride_row_scale,
+    LOSS,
+    Z_LOSS,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    offsets = tl.arange(0, BLOCK_V)
+    target = tl.load(TARGET + row).to(tl.int64)
+    if target == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        if STORE_Z:
+            tl.store(Z_LOSS + row, 0.0)
+        if WRITE_GRAD:
+            zeros = tl.zeros((BLOCK_V,), dtype=X.dtype.element_ty)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offsets
+                tl.store(x_row + cols, zeros, mask=cols < n_cols)
+    else:
+        in_range = (target >= 0) & (target < n_cols)
+        t_index = tl.where(in_range, target, 0)
+        ce_scale = tl.load(SCALES)
+        z_scale = tl.load(SCALES + 1)
+        weight_total = tl.load(SCALES + 2)
+        poison = tl.where(in_range, 0.0, float("nan"))
+
+        # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing.
+        m = float("-inf")
+        d = 0.0
+        smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offsets
+            mask = cols < n_cols
+            z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, _ = _softcap(z, softcap)
+            if HAS_SMOOTHING:  # masked lanes hold z = 0 here
+                if HAS_WEIGHT:
+                    smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
+                else:
+                    smooth += z
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
+            d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+            m = m_new
+        lse = m + tl.log(d)
+
+        z_t = tl.load(x_row + t_index).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_t, _ = _softcap(z_t, softcap)
+        if HAS_WEIGHT:
+            w_t = tl.load(CLASS_WEIGHT + t_index).to(tl.float32)
+        else:
+            w_t = 1.0
+        target_coef = w_t * (1.0 - label_smoothing) * ce_scale
+        ce = (lse - z_t) * w_t * (1.0 - label_smoothing)
+        p_coef = target_coef
+        uniform_coef = 0.0
+        if HAS_SMOOTHING:
+            ce += (lse * weight_total - tl.sum(smooth, axis=0)) * (label_smoothing / n_cols)
+            uniform_coef = ce_scale * (label_smoothing / n_cols)
+            p_coef += uniform_coef * weight_total
+        loss = ce * ce_scale
+        z_loss = 0.0
+        if HAS_Z:
+            z_loss = lse * lse * lse_square_scale * z_scale
+            loss += z_loss
+            p_coef += lse * lse_square_scale * z_scale * 2.0
+        tl.store(LOSS + row, loss + poison)
+        if STORE_Z:
+            tl.store(Z_LOSS + row, z_loss + poison)
+
+        # Pass 2: overwrite the logits with the gradient of the (reduced) loss.
+        if WRITE_GRAD:
+            if HAS_ROW_SCALE:
+                g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
+                target_coef = target_coef * g
+                p_coef = p_coef * g
+                uniform_coef = uniform_coef * g
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offsets
+                mask = cols < n_cols
+                z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    z, tanh_z = _softcap(z, softcap)
+                grad = tl.exp(z - lse) * p_coef
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+                    else:
+                        grad -= uniform_coef
+                grad = tl.where(cols == t_index, grad - target_coef, grad)
+                if HAS_SOFTCAP:
+                    grad = grad * (1.0 - tanh_z * tanh_z)
+                tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(X, stride_x, G, stride_g, n_cols, blocks_per_row, BLOCK: tl.constexpr):
+    """X[row, :] *= G[row * stride_g] in place, skipped (no read, no write) where that factor is 1."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    g = tl.load(G + row * stride_g).to(tl.float32)
+    if g != 1.0:
+        cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        pointers = X + row * stride_x + cols
+        x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        tl.store(pointers, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The cross-entropy options shared by `cross_entropy` and `fused_linear_cross_entropy`."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+    num_items_in_batch: int | float | torch.Tensor | None = None
+    return_z_loss: bool = False
+
+
+def check_loss_options(options: LossOptions, class_weight: torch.Tensor | None, weight_name: str) -> None:
+    if options.reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={options.reduction!r} is not one of {REDUCTIONS}")
+    if isinstance(options.ignore_index, bool) or not isinstance(options.ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {options.ignore_index!r}")
+    if not 0.0 <= options.label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={options.label_smoothing} must lie in [0, 1] (as in F.cross_entropy)")
+    if not 0.0 <= options.lse_square_scale < float("inf"):
+        raise ValueError(
+            f"lse_square_scale={options.lse_square_scale} must be a finite number >= 0 (0 turns z-loss off)"
+        )
+    if options.softcap is not None and not 0.0 < options.softcap < float("inf"):
+        raise ValueError(f"softcap={options.softcap} must be a finite number > 0, or None for no softcapping")
+    items = options.num_items_in_batch
+    if items is not None:
+        if options.reduction != "mean":
+            raise ValueError(
+                f"num_items_in_batch replaces the mean's denominator, so it needs reduction='mean', "
+                f"got reduction={options.reduction!r}"
+            )
+        if isinstance(items, torch.Tensor):
+            if items.numel() != 1:
+                raise ValueError(
+                    f"num_items_in_batch must be a number or a one-element tensor, got {tuple(items.shape)}"
+                )
+        elif isinstance(items, bool) or not isinstance(items, (int, float)) or not items > 0:
+            raise ValueError(f"num_items_in_batch must be a positive number or a one-element tensor, got {items!r}")
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{weight_name} (the class weights) gets no gradient from tigon's cross entropy; "
+            f"pass {weight_name}.detach()"
+        )
+
+
+def check_target(target: torch.Tensor, n_rows: int, rows_name: str) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"target has dtype {target.dtype}; it must hold class indices as int64 or int32 (target.long())"
+        )
+    if target.dim() != 1 or target.shape[0] != n_rows:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)} but there are {n_rows} tokens ({rows_name}); it must be 1-D "
+            "with one class index per token (flatten it with target.reshape(-1))"
+        )
+
+
+def check_cross_entropy_inputs(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: LossOptions
+) -> None:
+    check_float("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)}; it must be 2-D (tokens, vocabulary): flatten with "
+            "logits.reshape(-1, logits.shape[-1]) and target.reshape(-1)"
+        )
+    n_rows, n_cols = logits.shape
+    if n_rows == 0 or n_cols == 0:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: an empty batch or vocabulary has no loss")
+    check_target(target, n_rows, "logits.shape[0]")
+    check_vector("weight", weight, n_cols, "the vocabulary size (logits.shape[1])")
+    check_same_device("logits", logits, target=target, weight=weight)
+    check_loss_options(options, weight, "weight")
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x != 0, 1.0 / x, 0.0)
+
+
+def loss_scales(
+    target: torch.Tensor, class_weight: torch.Tensor | None, n_classes: int, options: LossOptions
+) -> torch.Tensor:
+    """float32 [ce_scale, z_scale, sum of class weights] on the target's device, with no host sync."""
+    device = target.device
+    items = options.num_items_in_batch
+    if options.reduction != "mean":
+        ce_scale = z_scale = torch.ones((), dtype=torch.float32, device=device)
+    elif items is not None:
+        if isinstance(items, torch.Tensor):
+            items = items.to(device=device, dtype=torch.float32).reshape(())
+        else:
+            items = torch.full((), float(items), dtype=torch.float32, device=device)
+        ce_scale = z_scale = _reciprocal(items)
+    else:
+        valid = target != options.ignore_index
+        z_scale = _reciprocal(valid.sum().to(torch.float32))
+        if class_weight is None:
+            ce_scale = z_scale
+        else:
+            target_weights = class_weight.to(torch.float32)[target.clamp(0, n_classes - 1)]
+            ce_scale = _reciprocal(torch.where(valid, target_weights, 0.0).sum())
+    if class_weight is not None:
+        weight_total = class_weight.sum(dtype=torch.float32)
+    else:
+        weight_total = torch.full((), float(n_classes), dtype=torch.float32, device=device)
+    return torch.stack([ce_scale, z_scale, weight_total])
+
+
+def cross_entropy_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    options: LossOptions,
+    write_grad: bool,
+    loss_out: torch.Tensor,
+    z_out: torch.Tensor | None = None,
+    row_scale: torch.Tensor | None = None,
+) -> None:
+    """Launch the kernel on logits (rows, V) with a unit column stride.
+
+    Writes each row's scaled loss into `loss_out` (and z-loss into `z_out`); with `write_grad`, the
+    gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
+    """
+    n_rows, n_cols = logits.shape
+    block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
+    _cross_entropy_kernel[(n_rows,)](
+        logits,
+        logits.stride(0),
+        target,
+        class_weight if class_weight is not None else scales,
+        scales,
+        row_scale if row_scale is not None else scales,
+        row_scale.stride(0) if row_scale is not None else 0,
+        loss_out,
+        z_out if z_out is not None else loss_out,
+        n_cols,
+        options.ignore_index,
+        options.label_smoothing,
+        options.lse_square_scale,
+        options.softcap if options.softcap is not None else 1.0,
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=options.label_smoothing > 0,
+        HAS_Z=options.lse_square_scale > 0,
+        HAS_SOFTCAP=options.softcap is not None,
+        HAS_ROW_SCALE=row_scale is not None,
+        STORE_Z=z_out is not None,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=block_v,
+        num_warps=warps_for(block_v),
+    )
+
+
+def scale_in_place(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    """`tensor *= grad` in place: `grad` a scalar, or one factor per row of a 2-D `tensor` with unit column stride.
+
+    Programs whose factor is exactly 1 return at once, so the common `loss.backward()` costs no pass
+    over memory and needs no host sync to find that out.
+    """
+    if tensor.numel() == 0:
+        return
+    if grad.numel() == 1:
+        grad, stride_g = grad.reshape(1), 0
+        matrix = tensor.view(1, -1) if tensor.is_contiguous() else tensor
+    else:
+        matrix, stride_g = tensor, grad.stride(0)
+    n_rows, n_cols = matrix.shape
+    blocks_per_row = triton.cdiv(n_cols, SCALE_BLOCK)
+    _scale_kernel[(n_rows * blocks_per_row,)](
+        matrix, matrix.stride(0), grad, stride_g, n_cols, blocks_per_row, BLOCK=SCALE_BLOCK, num_warps=8
+    )
+
+
+def reduce_rows(
+    loss_rows: torch.Tensor, z_rows: torch.Tensor | None, options: LossOptions
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-row losses (already scaled by the reduction's normalizers) to the returned loss and z-loss."""
+    if options.reduction == "none":
+        return loss_rows, z_rows
+    return loss_rows.sum(), (z_rows.sum() if z_rows is not None else None)
+
+
+def cross_entropy_forward(
+    logits2d: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    options: LossOptions,
+    write_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_rows, n_cols = logits2d.shape
+    scales = loss_scales(target, class_weight, n_cols, options)
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=logits2d.device)
+    z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
+    cross_entropy_rows(logits2d, target, class_weight, scales, options, write_grad, loss_rows, z_rows)
+    return reduce_rows(loss_rows, z_rows, options)
+
+
+def unit_column_stride(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` itself when each row is contiguous (any row stride), else a contiguous copy."""
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        return logits.contiguous()
+    return logits
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, weight, options):
+        logits2d = unit_column_stride(logits)
+        loss, z_loss = cross_entropy_forward(logits2d, target.contiguous(), weight, options, write_grad=True)
+        # The logits now hold the gradient: tell autograd, so that a node that saved them for its own
+        # backward (tanh, softmax, ...) fails loudly there instead of computing with the wrong numbers.
+        torch.autograd.graph.increment_version(logits2d)
+        ctx.save_for_backward(logits2d)
+        ctx.backward_done = False
+        if z_loss is None:
+            return loss
+        ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, *_):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "tigon cross_entropy keeps its gradient in the logits buffer and scales it in place, so it "
+                "supports one backward per forward; run the forward again instead of retain_graph=True"
+            )
+        ctx.backward_done = True
+        (grad_logits,) = ctx.saved_tensors
+        scale_in_place(grad_logits, grad_loss)
+        # A fresh tensor on the same memory: AccumulateGrad adopts it as a leaf's .grad instead of copying
+        # it (it copies gradients whose tensor is still referenced elsewhere, here by ctx).
+        return grad_logits.detach(), None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    check_targets: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross entropy of logits `(N, V)` against class indices `target` `(N,)`, as `F.cross_entropy`.
+
+    `weight` (class weights, `(V,)`), `ignore_index`, `label_smoothing` and `reduction` ("mean", "sum",
+    "none") behave exactly as in `F.cross_entropy`, except that a mean over no targets is 0, not NaN.
+    `softcap` applies `softcap * tanh(logits / softcap)` first (Gemma 2). `lse_square_scale` adds the
+    z-loss `lse_square_scale * logsumexp(logits)^2` per non-ignored token (not class-weighted; the mean
+    divides it by the token count); `return_z_loss=True` returns `(loss, z_loss)`, where `loss` already
+    includes the z-loss and `z_loss` (detached) is for logging. `num_items_in_batch` (reduction "mean")
+    divides the summed loss by that number instead of by the number of target tokens, as HF Trainer
+    does for gradient accumulation. The loss is float32.
+
+    When `logits` requires a gradient, the forward writes the gradient into the logits' own memory
+    (so no second `(N, V)` tensor exists): `logits` holds `dloss/dlogits` afterwards, not the logits.
+    Pass `logits.clone()` if you still need them. If an earlier op saved the logits for its own
+    backward (e.g. a `torch.tanh` softcap: use `softcap=` instead), autograd raises its "modified by
+    an inplace operation" error rather than computing a wrong gradient. Logits whose rows are not
+    contiguous are copied first. One backward per forward (no `retain_graph`); class weights get no
+    gradient.
+
+    `check_targets=True` raises on a target outside `[0, V)` that is not `ignore_index`, at the cost
+    of one host-device sync; with `False` such a row gets a NaN loss and gradient.
+    """
+    options = LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+    )
+    check_cross_entropy_inputs(logits, target, weight, options)
+    if check_targets:
+        check_target_range(target, logits.shape[1], ignore_index)
+    if not use_triton("cross_entropy", logits):
+        return reference.cross_entropy(
+            logits,
+            target,
+            weight=weight,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            num_items_in_batch=num_items_in_batch,
+            return_z_loss=return_z_loss,
+            check_targets=False,
+        )
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return CrossEntropyFunction.apply(logits, target, weight, options)
+    loss, z_loss = cross_entropy_forward(unit_column_stride(logits), target.contiguous(), weight, options, False)
+    return (loss, z_loss) if return_z_loss else loss

