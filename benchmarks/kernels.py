@@ -45,6 +45,7 @@ class Case:
     grads: list[torch.Tensor]
     bytes_moved: int
     providers: dict[str, Callable[[], tuple[torch.Tensor, ...]]]
+    flops: int = 0  # for matrix-bound steps: the floor is the larger of bytes/bandwidth and flops/rate
 
 
 def hf_llama_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,46 @@ def gated_case(tokens: int, inner: int, activation: str) -> Case:
     return Case([a, b], [torch.randn_like(a)], 8 * a.numel() * a.element_size(), providers)
 
 
+def cross_entropy_case(tokens: int, vocab: int) -> Case:
+    """Logits already computed; HF's loss upcasts them to float32 before cross entropy."""
+    from tigon.kernels.functional import cross_entropy
+
+    logits = torch.randn(tokens, vocab, device="cuda", dtype=DTYPE, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    eager = lambda logits: F.cross_entropy(logits.float(), target)
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (cross_entropy(logits, target, check_targets=False),),
+        "eager": lambda: (eager(logits),),
+        "compile": lambda: (compiled_eager(logits),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_cross_entropy(logits, target),)
+    grad = torch.ones((), device="cuda")
+    return Case([logits], [grad], 2 * logits.numel() * logits.element_size(), providers)
+
+
+def fused_linear_cross_entropy_case(tokens: int, hidden: int, vocab: int) -> Case:
+    """The LM head and its loss: `hidden @ weight.T` then cross entropy, forward+backward."""
+    from tigon.kernels.functional import fused_linear_cross_entropy
+
+    x = (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    eager = lambda x, w: F.cross_entropy((x @ w.T).float(), target)
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (fused_linear_cross_entropy(x, w, target, check_targets=False),),
+        "eager": lambda: (eager(x, w),),
+        "compile": lambda: (compiled_eager(x, w),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_fused_linear_cross_entropy(x, w, target),)
+    grad = torch.ones((), device="cuda")
+    bytes_moved = 2 * (x.numel() + w.numel()) * x.element_size()
+    return Case([x, w], [grad], bytes_moved, providers, flops=6 * tokens * hidden * vocab)
+
+
 def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
     return [
         ("rms_norm", "16384x4096", lambda: rms_norm_case(16384, 4096)),
@@ -187,6 +228,8 @@ def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
         ("rope", "q 4x32x4096x128, k 4x8x4096x128", lambda: rope_case(4, 32, 8, 4096, 128)),
         ("swiglu", "8192x14336", lambda: gated_case(8192, 14336, "swiglu")),
         ("geglu", "8192x14336", lambda: gated_case(8192, 14336, "geglu")),
+        ("cross_entropy", "8192x128256", lambda: cross_entropy_case(8192, 128256)),
+        ("fused_linear_cross_entropy", "8192x4096x128256", lambda: fused_linear_cross_entropy_case(8192, 4096, 128256)),
     ]
 
 
@@ -201,12 +244,22 @@ def sweep_cases() -> list[tuple[str, str, Callable[[], Case]]]:
         cases.append(("rope/seq", f"4x32/8x{seq}x128", lambda s=seq: rope_case(4, 32, 8, s, 128)))
     for tokens in (1024, 4096, 16384):
         cases.append(("swiglu/tokens", f"{tokens}x14336", lambda t=tokens: gated_case(t, 14336, "swiglu")))
+    for tokens, vocab in ((8192, 128256), (16384, 128256), (32768, 128256), (8192, 262144)):
+        cases.append(
+            (
+                "fused_linear_cross_entropy/tokens",
+                f"{tokens}x4096x{vocab}",
+                lambda t=tokens, v=vocab: fused_linear_cross_entropy_case(t, 4096, v),
+            )
+        )
     return cases
 
 
-def run_case(op: str, shape: str, make: Callable[[], Case], copy_bw: float, with_memory: bool) -> list[Measurement]:
+def run_case(
+    op: str, shape: str, make: Callable[[], Case], copy_bw: float, matmul_rate: float, with_memory: bool
+) -> list[Measurement]:
     case = make()
-    floor_ms = case.bytes_moved / copy_bw * 1e3
+    floor_ms = max(case.bytes_moved / copy_bw, case.flops / matmul_rate) * 1e3
     results = []
     for provider, forward in case.providers.items():
 
@@ -239,7 +292,9 @@ def run_case(op: str, shape: str, make: Callable[[], Case], copy_bw: float, with
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file for the results (written atomically)")
-    parser.add_argument("--only", default=None, help="run only ops whose name starts with this")
+    parser.add_argument(
+        "--only", default=None, help="run only ops whose name starts with one of these (comma-separated)"
+    )
     parser.add_argument("--no-sweeps", action="store_true", help="only the issue's shapes")
     parser.add_argument("--sweeps-only", action="store_true", help="only the size sweeps")
     args = parser.parse_args()
@@ -249,13 +304,13 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s", flush=True)
     cases = [] if args.sweeps_only else [(op, shape, make, True) for op, shape, make in main_cases()]
     if not args.no_sweeps:
-        cases += [(op, shape, make, False) for op, shape, make in sweep_cases()]
+        cases += [(op, shape, make, op.startswith("fused_linear")) for op, shape, make in sweep_cases()]
     results = []
     for index, (op, shape, make, with_memory) in enumerate(cases, 1):
-        if args.only and not op.startswith(args.only):
+        if args.only and not op.startswith(tuple(args.only.split(","))):
             continue
         print(f"[{index}/{len(cases)}] {op} {shape}", flush=True)
-        results += run_case(op, shape, make, copy_bw, with_memory)
+        results += run_case(op, shape, make, copy_bw, matmul, with_memory)
     payload = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
