@@ -50,7 +50,19 @@ def median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
 
 
 def graph_median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
-    """Median of the step replayed from a CUDA graph: GPU time without Python launch overhead."""
+    """Median of the step replayed from a CUDA graph: GPU time without Python launch overhead.
+
+    A step that synchronizes with the host cannot be captured; it is found first with the sync
+    debug mode, because a failed capture leaves the CUDA random generator unusable.
+    """
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as error:
+        print(f"  (no CUDA-graph time: the step synchronizes with the host: {str(error).splitlines()[0]})")
+        return float("nan")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     try:
         return triton.testing.do_bench_cudagraph(step, rep=50, grad_to_none=grads, return_mode="median")
     except Exception as error:  # a provider that cannot be captured is reported without a graph time

@@ -37,10 +37,18 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, check_same_device, check_vector, next_power_of_2, use_triton, warps_for
+from tigon.kernels.utils import (
+    check_float,
+    check_same_device,
+    check_vector,
+    multiprocessor_count,
+    next_power_of_2,
+    use_triton,
+    warps_for,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK_V = 8192  # vocabulary elements one program handles per step
+MAX_BLOCK_V = 8192  # vocabulary elements one program handles per step (at most 16384: registers)
 SCALE_BLOCK = 4096  # elements per program of the backward's scaling kernel
 
 
@@ -65,6 +73,7 @@ def _cross_entropy_kernel(
     stride_row_scale,
     LOSS,
     Z_LOSS,
+    n_rows,
     n_cols,
     ignore_index,
     label_smoothing,
@@ -79,97 +88,98 @@ def _cross_entropy_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
+    # A persistent grid: few enough rows in flight that pass 2 re-reads each row from L2, not HBM.
     offsets = tl.arange(0, BLOCK_V)
-    target = tl.load(TARGET + row).to(tl.int64)
-    if target == ignore_index:
-        tl.store(LOSS + row, 0.0)
-        if STORE_Z:
-            tl.store(Z_LOSS + row, 0.0)
-        if WRITE_GRAD:
-            zeros = tl.zeros((BLOCK_V,), dtype=X.dtype.element_ty)
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + offsets
-                tl.store(x_row + cols, zeros, mask=cols < n_cols)
-    else:
-        in_range = (target >= 0) & (target < n_cols)
-        t_index = tl.where(in_range, target, 0)
-        ce_scale = tl.load(SCALES)
-        z_scale = tl.load(SCALES + 1)
-        weight_total = tl.load(SCALES + 2)
-        poison = tl.where(in_range, 0.0, float("nan"))
-
-        # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing.
-        m = float("-inf")
-        d = 0.0
-        smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK_V):
-            cols = start + offsets
-            mask = cols < n_cols
-            z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                z, _ = _softcap(z, softcap)
-            if HAS_SMOOTHING:  # masked lanes hold z = 0 here
-                if HAS_WEIGHT:
-                    smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
-                else:
-                    smooth += z
-            z = tl.where(mask, z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
-            d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-            m = m_new
-        lse = m + tl.log(d)
-
-        z_t = tl.load(x_row + t_index).to(tl.float32)
-        if HAS_SOFTCAP:
-            z_t, _ = _softcap(z_t, softcap)
-        if HAS_WEIGHT:
-            w_t = tl.load(CLASS_WEIGHT + t_index).to(tl.float32)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        x_row = X + row * stride_x
+        target = tl.load(TARGET + row).to(tl.int64)
+        if target == ignore_index:
+            tl.store(LOSS + row, 0.0)
+            if STORE_Z:
+                tl.store(Z_LOSS + row, 0.0)
+            if WRITE_GRAD:
+                zeros = tl.zeros((BLOCK_V,), dtype=X.dtype.element_ty)
+                for start in range(0, n_cols, BLOCK_V):
+                    cols = start + offsets
+                    tl.store(x_row + cols, zeros, mask=cols < n_cols)
         else:
-            w_t = 1.0
-        target_coef = w_t * (1.0 - label_smoothing) * ce_scale
-        ce = (lse - z_t) * w_t * (1.0 - label_smoothing)
-        p_coef = target_coef
-        uniform_coef = 0.0
-        if HAS_SMOOTHING:
-            ce += (lse * weight_total - tl.sum(smooth, axis=0)) * (label_smoothing / n_cols)
-            uniform_coef = ce_scale * (label_smoothing / n_cols)
-            p_coef += uniform_coef * weight_total
-        loss = ce * ce_scale
-        z_loss = 0.0
-        if HAS_Z:
-            z_loss = lse * lse * lse_square_scale * z_scale
-            loss += z_loss
-            p_coef += lse * lse_square_scale * z_scale * 2.0
-        tl.store(LOSS + row, loss + poison)
-        if STORE_Z:
-            tl.store(Z_LOSS + row, z_loss + poison)
+            in_range = (target >= 0) & (target < n_cols)
+            t_index = tl.where(in_range, target, 0)
+            ce_scale = tl.load(SCALES)
+            z_scale = tl.load(SCALES + 1)
+            weight_total = tl.load(SCALES + 2)
+            poison = tl.where(in_range, 0.0, float("nan"))
 
-        # Pass 2: overwrite the logits with the gradient of the (reduced) loss.
-        if WRITE_GRAD:
-            if HAS_ROW_SCALE:
-                g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
-                target_coef = target_coef * g
-                p_coef = p_coef * g
-                uniform_coef = uniform_coef * g
+            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing.
+            m = float("-inf")
+            d = 0.0
+            smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + offsets
                 mask = cols < n_cols
                 z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
-                    z, tanh_z = _softcap(z, softcap)
-                grad = tl.exp(z - lse) * p_coef
-                if HAS_SMOOTHING:
+                    z, _ = _softcap(z, softcap)
+                if HAS_SMOOTHING:  # masked lanes hold z = 0 here
                     if HAS_WEIGHT:
-                        grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+                        smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
                     else:
-                        grad -= uniform_coef
-                grad = tl.where(cols == t_index, grad - target_coef, grad)
-                if HAS_SOFTCAP:
-                    grad = grad * (1.0 - tanh_z * tanh_z)
-                tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask)
+                        smooth += z
+                z = tl.where(mask, z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, axis=0))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
+                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+                m = m_new
+            lse = m + tl.log(d)
+
+            z_t = tl.load(x_row + t_index).to(tl.float32)
+            if HAS_SOFTCAP:
+                z_t, _ = _softcap(z_t, softcap)
+            if HAS_WEIGHT:
+                w_t = tl.load(CLASS_WEIGHT + t_index).to(tl.float32)
+            else:
+                w_t = 1.0
+            target_coef = w_t * (1.0 - label_smoothing) * ce_scale
+            ce = (lse - z_t) * w_t * (1.0 - label_smoothing)
+            p_coef = target_coef
+            uniform_coef = 0.0
+            if HAS_SMOOTHING:
+                ce += (lse * weight_total - tl.sum(smooth, axis=0)) * (label_smoothing / n_cols)
+                uniform_coef = ce_scale * (label_smoothing / n_cols)
+                p_coef += uniform_coef * weight_total
+            loss = ce * ce_scale
+            z_loss = 0.0
+            if HAS_Z:
+                z_loss = lse * lse * lse_square_scale * z_scale
+                loss += z_loss
+                p_coef += lse * lse_square_scale * z_scale * 2.0
+            tl.store(LOSS + row, loss + poison)
+            if STORE_Z:
+                tl.store(Z_LOSS + row, z_loss + poison)
+
+            # Pass 2: overwrite the logits with the gradient of the (reduced) loss.
+            if WRITE_GRAD:
+                if HAS_ROW_SCALE:
+                    g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
+                    target_coef = target_coef * g
+                    p_coef = p_coef * g
+                    uniform_coef = uniform_coef * g
+                for start in range(0, n_cols, BLOCK_V):
+                    cols = start + offsets
+                    mask = cols < n_cols
+                    z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                    if HAS_SOFTCAP:
+                        z, tanh_z = _softcap(z, softcap)
+                    grad = tl.exp(z - lse) * p_coef
+                    if HAS_SMOOTHING:
+                        if HAS_WEIGHT:
+                            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+                        else:
+                            grad -= uniform_coef
+                    grad = tl.where(cols == t_index, grad - target_coef, grad)
+                    if HAS_SOFTCAP:
+                        grad = grad * (1.0 - tanh_z * tanh_z)
+                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -298,6 +308,17 @@ def loss_scales(
     return torch.stack([ce_scale, z_scale, weight_total])
 
 
+# Rows in flight per multiprocessor, vocabulary chunk and warps; see benchmarks/tune_cross_entropy.py.
+PROGRAMS_PER_SM = 2
+CHUNK_WARPS = {4096: 8, 8192: 16, 16384: 32}
+
+
+def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
+    block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
+    programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
+    return programs, block_v, CHUNK_WARPS.get(block_v, warps_for(block_v))
+
+
 def cross_entropy_rows(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -315,8 +336,8 @@ def cross_entropy_rows(
     gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
     """
     n_rows, n_cols = logits.shape
-    block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
-    _cross_entropy_kernel[(n_rows,)](
+    programs, block_v, num_warps = _launch_config(n_rows, n_cols, logits.device)
+    _cross_entropy_kernel[(programs,)](
         logits,
         logits.stride(0),
         target,
@@ -326,6 +347,7 @@ def cross_entropy_rows(
         row_scale.stride(0) if row_scale is not None else 0,
         loss_out,
         z_out if z_out is not None else loss_out,
+        n_rows,
         n_cols,
         options.ignore_index,
         options.label_smoothing,
@@ -339,7 +361,7 @@ def cross_entropy_rows(
         STORE_Z=z_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        num_warps=warps_for(block_v),
+        num_warps=num_warps,
     )
 
 
