@@ -29,6 +29,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from tigon.platform.jobs import flyte_task_options
 from tigon.platform.templates import load_templates
+from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.config import RunConfig, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,9 +156,12 @@ def report(config_yaml: str, outcome: str) -> FlyteDirectory:
         "data": result["data"],
     }
     table = "".join(f"<tr><th>{k}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows.items())
-    Deck("Training", f"<h2>Training</h2>{image}<table>{table}</table>")
-    Deck("Config", f"<pre>{html.escape(config_yaml)}</pre>")
+    training = f"<h2>Training</h2>{image}<table>{table}</table>"
+    config_html = f"<h2>Config</h2><pre>{html.escape(config_yaml)}</pre>"
+    Deck("Training", training)
+    Deck("Config", config_html)
     current_context().default_deck.append(f"Model exported to {result['export_dir']}")
+    atomic_write_text(Path(result["run_dir"]) / "report.html", f"<html><body>{training}{config_html}</body></html>")
     return FlyteDirectory(result["export_dir"])
 
 

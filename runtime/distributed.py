@@ -1,0 +1,172 @@
+"""Processes and devices: rank, world size and rendezvous from the environment, DDP wrapping.
+
+The same entry point runs one process or many: `torchrun` and a Kubeflow PyTorchJob both set
+RANK, WORLD_SIZE, LOCAL_RANK (torchrun), MASTER_ADDR and MASTER_PORT. A process group is
+created only when WORLD_SIZE > 1: gloo on CPUs, NCCL on GPUs (`parallelism.backend`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tigon.runtime.config import ConfigError, RunConfig
+
+logger = logging.getLogger("tigon.runtime")
+
+#: strategies the plain PyTorch trainer implements; the others are named in the error message
+IMPLEMENTED_STRATEGIES = ("ddp",)
+
+_owns_process_group = False  # True when init_distributed created the group (so shutdown may destroy it)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int_var(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} must be an integer (set by torchrun)") from None
+
+
+def env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the torchrun / PyTorchJob variables; a bare `python` process is rank 0 of 1."""
+    environ = os.environ if environ is None else environ
+    world_size = _int_var(environ, "WORLD_SIZE", 1)
+    rank = _int_var(environ, "RANK", 0)
+    local_rank = _int_var(environ, "LOCAL_RANK", 0)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} are inconsistent: need 0 <= RANK < WORLD_SIZE")
+    if local_rank < 0 or local_rank > rank:
+        raise ConfigError(f"LOCAL_RANK={local_rank} must be between 0 and RANK={rank}")
+    port = environ.get("MASTER_PORT")
+    env = DistEnv(rank, world_size, local_rank, environ.get("MASTER_ADDR"), int(port) if port else None)
+    if env.distributed and (env.master_addr is None or env.master_port is None):
+        raise ConfigError(
+            f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+            "launch with torchrun (e.g. torchrun --nproc_per_node 2 -m tigon.runtime train CONFIG)"
+        )
+    return env
+
+
+def check_strategy(config: RunConfig) -> None:
+    """Fail early, with the alternatives, on a strategy the torch trainer does not implement yet."""
+    strategy = config.parallelism.strategy
+    if strategy not in IMPLEMENTED_STRATEGIES:
+        raise ConfigError(
+            f"parallelism.strategy: {strategy!r} is not yet available for the torch trainer "
+            f"(FSDP2 and DeepSpeed are planned); use 'ddp'"
+        )
+
+
+def select_device(env: DistEnv) -> torch.device:
+    """cuda:LOCAL_RANK when GPUs are present, else the CPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise ConfigError(f"LOCAL_RANK={env.local_rank} but only {count} GPU(s) are visible on this node")
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def resolve_backend(config: RunConfig, device: torch.device) -> str:
+    backend = config.parallelism.backend
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallelism.backend: 'nccl' needs GPUs; on CPUs use 'gloo' or 'auto'")
+    return backend
+
+
+def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None) -> tuple[DistEnv, torch.device]:
+    """Read the environment, pick the device and, for WORLD_SIZE > 1, join the process group."""
+    check_strategy(config)
+    env = env_from_environ(environ)
+    device = select_device(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    global _owns_process_group
+    if env.distributed and not dist.is_initialized():
+        backend = resolve_backend(config, device)
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=30),
+            device_id=device if device.type == "cuda" else None,
+        )
+        _owns_process_group = True
+        logger.info("rank %d/%d joined the %s process group on %s", env.rank, env.world_size, backend, device)
+    return env, device
+
+
+def shutdown() -> None:
+    """Leave the process group if `init_distributed` created it (a caller's own group is left alone)."""
+    global _owns_process_group
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_process_group = False
+
+
+def wrap_model(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+    """DistributedDataParallel when WORLD_SIZE > 1, the model itself otherwise."""
+    check_strategy(config)
+    if not env.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def barrier(env: DistEnv) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum a tensor over all ranks (in place, returned); a no-op in one process."""
+    if env.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def broadcast_object(value, env: DistEnv, src: int = 0):
+    """Rank `src`'s value on every rank."""
+    if not env.distributed:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

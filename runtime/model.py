@@ -1,0 +1,172 @@
+"""Model building, shared by every trainer: load or build, kernels, gradient checkpointing, LoRA.
+
+    model = build_model(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+`model.path` loads a local `from_pretrained` directory; `model.config_name` builds a randomly
+initialized model from a transformers config (`config_overrides` inline). Then tigon's kernels
+are applied per `config.kernels` (the PatchReport is logged and kept on
+`model.tigon_patch_report`), gradient checkpointing is turned on if asked, and LoRA adapters
+are added through peft when `lora.enabled`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tigon.runtime.config import ConfigError, RunConfig
+
+logger = logging.getLogger("tigon.runtime")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def _check_attention(config: RunConfig) -> None:
+    if config.model.attn_implementation != "flash_attention_2":
+        return
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attn_implementation: 'flash_attention_2' needs a CUDA GPU and the flash-attn package; "
+            "use 'sdpa' (PyTorch's fused attention) instead"
+        )
+    if config.model.dtype == "float32":
+        raise ConfigError("model.attn_implementation: 'flash_attention_2' needs model.dtype bfloat16 or float16")
+
+
+def _special_token_ids(tokenizer) -> dict[str, int]:
+    ids = {}
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if value is not None:
+            ids[name] = value
+    return ids
+
+
+def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
+    """`from_pretrained` on a local directory; the embeddings grow if the tokenizer is larger."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(config.model.path)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise ConfigError(
+            f"model.path: {path} {what}; point it at a local save_pretrained directory "
+            "(tigon does not download from a model hub), or build from a config with model.config_name"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation
+    )
+    embeddings = model.get_input_embeddings().weight.shape[0]
+    if vocab_size > embeddings:
+        logger.info("resizing the embeddings from %d to the tokenizer's %d tokens", embeddings, vocab_size)
+        model.resize_token_embeddings(vocab_size)
+    return model
+
+
+def build_from_config(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
+    """A randomly initialized model from `AutoConfig.for_model(config_name, **config_overrides)`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(config.model.config_overrides)
+    if overrides.get("vocab_size", vocab_size) < vocab_size:
+        raise ConfigError(
+            f"model.config_overrides.vocab_size: {overrides['vocab_size']} is smaller than the tokenizer's "
+            f"{vocab_size} tokens; remove it (the tokenizer's size is used) or raise it"
+        )
+    overrides.setdefault("vocab_size", vocab_size)
+    for name, value in _special_token_ids(tokenizer).items():
+        overrides.setdefault(name, value)
+    try:
+        model_config = AutoConfig.for_model(config.model.config_name, **overrides)
+    except (ValueError, KeyError) as error:
+        raise ConfigError(f"model.config_name / config_overrides: {error}") from None
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and config.data.max_seq_len > limit:
+        raise ConfigError(
+            f"data.max_seq_len: {config.data.max_seq_len} is longer than the model's max_position_embeddings "
+            f"({limit}); lower it or set model.config_overrides.max_position_embeddings"
+        )
+    return AutoModelForCausalLM.from_config(
+        model_config, dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation
+    )
+
+
+def apply_kernels(model: nn.Module, config: RunConfig):
+    """tigon's kernels per `config.kernels`; returns the PatchReport (None when disabled)."""
+    kernels = config.kernels
+    if not kernels.enabled:
+        logger.info("tigon kernels disabled (kernels.enabled: false)")
+        return None
+    from tigon.kernels.patching import apply
+
+    return apply(model, rms_norm=kernels.rms_norm, rope=kernels.rope, swiglu=kernels.swiglu)  # logs its report
+
+
+def add_lora(model: nn.Module, config: RunConfig) -> nn.Module:
+    """Wrap in a peft LoRA model; only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = config.lora
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [name for name in lora.target_modules if name not in present]
+    if missing:
+        raise ConfigError(
+            f"lora.target_modules: {missing} not found in the model; some module names it has: "
+            f"{sorted(n for n in present if n.endswith('proj'))[:12]}"
+        )
+    peft_config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, peft_config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA r=%d: %d of %d parameters train (%.2f%%)", lora.r, trainable, total, 100 * trainable / total)
+    return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"training.gradient_checkpointing: {type(model).__name__} does not support it; set it to false"
+        )
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_model(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
+    """The model a run trains, on the CPU in `model.dtype`; move it to the device afterwards."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    _check_attention(config)
+    if config.model.path is not None:
+        model = load_pretrained(config, vocab_size, tokenizer)
+    else:
+        model = build_from_config(config, vocab_size, tokenizer)
+    model.tigon_patch_report = apply_kernels(model, config)
+    if config.training.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if config.lora.enabled:
+        model = add_lora(model, config)
+    return model
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,600 @@
+"""The plain PyTorch trainer: one loop over pieces other trainers reuse.
+
+    result = train(load_config("examples/demo.yaml"))
+
+The pieces are functions, so an HF `Trainer` or Lightning adapter can share them:
+`prepare` (process group, tokenizer, data, model), `build_optimizer`, `build_scheduler`,
+`GlobalBatchSampler` (the data order), `token_loss_sum` (the loss), `evaluate`.
+
+Loss normalization: a step's loss is the sum of token losses over all its micro-batches and
+ranks divided by the number of label tokens among them, as if the whole global batch were one
+forward pass; so gradient accumulation and DDP change nothing but rounding.
+
+Data order: each epoch is a seeded permutation of the training sequences, cut into global
+batches of micro_batch_size x gradient_accumulation_steps x world_size; inside a global batch,
+micro-batch m of rank r takes chunk m * world_size + r. The order is therefore the same for
+1 x 4, 2 x 2 and 2 ranks x 2, and the data position (epoch, batches consumed) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
+from tigon.runtime.distributed import (
+    DistEnv,
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    shutdown,
+    unwrap,
+    wrap_model,
+)
+from tigon.runtime.model import build_model, count_parameters
+from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
+
+logger = logging.getLogger("tigon.runtime")
+
+IGNORE_INDEX = -100
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What a finished run did and where it wrote things."""
+
+    run_dir: str
+    steps: int
+    losses: list[float]  # one per optimizer step, from step 1 (a resumed run includes the earlier steps)
+    final_loss: float | None
+    eval_metrics: dict[str, float]  # the last evaluation
+    export_dir: str | None
+    tokens_per_second: float
+    peak_memory_bytes: int
+    resumed_from_step: int | None = None
+    eval_history: list[dict] = field(default_factory=list)
+    device: str = "cpu"
+    world_size: int = 1
+    checkpoint_dir: str | None = None
+    tensorboard_dir: str | None = None
+    train_seconds: float = 0.0
+    kernels: str | None = None
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def validate_for_torch_trainer(config: RunConfig) -> None:
+    """Settings the plain PyTorch trainer cannot honour, named with the fix."""
+    if config.trainer != "torch":
+        raise ConfigError(f"trainer: {config.trainer!r} is not yet available in this build; use 'torch'")
+    if config.training.plan == "auto":
+        raise ConfigError("training.plan: 'auto' needs the memory planner, not yet available; use 'manual'")
+    if config.training.precision == "fp16" and config.model.dtype == "float16":
+        raise ConfigError(
+            "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
+            "set model.dtype: float32 (autocast runs the forward in fp16) or use bf16"
+        )
+    if "exact_match" in config.eval.metrics and config.data.format == "text":
+        raise ConfigError(
+            "eval.metrics: 'exact_match' needs data.format 'instruction' or 'chat' (a prompt to answer); "
+            "with 'text' use ['loss']"
+        )
+    if config.data.eval is None and config.eval.every_steps > 0:
+        raise ConfigError("eval.every_steps is set but data.eval is not: add a held-out file or set every_steps: 0")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: norms, biases (every tensor under 2-D) are not decayed."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        (no_decay if parameter.ndim < 2 or "norm" in name.lower() else decay).append(parameter)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, training.weight_decay)
+    if not groups:
+        raise ConfigError("the model has no trainable parameters (check lora.target_modules)")
+    on_gpu = all(p.is_cuda for group in groups for p in group["params"])
+    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=on_gpu or None)
+
+
+def lr_factor(step: int, training: TrainingConfig, total_steps: int) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based): linear warmup, then the schedule."""
+    warmup = training.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if training.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if training.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, training, total_steps))
+
+
+class GlobalBatchSampler:
+    """This rank's micro-batches of each global batch, in an order independent of how it is split."""
+
+    def __init__(self, n_items: int, micro_batch: int, accumulation: int, world_size: int, rank: int, seed: int):
+        self.n_items, self.micro_batch, self.accumulation = n_items, micro_batch, accumulation
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.global_batch = micro_batch * accumulation * world_size
+        self._epoch, self._order = None, None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n_items // self.global_batch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.n_items, generator=generator)
+        return self._order
+
+    def micro_batches(self, epoch: int, batch: int) -> list[list[int]]:
+        """Indices of this rank's `accumulation` micro-batches in global batch `batch` of `epoch`."""
+        if not 0 <= batch < self.batches_per_epoch:
+            raise IndexError(f"global batch {batch} out of range (an epoch has {self.batches_per_epoch})")
+        order = self.order(epoch)
+        start = batch * self.global_batch
+        result = []
+        for micro in range(self.accumulation):
+            chunk = start + (micro * self.world_size + self.rank) * self.micro_batch
+            result.append(order[chunk : chunk + self.micro_batch].tolist())
+        return result
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry loss after the causal shift."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
+    """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
+    from tigon.runtime.data import model_inputs
+
+    batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+    inputs = model_inputs(batch, attn_implementation)
+    inputs.pop("labels", None)  # the loss is computed here, normalized over the whole global batch
+    inputs["use_cache"] = False
+    labels = batch["labels"]
+    with autocast(device, precision):
+        logits = model(**inputs).logits
+    logits = logits[:, :-1].float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
+    """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
+    indices = list(range(env.rank, len(dataset), env.world_size))
+    size = config.training.micro_batch_size
+    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
+    if config.eval.max_batches is not None:
+        batches = batches[: config.eval.max_batches]
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch_indices in batches:
+        batch = collate([dataset[i] for i in batch_indices])
+        totals[0] += token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
+        totals[1] += label_tokens(batch["labels"])
+    all_reduce_sum(totals, env)
+    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+
+def generation_examples(config: RunConfig, tokenizer) -> list[tuple[list[int], str]]:
+    """(prompt ids, reference answer) of every eval record, tokenized exactly as in training."""
+    from tigon.runtime import data
+
+    records, _ = data.read_records(config.data.eval, skip_malformed=config.data.skip_malformed)
+    examples = []
+    for number, record in enumerate(records, start=1):
+        try:
+            examples.append(
+                data.encode_prompt(record, config.data, tokenizer, where=f"{config.data.eval}, record {number}")
+            )
+        except data.MalformedRecordError:
+            if not config.data.skip_malformed:
+                raise
+    return examples
+
+
+def exact_match_rate(
+    model: nn.Module,
+    tokenizer,
+    examples: list[tuple[list[int], str]],
+    config: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    batch_size: int = 64,
+) -> float:
+    """Greedy-decode this rank's share of the prompts and score them; the fraction correct over all ranks.
+
+    Prompts are batched by token length, so no padding (and no attention-mask subtleties) is involved.
+    """
+    from tigon.runtime.tasks import exact_match
+
+    share = examples[env.rank :: env.world_size]
+    if config.eval.max_batches is not None:
+        share = share[: config.eval.max_batches * config.training.micro_batch_size]
+    encoded = [(list(ids), response) for ids, response in share]
+    longest = max((len(tokenizer.encode(r, add_special_tokens=False)) for _, r in encoded), default=1) + 1
+    by_length: dict[int, list[tuple[list[int], str]]] = {}
+    for ids, response in encoded:
+        by_length.setdefault(len(ids), []).append((ids, response))
+    limit = getattr(unwrap(model).config, "max_position_embeddings", None)
+    correct = 0
+    for length, group in sorted(by_length.items()):
+        new_tokens = longest if limit is None else max(1, min(longest, limit - length))
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            input_ids = torch.tensor([ids for ids, _ in chunk], device=device)
+            with autocast(device, config.training.precision):
+                output = unwrap(model).generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    use_cache=True,
+                )
+            for row, (_, response) in zip(output[:, length:].tolist(), chunk, strict=True):
+                if tokenizer.eos_token_id in row:
+                    row = row[: row.index(tokenizer.eos_token_id)]
+                correct += exact_match(tokenizer.decode(row, skip_special_tokens=True), response)
+    totals = all_reduce_sum(torch.tensor([correct, len(share)], dtype=torch.float64, device=device), env)
+    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+
+def evaluate(
+    model: nn.Module,
+    dataset,
+    tokenizer,
+    config: RunConfig,
+    env: DistEnv,
+    device: torch.device,
+    examples: list[tuple[list[int], str]] | None = None,
+) -> dict[str, float]:
+    """The configured metrics; random states are left as they were, so evaluating never changes training."""
+    metrics: dict[str, float] = {}
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        if "loss" in config.eval.metrics:
+            metrics["loss"] = eval_loss(unwrap(model), dataset, config, env, device)
+        if "exact_match" in config.eval.metrics and examples:
+            metrics["exact_match"] = exact_match_rate(model, tokenizer, examples, config, env, device)
+    model.train(was_training)
+    return metrics
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Prepared:
+    """Everything built before the first step; what another trainer adapter would start from."""
+
+    env: DistEnv
+    device: torch.device
+    tokenizer: object
+    train_dataset: object
+    eval_dataset: object
+    data_summary: object
+    model: nn.Module  # unwrapped, on the device
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Process group, seeded tokenizer, datasets and model (on its device)."""
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    validate_for_torch_trainer(config)
+    env, device = init_distributed(config)
+    seed_everything(config.training.seed)
+    tokenizer = load_tokenizer(config.model)
+    train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
+    if env.is_main:
+        logger.info("data: %s", data_summary)
+    model = build_model(config, len(tokenizer), tokenizer).to(device)
+    return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model)
+
+
+RESUME_SECTIONS = ("model", "data", "lora")
+
+
+def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
+    """Refuse to resume a checkpoint of a different run (another model, data or adapters) with a clear message."""
+    saved_file = checkpoint_dir / "config.json"
+    if not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text())
+    current = json.loads(config.model_dump_json())
+    differing = [name for name in RESUME_SECTIONS if saved.get(name) != current.get(name)]
+    if differing:
+        raise ConfigError(
+            f"checkpoint.resume: {checkpoint_dir} belongs to a run with different {', '.join(differing)} settings; "
+            "use another logging.run_dir, or set checkpoint.resume: false to start over there"
+        )
+
+
+def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[int, int]:
+    """(optimizer steps in the run, global batches per epoch)."""
+    training = config.training
+    global_batch = training.micro_batch_size * training.gradient_accumulation_steps * world_size
+    per_epoch = n_sequences // global_batch
+    if per_epoch == 0:
+        raise ConfigError(
+            f"data.train: {n_sequences} training sequences of {config.data.max_seq_len} tokens fill no global batch of "
+            f"{global_batch} (training.micro_batch_size x gradient_accumulation_steps x {world_size} processes); "
+            "lower those, shorten data.max_seq_len, or add data"
+        )
+    total = training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch)
+    return max(1, total), per_epoch
+
+
+def train(config: RunConfig) -> TrainResult:
+    """Run (or resume) one training run as configured; returns what it did. Call on every rank."""
+    try:
+        return _train(config, prepare(config))
+    finally:
+        shutdown()
+
+
+def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
+    env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
+    training = config.training
+    run_dir = Path(config.logging.run_dir)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+
+    model = wrap_model(prepared.model, config, env, device)
+    optimizer = build_optimizer(prepared.model, training)
+    scheduler = build_scheduler(optimizer, training, total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=training.precision == "fp16")
+    sampler = GlobalBatchSampler(
+        len(prepared.train_dataset),
+        training.micro_batch_size,
+        training.gradient_accumulation_steps,
+        env.world_size,
+        env.rank,
+        training.seed,
+    )
+    trainable, total_params = count_parameters(prepared.model)
+    if env.is_main:
+        logger.info(
+            "training %s parameters (%s total) on %s x %d: %d steps of %d sequences x %d tokens (%d steps per epoch)",
+            f"{trainable:,}",
+            f"{total_params:,}",
+            device,
+            env.world_size,
+            total_steps,
+            sampler.global_batch,
+            config.data.max_seq_len,
+            per_epoch,
+        )
+
+    state = ckpt.TrainState(world_size=env.world_size)
+    resumed_from = None
+    latest = ckpt.latest_checkpoint(run_dir) if config.checkpoint.resume else None
+    if latest is not None:
+        check_resumable(latest, config)
+        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, env, scaler)
+        resumed_from = state.step
+        state.world_size = env.world_size
+        if env.is_main:
+            logger.info("resumed from %s (step %d, epoch %d)", latest, state.step, state.epoch)
+    else:
+        torch.manual_seed(training.seed + env.rank)  # per-rank randomness (dropout) from here on
+        stale = ckpt.checkpoint_root(run_dir)
+        if env.is_main and stale.is_dir():
+            logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
+            shutil.rmtree(stale)
+    barrier(env)
+
+    config_json = config.model_dump_json(indent=2)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.atomic_write_text(run_dir / "config.json", config_json + "\n")
+    reporter = Reporter(
+        run_dir,
+        total_steps,
+        enabled=env.is_main,
+        progress_bar=config.logging.progress_bar,
+        tensorboard=config.logging.tensorboard,
+        log_every=config.logging.every_steps,
+        initial_step=state.step,
+        device=device,
+    )
+    examples = None
+    if prepared.eval_dataset is not None and "exact_match" in config.eval.metrics:
+        examples = generation_examples(config, tokenizer)
+
+    def run_eval() -> None:
+        if prepared.eval_dataset is None or not config.eval.metrics:
+            return
+        metrics = evaluate(model, prepared.eval_dataset, tokenizer, config, env, device, examples)
+        state.eval_history.append({"step": state.step, **metrics})
+        reporter.evaluation(state.step, metrics)
+
+    every_eval, every_ckpt = config.eval.every_steps, config.checkpoint.every_steps
+    if state.step == 0 and every_eval > 0:
+        run_eval()  # the starting point, so the summary shows the metric move
+
+    params = [p for p in prepared.model.parameters() if p.requires_grad]
+    train_seconds, tokens_this_run = 0.0, 0
+    model.train()
+    try:
+        while state.step < total_steps:
+            if state.batches_in_epoch >= per_epoch:
+                state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+            started = time.perf_counter()
+            loss, grad_norm, tokens = _optimizer_step(
+                model, sampler, prepared.train_dataset, state, config, env, device, optimizer, scaler, params
+            )
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            train_seconds += time.perf_counter() - started
+            tokens_this_run += tokens
+            state.step += 1
+            state.batches_in_epoch += 1
+            state.tokens_seen += tokens
+            state.losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"the loss became {loss} at step {state.step}; lower training.learning_rate, enable "
+                    "training.max_grad_norm, or use bf16 instead of fp16"
+                )
+            reporter.step(
+                state.step,
+                {
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "epoch": state.epoch + state.batches_in_epoch / per_epoch,
+                    "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9),
+                    "memory_bytes": memory_bytes(device),
+                    "tokens_seen": state.tokens_seen,
+                },
+            )
+            last = state.step == total_steps
+            if every_eval > 0 and state.step % every_eval == 0 and not last:
+                run_eval()
+            if every_ckpt > 0 and (state.step % every_ckpt == 0 or last):
+                ckpt.save_checkpoint(
+                    run_dir,
+                    state,
+                    model,
+                    optimizer,
+                    scheduler,
+                    env,
+                    config.checkpoint.keep_last,
+                    scaler,
+                    config_json,
+                )
+        if not state.eval_history or state.eval_history[-1]["step"] != state.step:
+            run_eval()
+    finally:
+        reporter.close()
+
+    export_dir = None
+    if config.checkpoint.export:
+        if env.is_main:
+            export_dir = str(
+                ckpt.export_model(model, tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora)
+            )
+        barrier(env)
+
+    latest = ckpt.latest_checkpoint(run_dir)
+    patch = getattr(prepared.model, "tigon_patch_report", None)
+    result = TrainResult(
+        run_dir=str(run_dir),
+        steps=state.step,
+        losses=list(state.losses),
+        final_loss=state.losses[-1] if state.losses else None,
+        eval_metrics={k: v for k, v in (state.eval_history[-1] if state.eval_history else {}).items() if k != "step"},
+        export_dir=export_dir,
+        tokens_per_second=tokens_this_run / train_seconds if train_seconds > 0 else 0.0,
+        peak_memory_bytes=memory_bytes(device),
+        resumed_from_step=resumed_from,
+        eval_history=list(state.eval_history),
+        device=str(device),
+        world_size=env.world_size,
+        checkpoint_dir=str(latest) if latest is not None else None,
+        tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
+        train_seconds=train_seconds,
+        kernels=str(patch) if patch is not None else None,
+    )
+    if env.is_main:
+        reporter.plot(result.losses, result.eval_history)
+        write_summary(run_dir, {**result.__dict__, "config": json.loads(config_json)})
+        print(summary_text(result), flush=True)
+    return result
+
+
+def _optimizer_step(model, sampler, dataset, state, config, env, device, optimizer, scaler, params):
+    """Forward and backward over this rank's micro-batches of one global batch, then the update.
+
+    Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens processed).
+    """
+    training = config.training
+    micro_batches = [
+        collate([dataset[i] for i in indices]) for indices in sampler.micro_batches(state.epoch, state.batches_in_epoch)
+    ]
+    counts = torch.tensor(
+        [
+            sum(label_tokens(batch["labels"]) for batch in micro_batches),
+            sum(b["input_ids"].numel() for b in micro_batches),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    all_reduce_sum(counts, env)
+    n_label, n_tokens = float(counts[0]), int(counts[1])
+    if n_label == 0:
+        raise ValueError(
+            f"step {state.step + 1}: no token in the global batch carries a label (all -100); check data.format "
+            "and the prompt/response fields"
+        )
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for index, batch in enumerate(micro_batches):
+        sync = index == len(micro_batches) - 1 or not env.distributed
+        with contextlib.nullcontext() if sync else model.no_sync():
+            summed = token_loss_sum(model, batch, config.model.attn_implementation, device, training.precision)
+            scaler.scale(summed * (env.world_size / n_label)).backward()
+        loss_sum += summed.detach()
+    scaler.unscale_(optimizer)
+    max_norm = training.max_grad_norm if training.max_grad_norm is not None else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    all_reduce_sum(loss_sum, env)
+    return float(loss_sum) / n_label, grad_norm, n_tokens

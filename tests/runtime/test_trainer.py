@@ -1,0 +1,342 @@
+"""The plain PyTorch trainer on a tiny Llama: loss falls, accumulation and DDP change nothing but rounding.
+
+`tiny_config` (also used by the checkpoint and CLI tests) builds a run of a 2-layer, 32-wide Llama
+with tigon's character tokenizer on a generated arithmetic task.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig, parse_config
+from tigon.runtime.tasks import write_arithmetic_dataset
+from tigon.runtime.trainer import (
+    GlobalBatchSampler,
+    build_optimizer,
+    collate,
+    label_tokens,
+    lr_factor,
+    param_groups,
+    token_loss_sum,
+    train,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
+    """A run small enough for the CPU test suite; `sections` update the YAML sections (nested dicts merge)."""
+    data_dir = tmp_path / "data"
+    train_file, eval_file = data_dir / "train.jsonl", data_dir / "eval.jsonl"
+    if not train_file.exists():
+        held_out = write_arithmetic_dataset(eval_file, 24, seed=1, max_operand=49)
+        write_arithmetic_dataset(
+            train_file, n_train, seed=0, max_operand=49, exclude={r["instruction"] for r in held_out}
+        )
+    raw = {
+        "model": {
+            "config_name": "llama",
+            "config_overrides": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 64,
+            },
+            "tokenizer": "char",
+        },
+        "data": {"train": str(train_file), "eval": str(eval_file), "format": "instruction", "max_seq_len": 48},
+        "training": {
+            "max_steps": 8,
+            "learning_rate": 1e-2,
+            "lr_schedule": "constant",
+            "micro_batch_size": 4,
+            "seed": 0,
+        },
+        "kernels": {"enabled": False},
+        "checkpoint": {"export": False, "resume": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(raw.get(section), dict):
+            raw[section] = {**raw[section], **values}
+        else:
+            raw[section] = values
+    return parse_config(raw)
+
+
+def test_loss_falls_with_kernels_and_run_dir_is_complete(tmp_path, restore_rope, capsys):
+    """All three kernels on, run through Triton's interpreter on the CPU (RoPE there costs ~30 ms per token)."""
+    config = tiny_config(
+        tmp_path,
+        data={"max_seq_len": 16},
+        training={"max_steps": 6, "micro_batch_size": 2},
+        kernels={"enabled": True},
+        logging={"tensorboard": True, "every_steps": 2},
+        eval={"every_steps": 3, "metrics": ["loss"], "max_batches": 1},
+    )
+    result = train(config)
+    assert result.steps == 6 and len(result.losses) == 6
+    assert result.final_loss < 0.75 * result.losses[0], result.losses
+    assert "rms_norm x5" in result.kernels and "gated_mlp x2" in result.kernels and "rope" in result.kernels
+    assert [record["step"] for record in result.eval_history] == [0, 3, 6]
+    assert result.eval_history[-1]["loss"] < result.eval_history[0]["loss"]
+    assert result.tokens_per_second > 0 and result.peak_memory_bytes > 0
+
+    run = Path(result.run_dir)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [1, 2, 4, 6]
+    assert {"loss", "lr", "grad_norm", "tokens_per_second", "memory_bytes"} <= set(records[1])
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 3, 6]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((run / "tensorboard").iterdir())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["losses"] == result.losses
+    assert not [p for p in run.iterdir() if p.name.startswith(".")], "temporary files left behind"
+
+    printed = capsys.readouterr().out
+    assert "tigon run finished: 6 optimizer steps" in printed
+    assert f"{result.losses[0]:.4f} -> {result.final_loss:.4f}" in printed
+    assert "tokens/s" in printed and "peak memory" in printed and str(run / "loss.png") in printed
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
+    """2 x micro-batch 2 and 4 x micro-batch 1 == 1 x micro-batch 4: relative loss difference under 1e-5.
+
+    Micro-batches hold different numbers of label tokens, so this only holds because every step's loss
+    is normalized by the label tokens of the whole global batch (not averaged per micro-batch).
+    """
+    runs = {}
+    for micro, accumulation in [(4, 1), (2, 2), (1, 4)]:
+        config = tiny_config(
+            tmp_path,
+            training={"micro_batch_size": micro, "gradient_accumulation_steps": accumulation, "max_steps": 5},
+            logging={"run_dir": str(tmp_path / f"run-{micro}x{accumulation}")},
+        )
+        runs[micro, accumulation] = train(config).losses
+    reference = runs[4, 1]
+    assert reference[-1] < reference[0]
+    for key, losses in runs.items():
+        for step, (got, want) in enumerate(zip(losses, reference, strict=True), start=1):
+            assert abs(got - want) <= 1e-5 * abs(want), (key, step, got, want)
+
+
+def test_loss_is_token_mean_over_label_tokens(tmp_path):
+    """token_loss_sum / label tokens equals the Hugging Face model's own (shifted, mean) loss."""
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.model import build_model
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = tiny_config(tmp_path)
+    tokenizer = load_tokenizer(config.model)
+    dataset, _, _ = build_datasets(config, tokenizer)
+    torch.manual_seed(0)
+    model = build_model(config, len(tokenizer), tokenizer)
+    batch = collate([dataset[i] for i in range(3)])
+    summed = token_loss_sum(model, batch, "sdpa", torch.device("cpu"), "fp32")
+    from tigon.runtime.data import model_inputs
+
+    expected = model(**model_inputs(batch, "sdpa")).loss
+    assert torch.allclose(summed / label_tokens(batch["labels"]), expected, rtol=1e-5)
+
+
+def _ddp_worker(tmp_path: Path) -> Path:
+    """A script for torchrun: `tigon train CONFIG` through the CLI, then this rank's losses and parameters."""
+    script = tmp_path / "ddp_worker.py"
+    script.write_text(
+        "import json, os, sys, torch\n"
+        "from tigon.runtime import cli, trainer\n"
+        "captured = {}\n"
+        "prepare, train = trainer.prepare, trainer.train\n"
+        "trainer.prepare = lambda config: captured.setdefault('prepared', prepare(config))\n"
+        "trainer.train = lambda config: captured.setdefault('result', train(config))\n"
+        "status = cli.main(['train', sys.argv[1]])\n"
+        "result, model = captured['result'], captured['prepared'].model\n"
+        "params = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])\n"
+        "record = {'status': status, 'losses': result.losses, 'world_size': result.world_size,\n"
+        "          'checksum': params.sum().item(), 'first': params[:64].tolist()}\n"
+        "with open(sys.argv[2] + f\"/rank{os.environ['RANK']}.json\", 'w') as f:\n"
+        "    json.dump(record, f)\n"
+    )
+    return script
+
+
+def test_ddp_two_processes_over_gloo_agree_with_one_process(tmp_path):
+    """torchrun (the `tigon train` CLI in each process), 2 ranks x micro-batch 2 == 1 process x micro-batch 4.
+
+    Tolerance: relative loss difference under 1e-4 per step (the gloo all-reduce sums gradients in another
+    order than one process does).
+    """
+    import yaml
+
+    config = tiny_config(tmp_path, training={"micro_batch_size": 2, "max_steps": 6})
+    config_file = tmp_path / "ddp.yaml"
+    raw = config.model_dump(mode="json")
+    raw["logging"]["run_dir"] = str(tmp_path / "ddp-run")
+    raw["checkpoint"] = {**raw["checkpoint"], "every_steps": 3, "export": True}
+    config_file.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(_ddp_worker(tmp_path)),
+        str(config_file),
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["status"] == ranks[1]["status"] == 0
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["first"] == ranks[1]["first"] and ranks[0]["checksum"] == ranks[1]["checksum"]
+    losses = ranks[0]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert (tmp_path / "ddp-run" / "checkpoints" / "step-6" / "rng-rank1.pt").is_file()
+    assert (tmp_path / "ddp-run" / "export" / "config.json").is_file()
+
+    single = train(tiny_config(tmp_path, training={"micro_batch_size": 4, "max_steps": 6}))
+    for got, want in zip(losses, single.losses, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (losses, single.losses)
+
+
+def test_exact_match_evaluation_by_greedy_decoding(tmp_path):
+    config = tiny_config(tmp_path, training={"max_steps": 2}, eval={"metrics": ["loss", "exact_match"]})
+    result = train(config)
+    assert set(result.eval_metrics) == {"loss", "exact_match"}
+    assert 0.0 <= result.eval_metrics["exact_match"] <= 1.0
+    assert math.isfinite(result.eval_metrics["loss"])
+
+
+def test_epochs_bf16_autocast_and_gradient_checkpointing(tmp_path):
+    config = tiny_config(
+        tmp_path,
+        n_train=48,
+        training={
+            "max_steps": None,
+            "epochs": 2,
+            "precision": "bf16",
+            "gradient_checkpointing": True,
+            "micro_batch_size": 2,
+        },
+        eval={"metrics": []},
+    )
+    result = train(config)
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    dataset, _, _ = build_datasets(config, load_tokenizer(config.model))
+    assert result.steps == 2 * (len(dataset) // 2)
+    assert all(math.isfinite(loss) for loss in result.losses) and result.losses[-1] < result.losses[0]
+
+
+def test_lora_trains_only_adapters(tmp_path):
+    config = tiny_config(tmp_path, training={"max_steps": 3}, lora={"enabled": True, "r": 4})
+    from tigon.runtime import trainer
+
+    prepared = trainer.prepare(config)
+    before = {n: p.detach().clone() for n, p in prepared.model.named_parameters()}
+    trainer._train(config, prepared)
+    changed = {n for n, p in prepared.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in name for name in changed)
+
+
+def test_global_batch_order_does_not_depend_on_the_split():
+    def step_indices(micro, accumulation, world):
+        samplers = [GlobalBatchSampler(40, micro, accumulation, world, rank, seed=3) for rank in range(world)]
+        return [
+            sorted(i for s in samplers for mb in s.micro_batches(epoch, batch) for i in mb)
+            for epoch in range(2)
+            for batch in range(samplers[0].batches_per_epoch)
+        ]
+
+    reference = step_indices(4, 1, 1)
+    assert step_indices(2, 2, 1) == reference == step_indices(2, 1, 2) == step_indices(1, 2, 2)
+    assert reference[0] != reference[10], "epochs must be reshuffled"
+    rank0 = GlobalBatchSampler(40, 2, 1, 2, 0, seed=3).micro_batches(0, 0)[0]
+    rank1 = GlobalBatchSampler(40, 2, 1, 2, 1, seed=3).micro_batches(0, 0)[0]
+    assert not set(rank0) & set(rank1)
+
+
+def test_learning_rate_schedules():
+    def factors(schedule):
+        training = TrainingConfig(max_steps=10, lr_schedule=schedule, warmup_steps=2)
+        return [lr_factor(step, training, 10) for step in range(10)]
+
+    assert factors("constant") == [0.5] + [1.0] * 9
+    linear, cosine = factors("linear"), factors("cosine")
+    assert linear[:3] == [0.5, 1.0, 1.0] and linear[-1] == pytest.approx(1 - 7 / 8)
+    assert (
+        cosine[2] == 1.0
+        and cosine[6] == pytest.approx(0.5)
+        and all(a >= b for a, b in zip(cosine[2:], cosine[3:], strict=False))
+    )
+
+
+def test_weight_decay_skips_norms_and_biases(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50)
+    )
+    model.model.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(16))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert {names[id(p)] for p in no_decay["params"]} >= {"model.norm.weight", "model.layers.0.self_attn.q_proj.bias"}
+    assert no_decay["weight_decay"] == 0.0
+    optimizer = build_optimizer(model, TrainingConfig(max_steps=1, weight_decay=0.1))
+    assert len(optimizer.param_groups) == 2
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"parallelism": {"strategy": "fsdp"}}, "'fsdp' is not yet available for the torch trainer"),
+        ({"parallelism": {"strategy": "deepspeed"}}, "'deepspeed' is not yet available for the torch trainer"),
+        ({"trainer": "hf"}, "trainer: 'hf' is not yet available"),
+        ({"training": {"micro_batch_size": 64}}, "fill no global batch"),
+        ({"data": {"max_seq_len": 128}}, "max_position_embeddings"),
+        ({"eval": {"metrics": ["exact_match"]}, "data": {"format": "text", "text_field": "instruction"}}, "'chat'"),
+        ({"lora": {"enabled": True, "target_modules": ["qkv"]}}, "lora.target_modules"),
+        ({"model": {"path": "/nonexistent/model", "config_name": None}}, "/nonexistent/model does not exist"),
+    ],
+)
+def test_setup_errors_name_the_setting(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        train(tiny_config(tmp_path, **sections))
+
+
+def test_examples_train_for_two_steps(tmp_path, monkeypatch):
+    """Every shipped example config trains (two steps, tiny run dir) from the repository root."""
+    from tigon.runtime.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        overrides = [
+            "training.max_steps=2",
+            "training.epochs=null",
+            f"logging.run_dir={tmp_path / path.stem}",
+            "eval.every_steps=0",
+            "eval.max_batches=1",
+            "kernels.enabled=false",
+            "checkpoint.every_steps=0",
+        ]
+        result = train(load_config(path, overrides))
+        assert result.steps == 2 and all(math.isfinite(x) for x in result.losses), path
