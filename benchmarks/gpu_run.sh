@@ -22,6 +22,7 @@ for step in "$@"; do
     bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-main) python3 -m benchmarks.kernels --no-sweeps --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-losses) python3 -m benchmarks.kernels --only cross_entropy,fused_linear --out "$out/losses.json" 2>&1 | tee "$out/losses.log" ;;
+    bench-losses-main) python3 -m benchmarks.kernels --no-sweeps --only cross_entropy,fused_linear --out "$out/losses-main.json" 2>&1 | tee "$out/losses-main.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     *) echo "unknown step $step" ;;
   esac
