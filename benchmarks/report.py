@@ -16,13 +16,21 @@ PROVIDERS = ("tigon", "liger", "compile", "eager")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
+def _ms(value: float) -> str:
+    return "-" if value != value else f"{value:.3f}"
+
+
+def _ratio(value: float) -> str:
+    return "-" if value != value else f"{value:.2f}x"
+
+
 def table(results: list[dict]) -> str:
     by_shape: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
     for row in results:
         by_shape[(row["op"], row["shape"])][row["provider"]] = row
     lines = [
         "| op | shape | floor ms | "
-        + " | ".join(f"{p} ms graphed / launched (% copy)" for p in PROVIDERS)
+        + " | ".join(f"{p} ms graphed / launched (% of floor)" for p in PROVIDERS)
         + " | tigon vs liger | "
         + " | ".join(f"{p} peak MB" for p in PROVIDERS)
         + " |",
@@ -31,7 +39,7 @@ def table(results: list[dict]) -> str:
     for (op, shape), rows in by_shape.items():
         floor = next(iter(rows.values()))["floor_ms"]
         times = [
-            f"{rows[p]['graph_ms']:.3f} / {rows[p]['ms']:.3f} ({100 * rows[p]['fraction_of_copy']:.0f}%)"
+            f"{_ms(rows[p]['graph_ms'])} / {rows[p]['ms']:.3f} ({100 * rows[p]['fraction_of_copy']:.0f}%)"
             if p in rows
             else "-"
             for p in PROVIDERS
@@ -39,7 +47,8 @@ def table(results: list[dict]) -> str:
         ratio = "-"
         if "tigon" in rows and "liger" in rows:
             ours, theirs = rows["tigon"], rows["liger"]
-            ratio = f"{theirs['graph_ms'] / ours['graph_ms']:.2f}x / {theirs['ms'] / ours['ms']:.2f}x"
+            graphed = theirs["graph_ms"] / ours["graph_ms"]
+            ratio = f"{_ratio(graphed)} / {theirs['ms'] / ours['ms']:.2f}x"
         peaks = [
             f"{rows[p]['peak_extra_mb']:.0f}"
             if p in rows and rows[p]["peak_extra_mb"] == rows[p]["peak_extra_mb"]
@@ -71,7 +80,7 @@ def plot_sweeps(results: list[dict], folder: Path, device: str) -> list[str]:
             if points:
                 axis.plot(range(len(shapes)), [points.get(s, float("nan")) for s in shapes], marker="o", label=provider)
         axis.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
-        axis.set_ylabel("% of measured copy bandwidth (higher is better)")
+        axis.set_ylabel("% of the floor (higher is better)")
         axis.set_ylim(0, 105)
         axis.set_title(f"{sweep} forward+backward, bf16, {device}")
         axis.grid(alpha=0.3)
@@ -113,9 +122,10 @@ def main() -> None:
         "Forward+backward step, bf16, medians. *graphed*: the step replayed from a CUDA graph "
         "(`do_bench_cudagraph`), which is GPU time alone, as inside a training step whose CPU runs ahead; "
         "*launched*: the step launched from Python (`do_bench`), launch overhead included. *floor* = the "
-        "fewest bytes the step must move over the copy bandwidth; *% copy* = floor / graphed time. *peak MB* "
-        "= memory the step allocates beyond its live inputs. *tigon vs liger* = Liger-Kernel's time over "
-        "tigon's (graphed / launched).",
+        "fewest bytes the step must move over the copy bandwidth, or for matrix-bound steps its FLOPs over the "
+        "matmul rate, whichever is larger; *% of floor* = floor / time (graphed where the step could be "
+        "graphed; a step that synchronizes with the host cannot be). *peak MB* = memory the step allocates "
+        "beyond its live inputs. *tigon vs liger* = Liger-Kernel's time over tigon's (graphed / launched).",
         "",
         table(main_rows),
         "",

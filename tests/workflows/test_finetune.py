@@ -70,7 +70,7 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_final_loss(tmp_path
         deadline = time.time() + 300
         while time.time() < deadline and not (interrupted / "checkpoints" / "step-3").exists():
             time.sleep(0.05)
-        workers = [p for p in psutil.Process().children(recursive=True) if "multiprocessing" in " ".join(p.cmdline())]
+        workers = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
         assert workers, "no elastic worker process found to kill"
         workers[-1].kill()
 

@@ -1,0 +1,73 @@
+"""The `tigon` command: the platform's commands, then the runtime's (train, schema, demo-data).
+
+    tigon render-job CONFIG --job-template NAME [--nodes N] [--namespace NS] [--set key=value ...]
+    tigon templates                      list the job templates (deploy/job-templates or $TIGON_JOB_TEMPLATES)
+    tigon train CONFIG ...               see `tigon train --help`
+
+`render-job` prints a ConfigMap and a PyTorchJob (kubectl-ready) from the same code path the
+Flyte workflow uses; errors exit with status 2 before anything is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tigon.runtime import cli as runtime_cli
+
+EXIT_ERROR = 2
+
+
+def render_job(argv: list[str]) -> int:
+    from tigon.platform.jobs import JobSpecError, pytorchjob_manifests, render_yaml
+    from tigon.platform.templates import TemplateError, get_template
+    from tigon.runtime.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="tigon render-job", description="print a PyTorchJob for a run config")
+    parser.add_argument("config", help="YAML run config, e.g. examples/demo.yaml")
+    parser.add_argument("--job-template", required=True, help="job template name, e.g. h100x8 (see `tigon templates`)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes for this run, up to the template's max_nnodes")
+    parser.add_argument("--namespace", default=None, help="namespace for the objects")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        template = get_template(args.job_template).with_nodes(args.nodes)
+        manifests = pytorchjob_manifests(config, template, args.namespace)
+    except (ConfigError, TemplateError, JobSpecError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    sys.stdout.write(render_yaml(manifests))
+    return 0
+
+
+def list_templates() -> int:
+    from tigon.platform.templates import TemplateError, load_templates
+
+    try:
+        templates = load_templates()
+    except TemplateError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    for template in templates.values():
+        gpus = f"{template.gpus_per_node} GPU" if template.gpus_per_node else "CPU"
+        print(
+            f"{template.name:12s} {template.nnodes} node(s) x {template.nproc_per_node} proc, {gpus}: "
+            f"{template.description}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["render-job"]:
+        return render_job(argv[1:])
+    if argv[:1] == ["templates"]:
+        return list_templates()
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+    return runtime_cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
