@@ -19,6 +19,7 @@ from flytekit.tools.translator import get_serializable  # noqa: E402
 from workflows import finetune as wf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.serial
 
 
 @pytest.fixture(autouse=True)
