@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -103,3 +104,39 @@ def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: tor
     rows_per_program = -(-n_rows // programs)
     rows_per_program = -(-rows_per_program // block_m) * block_m
     return -(-n_rows // rows_per_program), rows_per_program
+
+
+@dataclass(frozen=True)
+class RowKernelShapes:
+    """Launch shapes of a row-wise kernel pair (the norms) by row width, measured with benchmarks/tune.py.
+
+    forward: BLOCK_N -> (rows per program, warps); backward: BLOCK_N -> (rows per step, warps,
+    programs per multiprocessor, software-pipelining stages). Widths past the tables take `wide_*`;
+    rows under 1024 wide are stacked so one program holds `narrow_elements` elements.
+    """
+
+    forward: dict[int, tuple[int, int]]
+    backward: dict[int, tuple[int, int, int, int]]
+    wide_forward: tuple[int, int]
+    wide_backward: tuple[int, int, int, int]
+    narrow_forward_elements: int = 1024
+    narrow_backward_elements: int = 1024
+
+    def forward_config(self, n_cols: int) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel."""
+        block_n = next_power_of_2(n_cols)
+        if block_n < 1024:
+            block_m = self.narrow_forward_elements // block_n
+            return block_m, block_n, warps_for(block_m * block_n)
+        block_m, warps = self.forward.get(block_n, self.wide_forward)
+        return block_m, block_n, warps
+
+    def backward_config(self, n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
+        """(BLOCK_M, BLOCK_N, num_warps, num_stages, programs, rows_per_program) of the backward kernel."""
+        block_n = next_power_of_2(n_cols)
+        if block_n < 1024:
+            block_m, warps, per_sm, stages = self.narrow_backward_elements // block_n, 4, 4, 1
+        else:
+            block_m, warps, per_sm, stages = self.backward.get(block_n, self.wide_backward)
+        programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
+        return block_m, block_n, warps, stages, programs, rows_per_program

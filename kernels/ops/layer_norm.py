@@ -19,14 +19,12 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.utils import (
+    RowKernelShapes,
     check_float,
     check_same_device,
     check_vector,
-    next_power_of_2,
-    persistent_grid,
     rows_view,
     use_triton,
-    warps_for,
 )
 
 MAX_HIDDEN = 65536
@@ -130,30 +128,16 @@ def _layer_norm_backward_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, db, mask=col_mask)
 
 
-# Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
-# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor,
-# software-pipelining stages of the row loop).
-FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)}
-BACKWARD_CONFIGS = {1024: (4, 4, 4, 1), 2048: (2, 4, 4, 1), 4096: (2, 4, 2, 1), 8192: (1, 8, 2, 1)}
-
-
-def _forward_config(n_cols: int) -> tuple[int, int, int]:
-    block_n = next_power_of_2(n_cols)
-    if block_n < 1024:
-        block_m = 1024 // block_n
-        return block_m, block_n, warps_for(block_m * block_n)
-    block_m, warps = FORWARD_CONFIGS.get(block_n, (1, 8))
-    return block_m, block_n, warps
-
-
-def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
-    block_n = next_power_of_2(n_cols)
-    if block_n < 1024:
-        block_m, warps, per_sm, stages = 4096 // block_n, 4, 4, 1
-    else:
-        block_m, warps, per_sm, stages = BACKWARD_CONFIGS.get(block_n, (1, 8, 2, 1))
-    programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
-    return block_m, block_n, warps, stages, programs, rows_per_program
+# Launch shapes by row width, measured on an H200 with benchmarks/tune.py (see RowKernelShapes).
+LAUNCH_SHAPES = RowKernelShapes(
+    forward={1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)},
+    backward={1024: (4, 4, 4, 1), 2048: (2, 4, 4, 1), 4096: (2, 4, 2, 1), 8192: (1, 8, 2, 1)},
+    wide_forward=(1, 8),
+    wide_backward=(1, 8, 2, 1),
+    narrow_backward_elements=4096,
+)
+_forward_config = LAUNCH_SHAPES.forward_config
+_backward_config = LAUNCH_SHAPES.backward_config
 
 
 def check_layer_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:

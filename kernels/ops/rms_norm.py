@@ -19,14 +19,12 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.utils import (
+    RowKernelShapes,
     check_float,
     check_same_device,
     check_vector,
-    next_power_of_2,
-    persistent_grid,
     rows_view,
     use_triton,
-    warps_for,
 )
 
 CASTING_MODES = ("llama", "gemma")
@@ -139,30 +137,15 @@ def _rms_norm_backward_kernel(
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
 
 
-# Launch shapes by row width (BLOCK_N), measured on an H200 with benchmarks/tune.py:
-# forward (rows per program, warps); backward (rows per step, warps, programs per multiprocessor,
-# software-pipelining stages of the row loop).
-FORWARD_CONFIGS = {1024: (1, 4), 2048: (2, 8), 4096: (2, 16), 8192: (1, 16)}
-BACKWARD_CONFIGS = {1024: (1, 8, 4, 1), 2048: (2, 8, 4, 1), 4096: (4, 8, 1, 2), 8192: (2, 16, 2, 1)}
-
-
-def _forward_config(n_cols: int) -> tuple[int, int, int]:
-    block_n = next_power_of_2(n_cols)
-    if block_n < 1024:
-        block_m = 1024 // block_n
-        return block_m, block_n, warps_for(block_m * block_n)
-    block_m, warps = FORWARD_CONFIGS.get(block_n, (1, 16))
-    return block_m, block_n, warps
-
-
-def _backward_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int, int, int]:
-    block_n = next_power_of_2(n_cols)
-    if block_n < 1024:
-        block_m, warps, per_sm, stages = 1024 // block_n, 4, 4, 1
-    else:
-        block_m, warps, per_sm, stages = BACKWARD_CONFIGS.get(block_n, (1, 16, 2, 1))
-    programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
-    return block_m, block_n, warps, stages, programs, rows_per_program
+# Launch shapes by row width, measured on an H200 with benchmarks/tune.py (see RowKernelShapes).
+LAUNCH_SHAPES = RowKernelShapes(
+    forward={1024: (1, 4), 2048: (2, 8), 4096: (2, 16), 8192: (1, 16)},
+    backward={1024: (1, 8, 4, 1), 2048: (2, 8, 4, 1), 4096: (4, 8, 1, 2), 8192: (2, 16, 2, 1)},
+    wide_forward=(1, 16),
+    wide_backward=(1, 16, 2, 1),
+)
+_forward_config = LAUNCH_SHAPES.forward_config
+_backward_config = LAUNCH_SHAPES.backward_config
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor | None, casting: str) -> None:
