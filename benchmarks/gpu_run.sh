@@ -17,6 +17,7 @@ for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels 2>&1 | tail -n 40 | tee "$out/gpu-tests.log" ;;
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
+    tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;
     tune) python3 -m benchmarks.tune --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
     bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
