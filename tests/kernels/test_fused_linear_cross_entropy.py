@@ -246,12 +246,13 @@ def test_second_backward_is_refused(device):
 
 def test_chunk_size_rule():
     cpu = torch.device("cpu")
-    # Llama 3 vocabulary in bf16: 256.5 KB of logits per token, 1 GiB per chunk at most, equal chunks.
-    assert choose_chunk_size(8192, 128256, 2, cpu) == 4096
-    assert choose_chunk_size(32768, 128256, 2, cpu) == 4096
-    assert choose_chunk_size(100, 128256, 2, cpu) == 100
-    assert choose_chunk_size(5000, 262144, 4, cpu) == 1000  # 1024 fit; 5 equal chunks of 1000
-    assert choose_chunk_size(3, 2**31, 4, cpu) == 1  # never below one token
+    # Llama 3 vocabulary in bf16: 256.5 KB of logits per token; chunks under a quarter of the weight, equal.
+    assert choose_chunk_size(8192, 128256, 4096, 2, cpu) == 1024  # hidden / 4: a quarter of the weight's bytes
+    assert choose_chunk_size(32768, 128256, 4096, 2, cpu) == 1024
+    assert choose_chunk_size(100, 128256, 4096, 2, cpu) == 100
+    assert choose_chunk_size(5000, 262144, 4096, 4, cpu) == 1000  # 1024 fit (1 GiB); 5 equal chunks of 1000
+    assert choose_chunk_size(8192, 128256, 64, 2, cpu) == 16
+    assert choose_chunk_size(3, 2**31, 4096, 4, cpu) == 1  # never below one token
 
 
 def test_bad_inputs(device):
