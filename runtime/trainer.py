@@ -381,6 +381,15 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[in
 
 def train(config: RunConfig) -> TrainResult:
     """Run (or resume) one training run as configured; returns what it did. Call on every rank."""
+    if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
+        if config.trainer == "hf":
+            from tigon.runtime.hf_trainer import train_with_hf as adapter
+        else:
+            from tigon.runtime.lightning_trainer import train_with_lightning as adapter
+        try:
+            return adapter(config)
+        finally:
+            shutdown()
     try:
         return _train(config, prepare(config))
     finally:
