@@ -19,6 +19,10 @@ from tigon.kernels.modules import GatedMLP, GemmaRMSNorm, RMSNorm
 logger = logging.getLogger("tigon.kernels")
 
 
+class PatchTargetMissing(RuntimeError):
+    """A table entry names a class or function the installed transformers no longer has."""
+
+
 @dataclass(frozen=True)
 class Family:
     """What tigon swaps in one model family: the modeling module and the classes to replace.
@@ -26,22 +30,77 @@ class Family:
     `in_place_norm_backward` lets the norms write their input gradient over the incoming one.
     That is safe when every norm opens a branch (pre-norm blocks: the gradient reaching it is
     a fresh sum from the projections); a family with norms whose output joins the residual
-    stream directly (Gemma 2's post-norms) must set it False.
+    stream directly (Gemma 2/3 and OLMo 2 post-norms, GLM-4's) must set it False.
+
+    `norm_casting` is "gemma" for norms that scale in float32 and cast once at the end.
+    `rope` is False where the family's `apply_rotary_pos_emb` is not the Llama rotate-half form;
+    `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
+    `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
+    names them whenever that kernel is requested.
     """
 
     modeling: str
     rms_norm: tuple[str, ...]
-    mlp: tuple[str, ...]
+    mlp: tuple[str, ...] = ()
     gemma_norm: bool = False
     in_place_norm_backward: bool = True
+    norm_casting: str = "llama"
+    rope: bool = True
+    partial_rope: bool = False
+    unfit: tuple[tuple[str, str], ...] = ()
 
+
+def _models(name: str) -> str:
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+_FUSED_EXPERTS = "experts keep every expert's gate/up projections in one 3-D parameter; GatedMLP needs Linear layers"
+_FUSED_GATE_UP = "MLP has one fused gate_up_proj Linear; GatedMLP needs separate gate_proj/up_proj"
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("transformers.models.llama.modeling_llama", ("LlamaRMSNorm",), ("LlamaMLP",)),
-    "mistral": Family("transformers.models.mistral.modeling_mistral", ("MistralRMSNorm",), ("MistralMLP",)),
-    "qwen2": Family("transformers.models.qwen2.modeling_qwen2", ("Qwen2RMSNorm",), ("Qwen2MLP",)),
-    "qwen3": Family("transformers.models.qwen3.modeling_qwen3", ("Qwen3RMSNorm",), ("Qwen3MLP",)),
-    "gemma": Family("transformers.models.gemma.modeling_gemma", ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True),
+    "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",)),
+    "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",)),
+    "mixtral": Family(
+        _models("mixtral"), ("MixtralRMSNorm",), unfit=(("swiglu", f"MixtralExperts: {_FUSED_EXPERTS}"),)
+    ),
+    "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",)),
+    "qwen2_moe": Family(
+        _models("qwen2_moe"),
+        ("Qwen2MoeRMSNorm",),
+        ("Qwen2MoeMLP",),  # the shared expert and dense (mlp_only) layers
+        unfit=(("swiglu", f"Qwen2MoeExperts: {_FUSED_EXPERTS}"),),
+    ),
+    "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",)),
+    "qwen3_moe": Family(
+        _models("qwen3_moe"),
+        ("Qwen3MoeRMSNorm",),
+        ("Qwen3MoeMLP",),  # dense (mlp_only) layers
+        unfit=(("swiglu", f"Qwen3MoeExperts: {_FUSED_EXPERTS}"),),
+    ),
+    "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True),
+    "gemma2": Family(
+        _models("gemma2"), ("Gemma2RMSNorm",), ("Gemma2MLP",), gemma_norm=True, in_place_norm_backward=False
+    ),
+    "gemma3_text": Family(
+        _models("gemma3"), ("Gemma3RMSNorm",), ("Gemma3MLP",), gemma_norm=True, in_place_norm_backward=False
+    ),
+    "phi3": Family(
+        _models("phi3"), ("Phi3RMSNorm",), partial_rope=True, unfit=(("swiglu", f"Phi3MLP: {_FUSED_GATE_UP}"),)
+    ),
+    "olmo2": Family(
+        _models("olmo2"), ("Olmo2RMSNorm",), ("Olmo2MLP",), in_place_norm_backward=False, norm_casting="gemma"
+    ),
+    "glm4": Family(
+        _models("glm4"),
+        ("Glm4RMSNorm",),
+        in_place_norm_backward=False,
+        rope=False,
+        unfit=(
+            ("swiglu", f"Glm4MLP: {_FUSED_GATE_UP}"),
+            ("rope", "Glm4 apply_rotary_pos_emb is interleaved and partial; tigon's RoPE is rotate-half"),
+        ),
+    ),
+    "granite": Family(_models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",)),
 }
 
 
@@ -60,36 +119,189 @@ class PatchReport:
         )
 
 
+def _transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return transformers.__version__
+
+
+def modeling_module(model_type: str, family: Family | None = None):
+    """Import the family's modeling module and check every name the table swaps still exists there.
+
+    Raises `PatchTargetMissing`, naming the class or function and the transformers version,
+    when the installed transformers renamed or removed one: a patch that no longer fits fails
+    loudly instead of silently leaving the model unpatched.
+    """
+    family = family or FAMILIES[model_type]
+    try:
+        module = importlib.import_module(family.modeling)
+    except ImportError as error:
+        raise PatchTargetMissing(
+            f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
+        ) from error
+    targets = [*family.rms_norm, *family.mlp] + (["apply_rotary_pos_emb"] if family.rope else [])
+    missing = [name for name in targets if not hasattr(module, name)]
+    if missing:
+        raise PatchTargetMissing(
+            f"tigon: {model_type}: {family.modeling} has no {', '.join(missing)} in transformers "
+            f"{_transformers_version()}; the kernel table entry no longer fits this version"
+        )
+    return module
+
+
+def _unfit(family: Family, wanted: dict[str, bool]) -> list[str]:
+    return [f"{kernel} ({reason})" for kernel, reason in family.unfit if wanted.get(kernel)]
+
+
+def _rope_function(family: Family, module):
+    """tigon's RoPE, or for partial-rotary families a wrapper that leaves partial calls to the original."""
+    if not family.partial_rope:
+        return functional.apply_rotary_pos_emb
+    current = module.apply_rotary_pos_emb
+    original = getattr(current, "__tigon_original__", current)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        if cos.shape[-1] != q.shape[-1]:
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return functional.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__tigon_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _unsupported(report: PatchReport, wanted: dict[str, bool]) -> PatchReport:
+    report.skipped = [name for name, on in wanted.items() if on]
+    logger.warning(
+        "tigon: model_type %r has no kernel table entry (supported: %s); nothing was applied",
+        report.model_type,
+        ", ".join(sorted(FAMILIES)),
+    )
+    return report
+
+
 def apply(model: nn.Module, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
     """Apply tigon's kernels to a built transformers model in place; returns what was swapped."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     report = PatchReport(model_type)
     family = FAMILIES.get(model_type)
+    wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
     if family is None:
-        wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
-        report.skipped = [name for name, on in wanted.items() if on]
-        logger.warning(
-            "tigon: model_type %r has no kernel table entry (supported: %s); nothing was applied",
-            model_type,
-            ", ".join(sorted(FAMILIES)),
-        )
-        return report
+        return _unsupported(report, wanted)
+    module = modeling_module(model_type, family)
 
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
+    norm_options = {"in_place_backward": family.in_place_norm_backward}
+    if not family.gemma_norm:
+        norm_options["casting"] = family.norm_casting
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             if rms_norm and kind in family.rms_norm:
-                norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
-                norm = norm_class.from_module(child, in_place_backward=family.in_place_norm_backward)
-                setattr(parent, name, norm)
+                setattr(parent, name, norm_class.from_module(child, **norm_options))
                 report.applied["rms_norm"] = report.applied.get("rms_norm", 0) + 1
             elif swiglu and kind in family.mlp:
                 setattr(parent, name, GatedMLP.from_module(child, text_config))
                 report.applied["gated_mlp"] = report.applied.get("gated_mlp", 0) + 1
-    if rope:
-        importlib.import_module(family.modeling).apply_rotary_pos_emb = functional.apply_rotary_pos_emb
+    if rope and family.rope:
+        module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
+    report.skipped = _unfit(family, wanted)
     logger.info("%s", report)
     return report
+
+
+def _norm_class(family: Family, original: type) -> type:
+    """A tigon norm with the HF constructor (`hidden_size` or `dim`, `eps`) and the HF class name."""
+    base = GemmaRMSNorm if family.gemma_norm else RMSNorm
+    options = {"in_place_backward": family.in_place_norm_backward}
+    if not family.gemma_norm:
+        options["casting"] = family.norm_casting
+
+    def __init__(self, hidden_size=None, eps=1e-6, dim=None):
+        base.__init__(self, hidden_size if hidden_size is not None else dim, eps, **options)
+
+    return type(
+        original.__name__, (base,), {"__init__": __init__, "__module__": __name__, "__tigon_original__": original}
+    )
+
+
+def _mlp_class(original: type) -> type:
+    """GatedMLP with the HF constructor `(config, intermediate_size=None)` and the HF class name."""
+    return type(original.__name__, (GatedMLP,), {"__module__": __name__, "__tigon_original__": original})
+
+
+def apply_to(model_type: str, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
+    """Swap tigon's classes and RoPE into the family's modeling module, so models built afterwards use them.
+
+    For code that builds the model itself; affects every model of the family built later in
+    the process. The swapped classes keep the HF names and constructors (and parameter names,
+    so checkpoints load unchanged).
+    """
+    report = PatchReport(model_type)
+    family = FAMILIES.get(model_type)
+    wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
+    if family is None:
+        return _unsupported(report, wanted)
+    module = modeling_module(model_type, family)
+    swaps = []
+    if rms_norm:
+        swaps += [(name, "rms_norm", _norm_class) for name in family.rms_norm]
+    if swiglu:
+        swaps += [(name, "gated_mlp", lambda _, original: _mlp_class(original)) for name in family.mlp]
+    for name, kernel, make in swaps:
+        current = getattr(module, name)
+        original = getattr(current, "__tigon_original__", current)
+        setattr(module, name, make(family, original))
+        report.applied[kernel] = report.applied.get(kernel, 0) + 1
+    if rope and family.rope:
+        module.apply_rotary_pos_emb = _rope_function(family, module)
+        report.applied["rope"] = 1
+    report.skipped = _unfit(family, wanted)
+    logger.info("%s", report)
+    return report
+
+
+class AutoModelForCausalLM:
+    """`transformers.AutoModelForCausalLM` that applies every tigon kernel that fits the built model.
+
+    Kernel switches (`rms_norm`, `rope`, `swiglu`) are taken from the keyword arguments; the rest
+    go to transformers. The `PatchReport` is left on the model as `tigon_patch_report`.
+    """
+
+    _KERNEL_OPTIONS = ("rms_norm", "rope", "swiglu")
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise OSError("use tigon.kernels.AutoModelForCausalLM.from_pretrained(...) or .from_config(...)")
+
+    @classmethod
+    def _patched(cls, model, options: dict) -> nn.Module:
+        model.tigon_patch_report = apply(model, **options)
+        return model
+
+    @classmethod
+    def _split(cls, kwargs: dict) -> dict:
+        return {name: kwargs.pop(name) for name in cls._KERNEL_OPTIONS if name in kwargs}
+
+    @classmethod
+    def from_pretrained(cls, path_or_config, *args, **kwargs) -> nn.Module:
+        """Build from a checkpoint path / hub name, or from a config object, then apply the kernels."""
+        import transformers
+
+        options = cls._split(kwargs)
+        if isinstance(path_or_config, transformers.PretrainedConfig):
+            model = transformers.AutoModelForCausalLM.from_config(path_or_config, *args, **kwargs)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path_or_config, *args, **kwargs)
+        return cls._patched(model, options)
+
+    @classmethod
+    def from_config(cls, config, *args, **kwargs) -> nn.Module:
+        """Build a freshly initialized model from a config, then apply the kernels."""
+        import transformers
+
+        options = cls._split(kwargs)
+        return cls._patched(transformers.AutoModelForCausalLM.from_config(config, *args, **kwargs), options)

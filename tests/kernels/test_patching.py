@@ -1,19 +1,22 @@
 """Patching a whole Hugging Face model: same loss and gradients, and a clear report."""
 
 import copy
+import dataclasses
+import importlib
 import logging
 
 import pytest
 import torch
 
+import tigon.kernels
 from tests.kernels.helpers import relative_error
-from tigon.kernels import modules
+from tigon.kernels import modules, patching
 from tigon.kernels.patching import apply
 
 transformers = pytest.importorskip("transformers")
 
 
-def tiny(model_type: str):
+def tiny(model_type: str, **overrides):
     common = dict(
         hidden_size=64,
         intermediate_size=160,
@@ -23,32 +26,69 @@ def tiny(model_type: str):
         vocab_size=131,
         max_position_embeddings=64,
         head_dim=16,
+        pad_token_id=0,
     )
+    common.update(overrides)
     config = transformers.AutoConfig.for_model(model_type, **common)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma"])
-def test_patched_model_matches_eager(model_type, restore_rope):
-    baseline = tiny(model_type)
-    patched = copy.deepcopy(baseline)
-    batch = torch.randint(0, 131, (2, 19))
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# model_type -> (config overrides, GatedMLP swaps in the 2-layer model, RoPE swapped, what the report must skip)
+FAMILY_CASES = {
+    "llama": ({}, 2, True, []),
+    "qwen3": ({}, 2, True, []),
+    "gemma": ({}, 2, True, []),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 0, True, ["swiglu (MixtralExperts"]),
+    "qwen2_moe": (dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, True, ["swiglu (Qwen2MoeExperts"]),
+    "qwen3_moe": (dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, True, ["swiglu (Qwen3MoeExperts"]),
+    "gemma2": ({}, 2, True, []),
+    "gemma3_text": ({}, 2, True, []),
+    "phi3": ({}, 0, True, ["swiglu (Phi3MLP"]),
+    "olmo2": ({}, 2, True, []),
+    "glm4": ({}, 0, False, ["swiglu (Glm4MLP", "rope (Glm4"]),
+    "granite": ({}, 2, True, []),
+}
+
+
+def assert_same_training_step(baseline, patched, batch):
     expected = baseline(input_ids=batch, labels=batch)
     expected.loss.backward()
-
-    report = apply(patched)
     got = patched(input_ids=batch, labels=batch)
     got.loss.backward()
-
-    layers = baseline.config.num_hidden_layers
-    assert report.applied["gated_mlp"] == layers and report.applied["rope"] == 1
-    assert report.applied["rms_norm"] >= 2 * layers + 1
     assert abs(got.loss.item() - expected.loss.item()) < 1e-5
     assert relative_error(got.logits, expected.logits) < 1e-5
     for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
         assert relative_error(ours.grad, theirs.grad) < 1e-4, name
-    assert isinstance(patched.model.layers[0].mlp, modules.GatedMLP)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_CASES))
+def test_patched_model_matches_eager(model_type, restore_rope):
+    overrides, mlps, rope, skipped = FAMILY_CASES[model_type]
+    baseline = tiny(model_type, **overrides)
+    patched = copy.deepcopy(baseline)
+    report = apply(patched)
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 19)))
+
+    layers = baseline.config.num_hidden_layers
+    assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
+    assert report.applied["rms_norm"] >= 2 * layers + 1
+    assert len(report.skipped) == len(skipped)
+    for prefix, entry in zip(skipped, report.skipped, strict=True):
+        assert entry.startswith(prefix), report.skipped
+    norm = patched.model.layers[0].post_attention_layernorm
+    assert isinstance(norm, modules.RMSNorm)
+    in_place = model_type not in ("gemma2", "gemma3_text", "olmo2", "glm4")
+    assert norm.in_place_backward is in_place
+    assert sum(isinstance(module, modules.GatedMLP) for module in patched.modules()) == mlps
+
+
+def test_partial_rotary_calls_fall_back_to_the_original(restore_rope):
+    baseline = tiny("phi3", partial_rotary_factor=0.5)
+    patched = copy.deepcopy(baseline)
+    assert apply(patched).applied["rope"] == 1
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
 
 
 def test_only_requested_kernels_are_applied(restore_rope):
@@ -74,3 +114,76 @@ def test_demo_runs_on_cpu(capsys, restore_rope):
     demo.main(["--steps", "1"])
     printed = capsys.readouterr().out
     assert "Triton's interpreter" in printed and "losses agree" in printed
+
+
+@pytest.fixture
+def restore_modeling(restore_rope):
+    """apply_to swaps module-level classes; put the originals back after the test."""
+    saved = {}
+    for family in patching.FAMILIES.values():
+        module = importlib.import_module(family.modeling)
+        saved[module] = {name: getattr(module, name) for name in (*family.rms_norm, *family.mlp)}
+    yield
+    for module, names in saved.items():
+        for name, value in names.items():
+            setattr(module, name, value)
+
+
+def test_apply_to_patches_models_built_afterwards(restore_modeling):
+    baseline = tiny("qwen3")
+    report = tigon.kernels.apply_to("qwen3")
+    assert report.applied == {"rms_norm": 1, "gated_mlp": 1, "rope": 1} and report.skipped == []
+    patched = tiny("qwen3")
+    patched.load_state_dict(baseline.state_dict())
+    assert type(patched.model.layers[0].self_attn.q_norm).__name__ == "Qwen3RMSNorm"
+    assert isinstance(patched.model.layers[0].self_attn.q_norm, modules.RMSNorm)
+    assert isinstance(patched.model.layers[0].mlp, modules.GatedMLP)
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+    again = tigon.kernels.apply_to("qwen3")  # idempotent: wraps the HF originals, not its own classes
+    assert importlib.import_module(
+        patching.FAMILIES["qwen3"].modeling
+    ).Qwen3MLP.__tigon_original__.__module__.startswith("transformers")
+    assert again.applied == report.applied
+
+
+def test_apply_to_reports_unfit_parts_and_unknown_types(restore_modeling, caplog):
+    report = tigon.kernels.apply_to("glm4")
+    assert report.applied == {"rms_norm": 1}
+    assert [entry.split(" ")[0] for entry in report.skipped] == ["swiglu", "rope"]
+    with caplog.at_level(logging.WARNING, logger="tigon.kernels"):
+        assert tigon.kernels.apply_to("gpt2").skipped == ["rms_norm", "rope", "swiglu"]
+    assert "'gpt2' has no kernel table entry" in caplog.text
+
+
+def test_auto_model_from_config_applies_every_kernel_that_fits(restore_rope):
+    config = tiny("llama").config
+    model = tigon.kernels.AutoModelForCausalLM.from_config(config, swiglu=False)
+    assert model.tigon_patch_report.applied == {"rms_norm": 5, "rope": 1}
+    assert isinstance(model.model.norm, modules.RMSNorm)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    model = tigon.kernels.AutoModelForCausalLM.from_pretrained(config)
+    assert model.tigon_patch_report.applied == {"rms_norm": 5, "gated_mlp": 2, "rope": 1}
+
+
+def test_missing_patch_target_fails_loudly(monkeypatch):
+    renamed = dataclasses.replace(patching.FAMILIES["llama"], rms_norm=("LlamaRMSNormRenamed",))
+    monkeypatch.setitem(patching.FAMILIES, "llama", renamed)
+    model = tiny("llama")
+    message = f"LlamaRMSNormRenamed in transformers {transformers.__version__}"
+    with pytest.raises(patching.PatchTargetMissing, match=message):
+        apply(model)
+    with pytest.raises(patching.PatchTargetMissing, match=message):
+        tigon.kernels.apply_to("llama")
+    gone = dataclasses.replace(renamed, modeling="transformers.models.llama.modeling_gone")
+    monkeypatch.setitem(patching.FAMILIES, "llama", gone)
+    with pytest.raises(patching.PatchTargetMissing, match="cannot import transformers.models.llama.modeling_gone"):
+        apply(model)
+
+
+def test_import_tigon_kernels_stays_light():
+    import subprocess
+    import sys
+
+    code = "import sys, tigon.kernels; assert 'transformers' not in sys.modules and 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert tigon.kernels.apply is apply
