@@ -115,12 +115,17 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
     global _owns_process_group
     if env.distributed and not dist.is_initialized():
         backend = resolve_backend(config, device)
+        timeout = datetime.timedelta(minutes=30)
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        # Keys of this restart only: a torch elastic restart can hand the new workers a store that still
+        # holds the previous worker group's addresses, and gloo would dial those dead peers.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
+            store=dist.PrefixStore(f"tigon/restart-{restart}", store),
             rank=env.rank,
             world_size=env.world_size,
-            timeout=datetime.timedelta(minutes=30),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
         _owns_process_group = True
