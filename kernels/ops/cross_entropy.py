@@ -312,13 +312,13 @@ def loss_scales(
 # on an H200 at 8192 x 128256: holding rows back so pass 2 hits L2 measured slower than one program
 # per row (64 per SM covers 8192 rows), and 4096-wide chunks with 8 warps beat wider ones.
 PROGRAMS_PER_SM = 64
-CHUNK_WARPS = {4096: 8, 8192: 16, 16384: 32}
+FULL_CHUNK_WARPS = 8  # for MAX_BLOCK_V-wide chunks; narrower vocabularies take warps_for(block)
 
 
 def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
     block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
     programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
-    return programs, block_v, CHUNK_WARPS.get(block_v, warps_for(block_v))
+    return programs, block_v, FULL_CHUNK_WARPS if block_v == MAX_BLOCK_V else warps_for(block_v)
 
 
 def cross_entropy_rows(

@@ -16,7 +16,7 @@ OPTIONS = {
     "softcap": {"softcap": 2.5},
     "num_items_in_batch": {"num_items_in_batch": 50},
     "return_z_loss": {"return_z_loss": True, "lse_square_scale": 0.05},
-    "no_fp32_accumulation": {"accumulate_in_fp32": False},
+    "fp32_accumulation": {"accumulate_in_fp32": True},
 }
 COMBINED = {
     "weight+smoothing+z+softcap": {
