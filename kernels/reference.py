@@ -6,6 +6,8 @@ float64 inputs it is the exact function and on low-precision inputs it rounds wh
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -198,3 +200,306 @@ def fused_linear_cross_entropy(
         return_z_loss=return_z_loss,
         check_targets=check_targets,
     )
+
+
+def kl_divergence(
+    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "batchmean", log_target: bool = False
+) -> torch.Tensor:
+    """`F.kl_div(input, target)` in at least float32: pointwise `target * (log(target) - input)`."""
+    dtype = torch.promote_types(torch.promote_types(input.dtype, target.dtype), torch.float32)
+    loss = F.kl_div(input.to(dtype), target.to(dtype), reduction=reduction, log_target=log_target)
+    if reduction == "none":
+        return loss.to(torch.promote_types(input.dtype, target.dtype))
+    return loss.float() if dtype == torch.float32 else loss
+
+
+def jsd(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    label: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    from_logits: bool = False,
+) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence per token, as TRL's `generalized_jsd_loss`, in at least float32.
+
+    With Q the student's and P the teacher's distribution over the last dimension (log-probabilities
+    as given, or `log_softmax(logits / temperature)` with `from_logits`) and M = beta P + (1 - beta) Q:
+    beta = 0 gives KL(P || Q), beta = 1 gives KL(Q || P), otherwise beta KL(P || M) + (1 - beta) KL(Q || M).
+    Tokens whose `label` is `ignore_index` count 0. "batchmean" divides the sum by the number of
+    counted tokens, "mean" by that times the vocabulary size, "sum" does not divide, "none" returns
+    one loss per token; no counted token gives 0, not NaN.
+    """
+    dtype = torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
+    x, y = student.to(dtype), teacher.to(dtype)
+    if from_logits:
+        x, y = torch.log_softmax(x / temperature, dim=-1), torch.log_softmax(y / temperature, dim=-1)
+    if beta == 0:
+        pointwise = F.kl_div(x, y, reduction="none", log_target=True)
+    elif beta == 1:
+        pointwise = F.kl_div(y, x, reduction="none", log_target=True)
+    else:
+        log_m = torch.logsumexp(torch.stack([y + math.log(beta), x + math.log(1 - beta)]), dim=0)
+        pointwise = beta * F.kl_div(log_m, y, reduction="none", log_target=True) + (1 - beta) * F.kl_div(
+            log_m, x, reduction="none", log_target=True
+        )
+    per_token = pointwise.sum(-1)
+    if label is not None:
+        valid = label.reshape(per_token.shape) != ignore_index
+        per_token = torch.where(valid, per_token, 0)
+        count = valid.sum().to(dtype)
+    else:
+        count = torch.tensor(float(per_token.numel()), dtype=dtype, device=per_token.device)
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    if reduction == "mean":
+        count = count * x.shape[-1]
+    return _safe_divide(per_token.sum(), count)
+
+
+def fused_linear_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    label: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+    accumulate_in_fp32: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """`jsd(student_hidden @ student_weight.T, teacher_hidden @ teacher_weight.T, from_logits=True, ...)`.
+
+    The full logits at once; `accumulate_in_fp32` and `chunk_size` only steer the fused op's memory
+    use and are accepted and ignored here so both take the same arguments.
+    """
+    return jsd(
+        F.linear(student_hidden, student_weight),
+        F.linear(teacher_hidden, teacher_weight),
+        label,
+        beta=beta,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        from_logits=True,
+    )
+
+
+def sequence_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence of hidden `(B, T, H)`: the summed log-probs of the targets `(B, T)` under the full logits
+    `F.linear(hidden, weight, bias)` (in at least float32), and the count of non-ignored targets."""
+    logits = F.linear(hidden, weight, bias)
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    valid = target != ignore_index
+    token_logps = x.log_softmax(-1).gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, token_logps, 0).sum(-1), valid.sum(-1)
+
+
+def _preference_ref_logps(
+    target: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    ref_hidden: torch.Tensor | None,
+    ref_weight: torch.Tensor | None,
+    ref_bias: torch.Tensor | None,
+    ignore_index: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The reference model's summed log-probs: as passed, or from its head (no gradient)."""
+    if ref_logps is None:
+        with torch.no_grad():
+            ref_logps, _ = sequence_logps(ref_hidden, ref_weight, target, ref_bias, ignore_index=ignore_index)
+    return ref_logps.detach().to(dtype)
+
+
+def _average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Length-normalized log-probs; 0 for a sequence with no targets."""
+    return torch.where(counts > 0, logps / counts.clamp_min(1), 0)
+
+
+def _chosen_nll(chosen_logps: torch.Tensor, chosen_counts: torch.Tensor) -> torch.Tensor:
+    """Cross entropy averaged over all chosen target tokens (TRL's NLL term); 0 when there are none."""
+    return -chosen_logps.sum() / chosen_counts.sum().clamp_min(1)
+
+
+def _sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+def fused_linear_dpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's DPO sigmoid loss on the full logits: `z = beta * ((c - r) - (ref_c - ref_r))` on summed log-probs,
+    mean over pairs of `-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)`; rewards `beta * (logp - ref)`."""
+    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
+    pairs = hidden.shape[0] // 2
+    chosen, rejected, ref_chosen, ref_rejected = logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:]
+    z = beta * ((chosen - rejected) - (ref_chosen - ref_rejected))
+    metrics = {
+        "chosen_rewards": (beta * (chosen - ref_chosen)).detach(),
+        "rejected_rewards": (beta * (rejected - ref_rejected)).detach(),
+        "chosen_logps": chosen.detach(),
+        "rejected_logps": rejected.detach(),
+    }
+    return _sigmoid_preference(z, label_smoothing).mean(), metrics
+
+
+def fused_linear_cpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's CPO sigmoid loss: mean over pairs of the smoothed `-log sigmoid(beta * (c - r))` on summed
+    log-probs, plus `alpha` times the chosen tokens' mean NLL; rewards `beta * logp`."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    pairs = hidden.shape[0] // 2
+    chosen, rejected = logps[:pairs], logps[pairs:]
+    nll = _chosen_nll(chosen, counts[:pairs])
+    loss = _sigmoid_preference(beta * (chosen - rejected), label_smoothing).mean() + alpha * nll
+    metrics = {
+        "chosen_rewards": (beta * chosen).detach(),
+        "rejected_rewards": (beta * rejected).detach(),
+        "chosen_logps": chosen.detach(),
+        "rejected_logps": rejected.detach(),
+        "nll_loss": nll.detach(),
+    }
+    return loss, metrics
+
+
+def fused_linear_simpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    alpha: float = 0.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SimPO (TRL's CPO `loss_type="simpo"`): `z = beta * (avg_c - avg_r) - gamma` on length-normalized
+    log-probs, mean of the smoothed `-log sigmoid(z)`, plus `alpha` times the chosen NLL; rewards `beta * avg`."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    pairs = hidden.shape[0] // 2
+    average = _average(logps, counts)
+    chosen, rejected = average[:pairs], average[pairs:]
+    nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    loss = _sigmoid_preference(beta * (chosen - rejected) - gamma, label_smoothing).mean() + alpha * nll
+    metrics = {
+        "chosen_rewards": (beta * chosen).detach(),
+        "rejected_rewards": (beta * rejected).detach(),
+        "chosen_logps": chosen.detach(),
+        "rejected_logps": rejected.detach(),
+        "nll_loss": nll.detach(),
+    }
+    return loss, metrics
+
+
+def fused_linear_orpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's ORPO: chosen NLL `- beta * mean(log sigmoid(log_odds))` with, on length-normalized log-probs,
+    `log_odds = (c - r) - (log1p(-exp(c)) - log1p(-exp(r)))`. A pair whose odds are undefined (a sequence
+    without targets, or of probability 1) has log-odds and ratio 0."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    pairs = hidden.shape[0] // 2
+    average = _average(logps, counts)
+    chosen, rejected = average[:pairs], average[pairs:]
+    defined = (chosen < 0) & (rejected < 0)
+    c, r = torch.where(defined, chosen, -1.0), torch.where(defined, rejected, -1.0)
+    log_odds = torch.where(defined, (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r))), 0)
+    ratio = torch.where(defined, F.logsigmoid(log_odds), 0)
+    nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    metrics = {
+        "chosen_rewards": (beta * chosen).detach(),
+        "rejected_rewards": (beta * rejected).detach(),
+        "chosen_logps": chosen.detach(),
+        "rejected_logps": rejected.detach(),
+        "nll_loss": nll.detach(),
+        "log_odds_ratio": ratio.mean().detach(),
+        "log_odds_chosen": log_odds.mean().detach(),
+    }
+    return nll - beta * ratio.mean(), metrics
+
+
+def fused_linear_kto(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    desirable: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    kl: float | torch.Tensor | None = None,
+    kl_hidden: torch.Tensor | None = None,
+    kl_target: torch.Tensor | None = None,
+    ref_kl_logps: torch.Tensor | None = None,
+    ref_kl_hidden: torch.Tensor | None = None,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's KTO on summed log-probs: with `x = logp - ref`, the mean over samples of
+    `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable) or `undesirable_weight * (1 - sigmoid(beta * (kl - x)))`.
+    `kl` is given, or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached."""
+    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
+    if kl is None:
+        with torch.no_grad():
+            kl_logps, _ = sequence_logps(kl_hidden, weight, kl_target, bias, ignore_index=ignore_index)
+            ref_kl = _preference_ref_logps(
+                kl_target, ref_kl_logps, ref_kl_hidden, ref_weight, ref_bias, ignore_index, logps.dtype
+            )
+            kl = (kl_logps - ref_kl).mean().clamp(min=0)
+    kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
+    x = logps - ref
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
+    )
+    metrics = {"rewards": (beta * x).detach(), "logps": logps.detach(), "kl": kl}
+    return losses.mean(), metrics

@@ -1,0 +1,225 @@
+"""KL divergence `F.kl_div(input, target)` over rows of a vocabulary: one program per row, chunks of the row.
+
+`input` holds the student's log-probabilities `x`, `target` the teacher's probabilities `y` (or their
+logs `log y` with `log_target=True`). Pointwise, as in `F.kl_div`:
+
+    log_target=False:  loss[j] = y[j] * log(y[j]) - y[j] * x[j]      (0 * log 0 = 0, torch's xlogy)
+    log_target=True:   loss[j] = exp(y[j]) * (y[j] - x[j])
+
+and the gradient with respect to the input is `-y[j]` (`-exp(y[j])`) times the reduction's factor and
+the incoming gradient. It does not depend on `x`, so the forward keeps nothing but the target, and
+the backward writes the gradient from the target alone: one read of each input in the forward, one
+read of the target and one write of the gradient in the backward. The target gets no gradient.
+
+Reductions as in `F.kl_div`: "batchmean" (sum / input.shape[0], the mathematically correct KL
+divergence per sample), "sum", "mean" (sum / number of elements) and "none" (the pointwise loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from tigon.kernels import reference
+from tigon.kernels.utils import (
+    check_float,
+    check_same_device,
+    multiprocessor_count,
+    next_power_of_2,
+    rows_view,
+    use_triton,
+    warps_for,
+)
+
+REDUCTIONS = ("batchmean", "sum", "mean", "none")
+MAX_BLOCK_V = 4096  # vocabulary elements one program handles per step
+PROGRAMS_PER_SM = 64
+BACKWARD_BLOCK = 4096  # elements per program of the backward kernel
+
+
+@triton.jit
+def _pointwise(x, y, LOG_TARGET: tl.constexpr):
+    if LOG_TARGET:
+        return tl.exp(y) * (y - x)
+    return tl.where(y == 0.0, 0.0, y * tl.log(y)) - y * x
+
+
+@triton.jit
+def _kl_div_forward_kernel(
+    X,
+    stride_x,
+    Y,
+    stride_y,
+    OUT,
+    stride_out,
+    n_rows,
+    n_cols,
+    scale,
+    LOG_TARGET: tl.constexpr,
+    POINTWISE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Each program walks rows pid, pid + programs, ...; masked lanes read x = y = 0, whose loss is 0.
+    offsets = tl.arange(0, BLOCK_V)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        total = 0.0
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + offsets
+            mask = cols < n_cols
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+            loss = _pointwise(x, y, LOG_TARGET)
+            if POINTWISE:
+                tl.store(OUT + row * stride_out + cols, loss.to(OUT.dtype.element_ty), mask=mask)
+            else:
+                total += tl.sum(loss, axis=0)
+        if not POINTWISE:
+            tl.store(OUT + row, total * scale)
+
+
+@triton.jit
+def _kl_div_backward_kernel(
+    Y,
+    stride_y,
+    G,
+    stride_g_row,
+    stride_g_col,
+    GRAD,
+    stride_grad,
+    n_cols,
+    blocks_per_row,
+    scale,
+    LOG_TARGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """GRAD[row, j] = -y[j] (or -exp(y[j])) * G[row, j] * scale; G may be a broadcast scalar (strides 0)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g_row + cols * stride_g_col, mask=mask, other=0.0).to(tl.float32)
+    if LOG_TARGET:
+        y = tl.exp(y)
+    tl.store(GRAD + row * stride_grad + cols, (-y * g * scale).to(GRAD.dtype.element_ty), mask=mask)
+
+
+def _reduction_scale(shape: torch.Size, reduction: str) -> float:
+    if reduction == "batchmean":
+        return 1.0 / shape[0]
+    if reduction == "mean":
+        return 1.0 / shape.numel()
+    return 1.0
+
+
+def _forward(x: torch.Tensor, y: torch.Tensor, shape: torch.Size, reduction: str, log_target: bool) -> torch.Tensor:
+    """The reduced loss (float32) or, with reduction "none", the pointwise loss in the promoted dtype."""
+    n_rows, n_cols = x.shape
+    pointwise = reduction == "none"
+    if pointwise:
+        out = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, y.dtype), device=x.device)
+    else:
+        out = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
+    programs = max(1, min(n_rows, multiprocessor_count(x.device) * PROGRAMS_PER_SM))
+    _kl_div_forward_kernel[(programs,)](
+        x,
+        x.stride(0),
+        y,
+        y.stride(0),
+        out,
+        out.stride(0),
+        n_rows,
+        n_cols,
+        _reduction_scale(shape, reduction),
+        LOG_TARGET=log_target,
+        POINTWISE=pointwise,
+        BLOCK_V=block_v,
+        num_warps=warps_for(block_v),
+    )
+    return out.view(shape) if pointwise else out.sum()
+
+
+class KLDivergenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, target, reduction, log_target):
+        x, y = rows_view(input), rows_view(target)
+        ctx.save_for_backward(y)
+        ctx.shape, ctx.dtype, ctx.reduction, ctx.log_target = input.shape, input.dtype, reduction, log_target
+        return _forward(x, y, input.shape, reduction, log_target)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        (y,) = ctx.saved_tensors
+        n_rows, n_cols = y.shape
+        if ctx.reduction == "none":
+            g = grad_out.reshape(n_rows, n_cols)  # a view when it can be (also of a broadcast gradient)
+            stride_row, stride_col = g.stride()
+        else:
+            g, stride_row, stride_col = grad_out.reshape(1), 0, 0
+        grad = torch.empty((n_rows, n_cols), dtype=ctx.dtype, device=y.device)
+        blocks_per_row = triton.cdiv(n_cols, BACKWARD_BLOCK)
+        _kl_div_backward_kernel[(n_rows * blocks_per_row,)](
+            y,
+            y.stride(0),
+            g,
+            stride_row,
+            stride_col,
+            grad,
+            grad.stride(0),
+            n_cols,
+            blocks_per_row,
+            _reduction_scale(ctx.shape, ctx.reduction),
+            LOG_TARGET=ctx.log_target,
+            BLOCK=BACKWARD_BLOCK,
+            num_warps=8,
+        )
+        return grad.view(ctx.shape), None, None, None
+
+
+def check_kl_divergence_inputs(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> None:
+    check_float("input", input)
+    check_float("target", target)
+    if input.dim() == 0 or input.numel() == 0:
+        raise ValueError(
+            f"input has shape {tuple(input.shape)}; it must be a non-empty tensor of log-probabilities "
+            "(..., vocabulary), e.g. (tokens, vocabulary)"
+        )
+    if target.shape != input.shape:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)} but input has shape {tuple(input.shape)}; pass the teacher's "
+            "(log-)probabilities with the same shape as the student's log-probabilities (no broadcasting)"
+        )
+    check_same_device("input", input, target=target)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
+    if not isinstance(log_target, bool):
+        raise TypeError(f"log_target must be a bool, got {log_target!r}")
+    if target.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "target (the teacher's distribution) gets no gradient from tigon's kl_divergence; pass target.detach()"
+        )
+
+
+def kl_divergence(
+    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "batchmean", log_target: bool = False
+) -> torch.Tensor:
+    """`F.kl_div(input, target, reduction=..., log_target=...)`: KL(target || exp(input)) over the last dimension.
+
+    `input` is the student's log-probabilities `(..., V)` (e.g. `log_softmax(logits)`), `target` the
+    teacher's probabilities of the same shape, or their logarithms with `log_target=True` (more
+    accurate for small probabilities). Pointwise `target * (log(target) - input)`; `reduction` is
+    "batchmean" (the default here; sum / input.shape[0], the true KL per sample), "sum", "mean" (sum
+    / number of elements, torch's default) or "none" (pointwise, in the promoted dtype of the two
+    inputs). Reduced losses are float32. Only `input` gets a gradient: pass a detached target.
+    Inputs may be any float dtypes; rows that are not contiguous are copied.
+    """
+    check_kl_divergence_inputs(input, target, reduction, log_target)
+    if not use_triton("kl_divergence", input):
+        return reference.kl_divergence(input, target, reduction=reduction, log_target=log_target)
+    if torch.is_grad_enabled() and input.requires_grad:
+        return KLDivergenceFunction.apply(input, target, reduction, log_target)
+    return _forward(rows_view(input), rows_view(target), input.shape, reduction, log_target)
