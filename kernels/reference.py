@@ -483,8 +483,9 @@ def fused_linear_kto(
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's KTO on summed log-probs: with `x = logp - ref`, the mean over samples of
-    `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable) or `undesirable_weight * (1 - sigmoid(beta * (kl - x)))`.
-    `kl` is given, or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached."""
+    `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable samples) or
+    `undesirable_weight * (1 - sigmoid(beta * (kl - x)))` (undesirable ones). `kl` is given,
+    or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached."""
     logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
     if kl is None:

@@ -1,0 +1,382 @@
+"""Shared machinery of the fused linear preference losses (DPO, ORPO, SimPO, CPO, KTO).
+
+Each of these losses is a function of per-sequence log-probabilities of the targets,
+
+    logp[b] = sum_t log_softmax(hidden[b, t] @ weight.T + bias)[target[b, t]]   over t with target != ignore_index
+
+(and of the token counts ``n[b]`` for the length-normalized ones), so its gradient with respect to the
+logits of token ``(b, t)`` is ``dL/dlogp[b] * (onehot(target) - softmax(logits))``: the cross-entropy
+gradient times one factor per sequence. The batch is processed in chunks of whole groups (a pair of
+sequences for the paired losses, whose batch holds the chosen rows then the rejected rows as TRL and
+Liger-Kernel lay it out; one sequence for KTO). For each chunk:
+
+1. one cuBLAS matmul writes the chunk's logits into a reused buffer (with ``ref_hidden``/``ref_weight``,
+   the reference model's logits go through the same buffer first, without gradient);
+2. the cross-entropy kernel (``cross_entropy.py``, reduction "sum") returns each token's ``-logp``;
+3. the chunk's share of the loss and ``dL/dlogp[b]`` for its sequences come from autograd on those few
+   float64 numbers (each loss file states its formula as a function of ``logp``, ``n`` and the
+   reference log-probs);
+4. the kernel runs again with that factor as its per-row scale and overwrites the logits with
+   ``dL/dlogits``;
+5. two more matmuls give ``grad_hidden`` for the chunk and add the chunk's share to ``grad_weight``
+   (and ``grad_bias``), exactly as in ``fused_linear_cross_entropy``.
+
+So there is one forward and two gradient matmuls per chunk, at most one chunk of logits exists, and
+the backward only scales the finished gradients by the incoming gradient (skipped when it is 1).
+
+Chunk size: ``choose_chunk_size`` of ``fused_linear_cross_entropy`` gives the tokens per chunk; a chunk
+holds as many whole groups as fit, and at least one. ``chunk_size=`` sets the groups per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
+from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
+from tigon.kernels.reference import check_target_range
+from tigon.kernels.utils import check_float, check_same_device, check_vector
+
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+"""(logps, counts, ref_logps, rows) of one chunk's sequences, float64 -> that chunk's share of the loss.
+
+For a paired loss the chunk's first half are chosen sequences and the second half their rejected
+partners; `rows` are the batch rows of the chunk's sequences, in that order.
+"""
+
+
+@dataclass(frozen=True)
+class PassSettings:
+    """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation."""
+
+    paired: bool
+    ignore_index: int = -100
+    chunk_size: int | None = None
+    accumulate_in_fp32: bool = False
+
+
+def safe_average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`logps / counts`, and 0 for a sequence with no target tokens."""
+    return torch.where(counts > 0, logps / counts.clamp_min(1), 0.0)
+
+
+def chosen_token_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Target tokens of the chosen half of a paired batch (at least 1): the NLL term's denominator, float64."""
+    return (target[: target.shape[0] // 2] != ignore_index).sum().to(torch.float64).clamp_min(1)
+
+
+def _chunks(n_sequences: int, paired: bool, per_chunk: int, device: torch.device) -> list[torch.Tensor]:
+    """Batch rows of each chunk: `per_chunk` groups (pairs: chosen rows, then their rejected partners)."""
+    groups = n_sequences // 2 if paired else n_sequences
+    chunks = []
+    for start in range(0, groups, per_chunk):
+        rows = torch.arange(start, min(start + per_chunk, groups), device=device)
+        chunks.append(torch.cat([rows, rows + groups]) if paired else rows)
+    return chunks
+
+
+def _logits_into(
+    out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor
+) -> torch.Tensor:
+    """Write `hidden[rows] @ weight.T + bias` into `out` ((rows * T, V)); returns the gathered hidden rows."""
+    hidden_rows = hidden.index_select(0, rows).reshape(-1, hidden.shape[-1])
+    if bias is None:
+        torch.mm(hidden_rows, weight.t(), out=out)
+    else:
+        torch.addmm(bias, hidden_rows, weight.t(), out=out)
+    return hidden_rows
+
+
+def chunked_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | torch.Tensor | None,
+    loss_fn: ChunkLoss | None,
+    settings: PassSettings,
+    want: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
+    """One pass over the chunks: (loss, logps, ref_logps, (grad_hidden, grad_weight, grad_bias)).
+
+    `ref` is either the reference log-probs (B,) or (ref_hidden, ref_weight, ref_bias) to compute them
+    chunk by chunk, or None. `loss_fn=None` computes only the log-probs (the loss is then 0).
+    """
+    n_sequences, seq_len, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    want_hidden, want_weight, want_bias = want
+    write_grad = loss_fn is not None and any(want)
+    options = LossOptions(ignore_index=settings.ignore_index, reduction="sum")
+    flat_target = target.reshape(-1)
+    scales = loss_scales(flat_target, None, vocab, options)  # reduction "sum": unit scales, no sync
+    counts = (target != settings.ignore_index).sum(1).to(torch.float64)
+    group = 2 if settings.paired else 1
+    per_chunk = settings.chunk_size or max(
+        1,
+        choose_chunk_size(n_sequences * seq_len, vocab, hidden_size, hidden.element_size(), device)
+        // (group * seq_len),
+    )
+    chunks = _chunks(n_sequences, settings.paired, per_chunk, device)
+
+    logps = torch.empty(n_sequences, dtype=torch.float64, device=device)
+    if isinstance(ref, torch.Tensor):
+        ref_logps = ref.detach().to(torch.float64).clone()
+    else:
+        ref_logps = torch.empty_like(logps) if ref is not None else None
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    accumulate_dtype = torch.float32 if settings.accumulate_in_fp32 else weight.dtype
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_hidden else None
+    grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
+
+    max_rows = chunks[0].numel() * seq_len
+    buffer = torch.empty((max_rows, vocab), dtype=hidden.dtype, device=device)
+    neg_logp = torch.empty(max_rows, dtype=torch.float32, device=device)
+    for index, rows in enumerate(chunks):
+        n = rows.numel()
+        logits, token_loss = buffer[: n * seq_len], neg_logp[: n * seq_len]
+        target_rows = target.index_select(0, rows).reshape(-1)
+        if isinstance(ref, tuple):
+            ref_hidden, ref_weight, ref_bias = ref
+            _logits_into(logits, ref_hidden, ref_weight, ref_bias, rows)
+            cross_entropy_rows(logits, target_rows, None, scales, options, False, token_loss)
+            ref_logps[rows] = -token_loss.view(n, seq_len).sum(1, dtype=torch.float64)
+        hidden_rows = _logits_into(logits, hidden, weight, bias, rows)
+        cross_entropy_rows(logits, target_rows, None, scales, options, False, token_loss)
+        chunk_logps = -token_loss.view(n, seq_len).sum(1, dtype=torch.float64)
+        logps[rows] = chunk_logps
+        if loss_fn is None:
+            continue
+        chunk_ref = ref_logps[rows] if ref_logps is not None else None
+        if not write_grad:
+            loss += loss_fn(chunk_logps, counts[rows], chunk_ref, rows)
+            continue
+        with torch.enable_grad():
+            leaf = chunk_logps.requires_grad_(True)
+            chunk_loss = loss_fn(leaf, counts[rows], chunk_ref, rows)
+            (dloss_dlogp,) = torch.autograd.grad(chunk_loss, leaf)
+        loss += chunk_loss.detach()
+        # d loss / d logits = dL/dlogp[b] * (onehot - softmax) = -dL/dlogp[b] * (gradient of the token's CE)
+        row_scale = (-dloss_dlogp).to(torch.float32).repeat_interleave(seq_len)
+        cross_entropy_rows(logits, target_rows, None, scales, options, True, token_loss, row_scale=row_scale)
+        if want_hidden:
+            grad_hidden.index_copy_(0, rows, torch.mm(logits, weight).view(n, seq_len, hidden_size))
+        if want_weight:
+            _accumulate(grad_weight, logits.t(), hidden_rows, first=index == 0)
+        if want_bias:
+            grad_bias += logits.sum(0, dtype=torch.float32)
+    logits = buffer = None  # free the chunk buffer before the weight gradient's cast
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss, logps, ref_logps, (grad_hidden, grad_weight, grad_bias)
+
+
+class FusedLinearPreferenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ref, loss_fn, settings):
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, logps, ref_logps, grads = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, want)
+        ctx.save_for_backward(*grads)
+        ctx.backward_done = False
+        outputs = (logps, ref_logps) if ref_logps is not None else (logps,)
+        ctx.mark_non_differentiable(*outputs)
+        return (loss.float(), *outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, *_):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "tigon's fused linear preference losses compute their gradients in the forward and scale them in "
+                "place, so they support one backward per forward; run the forward again instead of retain_graph=True"
+            )
+        ctx.backward_done = True
+        grads = ctx.saved_tensors
+        for grad in grads:
+            if grad is not None:
+                scale_in_place(grad, grad_loss)
+        return (*grads, None, None, None, None)
+
+
+def run_preference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | torch.Tensor | None,
+    loss_fn: ChunkLoss,
+    settings: PassSettings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss, per-sequence summed log-probs (B,), reference log-probs (B,) or None); the last two float64, detached."""
+    target = target.contiguous()
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        loss, logps, *rest = FusedLinearPreferenceFunction.apply(hidden, weight, bias, target, ref, loss_fn, settings)
+        return loss, logps, (rest[0] if rest else None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, logps, ref_logps, _ = chunked_pass(
+            hidden, weight, bias, target, ref, loss_fn, settings, (False, False, False)
+        )
+    return loss.float(), logps, ref_logps
+
+
+def sequence_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Per-sequence summed target log-probs (B,) float64 of `hidden @ weight.T + bias`, chunked, without gradient."""
+    settings = PassSettings(paired=False, ignore_index=ignore_index, chunk_size=chunk_size)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        _, logps, _, _ = chunked_pass(hidden, weight, bias, target.contiguous(), None, None, settings, (False,) * 3)
+    return logps
+
+
+def check_head(
+    hidden_name: str,
+    hidden: torch.Tensor,
+    weight_name: str,
+    weight: torch.Tensor,
+    bias_name: str,
+    bias: torch.Tensor | None,
+) -> None:
+    """hidden (B, T, H) non-empty, weight (V, H), bias (V,), all of one float dtype."""
+    check_float(hidden_name, hidden)
+    check_float(weight_name, weight)
+    if hidden.dim() != 3 or 0 in hidden.shape:
+        raise ValueError(
+            f"{hidden_name} has shape {tuple(hidden.shape)}; it must be a non-empty 3-D (sequences, tokens, hidden) "
+            "tensor, the last hidden states of the batch before the head"
+        )
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"{weight_name} has shape {tuple(weight.shape)} but {hidden_name} has shape {tuple(hidden.shape)}; the "
+            f"head's weight must be (vocabulary, {hidden.shape[2]}), as nn.Linear(hidden, vocabulary).weight"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"{weight_name} has dtype {weight.dtype} but {hidden_name} has dtype {hidden.dtype}; cast one to the other "
+            f"(e.g. {hidden_name}.to({weight_name}.dtype))"
+        )
+    check_vector(bias_name, bias, weight.shape[0], f"the vocabulary size ({weight_name}.shape[0])")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"{bias_name} has dtype {bias.dtype} but {hidden_name} has dtype {hidden.dtype}; cast it")
+    check_same_device(hidden_name, hidden, **{weight_name: weight, bias_name: bias})
+
+
+def check_sequence_target(name: str, target: torch.Tensor, hidden_name: str, hidden: torch.Tensor) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} has dtype {target.dtype}; it must hold token ids as int64 or int32 ({name}.long())")
+    if tuple(target.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(
+            f"{name} has shape {tuple(target.shape)} but {hidden_name} has shape {tuple(hidden.shape)}; it must be "
+            f"{tuple(hidden.shape[:2])}, one target per token (ignore_index for prompt and padding tokens)"
+        )
+    check_same_device(hidden_name, hidden, **{name: target})
+
+
+def check_per_sequence(name: str, values: torch.Tensor, n_sequences: int, hidden: torch.Tensor) -> None:
+    """A per-sequence tensor (reference log-probs, KTO flags) must be 1-D with one entry per row of hidden."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if values.shape != (n_sequences,):
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)}; it must be ({n_sequences},), one value per sequence "
+            "(per row of hidden, in the same order)"
+        )
+    check_same_device("hidden", hidden, **{name: values})
+
+
+def check_preference_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    ref_hidden: torch.Tensor | None,
+    ref_weight: torch.Tensor | None,
+    ref_bias: torch.Tensor | None,
+    settings: PassSettings,
+    needs_ref: bool,
+    check_targets: bool,
+) -> None:
+    """Validate what every fused linear preference loss takes; raise naming the problem and the fix."""
+    check_head("hidden", hidden, "weight", weight, "bias", bias)
+    check_sequence_target("target", target, "hidden", hidden)
+    n_sequences = hidden.shape[0]
+    if settings.paired and n_sequences % 2:
+        raise ValueError(
+            f"hidden has {n_sequences} sequences; a paired loss takes the chosen sequences then their rejected "
+            "partners (torch.cat([chosen, rejected])), so the count must be even"
+        )
+    if isinstance(settings.ignore_index, bool) or not isinstance(settings.ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {settings.ignore_index!r}")
+    chunk = settings.chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(
+            f"chunk_size={chunk!r} must be a positive int (pairs, or sequences for KTO, per chunk) or None"
+        )
+    if ref_logps is not None and ref_hidden is not None:
+        raise ValueError("pass either ref_logps or ref_hidden/ref_weight (to compute them), not both")
+    if ref_logps is not None:
+        check_float("ref_logps", ref_logps)
+        check_per_sequence("ref_logps", ref_logps, n_sequences, hidden)
+    elif ref_hidden is not None or ref_weight is not None:
+        if ref_hidden is None or ref_weight is None:
+            raise ValueError("computing the reference log-probs needs both ref_hidden and ref_weight")
+        check_head("ref_hidden", ref_hidden, "ref_weight", ref_weight, "ref_bias", ref_bias)
+        if ref_hidden.shape[:2] != hidden.shape[:2] or ref_weight.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"ref_hidden {tuple(ref_hidden.shape)} / ref_weight {tuple(ref_weight.shape)} must cover the same "
+                f"sequences, tokens and vocabulary as hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}"
+            )
+        if ref_hidden.dtype != hidden.dtype:
+            raise TypeError(
+                f"ref_hidden has dtype {ref_hidden.dtype} but hidden has {hidden.dtype}; both heads share one logits "
+                "buffer, so cast the reference inputs to hidden's dtype"
+            )
+        check_same_device("hidden", hidden, ref_hidden=ref_hidden)
+    elif needs_ref:
+        raise ValueError(
+            "this loss needs the reference model's log-probs: pass ref_logps (one summed log-prob per sequence), "
+            "or ref_hidden and ref_weight (and ref_bias) to compute them in the same chunked pass"
+        )
+    if check_targets:
+        check_target_range(target.reshape(-1), weight.shape[0], settings.ignore_index)
+
+
+def check_unit_interval(name: str, value: float, upper: float = 1.0) -> None:
+    if not 0.0 <= value <= upper:
+        raise ValueError(f"{name}={value} must lie in [0, {upper}]")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"{name}={value} must be a finite number > 0")
+
+
+def reference_source(
+    ref_logps: torch.Tensor | None,
+    ref_hidden: torch.Tensor | None,
+    ref_weight: torch.Tensor | None,
+    ref_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | torch.Tensor | None:
+    """What `chunked_pass` takes as `ref`: the log-probs themselves, or the reference head to compute them."""
+    if ref_logps is not None:
+        return ref_logps
+    if ref_hidden is not None:
+        return (ref_hidden.detach(), ref_weight.detach(), ref_bias.detach() if ref_bias is not None else None)
+    return None

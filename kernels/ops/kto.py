@@ -1,0 +1,171 @@
+"""KTO (Ethayarajh et al., 2024), fused with the linear head: TRL's KTO trainer (`loss_type="kto"`).
+
+Unpaired: each sequence is flagged desirable or undesirable. With summed target log-probs ``logp`` of
+the policy and ``ref`` of the reference model, ``x = logp - ref``, and the reference point ``kl``:
+
+    desirable:    loss_i = desirable_weight   * (1 - sigmoid(beta * (x_i - kl)))
+    undesirable:  loss_i = undesirable_weight * (1 - sigmoid(beta * (kl - x_i)))
+    loss = mean over all sequences of loss_i
+
+``kl`` is detached: passed in (a number or a one-element tensor; 0 turns the reference point off), or
+computed as TRL does, ``clamp(mean(kl_logps - ref_kl_logps), min=0)``, from the mismatched
+(prompt, completion) KL batch ``kl_hidden``/``kl_target`` under the policy head (no gradient) and
+``ref_kl_logps`` or ``ref_kl_hidden`` under the reference head. Metrics: ``rewards = beta * x`` and
+``logps`` per sequence (split them with ``desirable`` for TRL's chosen/rejected logs) and ``kl``,
+detached, float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.kernels import reference
+from tigon.kernels.ops.fused_linear_preference import (
+    PassSettings,
+    check_head,
+    check_per_sequence,
+    check_positive,
+    check_preference_inputs,
+    check_sequence_target,
+    reference_source,
+    run_preference,
+    sequence_logps,
+)
+from tigon.kernels.reference import check_target_range
+from tigon.kernels.utils import check_float, use_triton
+
+
+def _check_kl_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ref_hidden: torch.Tensor | None,
+    kl: float | torch.Tensor | None,
+    kl_hidden: torch.Tensor | None,
+    kl_target: torch.Tensor | None,
+    ref_kl_logps: torch.Tensor | None,
+    ref_kl_hidden: torch.Tensor | None,
+    ignore_index: int,
+    check_targets: bool,
+) -> None:
+    if kl is not None:
+        if kl_hidden is not None or kl_target is not None or ref_kl_logps is not None or ref_kl_hidden is not None:
+            raise ValueError("pass either kl or the KL batch (kl_hidden, kl_target, ref_kl_*) to compute it, not both")
+        if isinstance(kl, torch.Tensor) and kl.numel() != 1:
+            raise ValueError(f"kl must be a number or a one-element tensor, got shape {tuple(kl.shape)}")
+        return
+    if kl_hidden is None or kl_target is None:
+        raise ValueError(
+            "KTO needs its reference point: pass kl= (a number; 0.0 for none), or kl_hidden and kl_target (the "
+            "mismatched KL batch) with ref_kl_logps or ref_kl_hidden to compute it"
+        )
+    check_head("kl_hidden", kl_hidden, "weight", weight, "bias", None)
+    if kl_hidden.dtype != hidden.dtype:
+        raise TypeError(f"kl_hidden has dtype {kl_hidden.dtype} but hidden has {hidden.dtype}; cast it to hidden's")
+    check_sequence_target("kl_target", kl_target, "kl_hidden", kl_hidden)
+    if (ref_kl_logps is None) == (ref_kl_hidden is None):
+        raise ValueError("the KL batch needs exactly one of ref_kl_logps or ref_kl_hidden (with ref_weight)")
+    if ref_kl_logps is not None:
+        check_float("ref_kl_logps", ref_kl_logps)
+        check_per_sequence("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], hidden)
+    else:
+        if ref_hidden is None:
+            raise ValueError("ref_kl_hidden goes through the reference head: pass ref_hidden and ref_weight too")
+        if ref_kl_hidden.shape != kl_hidden.shape or ref_kl_hidden.dtype != hidden.dtype:
+            raise ValueError(
+                f"ref_kl_hidden ({tuple(ref_kl_hidden.shape)}, {ref_kl_hidden.dtype}) must match kl_hidden's shape "
+                f"{tuple(kl_hidden.shape[:2])} in tokens and hidden's dtype {hidden.dtype}"
+            )
+    if check_targets:
+        check_target_range(kl_target.reshape(-1), weight.shape[0], ignore_index)
+
+
+def fused_linear_kto(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    desirable: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    kl: float | torch.Tensor | None = None,
+    kl_hidden: torch.Tensor | None = None,
+    kl_target: torch.Tensor | None = None,
+    ref_kl_logps: torch.Tensor | None = None,
+    ref_kl_hidden: torch.Tensor | None = None,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    ignore_index: int = -100,
+    check_targets: bool = True,
+    accumulate_in_fp32: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO loss of `hidden @ weight.T + bias` (see the module docstring) and its metrics, without the full logits.
+
+    hidden `(B, T, H)`, target `(B, T)` (`ignore_index` on prompt and padding), `desirable` `(B,)` bool.
+    The reference log-probs are `ref_logps` `(B,)` (summed) or computed in the same chunked pass from
+    `ref_hidden` with `ref_weight`/`ref_bias` (no gradient). `chunk_size` is sequences per chunk. Returns
+    `(loss, metrics)`; one backward per forward.
+    """
+    settings = PassSettings(
+        paired=False, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
+    )
+    check_preference_inputs(
+        hidden, weight, target, bias, ref_logps, ref_hidden, ref_weight, ref_bias, settings, True, check_targets
+    )
+    check_per_sequence("desirable", desirable, hidden.shape[0], hidden)
+    if desirable.dtype != torch.bool:
+        raise TypeError(f"desirable has dtype {desirable.dtype}; it must be a bool tensor (True = desirable)")
+    _check_kl_inputs(
+        hidden, weight, ref_hidden, kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden, ignore_index, check_targets
+    )
+    check_positive("beta", beta)
+    if not (desirable_weight >= 0 and undesirable_weight >= 0):
+        raise ValueError(
+            f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} must be >= 0"
+        )
+    if not use_triton("fused_linear_kto", hidden):
+        return reference.fused_linear_kto(
+            hidden,
+            weight,
+            target,
+            desirable,
+            bias,
+            ref_logps=ref_logps,
+            ref_hidden=ref_hidden,
+            ref_weight=ref_weight,
+            ref_bias=ref_bias,
+            kl=kl,
+            kl_hidden=kl_hidden,
+            kl_target=kl_target,
+            ref_kl_logps=ref_kl_logps,
+            ref_kl_hidden=ref_kl_hidden,
+            beta=beta,
+            desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight,
+            ignore_index=ignore_index,
+        )
+    if kl is None:
+        kl_logps = sequence_logps(kl_hidden.detach(), weight.detach(), kl_target, bias, ignore_index=ignore_index)
+        if ref_kl_logps is None:
+            ref_kl_logps = sequence_logps(ref_kl_hidden, ref_weight, kl_target, ref_bias, ignore_index=ignore_index)
+        kl = (kl_logps - ref_kl_logps.to(torch.float64)).mean().clamp(min=0)
+    kl = torch.as_tensor(kl, dtype=torch.float64, device=hidden.device).detach().reshape(())
+    n_sequences = hidden.shape[0]
+
+    def loss_fn(logps, counts, ref, rows):
+        x = logps - ref
+        losses = torch.where(
+            desirable[rows],
+            desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
+        )
+        return losses.sum() / n_sequences
+
+    source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
+    loss, logps, ref = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
+    metrics = {"rewards": (beta * (logps - ref)).float(), "logps": logps.float(), "kl": kl.float()}
+    return loss, metrics

@@ -1,0 +1,88 @@
+"""ORPO (Hong et al., 2024), fused with the linear head: TRL's ORPO trainer.
+
+With length-normalized target log-probs ``avg = logp / n`` (``n`` target tokens), per pair of a chosen
+sequence ``c`` and its rejected partner ``r``:
+
+    log_odds = (avg_c - avg_r) - (log(1 - exp(avg_c)) - log(1 - exp(avg_r)))
+    loss     = NLL - beta * mean over pairs of log sigmoid(log_odds)
+    NLL      = -sum of the chosen target log-probs / number of chosen target tokens
+
+``beta`` is the paper's lambda. A pair whose odds are undefined (a sequence without targets, or one of
+probability 1, as with a one-token vocabulary) gets ``log_odds = 0`` and adds 0 to the sum. No
+reference model. Metrics, as TRL logs them: ``chosen_rewards = beta * avg_c``, ``rejected_rewards =
+beta * avg_r``, ``chosen_logps = avg_c``, ``rejected_logps = avg_r`` (per pair), ``nll_loss``,
+``log_odds_ratio`` (mean of log sigmoid(log_odds)) and ``log_odds_chosen`` (mean of log_odds), detached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tigon.kernels import reference
+from tigon.kernels.ops.fused_linear_preference import (
+    PassSettings,
+    check_positive,
+    check_preference_inputs,
+    chosen_token_count,
+    run_preference,
+    safe_average,
+)
+from tigon.kernels.utils import use_triton
+
+
+def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_odds, log sigmoid(log_odds)) per pair of average log-probs; both 0 where the odds are undefined."""
+    defined = (chosen < 0) & (rejected < 0)
+    c, r = torch.where(defined, chosen, -1.0), torch.where(defined, rejected, -1.0)
+    log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))  # log(1 - exp(x)), exact near 0
+    return torch.where(defined, log_odds, 0.0), torch.where(defined, F.logsigmoid(log_odds), 0.0)
+
+
+def fused_linear_orpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    check_targets: bool = True,
+    accumulate_in_fp32: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO loss of `hidden @ weight.T + bias` (see the module docstring) and its metrics, without the full logits.
+
+    hidden `(2P, T, H)` holds P chosen sequences then their P rejected partners, target `(2P, T)` the next
+    tokens (`ignore_index` elsewhere). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one
+    backward per forward.
+    """
+    settings = PassSettings(
+        paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
+    )
+    check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, check_targets)
+    check_positive("beta", beta)
+    if not use_triton("fused_linear_orpo", hidden):
+        return reference.fused_linear_orpo(hidden, weight, target, bias, beta=beta, ignore_index=ignore_index)
+    pairs = hidden.shape[0] // 2
+    chosen_tokens = chosen_token_count(target, ignore_index)
+
+    def loss_fn(logps, counts, ref, rows):
+        k = logps.shape[0] // 2
+        average = safe_average(logps, counts)
+        _, ratio = log_odds_terms(average[:k], average[k:])
+        return -logps[:k].sum() / chosen_tokens - beta * ratio.sum() / pairs
+
+    loss, logps, _ = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    average = safe_average(logps, (target != ignore_index).sum(1).to(torch.float64))
+    log_odds, ratio = log_odds_terms(average[:pairs], average[pairs:])
+    metrics = {
+        "chosen_rewards": (beta * average[:pairs]).float(),
+        "rejected_rewards": (beta * average[pairs:]).float(),
+        "chosen_logps": average[:pairs].float(),
+        "rejected_logps": average[pairs:].float(),
+        "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
+        "log_odds_ratio": ratio.mean().float(),
+        "log_odds_chosen": log_odds.mean().float(),
+    }
+    return loss, metrics

@@ -1,0 +1,90 @@
+"""SimPO (Meng et al., 2024), fused with the linear head: TRL's CPO trainer with `loss_type="simpo"`.
+
+With length-normalized target log-probs ``avg = logp / n`` (``n`` target tokens; 0 for a sequence
+without targets), per pair of a chosen sequence ``c`` and its rejected partner ``r``:
+
+    z    = beta * (avg_c - avg_r) - gamma
+    loss = mean over pairs of [-(1 - label_smoothing) * log sigmoid(z) - label_smoothing * log sigmoid(-z)]
+           + alpha * NLL,   NLL = -sum of the chosen target log-probs / number of chosen target tokens
+
+No reference model; ``alpha = 0`` (the default) is the paper's loss, ``alpha > 0`` TRL's CPO-SimPO.
+Metrics: ``chosen_rewards = beta * avg_c``, ``rejected_rewards = beta * avg_r``, ``chosen_logps = avg_c``,
+``rejected_logps = avg_r`` (per pair) and ``nll_loss``, detached, float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tigon.kernels import reference
+from tigon.kernels.ops.dpo import sigmoid_preference
+from tigon.kernels.ops.fused_linear_preference import (
+    PassSettings,
+    check_positive,
+    check_preference_inputs,
+    check_unit_interval,
+    chosen_token_count,
+    run_preference,
+    safe_average,
+)
+from tigon.kernels.utils import use_triton
+
+
+def fused_linear_simpo(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    alpha: float = 0.0,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    check_targets: bool = True,
+    accumulate_in_fp32: bool = False,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SimPO loss of `hidden @ weight.T + bias` (see the module docstring) and its metrics, without the full logits.
+
+    hidden `(2P, T, H)` holds P chosen sequences then their P rejected partners, target `(2P, T)` the next
+    tokens (`ignore_index` elsewhere). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one
+    backward per forward.
+    """
+    settings = PassSettings(
+        paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
+    )
+    check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, check_targets)
+    check_positive("beta", beta)
+    check_unit_interval("label_smoothing", label_smoothing, 0.5)
+    if not use_triton("fused_linear_simpo", hidden):
+        return reference.fused_linear_simpo(
+            hidden,
+            weight,
+            target,
+            bias,
+            beta=beta,
+            gamma=gamma,
+            alpha=alpha,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+        )
+    pairs = hidden.shape[0] // 2
+    chosen_tokens = chosen_token_count(target, ignore_index)
+
+    def loss_fn(logps, counts, ref, rows):
+        k = logps.shape[0] // 2
+        average = safe_average(logps, counts)
+        z = beta * (average[:k] - average[k:]) - gamma
+        return sigmoid_preference(z, label_smoothing).sum() / pairs - alpha * logps[:k].sum() / chosen_tokens
+
+    loss, logps, _ = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    average = safe_average(logps, (target != ignore_index).sum(1).to(torch.float64))
+    metrics = {
+        "chosen_rewards": (beta * average[:pairs]).float(),
+        "rejected_rewards": (beta * average[pairs:]).float(),
+        "chosen_logps": average[:pairs].float(),
+        "rejected_logps": average[pairs:].float(),
+        "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
+    }
+    return loss, metrics
