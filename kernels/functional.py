@@ -4,23 +4,35 @@ from __future__ import annotations
 
 import torch
 
+from tigon.kernels.ops.cpo import fused_linear_cpo
 from tigon.kernels.ops.cross_entropy import cross_entropy
+from tigon.kernels.ops.dpo import fused_linear_dpo
 from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
 from tigon.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from tigon.kernels.ops.fused_linear_preference import sequence_logps
 from tigon.kernels.ops.gated_activation import geglu, swiglu
+from tigon.kernels.ops.kto import fused_linear_kto
 from tigon.kernels.ops.layer_norm import layer_norm
+from tigon.kernels.ops.orpo import fused_linear_orpo
 from tigon.kernels.ops.rms_norm import rms_norm
 from tigon.kernels.ops.rope import rope
+from tigon.kernels.ops.simpo import fused_linear_simpo
 
 __all__ = [
     "apply_rotary_pos_emb",
     "cross_entropy",
     "fused_add_rms_norm",
+    "fused_linear_cpo",
     "fused_linear_cross_entropy",
+    "fused_linear_dpo",
+    "fused_linear_kto",
+    "fused_linear_orpo",
+    "fused_linear_simpo",
     "geglu",
     "layer_norm",
     "rms_norm",
     "rope",
+    "sequence_logps",
     "swiglu",
 ]
 

@@ -139,6 +139,108 @@ class GatedMLP(nn.Module):
         return self.down_proj(hidden)
 
 
+class _PreferenceLoss(nn.Module):
+    """A fused linear preference loss as a module: options at construction, tensors at call time."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+class FusedLinearDPOLoss(_PreferenceLoss):
+    """`F.fused_linear_dpo`; call with `(hidden, weight, target, bias=None, ref_logps=... or ref_hidden=..., ...)`."""
+
+    def __init__(
+        self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None
+    ) -> None:
+        super().__init__(beta=beta, label_smoothing=label_smoothing, ignore_index=ignore_index, chunk_size=chunk_size)
+
+    def forward(self, hidden, weight, target, bias=None, **reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_dpo(hidden, weight, target, bias, **reference, **self.options)
+
+
+class FusedLinearCPOLoss(_PreferenceLoss):
+    """`F.fused_linear_cpo`; call with `(hidden, weight, target, bias=None)`."""
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        alpha: float = 1.0,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index, chunk_size=chunk_size
+        )
+
+    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_cpo(hidden, weight, target, bias, **self.options)
+
+
+class FusedLinearSimPOLoss(_PreferenceLoss):
+    """`F.fused_linear_simpo`; call with `(hidden, weight, target, bias=None)`."""
+
+    def __init__(
+        self,
+        beta: float = 2.0,
+        gamma: float = 0.5,
+        alpha: float = 0.0,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            beta=beta,
+            gamma=gamma,
+            alpha=alpha,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+        )
+
+    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_simpo(hidden, weight, target, bias, **self.options)
+
+
+class FusedLinearORPOLoss(_PreferenceLoss):
+    """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None)`."""
+
+    def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int | None = None) -> None:
+        super().__init__(beta=beta, ignore_index=ignore_index, chunk_size=chunk_size)
+
+    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_orpo(hidden, weight, target, bias, **self.options)
+
+
+class FusedLinearKTOLoss(_PreferenceLoss):
+    """`F.fused_linear_kto`; call with `(hidden, weight, target, desirable, bias=None, ref_*=..., kl=...)`."""
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            beta=beta,
+            desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+        )
+
+    def forward(
+        self, hidden, weight, target, desirable, bias=None, **inputs
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_kto(hidden, weight, target, desirable, bias, **inputs, **self.options)
+
+
 def gated_activation_for(config) -> tuple[str, str | None]:
     """('swiglu', None) or ('geglu', 'tanh' | 'none') for a transformers config's activation name."""
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
