@@ -426,6 +426,35 @@ class PackedDataset(Dataset):
         self.labels = torch.tensor(rows_labels, dtype=torch.long).reshape(shape)
         self.position_ids = torch.tensor(rows_positions, dtype=torch.long).reshape(shape)
 
+    @classmethod
+    def from_arrays(
+        cls,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        max_seq_len: int,
+        packing: bool,
+        **counters: int,
+    ) -> PackedDataset:
+        """A dataset from already packed (N, max_seq_len) arrays and its counters (`tigon.runtime.packed`)."""
+        shape = (input_ids.shape[0], max_seq_len)
+        if any(tuple(array.shape) != shape for array in (input_ids, labels, position_ids)):
+            raise DataError(
+                f"packed arrays must all be {shape}; got input_ids {tuple(input_ids.shape)}, labels "
+                f"{tuple(labels.shape)}, position_ids {tuple(position_ids.shape)}: prepare the data again"
+            )
+        dataset = cls.__new__(cls)
+        dataset.max_seq_len, dataset.packing = max_seq_len, packing
+        dataset.truncated = dataset.dropped = dataset.documents = 0
+        dataset.num_tokens = dataset.num_loss_tokens = dataset.num_padding_tokens = 0
+        for name, value in counters.items():
+            if not hasattr(dataset, name):
+                raise TypeError(f"unknown PackedDataset counter {name!r}")
+            setattr(dataset, name, value)
+        dataset.input_ids, dataset.labels, dataset.position_ids = input_ids, labels, position_ids
+        return dataset
+
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 

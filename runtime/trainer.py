@@ -72,6 +72,8 @@ class TrainResult:
     tensorboard_dir: str | None = None
     train_seconds: float = 0.0
     kernels: str | None = None
+    data_manifest: dict | None = None  # the packed data's manifest when the run was given `datasets` (not tokenized)
+    export_url: str | None = None  # the export's copy under checkpoint.remote_dir
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -81,8 +83,6 @@ def validate_for_torch_trainer(config: RunConfig) -> None:
     """Settings the plain PyTorch trainer cannot honour, named with the fix."""
     if config.trainer != "torch":
         raise ConfigError(f"trainer: {config.trainer!r} is not yet available in this build; use 'torch'")
-    if config.training.plan == "auto":
-        raise ConfigError("training.plan: 'auto' needs the memory planner, not yet available; use 'manual'")
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
@@ -328,10 +328,16 @@ class Prepared:
     eval_dataset: object
     data_summary: object
     model: nn.Module  # unwrapped, on the device
+    eval_examples: list[tuple[list[int], str]] | None = None  # tokenized eval prompts, when given pre-packed data
+    data_manifest: dict | None = None  # the pre-packed data's manifest (fingerprint, tokenizer)
 
 
-def prepare(config: RunConfig) -> Prepared:
-    """Process group, seeded tokenizer, datasets and model (on its device)."""
+def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
+    """Process group, seeded tokenizer, datasets and model (on its device).
+
+    `datasets`: a directory written by `tigon.runtime.packed.save_packed`; its arrays are used as they are
+    (checked against the run's tokenizer) instead of tokenizing and packing the data again.
+    """
     from tigon.runtime.data import build_datasets
     from tigon.runtime.tokenizer import load_tokenizer
 
@@ -339,11 +345,19 @@ def prepare(config: RunConfig) -> Prepared:
     env, device = init_distributed(config)
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
-    train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
+    examples = manifest = None
+    if datasets is not None:
+        from tigon.runtime.packed import load_packed
+
+        packed = load_packed(datasets, tokenizer)
+        train_dataset, eval_dataset, data_summary = packed.train, packed.eval, packed.summary
+        examples, manifest = packed.eval_examples, packed.manifest
+    else:
+        train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
     if env.is_main:
         logger.info("data: %s", data_summary)
     model = build_model(config, len(tokenizer), tokenizer).to(device)
-    return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model)
+    return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model, examples, manifest)
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
@@ -379,19 +393,30 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[in
     return max(1, total), per_epoch
 
 
-def train(config: RunConfig) -> TrainResult:
-    """Run (or resume) one training run as configured; returns what it did. Call on every rank."""
-    if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
-        if config.trainer == "hf":
-            from tigon.runtime.hf_trainer import train_with_hf as adapter
-        else:
-            from tigon.runtime.lightning_trainer import train_with_lightning as adapter
-        try:
-            return adapter(config)
-        finally:
-            shutdown()
+def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
+    """Run (or resume) one training run as configured; returns what it did. Call on every rank.
+
+    `datasets`: pre-packed data (`tigon.runtime.packed`) to train on instead of tokenizing `config.data`.
+    """
+    if datasets is not None and config.trainer != "torch":
+        raise ConfigError(
+            f"trainer: {config.trainer!r} tokenizes its own data and cannot take pre-packed datasets yet; "
+            "use trainer: torch, or call train without datasets"
+        )
+    from tigon.runtime import planner
+
+    if config.training.plan == "auto":
+        config = planner.planned_config(config)
     try:
-        return _train(config, prepare(config))
+        if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
+            if config.trainer == "hf":
+                from tigon.runtime.hf_trainer import train_with_hf as adapter
+            else:
+                from tigon.runtime.lightning_trainer import train_with_lightning as adapter
+            return adapter(config)
+        return _train(config, prepare(config, datasets))
+    except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
+        raise planner.out_of_memory_error(config, error) from error
     finally:
         shutdown()
 
@@ -428,8 +453,13 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
             per_epoch,
         )
 
+    from tigon.runtime import storage
+
+    remote = storage.run_storage(config.checkpoint.remote_dir)
     state = ckpt.TrainState(world_size=env.world_size)
     resumed_from = None
+    if config.checkpoint.resume:
+        storage.fetch_for_resume(config.checkpoint.remote_dir, run_dir, env.local_rank, lambda: barrier(env))
     latest = ckpt.latest_checkpoint(run_dir) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
@@ -444,6 +474,8 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
         if env.is_main and stale.is_dir():
             logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
             shutil.rmtree(stale)
+        if env.is_main and remote is not None:
+            remote.clear_checkpoints()
     barrier(env)
 
     config_json = config.model_dump_json(indent=2)
@@ -462,7 +494,9 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     )
     examples = None
     if prepared.eval_dataset is not None and "exact_match" in config.eval.metrics:
-        examples = generation_examples(config, tokenizer)
+        examples = prepared.eval_examples
+        if examples is None:
+            examples = generation_examples(config, tokenizer)
 
     def run_eval() -> None:
         if prepared.eval_dataset is None or not config.eval.metrics:
@@ -517,7 +551,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
             if every_eval > 0 and state.step % every_eval == 0 and not last:
                 run_eval()
             if every_ckpt > 0 and (state.step % every_ckpt == 0 or last):
-                ckpt.save_checkpoint(
+                saved = ckpt.save_checkpoint(
                     run_dir,
                     state,
                     model,
@@ -528,17 +562,21 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
                     scaler,
                     config_json,
                 )
+                if env.is_main and remote is not None:
+                    remote.upload_checkpoint(saved, config.checkpoint.keep_last)
         if not state.eval_history or state.eval_history[-1]["step"] != state.step:
             run_eval()
     finally:
         reporter.close()
 
-    export_dir = None
+    export_dir = export_url = None
     if config.checkpoint.export:
         if env.is_main:
             export_dir = str(
                 ckpt.export_model(model, tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora)
             )
+            if remote is not None:
+                export_url = remote.upload_export(export_dir)
         barrier(env)
 
     latest = ckpt.latest_checkpoint(run_dir)
@@ -560,6 +598,8 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
         tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
+        data_manifest=prepared.data_manifest,
+        export_url=export_url,
     )
     if env.is_main:
         reporter.plot(result.losses, result.eval_history)

@@ -1,0 +1,203 @@
+"""Checkpoints and the exported model in object storage (s3://, gs://, any fsspec URL).
+
+Training writes checkpoints to the local run directory as always (`tigon.runtime.checkpoint`); with
+`checkpoint.remote_dir` set, each finished checkpoint is then copied to the object store, and a run
+that resumes first fetches the newest one from there. So a restarted pod (or a Flyte retry on
+another node) resumes from the object store, not from step 0.
+
+    <remote_dir>/checkpoints/step-N/...   one uploaded checkpoint
+    <remote_dir>/export/...               the save_pretrained directory
+
+Object stores cannot rename a directory atomically, so an upload is committed by a marker written
+last: `COMMITTED.json`, listing every file and its size. Readers only take committed directories
+and check the sizes of what they download; an upload cut short is never resumed from, and is
+replaced by the next upload of the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from tigon.runtime.checkpoint import CHECKPOINTS, STATE_FILE, checkpoint_root, list_checkpoints, replace_dir
+
+logger = logging.getLogger("tigon.runtime")
+
+MARKER = "COMMITTED.json"
+EXPORT = "export"
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+class StorageError(RuntimeError):
+    """An object-store directory that is missing, uncommitted or does not match its marker."""
+
+
+def is_local_url(url: str) -> bool:
+    """True for plain paths and file:// URLs (the pod's or laptop's own disk)."""
+    return fsspec.utils.get_protocol(url) in LOCAL_PROTOCOLS
+
+
+class RunStorage:
+    """One run's prefix in an object store: committed checkpoints and the exported model."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = url_to_fs(self.url)
+        self.root = self.root.rstrip("/")
+
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    # ------------------------------------------------------------ directories committed by a marker
+
+    def upload_dir(self, local_dir: str | Path, *parts: str) -> str:
+        """Copy a finished local directory to `<url>/<parts>`, committing it with the marker last; returns its URL."""
+        local_dir = Path(local_dir)
+        target = self._path(*parts)
+        self._uncommit(target)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        if not files:
+            raise StorageError(f"{local_dir} holds no files to upload")
+        listing: dict[str, int] = {}
+        for file in files:
+            relative = file.relative_to(local_dir).as_posix()
+            destination = posixpath.join(target, relative)
+            self.fs.makedirs(posixpath.dirname(destination), exist_ok=True)
+            self.fs.put_file(str(file), destination)
+            listing[relative] = file.stat().st_size
+        self._write_marker(target, {"files": listing})
+        return self._url(target)
+
+    def _write_marker(self, target: str, content: dict[str, Any]) -> None:
+        temporary = posixpath.join(target, f".{MARKER}.tmp")
+        self.fs.pipe_file(temporary, json.dumps(content).encode())
+        self.fs.mv(temporary, posixpath.join(target, MARKER))
+
+    def _uncommit(self, target: str) -> None:
+        """Remove a directory (its marker first, so it is never seen half deleted)."""
+        if self.fs.exists(posixpath.join(target, MARKER)):
+            self.fs.rm_file(posixpath.join(target, MARKER))
+        if self.fs.exists(target):
+            self.fs.rm(target, recursive=True)
+
+    def committed(self, *parts: str) -> dict[str, int] | None:
+        """The file listing of a committed directory, or None when it is absent or uncommitted."""
+        marker = self._path(*parts, MARKER)
+        try:
+            return json.loads(self.fs.cat_file(marker))["files"]
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def download_dir(self, local_dir: str | Path, *parts: str) -> Path:
+        """Copy a committed directory to `local_dir` (written beside it, checked, then renamed into place)."""
+        listing = self.committed(*parts)
+        source = self._path(*parts)
+        if listing is None:
+            raise StorageError(f"{self._url(source)} is not a committed upload (no {MARKER}); nothing to download")
+        local_dir = Path(local_dir)
+        local_dir.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(tempfile.mkdtemp(prefix=f".download-{local_dir.name}-", dir=local_dir.parent))
+        try:
+            for relative, size in listing.items():
+                destination = temporary / relative
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(posixpath.join(source, relative), str(destination))
+                if destination.stat().st_size != size:
+                    raise StorageError(
+                        f"{self._url(posixpath.join(source, relative))}: downloaded {destination.stat().st_size} "
+                        f"bytes, its marker says {size}; the upload was changed after it was committed"
+                    )
+            replace_dir(temporary, local_dir)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        return local_dir
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first."""
+        root = self._path(CHECKPOINTS)
+        if not self.fs.exists(root):
+            return []
+        steps = []
+        for entry in self.fs.ls(root, detail=False):
+            name = posixpath.basename(entry.rstrip("/"))
+            if name.startswith("step-") and name[5:].isdigit() and self.committed(CHECKPOINTS, name) is not None:
+                steps.append(int(name[5:]))
+        return sorted(steps)
+
+    def upload_checkpoint(self, checkpoint_dir: str | Path, keep_last: int) -> str:
+        """Upload a finished `step-N` directory, then remove all but the newest `keep_last` uploaded ones."""
+        checkpoint_dir = Path(checkpoint_dir)
+        if not (checkpoint_dir / STATE_FILE).is_file():
+            raise StorageError(f"{checkpoint_dir} is not a finished checkpoint (no {STATE_FILE}); not uploading it")
+        url = self.upload_dir(checkpoint_dir, CHECKPOINTS, checkpoint_dir.name)
+        for step in self.checkpoint_steps()[:-keep_last]:
+            self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
+        logger.info("checkpoint uploaded: %s", url)
+        return url
+
+    def fetch_latest_checkpoint(self, run_dir: str | Path) -> Path | None:
+        """Download the newest committed checkpoint into `<run_dir>/checkpoints` unless the run dir has it or a
+        newer one; returns the downloaded directory, or None when nothing was fetched."""
+        steps = self.checkpoint_steps()
+        local = list_checkpoints(run_dir)
+        if not steps or (local and local[-1][0] >= steps[-1]):
+            return None
+        name = f"step-{steps[-1]}"
+        path = self.download_dir(checkpoint_root(run_dir) / name, CHECKPOINTS, name)
+        logger.info("resuming from the object store: %s -> %s", self._url(self._path(CHECKPOINTS, name)), path)
+        return path
+
+    def clear_checkpoints(self) -> None:
+        """Remove every uploaded checkpoint (a run that starts over)."""
+        root = self._path(CHECKPOINTS)
+        if self.fs.exists(root):
+            for step in self.checkpoint_steps():
+                self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
+            self.fs.rm(root, recursive=True)
+
+    # ------------------------------------------------------------ export
+
+    @property
+    def export_url(self) -> str:
+        return self._url(self._path(EXPORT))
+
+    def upload_export(self, export_dir: str | Path) -> str:
+        url = self.upload_dir(export_dir, EXPORT)
+        logger.info("model export uploaded: %s", url)
+        return url
+
+
+def run_storage(remote_dir: str | None) -> RunStorage | None:
+    """The run's object-store prefix (`checkpoint.remote_dir`), or None when checkpoints stay local only."""
+    return RunStorage(remote_dir) if remote_dir else None
+
+
+def fetch_for_resume(remote_dir: str | None, run_dir: str | Path, local_rank: int, barrier) -> None:
+    """Before resuming: each node's first process fetches the newest uploaded checkpoint; everyone waits."""
+    storage = run_storage(remote_dir)
+    if storage is None:
+        return
+    if local_rank == 0:
+        storage.fetch_latest_checkpoint(run_dir)
+    barrier()
+
+
+def default_remote_dir(raw_output_prefix: str, run_name: str) -> str | None:
+    """On a cluster, the run's prefix under Flyte's raw output prefix (s3://, gs://); None locally."""
+    if not raw_output_prefix or is_local_url(raw_output_prefix):
+        return None
+    return f"{raw_output_prefix.rstrip('/')}/tigon/{run_name}"
