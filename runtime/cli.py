@@ -1,6 +1,7 @@
 """The `tigon` command.
 
     tigon train CONFIG [--set key.path=value ...]     train (or resume) a run
+    tigon plan CONFIG [--gpu-memory 80GB] [--gpus N]  estimate peak GPU memory, pick the fastest setting that fits
     tigon schema                                      print the config's JSON schema (for editors)
     tigon demo-data PATH [--examples N] [--seed S]    write the arithmetic task as JSONL
 
@@ -36,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. --set training.max_steps=20 (repeatable; values parsed as YAML)",
     )
     train.add_argument("--quiet", action="store_true", help="warnings only in the log")
+
+    plan = commands.add_parser("plan", help="estimate peak GPU memory and pick the fastest setting that fits")
+    plan.add_argument("config", help="YAML config file, e.g. examples/demo.yaml")
+    plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 141GiB (default: this machine's GPU)")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs the run spreads over (default: $WORLD_SIZE or 1)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     commands.add_parser("schema", help="print the config file's JSON schema")
 
@@ -79,15 +86,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(records)} arithmetic problems to {args.path}")
         return 0
 
+    if args.command == "plan":
+        from tigon.runtime import planner
+
+        try:
+            config = load_config(args.config, args.overrides)
+            memory = planner.parse_memory(args.gpu_memory) if args.gpu_memory else None
+            print(planner.make_plan(config, memory, args.gpus).table())
+        except ConfigError as error:
+            return _fail(str(error))
+        return 0
+
     _setup_logging(args.quiet)
     from tigon.runtime.data import DataError
+    from tigon.runtime.planner import TrainingOutOfMemory
 
     try:
         config = load_config(args.config, args.overrides)
         from tigon.runtime.trainer import train
 
         train(config)
-    except (ConfigError, DataError, FileNotFoundError) as error:
+    except (ConfigError, DataError, FileNotFoundError, TrainingOutOfMemory) as error:
         return _fail(str(error))
     return 0
 

@@ -83,8 +83,6 @@ def validate_for_torch_trainer(config: RunConfig) -> None:
     """Settings the plain PyTorch trainer cannot honour, named with the fix."""
     if config.trainer != "torch":
         raise ConfigError(f"trainer: {config.trainer!r} is not yet available in this build; use 'torch'")
-    if config.training.plan == "auto":
-        raise ConfigError("training.plan: 'auto' needs the memory planner, not yet available; use 'manual'")
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
@@ -405,17 +403,20 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
             f"trainer: {config.trainer!r} tokenizes its own data and cannot take pre-packed datasets yet; "
             "use trainer: torch, or call train without datasets"
         )
-    if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
-        if config.trainer == "hf":
-            from tigon.runtime.hf_trainer import train_with_hf as adapter
-        else:
-            from tigon.runtime.lightning_trainer import train_with_lightning as adapter
-        try:
-            return adapter(config)
-        finally:
-            shutdown()
+    from tigon.runtime import planner
+
+    if config.training.plan == "auto":
+        config = planner.planned_config(config)
     try:
+        if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
+            if config.trainer == "hf":
+                from tigon.runtime.hf_trainer import train_with_hf as adapter
+            else:
+                from tigon.runtime.lightning_trainer import train_with_lightning as adapter
+            return adapter(config)
         return _train(config, prepare(config, datasets))
+    except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
+        raise planner.out_of_memory_error(config, error) from error
     finally:
         shutdown()
 

@@ -1,0 +1,594 @@
+"""The memory planner: estimate a run's peak GPU memory and pick the fastest setting that fits.
+
+    plan = make_plan(config, gpu_memory=80 * GB, world_size=1)
+    print(plan.table())               # the chosen setting, its estimate, and every alternative
+    config = apply_plan(config, plan) # what `training.plan: auto` does at the start of train()
+
+The estimate (bytes, per GPU) is the largest of four moments of a steady-state training step:
+
+    persistent  = weights + optimizer states (AdamW: 2 per trainable parameter, in its dtype) + overhead
+    loss        = persistent + activations of every layer + head + loss-backward buffers
+    layer top   = persistent + activations of every layer + head + grad(lm_head) + backward of one layer
+    layer bottom= persistent + one layer's activations + all gradients + backward of one layer
+    optimizer   = persistent + all gradients (+ DDP's gradient buckets)
+
+Activations, per token of a micro-batch (B x T tokens), in bytes, with h hidden, i intermediate,
+q = heads x head_dim, kv = kv_heads x head_dim, c the compute dtype's size (2 under bf16/fp16,
+else the weights' size) and r the residual stream's size (the weights' dtype):
+
+- RMSNorm, Hugging Face eager: the float32 copy of its input (4h) and the normalized input in its
+  own dtype (r h; only when the norm weight trains). tigon: the input itself (r h) and 1/rms (4).
+- A Linear saves its input (c h, or c i for down_proj) when its weight trains or it carries a LoRA
+  adapter (then also the adapter's c x rank output).
+- Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
+  repeated to all heads (3 c q), the output and o_proj's contiguous copy of it (2 c q), the log-sum-exp
+  (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
+  flash_attention_2: q (c q), k and v unrepeated (2 c kv), the output once (c q), the log-sum-exp.
+  eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T.
+- Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
+  (3 c i). tigon's SwiGLU saves gate and up only and recomputes SiLU (2 c i).
+- RoPE saves only cos and sin, shared by the layers (either implementation).
+
+With gradient checkpointing a layer keeps only its input (r h per token); during the backward one
+layer is recomputed at a time, so one layer's full activations come back transiently.
+
+Once per micro-batch: the final norm and lm_head's input, the ids, labels and positions (24 per
+token), cos and sin (2 r head_dim). The loss as the torch trainer computes it (`token_loss_sum`):
+the logits (c V per token), their float32 copy and log-softmax (4 V each); log-softmax's output stays
+for the backward (4 V), whose buffers peak at 12 V per token. With tigon's fused linear cross
+entropy (`Workload.fused_loss`, with the kernels on) the logits never exist: two chunks of
+(hidden/4 tokens x V) logits and a float32 gradient of the hidden states (4 h per token) instead.
+The torch trainer does not use it yet (its loss needs the full logits), so `workload` sets it False.
+
+Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
+and up's), c i with tigon's in-place SwiGLU backward; attention's are 3 c q + 4 q; the larger counts.
+
+Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2
+shards weights, gradients and states over the world size and gathers two layers (and the embedding
+and head) at a time. DeepSpeed ZeRO shards states (stage 1), gradients (2) and weights (3) and
+keeps float32 master weights (4 per trainable parameter, sharded) for bf16/fp16 weights. CPU
+offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
+
+Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate:
+micro-batch among its divisors, gradient checkpointing off and on, tigon's kernels on and off. The
+ones whose estimate stays under FIT_FRACTION of the usable memory (the GPU's memory minus
+CUDA_CONTEXT) are ranked by a relative step-time model: checkpointing recomputes the forward
+(x 4/3), the kernels save KERNEL_TIME of a step, and a micro-batch of n tokens runs at
+n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate. The model ranks settings; it does not predict
+tokens/s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tigon.runtime.config import ConfigError, RunConfig
+
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+CUDA_CONTEXT = 1 * GiB  # CUDA context, cuDNN/cuBLAS handles: on the GPU but outside PyTorch's allocator
+FIT_FRACTION = 0.92  # headroom for the allocator's fragmentation
+OVERHEAD = 64 * MiB  # inside the allocator: cuBLAS workspaces, RNG state, small buffers
+CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward (fwd:bwd = 1:2)
+KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
+HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
+
+logger = logging.getLogger("tigon.runtime")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class PlanError(ConfigError):
+    """No setting fits the GPU; the message names the smallest one and what it needs."""
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the estimate needs, read from a transformers config (no weights are made)."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    params: int  # all parameters, tied ones once
+    layer_params: int  # one decoder layer
+    linear_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> ModelShape:
+        """Sizes of a Llama-like decoder (attention + gated MLP per layer) from its transformers config."""
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        vocab = text.vocab_size
+        tied = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+        q, kv = heads * head_dim, kv_heads * head_dim
+        bias = hidden + 2 * kv + hidden if getattr(text, "attention_bias", False) else 0
+        layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden + bias
+        params = vocab * hidden * (1 if tied else 2) + layers * layer + hidden
+        return cls(text.model_type, hidden, inter, layers, heads, kv_heads, head_dim, vocab, tied, params, layer)
+
+    def linear_shape(self, name: str) -> tuple[int, int]:
+        """(in_features, out_features) of a decoder layer's projection."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden, q),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (q, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+        return shapes[name]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the run fixes (model, sequence, precision, adapters, parallelism); the planner varies the rest."""
+
+    shape: ModelShape
+    seq_len: int
+    weight_bytes: int
+    compute_bytes: int
+    autocast: bool  # the forward runs under autocast to a narrower dtype than the weights
+    attention: Literal["sdpa", "flash_attention_2", "eager"]
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: tuple[str, ...] = ()
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    zero_stage: int = 2
+    cpu_offload: bool = False
+    world_size: int = 1
+    fused_loss: bool = False  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
+    kernels_fit: bool = True  # tigon's kernel table covers this model family
+
+    @property
+    def trainable(self) -> int:
+        if not self.lora_rank:
+            return self.shape.params
+        per_layer = sum(sum(self.shape.linear_shape(n)) for n in self.lora_targets if n in self.shape.linear_names)
+        return self.lora_rank * per_layer * self.shape.layers
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point the planner can choose: batch split, gradient checkpointing, tigon's kernels."""
+
+    micro_batch: int
+    accumulation: int
+    checkpointing: bool
+    kernels: bool
+
+    def describe(self) -> str:
+        return (
+            f"micro-batch {self.micro_batch} x accumulation {self.accumulation}, checkpointing "
+            f"{'on' if self.checkpointing else 'off'}, kernels {'on' if self.kernels else 'off'}"
+        )
+
+
+def detect_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def model_shape(config: RunConfig) -> ModelShape:
+    """The run's model sizes, from `model.path`'s config.json or `model.config_name` + overrides."""
+    from transformers import AutoConfig
+
+    if config.model.path is not None:
+        try:
+            return ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model.path))
+        except OSError as error:
+            raise ConfigError(f"model.path: cannot read a config from {config.model.path}: {error}") from None
+    overrides = dict(config.model.config_overrides)
+    if "vocab_size" not in overrides:
+        from tigon.runtime.tokenizer import load_tokenizer
+
+        overrides["vocab_size"] = len(load_tokenizer(config.model))
+    try:
+        return ModelShape.from_hf_config(AutoConfig.for_model(config.model.config_name, **overrides))
+    except (ValueError, KeyError) as error:
+        raise ConfigError(f"model.config_name / config_overrides: {error}") from None
+
+
+def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape | None = None) -> Workload:
+    """The fixed part of a run, from its config; `world_size` defaults to $WORLD_SIZE (1)."""
+    from tigon.kernels.patching import FAMILIES
+
+    shape = shape or model_shape(config)
+    weight_bytes = DTYPE_BYTES[config.model.dtype]
+    narrow = config.training.precision in ("bf16", "fp16")
+    lora = config.lora
+    return Workload(
+        shape=shape,
+        seq_len=config.data.max_seq_len,
+        weight_bytes=weight_bytes,
+        compute_bytes=2 if narrow else weight_bytes,
+        autocast=narrow and weight_bytes == 4,
+        attention=config.model.attn_implementation,
+        lora_rank=lora.r if lora.enabled else 0,
+        lora_targets=tuple(lora.target_modules) if lora.enabled else (),
+        strategy=config.parallelism.strategy,
+        zero_stage=config.parallelism.zero_stage,
+        cpu_offload=config.parallelism.cpu_offload,
+        world_size=world_size or detect_world_size(),
+        fused_loss=False,  # the torch trainer's token_loss_sum computes the loss from the full logits
+        kernels_fit=shape.model_type in FAMILIES,
+    )
+
+
+def setting_of(config: RunConfig) -> Setting:
+    training = config.training
+    return Setting(
+        training.micro_batch_size,
+        training.gradient_accumulation_steps,
+        training.gradient_checkpointing,
+        config.kernels.enabled,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- estimate
+
+
+@dataclass
+class Estimate:
+    """Peak bytes per GPU for one setting, with the parts that make it up."""
+
+    setting: Setting
+    peak: int
+    moment: str  # which moment of the step peaks
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+def _trains(work: Workload, name: str) -> bool:
+    """Whether a projection's input is saved: its weight trains, or it carries a LoRA adapter."""
+    return not work.lora_rank or name in work.lora_targets
+
+
+def norm_bytes(work: Workload, kernels: bool) -> float:
+    """Bytes per token one RMSNorm saves for its backward."""
+    h, r = work.shape.hidden, work.weight_bytes
+    if kernels:
+        return r * h + 4
+    return 4 * h + (r * h if not work.lora_rank else 0)
+
+
+def layer_bytes(work: Workload, kernels: bool) -> float:
+    """Bytes per token one decoder layer saves for its backward, without checkpointing (see the module doc)."""
+    s, c = work.shape, work.compute_bytes
+    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    total = 2 * norm_bytes(work, kernels)
+    if any(_trains(work, n) for n in ("q_proj", "k_proj", "v_proj")):
+        total += c * h
+    if work.attention == "flash_attention_2":
+        total += c * (2 * q + 2 * kv) + 4 * s.heads
+    else:
+        total += c * 5 * q + 4 * s.heads + c * work.seq_len
+        if work.attention == "eager":
+            total += (4 + c) * s.heads * work.seq_len
+    if not _trains(work, "o_proj") and work.attention != "flash_attention_2":
+        total -= c * q  # o_proj's contiguous copy is not saved
+    if any(_trains(work, n) for n in ("gate_proj", "up_proj")):
+        total += c * h
+    total += c * i * (2 if kernels else 3)
+    if _trains(work, "down_proj"):
+        total += c * i
+    if work.lora_rank:
+        total += c * work.lora_rank * len([n for n in work.lora_targets if n in s.linear_names])
+    return total
+
+
+def layer_backward_bytes(work: Workload, kernels: bool) -> float:
+    """Transient bytes per token while one layer runs its backward (gradients of its activations)."""
+    s, c = work.shape, work.compute_bytes
+    q = s.heads * s.head_dim
+    mlp = c * s.intermediate * (1 if kernels else 3)
+    attention = 3 * c * q + 4 * q
+    return max(mlp, attention)
+
+
+def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> tuple[int, int]:
+    """(bytes kept from the loss's forward for its backward, peak bytes while the loss runs)."""
+    s, c = work.shape, work.compute_bytes
+    tokens, shifted = micro_batch * work.seq_len, micro_batch * (work.seq_len - 1)
+    if fused:
+        chunk = max(1, s.hidden // 4) * s.vocab * c
+        kept = 4 * tokens * s.hidden
+        return kept, kept + 2 * chunk
+    forward = max(c * tokens + 4 * shifted, 8 * shifted) if c < 4 else 4 * tokens + 8 * shifted
+    return 4 * shifted * s.vocab, max(forward, 12 * shifted) * s.vocab
+
+
+def estimate(work: Workload, setting: Setting) -> Estimate:
+    """Peak GPU bytes per device of one training step of `work` under `setting` (see the module doc)."""
+    s = work.shape
+    kernels = setting.kernels and work.kernels_fit
+    n = work.world_size
+    tokens = setting.micro_batch * work.seq_len
+    w, r, c = work.weight_bytes, work.weight_bytes, work.compute_bytes
+    trainable = work.trainable
+
+    weights = s.params * w
+    grads = trainable * w
+    states = 2 * trainable * w
+    gathered = 0
+    if work.strategy == "fsdp" and n > 1:
+        weights, grads, states = weights // n, grads // n, states // n
+        gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
+        if work.cpu_offload:
+            weights, states = 0, 0
+    elif work.strategy == "deepspeed" and n > 1:
+        master = 4 * trainable if w < 4 else 0
+        states = (states + master) // n
+        if work.zero_stage >= 2:
+            grads //= n
+        if work.zero_stage == 3:
+            weights //= n
+            gathered = 2 * s.layer_params * c
+        if work.cpu_offload:
+            states = 0
+            weights = 0 if work.zero_stage == 3 else weights
+    buckets = grads if work.strategy == "ddp" and n > 1 else 0
+    casts = 0
+    if work.autocast:  # autocast's compute-dtype copies of the Linear weights live from forward to backward
+        casts = (s.vocab * s.hidden + (0 if setting.checkpointing else s.layers * (s.layer_params - 2 * s.hidden))) * c
+
+    layer = layer_bytes(work, kernels) * tokens
+    kept_per_layer = r * s.hidden * tokens if setting.checkpointing else layer
+    per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
+    masked = setting.checkpointing and work.attention != "flash_attention_2"  # checkpoints keep the bool mask
+    mask = setting.micro_batch * work.seq_len**2 if masked else 0
+    head = (norm_bytes(work, kernels) + (0 if work.lora_rank else c * s.hidden)) * tokens
+    recompute = layer if setting.checkpointing else 0
+    backward = layer_backward_bytes(work, kernels) * tokens
+    loss_kept, loss_peak = loss_bytes(work, setting.micro_batch, kernels and work.fused_loss)
+    head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
+    if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
+        head_grad //= n
+
+    persistent = int(weights + states + OVERHEAD + gathered)
+    activations = s.layers * kept_per_layer + head + per_batch + mask
+    moments = {
+        "loss": persistent + casts + activations + loss_peak,
+        "backward (top layer)": persistent + casts + activations + recompute + backward + head_grad,
+        "backward (first layer)": persistent + kept_per_layer + recompute + backward + grads + per_batch + mask,
+        "optimizer": persistent + grads + buckets,
+    }
+    moment = max(moments, key=moments.get)
+    parts = {
+        "weights": int(weights),
+        "gradients": int(grads),
+        "optimizer states": int(states),
+        "activations": int(activations - head - per_batch),
+        "loss and logits": int(loss_peak if moment == "loss" else loss_kept),
+    }
+    return Estimate(setting, int(moments[moment]), moment, parts)
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+
+
+def relative_step_time(work: Workload, setting: Setting) -> float:
+    """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
+    tokens = setting.micro_batch * work.seq_len
+    time = (tokens + HALF_EFFICIENCY_TOKENS) / tokens
+    if setting.checkpointing:
+        time *= CHECKPOINT_TIME
+    if not (setting.kernels and work.kernels_fit):
+        time /= KERNEL_TIME
+    return time * KERNEL_TIME
+
+
+def candidates(work: Workload, current: Setting) -> list[Setting]:
+    """Every setting with the current global batch: micro-batch x accumulation, checkpointing, kernels."""
+    global_batch = current.micro_batch * current.accumulation
+    kernel_options = (True, False) if work.kernels_fit else (False,)
+    return [
+        Setting(micro, global_batch // micro, checkpointing, kernels)
+        for micro in range(1, global_batch + 1)
+        if global_batch % micro == 0
+        for checkpointing in (False, True)
+        for kernels in kernel_options
+    ]
+
+
+@dataclass
+class Plan:
+    """The chosen setting, the budget it was chosen against, and every alternative's estimate."""
+
+    chosen: Estimate | None
+    current: Estimate
+    budget: int
+    gpu_memory: int
+    work: Workload
+    alternatives: list[Estimate]
+
+    def table(self) -> str:
+        """A readable table: the plan first, then each alternative, fitting or not."""
+        s, w = self.work.shape, self.work
+        lines = [
+            f"model {s.model_type}: {_count(s.params)} parameters ({_count(w.trainable)} trainable), "
+            f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
+            f"sequence {w.seq_len}, weights {_dtype(w.weight_bytes)}, compute {_dtype(w.compute_bytes)}, "
+            f"attention {w.attention}, {w.strategy} x {w.world_size}, loss from "
+            f"{'fused linear cross entropy (kernels on)' if w.fused_loss else 'full logits'}",
+            f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
+            f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
+            "",
+            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>4} {'kernels':>7} {'estimate':>10} {'fits':>4} "
+            f"{'rel. time':>9}  peaks at",
+        ]
+        for item in sorted(self.alternatives, key=lambda e: (e.peak > self.budget, self.rank(e))):
+            st = item.setting
+            mark = "->" if self.chosen is not None and item.setting == self.chosen.setting else "  "
+            mark = "=>" if mark == "->" and item.setting == self.current.setting else mark
+            lines.append(
+                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {'on' if st.checkpointing else 'off':>4} "
+                f"{'on' if st.kernels and w.kernels_fit else 'off':>7} {_gib(item.peak):>10} "
+                f"{'yes' if item.peak <= self.budget else 'no':>4} {self.rank(item):9.2f}  {item.moment}"
+                + ("   (current)" if item.setting == self.current.setting else "")
+            )
+        if self.chosen is not None:
+            parts = ", ".join(f"{name} {_gib(value)}" for name, value in self.chosen.parts.items())
+            lines += ["", f"plan: {self.chosen.setting.describe()}: {_gib(self.chosen.peak)} ({parts})"]
+            changes = config_changes(self.current.setting, self.chosen.setting)
+            lines.append("set: " + (" ".join(f"--set {c}" for c in changes) if changes else "nothing to change"))
+        return "\n".join(lines)
+
+    def rank(self, item: Estimate) -> float:
+        return relative_step_time(self.work, item.setting)
+
+
+def _gib(count: float) -> str:
+    return f"{count / GiB:.2f} GiB" if abs(count) >= GiB / 10 else f"{count / MiB:.1f} MiB"
+
+
+def _count(number: int) -> str:
+    return f"{number / 1e9:.2f}B" if number >= 10**8 else f"{number / 1e6:.2f}M"
+
+
+def _dtype(size: int) -> str:
+    return {2: "bf16/fp16", 4: "fp32"}[size]
+
+
+def parse_memory(text: str) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '81920MiB', '0.5TB' -> bytes; a bare number is GB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?)?\s*", text)
+    if not match:
+        raise ConfigError(f"GPU memory {text!r}: write a size like 80GB, 80GiB or 81920MiB")
+    value, unit = float(match.group(1)), (match.group(2) or "GB").upper().rstrip("B")
+    scale = {"K": 10**3, "M": 10**6, "G": GB, "T": 10**12, "KI": 2**10, "MI": MiB, "GI": GiB, "TI": 2**40}[unit]
+    return int(value * scale)
+
+
+def detect_gpu_memory() -> int:
+    """Total memory of this process's CUDA device; a clear error without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA GPU here to plan for: pass --gpu-memory (e.g. --gpu-memory 80GB)")
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def make_plan(
+    config: RunConfig, gpu_memory: int | None = None, world_size: int | None = None, work: Workload | None = None
+) -> Plan:
+    """Estimate every candidate setting and choose the fastest that fits; PlanError when none does."""
+    work = work or workload(config, world_size)
+    gpu_memory = gpu_memory if gpu_memory is not None else detect_gpu_memory()
+    if gpu_memory <= CUDA_CONTEXT:
+        raise PlanError(f"GPU memory {_gib(gpu_memory)}: less than the CUDA context alone ({_gib(CUDA_CONTEXT)})")
+    budget = int((gpu_memory - CUDA_CONTEXT) * FIT_FRACTION)
+    current = setting_of(config)
+    alternatives = [estimate(work, setting) for setting in candidates(work, current)]
+    fitting = [item for item in alternatives if item.peak <= budget]
+    if not fitting:
+        smallest = min(alternatives, key=lambda e: e.peak)
+        raise PlanError(
+            f"nothing fits in {_gib(gpu_memory)} of GPU memory ({_gib(budget)} usable): the smallest setting "
+            f"({smallest.setting.describe()}) needs {_gib(smallest.peak)}. Shorten data.max_seq_len "
+            f"(now {work.seq_len}), train LoRA adapters (lora.enabled: true), shard over more GPUs "
+            "(parallelism.strategy: fsdp), or use a GPU with more memory"
+        )
+    chosen = min(fitting, key=lambda e: (relative_step_time(work, e.setting), e.peak))
+    current_estimate = next(item for item in alternatives if item.setting == current)
+    return Plan(chosen, current_estimate, budget, gpu_memory, work, alternatives)
+
+
+def config_changes(current: Setting, chosen: Setting) -> list[str]:
+    """The `key=value` config changes that turn `current` into `chosen`."""
+    keys = {
+        "training.micro_batch_size": (current.micro_batch, chosen.micro_batch),
+        "training.gradient_accumulation_steps": (current.accumulation, chosen.accumulation),
+        "training.gradient_checkpointing": (current.checkpointing, chosen.checkpointing),
+        "kernels.enabled": (current.kernels, chosen.kernels),
+    }
+    return [f"{key}={str(new).lower()}" for key, (old, new) in keys.items() if old != new]
+
+
+def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
+    """A copy of `config` with the plan's setting (micro-batch, accumulation, checkpointing, kernels)."""
+    chosen = plan.chosen.setting
+    training = config.training.model_copy(
+        update={
+            "micro_batch_size": chosen.micro_batch,
+            "gradient_accumulation_steps": chosen.accumulation,
+            "gradient_checkpointing": chosen.checkpointing,
+        }
+    )
+    kernels = config.kernels.model_copy(update={"enabled": chosen.kernels})
+    return config.model_copy(update={"training": training, "kernels": kernels})
+
+
+def oom_advice(config: RunConfig, gpu_memory: int, world_size: int | None = None) -> str:
+    """What to change after a CUDA out-of-memory error: the planner's setting for this GPU, as config keys."""
+    work = workload(config, world_size)
+    current = estimate(work, setting_of(config))
+    head = (
+        f"CUDA out of memory: the planner estimates this run's peak at {_gib(current.peak)} per GPU "
+        f"({setting_of(config).describe()}) on a {_gib(gpu_memory)} GPU."
+    )
+    try:
+        plan = make_plan(config, gpu_memory, world_size, work)
+    except PlanError as error:
+        return f"{head} {error}"
+    chosen = plan.chosen.setting
+    changes = config_changes(setting_of(config), chosen)
+    if not changes:
+        return (
+            f"{head} The planner expected this setting to fit ({_gib(plan.budget)} usable); memory held by "
+            "other processes on the GPU, or fragmentation, may be the cause: check nvidia-smi, or set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
+    return (
+        f"{head} The fastest setting that fits is {chosen.describe()} ({_gib(plan.chosen.peak)}). "
+        f"Set training.plan: auto to apply it, or change the config: {', '.join(changes)} "
+        f"(tigon train CONFIG {' '.join('--set ' + c for c in changes)}); `tigon plan CONFIG` shows the alternatives"
+    )
+
+
+class TrainingOutOfMemory(RuntimeError):
+    """A CUDA out-of-memory error during training, with the planner's advice in its message."""
+
+
+def out_of_memory_error(config: RunConfig, error: BaseException) -> TrainingOutOfMemory:
+    """The error train() raises in place of torch.OutOfMemoryError: the planner's advice for this GPU."""
+    import torch
+
+    gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        advice = oom_advice(config, gpu_memory)
+    except (ConfigError, OSError, ValueError) as planning:  # the advice must not hide the out-of-memory error
+        advice = f"CUDA out of memory ({error}); the planner could not estimate this run: {planning}"
+    return TrainingOutOfMemory(advice)
+
+
+def planned_config(config: RunConfig) -> RunConfig:
+    """`training.plan: auto`: the config with the planner's setting for this process's GPU (logged as a table)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        logger.warning(
+            "training.plan: auto plans for a CUDA GPU and none is present; training with the configured setting (%s)",
+            setting_of(config).describe(),
+        )
+        return config
+    plan = make_plan(config)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        logger.info("memory plan (training.plan: auto):\n%s", plan.table())
+    return apply_plan(config, plan)

@@ -1,0 +1,231 @@
+"""The memory planner on the CPU: the estimate against hand-computed bytes, monotonicity, the choice, errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from transformers import LlamaConfig
+
+from tests.runtime.test_trainer import tiny_config
+from tigon.runtime import cli, planner
+from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
+
+TINY = ModelShape.from_hf_config(
+    LlamaConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=10,
+        tie_word_embeddings=False,
+    )
+)
+LLAMA_1B = ModelShape.from_hf_config(
+    LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    )
+)
+
+
+def bf16_work(shape: ModelShape, seq_len: int, **changes) -> Workload:
+    return Workload(shape, seq_len, weight_bytes=2, compute_bytes=2, autocast=False, attention="sdpa", **changes)
+
+
+def test_parameter_count_matches_the_built_model():
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+    )
+    config.vocab_size = 300
+    for tied in (False, True):
+        config.tie_word_embeddings = tied
+        model = LlamaForCausalLM(config)
+        assert ModelShape.from_hf_config(config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_estimate_matches_hand_computed_bytes():
+    """h=8, i=16, 2 layers, 2 heads of 4 (1 kv head), V=10, untied; bf16, SDPA, 2 sequences of 4 tokens."""
+    work = bf16_work(TINY, 4)
+    # parameters: embed 80 + head 80 + 2 x (q 64 + k 32 + v 32 + o 64 + MLP 384 + norms 16) + final norm 8
+    assert TINY.params == 1352
+    persistent = 1352 * 2 + 2 * 1352 * 2 + planner.OVERHEAD  # bf16 weights + AdamW's two states
+
+    # checkpointing off, kernels off; per token of a layer: norms 2 x (4h + 2h) = 96, q/k/v input 16,
+    # attention 2 x 5 x 8 + lse 4 x 2 + mask bias 2 x 4 = 96, MLP input 16, MLP 3 x 2 x 16 = 96, down input 32
+    layer = (96 + 16 + 96 + 16 + 96 + 32) * 8
+    head = (48 + 16) * 8  # final norm + lm_head's input
+    per_batch = 24 * 8 + 2 * 2 * 4 * 8  # ids/labels/positions + cos/sin
+    backward = max(3 * 2 * 16, 3 * 2 * 8 + 4 * 8) * 8  # the MLP's gradients
+    head_grad = 80 * 2
+    top = persistent + 2 * layer + head + per_batch + backward + head_grad
+    got = estimate(work, Setting(2, 1, checkpointing=False, kernels=False))
+    assert got.peak == top and got.moment == "backward (top layer)"
+    # the loss moment: 12 V per shifted token (2 x 3 of them) on top of the activations
+    loss = persistent + 2 * layer + head + per_batch + 12 * 6 * 10
+    assert got.peak > loss
+
+    # checkpointing on: each layer keeps its bf16 input (2 x 8 per token) and the bool mask (2 x 4 x 4);
+    # the peak is at the first layer's backward: one recomputed layer plus every gradient
+    kept = 2 * 8 * 8
+    first = persistent + kept + layer + backward + 1352 * 2 + per_batch + 2 * 16
+    got = estimate(work, Setting(2, 1, checkpointing=True, kernels=False))
+    assert got.peak == first and got.moment == "backward (first layer)"
+
+    # tigon kernels: a norm keeps its input and 1/rms (2h + 4 = 20 instead of 48); SwiGLU keeps gate and up
+    # (2 x 2 x 16 = 64 instead of 96); the MLP's backward gradient is one intermediate (2 x 16 = 32)
+    layer_k = (2 * 20 + 16 + 96 + 16 + 64 + 32) * 8
+    head_k = (20 + 16) * 8
+    backward_k = max(2 * 16, 3 * 2 * 8 + 4 * 8) * 8
+    top_k = persistent + 2 * layer_k + head_k + per_batch + backward_k + head_grad
+    first_k = persistent + layer_k + backward_k + 1352 * 2 + per_batch  # the lighter layers move the peak here
+    assert first_k > top_k
+    got = estimate(work, Setting(2, 1, checkpointing=False, kernels=True))
+    assert got.peak == first_k and got.moment == "backward (first layer)"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_more_tokens_need_more_memory(checkpointing, kernels):
+    peaks = [
+        estimate(bf16_work(LLAMA_1B, seq), Setting(micro, 1, checkpointing, kernels)).peak
+        for seq, micro in ((1024, 1), (1024, 2), (2048, 2), (4096, 2), (4096, 8), (8192, 8))
+    ]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+
+
+@pytest.mark.parametrize("seq_len", [512, 4096])
+def test_checkpointing_and_kernels_need_less_memory(seq_len):
+    work = bf16_work(LLAMA_1B, seq_len)
+    full = estimate(work, Setting(8, 1, False, False)).peak
+    assert estimate(work, Setting(8, 1, True, False)).peak < full
+    assert estimate(work, Setting(8, 1, False, True)).peak < full
+    assert estimate(work, Setting(8, 1, True, True)).peak < estimate(work, Setting(8, 1, True, False)).peak
+
+
+def test_fused_loss_removes_the_logits():
+    logits = estimate(bf16_work(LLAMA_1B, 4096), Setting(8, 1, True, True))
+    fused = estimate(bf16_work(LLAMA_1B, 4096, fused_loss=True), Setting(8, 1, True, True))
+    # 8 x 4095 tokens x 128256 x 12 bytes of loss buffers are gone
+    assert logits.peak - fused.peak > 8 * 4095 * 128256 * 8
+    assert fused.moment != "loss"
+
+
+def test_sharding_divides_the_states():
+    single = estimate(bf16_work(LLAMA_1B, 2048), Setting(1, 1, True, True))
+    fsdp = estimate(bf16_work(LLAMA_1B, 2048, strategy="fsdp", world_size=8), Setting(1, 1, True, True))
+    assert fsdp.parts["optimizer states"] == single.parts["optimizer states"] // 8
+    assert fsdp.peak < single.peak
+
+
+def plan_config(tmp_path, seq_len=4096, micro_batch=8, **training):
+    """tiny_config with Llama-3.2-1B widths (the planner reads only the config; nothing is built)."""
+    overrides = {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+    }
+    return tiny_config(
+        tmp_path,
+        model={"config_name": "llama", "config_overrides": overrides, "tokenizer": "char", "dtype": "bfloat16"},
+        data={"train": "unused.jsonl", "max_seq_len": seq_len},
+        training={"max_steps": 1, "micro_batch_size": micro_batch, "precision": "bf16", **training},
+    )
+
+
+def test_plan_turns_checkpointing_off_when_memory_is_ample(tmp_path):
+    config = plan_config(tmp_path, seq_len=1024, gradient_checkpointing=True)
+    plan = planner.make_plan(config, gpu_memory=141 * GiB, world_size=1)
+    assert plan.chosen.setting == Setting(8, 1, checkpointing=False, kernels=True)
+    assert plan.current.setting == Setting(8, 1, checkpointing=True, kernels=False)
+    table = plan.table()
+    assert "plan: micro-batch 8 x accumulation 1, checkpointing off, kernels on" in table
+    assert "--set training.gradient_checkpointing=false --set kernels.enabled=true" in table
+    applied = planner.apply_plan(config, plan)
+    assert not applied.training.gradient_checkpointing and applied.kernels.enabled
+    assert applied.training.micro_batch_size == 8 and applied.data == config.data
+
+
+def test_plan_turns_checkpointing_on_when_memory_is_tight(tmp_path):
+    config = plan_config(tmp_path, seq_len=4096)
+    work = planner.workload(config, world_size=1)
+    settings = planner.candidates(work, planner.setting_of(config))
+    smallest_off = min(estimate(work, s).peak for s in settings if not s.checkpointing)
+    smallest_on = min(estimate(work, s).peak for s in settings if s.checkpointing)
+    assert smallest_on < smallest_off
+    gpu_memory = int(smallest_on / planner.FIT_FRACTION) + planner.CUDA_CONTEXT + GiB // 100
+    plan = planner.make_plan(config, gpu_memory=gpu_memory, world_size=1, work=work)
+    assert plan.chosen.setting.checkpointing
+    assert plan.chosen.peak <= plan.budget < smallest_off
+    # the global batch stays 8 sequences: the micro-batch shrinks and accumulation grows
+    chosen = plan.chosen.setting
+    assert chosen.micro_batch * chosen.accumulation == 8 and chosen.micro_batch < 8
+
+
+def test_nothing_fits_names_the_smallest_setting(tmp_path):
+    config = plan_config(tmp_path, seq_len=8192)
+    with pytest.raises(PlanError) as error:
+        planner.make_plan(config, gpu_memory=8 * GiB, world_size=1)
+    message = str(error.value)
+    smallest = min(
+        estimate(planner.workload(config, 1), s).peak
+        for s in planner.candidates(planner.workload(config, 1), planner.setting_of(config))
+    )
+    assert "nothing fits in 8.00 GiB" in message
+    assert "micro-batch 1 x accumulation 8, checkpointing on, kernels on" in message
+    assert f"needs {smallest / GiB:.2f} GiB" in message
+    assert "data.max_seq_len" in message
+
+
+def test_oom_advice_names_the_config_keys(tmp_path):
+    config = plan_config(tmp_path, seq_len=4096, gradient_checkpointing=False)
+    advice = planner.oom_advice(config, gpu_memory=80 * 10**9, world_size=1)
+    work = planner.workload(config, 1)
+    current = estimate(work, planner.setting_of(config)).peak
+    assert advice.startswith(f"CUDA out of memory: the planner estimates this run's peak at {current / GiB:.2f} GiB")
+    plan = planner.make_plan(config, 80 * 10**9, 1)
+    for change in planner.config_changes(planner.setting_of(config), plan.chosen.setting):
+        assert f"--set {change}" in advice
+    assert "training.plan: auto" in advice
+    assert "nothing fits" in planner.oom_advice(config, gpu_memory=4 * GiB, world_size=1)
+
+
+def test_parse_memory():
+    assert planner.parse_memory("80GB") == 80 * 10**9
+    assert planner.parse_memory("141GiB") == 141 * GiB
+    assert planner.parse_memory("81920MiB") == 80 * GiB
+    assert planner.parse_memory("80") == 80 * 10**9
+    with pytest.raises(planner.ConfigError, match="write a size like 80GB"):
+        planner.parse_memory("lots")
+
+
+def test_plan_auto_without_a_gpu_keeps_the_setting(tmp_path, caplog):
+    config = plan_config(tmp_path, plan="auto")
+    with caplog.at_level(logging.WARNING, logger="tigon.runtime"):
+        assert planner.planned_config(config) is config
+    assert "training.plan: auto plans for a CUDA GPU and none is present" in caplog.text
+
+
+def test_plan_command_prints_the_table(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(plan_config(tmp_path).model_dump(mode="json", exclude_defaults=True)))
+    assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory 141.00 GiB" in out and "plan: micro-batch" in out and "(current)" in out
+    assert cli.main(["plan", str(path), "--gpu-memory", "2GiB"]) == 2
+    assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
