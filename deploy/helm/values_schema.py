@@ -9,8 +9,8 @@ accepts exactly the fields of `deploy/job-templates/*.yaml`.
     python deploy/helm/values_schema.py            # rewrite deploy/helm/tigon/values.schema.json
     python deploy/helm/values_schema.py --check    # exit 1 if the committed schema is stale
 
-The two sub-charts (`training-operator`, `flyte-binary`) own their values: only their
-`enabled` switch is typed here, the rest passes through to them.
+`training-operator` is tigon's own sub-chart (charts/training-operator/): its values are typed here in
+full. `flyte-binary` owns its values: only its `enabled` switch is typed, the rest passes through to it.
 """
 
 from __future__ import annotations
@@ -243,6 +243,67 @@ class Tests(Values):
     )
 
 
+# An image reference with a tag or digest (the operator's --pytorch-init-container-image).
+IMAGE_REF = r"^[^:@\s]+(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$"
+
+
+class OperatorCrd(Values):
+    create: bool = Field(True, description="install the PyTorchJob CRD (false: the cluster has it already)")
+    keep: bool = Field(
+        True, description="keep the CRD on helm uninstall (deleting it deletes every PyTorchJob in the cluster)"
+    )
+
+
+class OperatorWebhook(Values):
+    failurePolicy: Literal["Fail", "Ignore"] = Field(
+        "Fail", description="Fail refuses PyTorchJobs while the operator is down; Ignore admits them unvalidated"
+    )
+    timeoutSeconds: int = Field(10, ge=1, le=30, description="seconds the API server waits for the webhook")
+
+
+class TrainingOperator(Values):
+    """tigon's training-operator chart (Kubeflow training-operator v1.9, PyTorchJob only)."""
+
+    enabled: bool = Field(
+        True, description="install the operator and the PyTorchJob CRD; false keeps the cluster's existing operator"
+    )
+    image: Image = Field(
+        default_factory=lambda: Image(repository="docker.io/kubeflow/training-operator", tag="v1-3f15cb8"),
+        description="operator image; v1-3f15cb8 is the build v1.9.2's standalone kustomization pins",
+    )
+    imagePullSecrets: list[str] = Field(default_factory=list, description="pull secrets of the operator pod")
+    replicas: int = Field(1, ge=1, le=5, description="operator replicas; leader election picks the active one")
+    controllerThreads: int = Field(1, ge=1, le=64, description="PyTorchJobs reconciled in parallel")
+    logLevel: Literal["debug", "info", "error"] = Field("info", description="operator log level (--zap-log-level)")
+    pytorchInitContainerImage: str = Field(
+        "docker.io/library/alpine:3.10",
+        pattern=IMAGE_REF,
+        json_schema_extra={"not": {"pattern": ":latest$"}},
+        description="image of the init container that makes Worker pods wait for the Master's DNS; pinned",
+    )
+    gangSchedulerName: str = Field(
+        "",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        description='gang scheduler for PodGroups: "" (off), "volcano" or a scheduler-plugins scheduler name',
+    )
+    crd: OperatorCrd = Field(default_factory=OperatorCrd, description="the PyTorchJob CRD")
+    webhook: OperatorWebhook = Field(default_factory=OperatorWebhook, description="the PyTorchJob validating webhook")
+    resources: Resources = Field(default_factory=Resources, description="operator container resources")
+    nodeSelector: dict[str, str] = Field(default_factory=dict, description="nodes the operator may run on")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="taints the operator tolerates")
+    affinity: dict[str, Any] = Field(default_factory=dict, description="affinity of the operator pod")
+    priorityClassName: str = Field("", description="priority class of the operator pod; empty for none")
+    # Helm copies the parent's `global` values into every sub-chart's values before validating them.
+    global_: dict[str, Any] = Field(default_factory=dict, alias="global", description="Helm's global values")
+
+    @field_validator("pytorchInitContainerImage")
+    @classmethod
+    def _pinned(cls, image: str) -> str:
+        if image.endswith(":latest"):
+            raise ValueError("the init container image `latest` is not pinned; name a version")
+        return image
+
+
 class SubChart(BaseModel):
     """A dependency's values: `enabled` is typed here, the rest belongs to the sub-chart."""
 
@@ -272,8 +333,10 @@ class ChartValues(Values):
     nvidiaDevicePlugin: DevicePlugin = Field(default_factory=DevicePlugin, description="NVIDIA device plugin")
     flyte: Flyte = Field(default_factory=Flyte, description="how tigon reaches Flyte")
     tests: Tests = Field(default_factory=Tests, description="the `helm test` pod")
-    training_operator: SubChart = Field(
-        default_factory=SubChart, alias="training-operator", description="Kubeflow training-operator sub-chart"
+    training_operator: TrainingOperator = Field(
+        default_factory=TrainingOperator,
+        alias="training-operator",
+        description="Kubeflow training-operator v1.9 (PyTorchJob only), tigon's own sub-chart",
     )
     flyte_binary: SubChart = Field(default_factory=SubChart, alias="flyte-binary", description="flyte-binary sub-chart")
     global_: dict[str, Any] = Field(default_factory=dict, alias="global", description="Helm's global values")
