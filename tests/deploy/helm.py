@@ -1,7 +1,9 @@
 """Render and lint the tigon chart with Helm itself (the Helm v4 library bundled by helm-python-sdk).
 
-The chart's dependencies (training-operator, flyte-binary) are not vendored and cannot be downloaded
-here, so every render disables them (`<name>.enabled=false`); their values still pass the chart's schema.
+Of the chart's two dependencies, training-operator is tigon's own chart, committed unpacked in
+charts/training-operator/: every render includes it (enabled, as it is by default). flyte-binary is
+downloaded by `helm dependency build` and cannot be here, so every render disables it
+(`flyte-binary.enabled=false`); its values still pass the chart's schema.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ VALUES_FILES = ["values.yaml", "values-kind.yaml", "values-aws.yaml", "values-gc
 RELEASE, NAMESPACE = "tigon", "flyte"
 KUBERNETES_VERSION = "1.33.0"
 DEPENDENCIES = ("training-operator", "flyte-binary")
+OPERATOR_CHART = CHART / "charts" / "training-operator"
+DOWNLOADED = ("flyte-binary",)  # dependencies that need a download: disabled in every render here
 
 
 @functools.cache
@@ -42,9 +46,9 @@ def load_values(name: str) -> dict:
     return yaml.safe_load((CHART / name).read_text()) or {}
 
 
-def without_dependencies(values: dict) -> dict:
+def without_downloads(values: dict) -> dict:
     values = copy.deepcopy(values)
-    for dependency in DEPENDENCIES:
+    for dependency in DOWNLOADED:
         values.setdefault(dependency, {})["enabled"] = False
     return values
 
@@ -56,7 +60,7 @@ def chart() -> helm.Chart:
 
 def render(values: dict | None = None) -> dict[str, str]:
     """template path -> rendered text, as `helm template --namespace flyte tigon deploy/helm/tigon`."""
-    return chart().render(values=without_dependencies(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return chart().render(values=without_downloads(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
 def objects(rendered: dict[str, str]) -> list[dict]:
@@ -75,7 +79,7 @@ def rendered_file(name: str) -> tuple[dict[str, str], tuple[dict, ...]]:
 
 def lint(values: dict | None = None) -> dict:
     return helm.lint(
-        CHART, values=without_dependencies(values or {}), namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}"
+        CHART, values=without_downloads(values or {}), namespace=NAMESPACE, kube_version=f"v{KUBERNETES_VERSION}"
     )
 
 

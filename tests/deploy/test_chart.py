@@ -9,7 +9,9 @@ tigon.platform.templates and its PyTorchJobs pass tigon.platform.jobs.check_pyto
 from __future__ import annotations
 
 import re
+import shutil
 
+import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
@@ -19,7 +21,9 @@ from tests.deploy.helm import (
     DEPENDENCIES,
     KUBERNETES_VERSION,
     NAMESPACE,
+    OPERATOR_CHART,
     VALUES_FILES,
+    chart,
     lint,
     load_values,
     objects,
@@ -33,6 +37,15 @@ from tigon.platform.templates import REPO_TEMPLATES, load_templates
 from tigon.runtime.config import parse_config
 
 DEVICE_PLUGIN = "nvidia-device-plugin"  # runs as root to write the kubelet's socket: the one exception
+OPERATOR = "training-operator"  # the app.kubernetes.io/component of the training-operator chart's objects
+CLUSTER_SCOPED = (
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PriorityClass",
+    "CustomResourceDefinition",
+    "ValidatingWebhookConfiguration",
+)
 
 
 def component(obj: dict) -> str:
@@ -61,9 +74,10 @@ def test_committed_schema_is_the_generated_one():
 def test_helm_lint(values_file):
     report = lint(load_values(values_file))
     assert report["errors"] == [], report
-    # The only warning: dependencies not downloaded into charts/ (`helm dependency build` does that).
+    # The only warning: flyte-binary is not downloaded into charts/ (`helm dependency build` does that);
+    # the training-operator chart is there, so Helm does not name it.
     warnings = [m["error"] for m in report["messages"] if m["severity"] >= 2]
-    assert all("missing these dependencies" in w for w in warnings), warnings
+    assert warnings == ["chart directory is missing these dependencies: flyte-binary"], warnings
 
 
 def test_chart_declares_its_dependencies_with_conditions():
@@ -73,9 +87,41 @@ def test_chart_declares_its_dependencies_with_conditions():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     for name, dependency in dependencies.items():
         assert dependency["condition"] == f"{name}.enabled"
-        assert defaults[name]["enabled"] is True
-        assert dependency["repository"].startswith("https://") and dependency["version"]
-    assert defaults["training-operator"]["image"]["tag"].startswith("v1.9.")
+        assert defaults[name]["enabled"] is True and dependency["version"]
+    assert dependencies["flyte-binary"]["repository"].startswith("https://")
+    # training-operator: no repository, so Helm takes the committed charts/training-operator/ as it is.
+    assert dependencies["training-operator"]["repository"] == ""
+    operator = yaml.safe_load((OPERATOR_CHART / "Chart.yaml").read_text())
+    assert operator["name"] == "training-operator"
+    assert operator["version"] == dependencies["training-operator"]["version"]
+    assert operator["appVersion"].startswith("v1.9.")
+    # The image the v1.9.2 standalone kustomization pins (docs/deploy.md says how this tag was found).
+    assert defaults["training-operator"]["image"] == {
+        "repository": "docker.io/kubeflow/training-operator",
+        "tag": "v1-3f15cb8",
+        "pullPolicy": "IfNotPresent",
+    }
+
+
+def test_helm_resolves_the_operator_chart_offline(tmp_path):
+    """Helm finds training-operator in charts/ without a download; only flyte-binary needs one."""
+    status = {d["name"]: d["status"] for d in helm.dependency_list(CHART)}
+    assert status["training-operator"] == "unpacked" and status["flyte-binary"] in ("missing", "ok")
+    assert [d["name"] for d in chart().dependencies] == ["training-operator"]
+    # `helm dependency update` on a copy without flyte-binary (the one download) runs offline, writes
+    # Chart.lock and leaves exactly one training-operator chart (no packed copy beside the directory).
+    copy = tmp_path / "tigon"
+    shutil.copytree(CHART, copy, ignore=shutil.ignore_patterns("*.tgz"))
+    metadata = yaml.safe_load((copy / "Chart.yaml").read_text())
+    metadata["dependencies"] = [d for d in metadata["dependencies"] if d["name"] != "flyte-binary"]
+    (copy / "Chart.yaml").write_text(yaml.safe_dump(metadata, sort_keys=False))
+    helm.dependency_update(copy)
+    helm.dependency_build(copy)
+    assert sorted(p.name for p in (copy / "charts").iterdir()) == ["training-operator"]
+    lock = yaml.safe_load((copy / "Chart.lock").read_text())
+    assert lock["dependencies"] == [{"name": "training-operator", "repository": "", "version": "1.9.2"}]
+    with helm.Chart.load(copy) as copied:
+        assert [d["name"] for d in copied.dependencies] == ["training-operator"]
 
 
 # ---------------------------------------------------------------- every object valid for Kubernetes
@@ -90,7 +136,7 @@ def test_every_object_is_valid_kubernetes(values_file):
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
             pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {error.message} at {list(error.path)}")
-        namespaced = obj["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass")
+        namespaced = obj["kind"] not in CLUSTER_SCOPED
         assert bool(obj["metadata"].get("namespace")) == namespaced, (obj["kind"], obj["metadata"]["name"])
         if obj["kind"] == "PyTorchJob":
             check_pytorchjob(obj)
@@ -148,7 +194,8 @@ def test_policy_rbac_least_privilege(values_file):
                 for field in ("verbs", "resources", "apiGroups"):
                     assert "*" not in rule.get(field, []), f"{obj['metadata']['name']}: wildcard {field}"
                 assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), obj["metadata"]["name"]
-                assert "secrets" not in rule["resources"], obj["metadata"]["name"]
+                if "secrets" in rule["resources"]:
+                    _check_operator_secret_rule(obj, rule)
         if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             assert obj["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), obj["metadata"]["name"]
     trainer_roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-trainer")]
@@ -157,12 +204,22 @@ def test_policy_rbac_least_privilege(values_file):
         assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
 
 
+def _check_operator_secret_rule(role: dict, rule: dict) -> None:
+    """Secrets only for the operator's cert-controller: a Role in the release namespace, writing one Secret."""
+    name = role["metadata"]["name"]
+    assert role["kind"] == "Role" and component(role) == OPERATOR, f"{name}: no secrets access"
+    assert role["metadata"]["namespace"] == NAMESPACE and rule["resources"] == ["secrets"], name
+    assert set(rule["verbs"]) <= {"get", "list", "watch", "update"}, rule
+    if {"get", "update"} & set(rule["verbs"]):
+        assert rule["resourceNames"] == ["tigon-training-operator-webhook-cert"], rule
+
+
 def test_flyte_role_gets_pytorchjobs_rules():
     _, objs = rendered_file("values.yaml")
-    (role,) = by_kind(objs, "ClusterRole")
+    (role,) = [o for o in by_kind(objs, "ClusterRole") if component(o) != OPERATOR]
     rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
     assert {"create", "get", "list", "watch", "delete"} <= rules["pytorchjobs"]
-    (binding,) = by_kind(objs, "ClusterRoleBinding")
+    (binding,) = [o for o in by_kind(objs, "ClusterRoleBinding") if component(o) != OPERATOR]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flyte-binary", "namespace": NAMESPACE}]
     flyte = load_values("values-kind.yaml")  # and the flyte-binary dependency's own ClusterRole gets them too
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]

@@ -14,7 +14,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from tests.deploy.helm import CHART, DEPENDENCIES, lint, load_values, render
+from tests.deploy.helm import CHART, DEPENDENCIES, DOWNLOADED, OPERATOR_CHART, lint, load_values, render
 
 BAD_VALUES = [
     ({"replicas": 2}, "additional properties 'replicas' not allowed"),
@@ -33,6 +33,14 @@ BAD_VALUES = [
     ({"jobTemplates": {"cpu-small": {"nnodes": "two"}}}, "/jobTemplates/cpu-small/nnodes"),
     ({"jobTemplates": {"new": {"name": "new"}}}, "missing property 'image'"),
     ({"priorityClasses": [{"name": "x", "value": 2000000000}]}, "/priorityClasses/0/value"),
+    ({"training-operator": {"replica": 2}}, "additional properties 'replica' not allowed"),
+    ({"training-operator": {"image": {"tag": "latest"}}}, "/training-operator/image/tag"),
+    ({"training-operator": {"replicas": 0}}, "/training-operator/replicas"),
+    ({"training-operator": {"logLevel": "verbose"}}, "/training-operator/logLevel"),
+    ({"training-operator": {"pytorchInitContainerImage": "alpine"}}, "/training-operator/pytorchInitContainerImage"),
+    ({"training-operator": {"pytorchInitContainerImage": "a:latest"}}, "/training-operator/pytorchInitContainerImage"),
+    ({"training-operator": {"webhook": {"failurePolicy": "Maybe"}}}, "/training-operator/webhook/failurePolicy"),
+    ({"training-operator": {"crd": {"keep": "yes"}}}, "/training-operator/crd/keep"),
 ]
 
 
@@ -68,19 +76,30 @@ def test_example_values_files_pass_the_schema(name):
 
 
 def test_subchart_values_pass_through():
-    """Only `enabled` of a dependency is typed here; its chart owns the rest of its values."""
+    """Only `enabled` of flyte-binary is typed here; its chart owns the rest of its values."""
     chart = helm.Chart.load(CHART)
+    render({"flyte-binary": {"enabled": False, "anything": {"nested": [1, 2]}}})
     for dependency in DEPENDENCIES:
-        render({dependency: {"enabled": False, "anything": {"nested": [1, 2]}}})
         with pytest.raises(helm.HelmValuesError, match=f"/{dependency}/enabled"):
             chart.validate_schema({dependency: {"enabled": "yes"}})
+
+
+def test_operator_values_are_typed_and_equal_to_its_charts_defaults():
+    """tigon types its own training-operator chart's values in full; values.yaml repeats that chart's defaults."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["training-operator"]
+    chart_defaults = yaml.safe_load((OPERATOR_CHART / "values.yaml").read_text())
+    assert {k: v for k, v in defaults.items() if k != "enabled"} == chart_defaults
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["training-operator"]
+    assert schema["additionalProperties"] is False and set(chart_defaults) | {"enabled", "global"} == set(
+        schema["properties"]
+    )
 
 
 def _schema_leaves(schema: dict, path: tuple = ()) -> dict[tuple, dict]:
     """Typed leaf properties of the chart's own models (sub-chart and free-form maps excluded)."""
     leaves = {}
     for key, node in schema.get("properties", {}).items():
-        if key in DEPENDENCIES or key == "global":
+        if key in DOWNLOADED or key == "global":
             continue
         if node.get("type") == "object" and node.get("additionalProperties") is False:
             leaves.update(_schema_leaves(node, (*path, key)))
