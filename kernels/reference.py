@@ -207,7 +207,10 @@ def kl_divergence(
 ) -> torch.Tensor:
     """`F.kl_div(input, target)` in at least float32: pointwise `target * (log(target) - input)`."""
     dtype = torch.promote_types(torch.promote_types(input.dtype, target.dtype), torch.float32)
-    loss = F.kl_div(input.to(dtype), target.to(dtype), reduction=reduction, log_target=log_target)
+    x, y = input.to(dtype), target.to(dtype)
+    if reduction == "mean":  # F.kl_div's own "mean" warns that it is not the KL divergence per sample
+        return F.kl_div(x, y, reduction="sum", log_target=log_target) / x.numel()
+    loss = F.kl_div(x, y, reduction=reduction, log_target=log_target)
     if reduction == "none":
         return loss.to(torch.promote_types(input.dtype, target.dtype))
     return loss.float() if dtype == torch.float32 else loss
