@@ -5,8 +5,8 @@
 #   BUILD_IMAGE=1 deploy/kind/quickstart.sh   # also build the training image and load it into kind
 #   SKIP_TEST=1 deploy/kind/quickstart.sh     # skip `helm test`
 #
-# Needs: docker (or podman), kind >= 0.29, kubectl, helm >= 3.14, and network access to the chart
-# repositories (training-operator, flyte-binary) and image registries. See docs/deploy.md.
+# Needs: docker (or podman), kind >= 0.29, kubectl, helm >= 3.14, and network access to Flyte's chart
+# repository and the image registries (the training-operator chart is in the repository). See docs/deploy.md.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,8 +35,7 @@ if [[ "${BUILD_IMAGE:-0}" == "1" ]]; then
   kind load docker-image "$image" --name "$cluster"
 fi
 
-echo "==> fetching the chart's dependencies (training-operator, flyte-binary)"
-helm repo add kubeflow-training-operator https://kubeflow.github.io/training-operator --force-update >/dev/null
+echo "==> fetching flyte-binary into the chart (training-operator is committed in its charts/)"
 helm repo add flyteorg https://flyteorg.github.io/flyte --force-update >/dev/null
 helm dependency build "$chart"
 

@@ -397,3 +397,15 @@ def test_operator_chart_renders_on_its_own():
     assert ("Deployment", "kubeflow-training-operator") in names
     for obj in objs:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_nothing_points_at_the_nonexistent_kubeflow_helm_repository():
+    """Kubeflow has no Helm repository for the v1 operator: no install step may `helm repo add` one."""
+    root = OPERATOR_CHART.parents[4]
+    paths = [
+        root / "docs" / "deploy.md",
+        root / "deploy" / "kind" / "quickstart.sh",
+        OPERATOR_CHART.parents[1] / "Chart.yaml",
+    ]
+    for path in paths:
+        assert "kubeflow.github.io/training-operator" not in path.read_text(), path
