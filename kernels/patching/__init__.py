@@ -15,6 +15,7 @@ from torch import nn
 
 from tigon.kernels import functional
 from tigon.kernels.modules import GatedMLP, GemmaRMSNorm, RMSNorm
+from tigon.kernels.patching.causal_lm import fused_class, fused_forward
 
 logger = logging.getLogger("tigon.kernels")
 
@@ -37,6 +38,9 @@ class Family:
     `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
+    The fused linear cross entropy replaces the forward of `causal_lm` (`<Prefix>ForCausalLM`, the
+    prefix of the first norm class); `final_logit_softcapping` and `logits_scaling` name the
+    family's head quirks, read from the config (Gemma 2/3 softcap the logits, Granite divides them).
     """
 
     modeling: str
@@ -48,6 +52,12 @@ class Family:
     rope: bool = True
     partial_rope: bool = False
     unfit: tuple[tuple[str, str], ...] = ()
+    final_logit_softcapping: bool = False
+    logits_scaling: bool = False
+
+    @property
+    def causal_lm(self) -> str:
+        return self.rms_norm[0].removesuffix("RMSNorm") + "ForCausalLM"
 
 
 def _models(name: str) -> str:
@@ -79,10 +89,20 @@ FAMILIES: dict[str, Family] = {
     ),
     "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True),
     "gemma2": Family(
-        _models("gemma2"), ("Gemma2RMSNorm",), ("Gemma2MLP",), gemma_norm=True, in_place_norm_backward=False
+        _models("gemma2"),
+        ("Gemma2RMSNorm",),
+        ("Gemma2MLP",),
+        gemma_norm=True,
+        in_place_norm_backward=False,
+        final_logit_softcapping=True,
     ),
     "gemma3_text": Family(
-        _models("gemma3"), ("Gemma3RMSNorm",), ("Gemma3MLP",), gemma_norm=True, in_place_norm_backward=False
+        _models("gemma3"),
+        ("Gemma3RMSNorm",),
+        ("Gemma3MLP",),
+        gemma_norm=True,
+        in_place_norm_backward=False,
+        final_logit_softcapping=True,
     ),
     "phi3": Family(
         _models("phi3"), ("Phi3RMSNorm",), partial_rope=True, unfit=(("swiglu", f"Phi3MLP: {_FUSED_GATE_UP}"),)
@@ -100,7 +120,7 @@ FAMILIES: dict[str, Family] = {
             ("rope", "Glm4 apply_rotary_pos_emb is interleaved and partial; tigon's RoPE is rotate-half"),
         ),
     ),
-    "granite": Family(_models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",)),
+    "granite": Family(_models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",), logits_scaling=True),
 }
 
 
@@ -141,7 +161,7 @@ def modeling_module(model_type: str, family: Family | None = None):
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *family.mlp] + (["apply_rotary_pos_emb"] if family.rope else [])
+    targets = [*family.rms_norm, *family.mlp, family.causal_lm] + (["apply_rotary_pos_emb"] if family.rope else [])
     missing = [name for name in targets if not hasattr(module, name)]
     if missing:
         raise PatchTargetMissing(
@@ -181,13 +201,28 @@ def _unsupported(report: PatchReport, wanted: dict[str, bool]) -> PatchReport:
     return report
 
 
-def apply(model: nn.Module, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
-    """Apply tigon's kernels to a built transformers model in place; returns what was swapped."""
+def apply(
+    model: nn.Module,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    fused_linear_cross_entropy: bool = True,
+) -> PatchReport:
+    """Apply tigon's kernels to a built transformers model (or a PEFT wrapper of one) in place.
+
+    `fused_linear_cross_entropy` makes the `*ForCausalLM` forward compute the loss without logits when
+    training with labels (see `tigon.kernels.patching.causal_lm`). Returns what was swapped.
+    """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     report = PatchReport(model_type)
     family = FAMILIES.get(model_type)
-    wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
+    wanted = {
+        "rms_norm": rms_norm,
+        "rope": rope,
+        "swiglu": swiglu,
+        "fused_linear_cross_entropy": fused_linear_cross_entropy,
+    }
     if family is None:
         return _unsupported(report, wanted)
     module = modeling_module(model_type, family)
@@ -206,6 +241,12 @@ def apply(model: nn.Module, rms_norm: bool = True, rope: bool = True, swiglu: bo
             elif swiglu and kind in family.mlp:
                 setattr(parent, name, GatedMLP.from_module(child, text_config))
                 report.applied["gated_mlp"] = report.applied.get("gated_mlp", 0) + 1
+    if fused_linear_cross_entropy:
+        for causal_lm in model.modules():
+            if type(causal_lm).__name__ == family.causal_lm:
+                original = getattr(type(causal_lm), "__tigon_original__", type(causal_lm))
+                causal_lm.__class__ = fused_class(original, family)
+                report.applied["fused_linear_cross_entropy"] = 1
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
@@ -234,16 +275,28 @@ def _mlp_class(original: type) -> type:
     return type(original.__name__, (GatedMLP,), {"__module__": __name__, "__tigon_original__": original})
 
 
-def apply_to(model_type: str, rms_norm: bool = True, rope: bool = True, swiglu: bool = True) -> PatchReport:
+def apply_to(
+    model_type: str,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    fused_linear_cross_entropy: bool = True,
+) -> PatchReport:
     """Swap tigon's classes and RoPE into the family's modeling module, so models built afterwards use them.
 
     For code that builds the model itself; affects every model of the family built later in
-    the process. The swapped classes keep the HF names and constructors (and parameter names,
+    the process (the fused loss replaces the `*ForCausalLM` class's `forward`, so it also reaches
+    models already built). The swapped classes keep the HF names and constructors (and parameter names,
     so checkpoints load unchanged).
     """
     report = PatchReport(model_type)
     family = FAMILIES.get(model_type)
-    wanted = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu}
+    wanted = {
+        "rms_norm": rms_norm,
+        "rope": rope,
+        "swiglu": swiglu,
+        "fused_linear_cross_entropy": fused_linear_cross_entropy,
+    }
     if family is None:
         return _unsupported(report, wanted)
     module = modeling_module(model_type, family)
@@ -257,6 +310,10 @@ def apply_to(model_type: str, rms_norm: bool = True, rope: bool = True, swiglu: 
         original = getattr(current, "__tigon_original__", current)
         setattr(module, name, make(family, original))
         report.applied[kernel] = report.applied.get(kernel, 0) + 1
+    if fused_linear_cross_entropy:
+        causal_lm = getattr(module, family.causal_lm)
+        causal_lm.forward = fused_forward(causal_lm.forward, family)
+        report.applied["fused_linear_cross_entropy"] = 1
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
@@ -268,11 +325,11 @@ def apply_to(model_type: str, rms_norm: bool = True, rope: bool = True, swiglu: 
 class AutoModelForCausalLM:
     """`transformers.AutoModelForCausalLM` that applies every tigon kernel that fits the built model.
 
-    Kernel switches (`rms_norm`, `rope`, `swiglu`) are taken from the keyword arguments; the rest
-    go to transformers. The `PatchReport` is left on the model as `tigon_patch_report`.
+    Kernel switches (`rms_norm`, `rope`, `swiglu`, `fused_linear_cross_entropy`) are taken from the keyword
+    arguments; the rest go to transformers. The `PatchReport` is left on the model as `tigon_patch_report`.
     """
 
-    _KERNEL_OPTIONS = ("rms_norm", "rope", "swiglu")
+    _KERNEL_OPTIONS = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 
     def __init__(self, *args, **kwargs) -> None:
         raise OSError("use tigon.kernels.AutoModelForCausalLM.from_pretrained(...) or .from_config(...)")

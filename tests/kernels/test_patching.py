@@ -58,7 +58,8 @@ def assert_same_training_step(baseline, patched, batch):
     got = patched(input_ids=batch, labels=batch)
     got.loss.backward()
     assert abs(got.loss.item() - expected.loss.item()) < 1e-5
-    assert relative_error(got.logits, expected.logits) < 1e-5
+    with torch.no_grad():
+        assert relative_error(patched(input_ids=batch).logits, baseline(input_ids=batch).logits) < 1e-5
     for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
         assert relative_error(ours.grad, theirs.grad) < 1e-4, name
 
@@ -73,7 +74,7 @@ def test_patched_model_matches_eager(model_type, restore_rope):
 
     layers = baseline.config.num_hidden_layers
     assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
-    assert report.applied["rms_norm"] >= 2 * layers + 1
+    assert report.applied["rms_norm"] >= 2 * layers + 1 and report.applied["fused_linear_cross_entropy"] == 1
     assert len(report.skipped) == len(skipped)
     for prefix, entry in zip(skipped, report.skipped, strict=True):
         assert entry.startswith(prefix), report.skipped
@@ -93,8 +94,9 @@ def test_partial_rotary_calls_fall_back_to_the_original(restore_rope):
 
 def test_only_requested_kernels_are_applied(restore_rope):
     model = tiny("llama")
-    report = apply(model, rope=False, swiglu=False)
+    report = apply(model, rope=False, swiglu=False, fused_linear_cross_entropy=False)
     assert set(report.applied) == {"rms_norm"}
+    assert type(model).forward is transformers.LlamaForCausalLM.forward
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
 
 
@@ -103,9 +105,9 @@ def test_unsupported_model_type_warns_and_names_what_was_not_applied(caplog):
     model = transformers.GPT2LMHeadModel(config)
     with caplog.at_level(logging.WARNING, logger="tigon.kernels"):
         report = apply(model)
-    assert report.applied == {} and report.skipped == ["rms_norm", "rope", "swiglu"]
+    assert report.applied == {} and report.skipped == ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]
     assert "'gpt2' has no kernel table entry" in caplog.text
-    assert "not applied: rms_norm, rope, swiglu" in str(report)
+    assert "not applied: rms_norm, rope, swiglu, fused_linear_cross_entropy" in str(report)
 
 
 def test_demo_runs_on_cpu(capsys, restore_rope):
@@ -123,21 +125,25 @@ def restore_modeling(restore_rope):
     for family in patching.FAMILIES.values():
         module = importlib.import_module(family.modeling)
         saved[module] = {name: getattr(module, name) for name in (*family.rms_norm, *family.mlp)}
+        causal_lm = getattr(module, family.causal_lm)
+        saved[causal_lm] = {"forward": causal_lm.forward}
     yield
-    for module, names in saved.items():
+    for owner, names in saved.items():
         for name, value in names.items():
-            setattr(module, name, value)
+            setattr(owner, name, value)
 
 
 def test_apply_to_patches_models_built_afterwards(restore_modeling):
     baseline = tiny("qwen3")
     report = tigon.kernels.apply_to("qwen3")
-    assert report.applied == {"rms_norm": 1, "gated_mlp": 1, "rope": 1} and report.skipped == []
+    assert report.applied == {"rms_norm": 1, "gated_mlp": 1, "rope": 1, "fused_linear_cross_entropy": 1}
+    assert report.skipped == []
     patched = tiny("qwen3")
     patched.load_state_dict(baseline.state_dict())
     assert type(patched.model.layers[0].self_attn.q_norm).__name__ == "Qwen3RMSNorm"
     assert isinstance(patched.model.layers[0].self_attn.q_norm, modules.RMSNorm)
     assert isinstance(patched.model.layers[0].mlp, modules.GatedMLP)
+    assert type(patched).forward.__tigon_original__.__module__.startswith("transformers")
     assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
     again = tigon.kernels.apply_to("qwen3")  # idempotent: wraps the HF originals, not its own classes
     assert importlib.import_module(
@@ -148,21 +154,26 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
 
 def test_apply_to_reports_unfit_parts_and_unknown_types(restore_modeling, caplog):
     report = tigon.kernels.apply_to("glm4")
-    assert report.applied == {"rms_norm": 1}
+    assert report.applied == {"rms_norm": 1, "fused_linear_cross_entropy": 1}
     assert [entry.split(" ")[0] for entry in report.skipped] == ["swiglu", "rope"]
     with caplog.at_level(logging.WARNING, logger="tigon.kernels"):
-        assert tigon.kernels.apply_to("gpt2").skipped == ["rms_norm", "rope", "swiglu"]
+        assert tigon.kernels.apply_to("gpt2").skipped == ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]
     assert "'gpt2' has no kernel table entry" in caplog.text
 
 
 def test_auto_model_from_config_applies_every_kernel_that_fits(restore_rope):
     config = tiny("llama").config
-    model = tigon.kernels.AutoModelForCausalLM.from_config(config, swiglu=False)
+    model = tigon.kernels.AutoModelForCausalLM.from_config(config, swiglu=False, fused_linear_cross_entropy=False)
     assert model.tigon_patch_report.applied == {"rms_norm": 5, "rope": 1}
     assert isinstance(model.model.norm, modules.RMSNorm)
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     model = tigon.kernels.AutoModelForCausalLM.from_pretrained(config)
-    assert model.tigon_patch_report.applied == {"rms_norm": 5, "gated_mlp": 2, "rope": 1}
+    assert model.tigon_patch_report.applied == {
+        "rms_norm": 5,
+        "gated_mlp": 2,
+        "rope": 1,
+        "fused_linear_cross_entropy": 1,
+    }
 
 
 def test_missing_patch_target_fails_loudly(monkeypatch):

@@ -1,0 +1,147 @@
+"""Fused linear cross entropy in a causal LM's `forward`: one wrapper for every family in the table.
+
+With `labels` and `skip_logits` (default: `model.training`), the wrapped forward runs the family's own
+forward with no logit positions kept (`logits_to_keep` = an empty index, so the head projects nothing),
+takes the final hidden states from it, and computes the loss with `fused_linear_cross_entropy`: the
+`(tokens, vocabulary)` logits never exist. The output is the family's own output class with
+`logits=None` (as Liger-Kernel returns), and everything else (past key values, MoE `aux_loss` and
+router logits, requested hidden states) unchanged. Without labels, or in eval mode, the family's
+forward runs untouched, so generation and evaluation get their logits.
+
+The loss is Hugging Face's `ForCausalLMLoss`: labels shifted left and padded with `ignore_index`,
+`shift_labels` used as given, `num_items_in_batch` dividing the summed loss (gradient accumulation),
+the family's head quirks from its table row (Gemma 2/3 `final_logit_softcapping`, Granite
+`logits_scaling`), the MoE auxiliary loss added as the family does. Under autocast the head runs in
+the autocast dtype, as `nn.Linear` would.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from tigon.kernels.patching import Family
+
+logger = logging.getLogger("tigon.kernels")
+
+
+@functools.cache
+def _warn_head(kind: str) -> None:
+    logger.warning(
+        "tigon: lm_head is a %s, not a plain nn.Linear (an adapter on the head?); the fused linear cross "
+        "entropy reads lm_head.weight directly and would skip it, so this model computes its loss the "
+        "transformers way (full logits). Keep adapters off lm_head to get the fused loss.",
+        kind,
+    )
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    family: Family,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """`ForCausalLMLoss` of the head over `hidden` `(B, S, H)`, without the logits."""
+    from tigon.kernels.functional import fused_linear_cross_entropy
+
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    config = model.config
+    if family.logits_scaling:
+        hidden = hidden / config.logits_scaling
+    softcap = config.final_logit_softcapping if family.final_logit_softcapping else None
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        shift_labels.reshape(-1).to(hidden.device),
+        bias,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        num_items_in_batch=num_items_in_batch,
+    )
+
+
+def fused_forward(original, family: Family):
+    """A `forward(self, ...)` that computes the loss with the fused op when it skips the logits.
+
+    `skip_logits` (keyword only, tigon's) forces the choice; by default the logits are skipped when
+    training with labels.
+    """
+    original = getattr(original, "__tigon_original__", original)
+    names = [name for name in inspect.signature(original).parameters][1:]
+
+    @functools.wraps(original)
+    def forward(self, *args, skip_logits: bool | None = None, **kwargs):
+        kwargs.update(zip(names[: len(args)], args, strict=True))
+        labels = kwargs.get("labels")
+        if skip_logits is None:
+            skip_logits = self.training and labels is not None
+        if not skip_logits:
+            return original(self, **kwargs)
+        if labels is None:
+            raise ValueError("skip_logits=True computes the loss without logits, so it needs labels; pass labels=")
+        head = self.get_output_embeddings()
+        if type(head) is not nn.Linear:
+            _warn_head(type(head).__name__)
+            return original(self, **kwargs)
+        del kwargs["labels"]
+        keep = kwargs.pop("logits_to_keep", 0)
+        return_dict = kwargs.pop("return_dict", None)
+        wants_hidden = kwargs.pop("output_hidden_states", None)
+        no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
+        out = original(self, **kwargs, logits_to_keep=no_positions, output_hidden_states=True, return_dict=True)
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        hidden = slice_logits_to_keep(out.hidden_states[-1], keep)
+        loss = causal_lm_loss(
+            self,
+            family,
+            hidden,
+            labels,
+            kwargs.get("shift_labels"),
+            kwargs.get("num_items_in_batch"),
+            kwargs.get("ignore_index", -100),
+        )
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        fields = {name: value for name, value in out.items() if name not in ("logits", "loss")}
+        if not (wants_hidden if wants_hidden is not None else self.config.output_hidden_states):
+            fields.pop("hidden_states", None)
+        result = type(out)(loss=loss, **fields)
+        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
+            return result.to_tuple()
+        return result
+
+    forward.__tigon_original__ = original
+    return forward
+
+
+@functools.cache
+def fused_class(original: type, family: Family) -> type:
+    """A subclass of the family's `*ForCausalLM` with the fused-loss forward, keeping the class name."""
+    return type(
+        original.__name__,
+        (original,),
+        {
+            "forward": fused_forward(original.forward, family),
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "__tigon_original__": original,
+        },
+    )

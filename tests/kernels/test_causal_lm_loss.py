@@ -1,0 +1,142 @@
+"""The fused linear cross entropy in the patched `*ForCausalLM.forward`: same loss and gradients, no logits."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from tests.kernels.helpers import relative_error
+from tests.kernels.test_patching import FAMILY_CASES, tiny
+from tigon.kernels.patching import apply
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 131
+# Head quirks switched on, so the fused path has to reproduce them.
+HEAD_OVERRIDES = {
+    "gemma2": dict(final_logit_softcapping=3.0),
+    "gemma3_text": dict(final_logit_softcapping=3.0),
+    "granite": dict(logits_scaling=2.5),
+    "mixtral": dict(output_router_logits=True, router_aux_loss_coef=0.1),
+}
+
+
+def loss_only_pair(model_type: str, **overrides):
+    """(baseline, copy patched with the fused loss only), both in training mode."""
+    config_overrides = {**FAMILY_CASES[model_type][0], **HEAD_OVERRIDES.get(model_type, {}), **overrides}
+    baseline = tiny(model_type, **config_overrides).train()
+    patched = copy.deepcopy(baseline)
+    report = apply(patched, rms_norm=False, rope=False, swiglu=False)
+    assert report.applied == {"fused_linear_cross_entropy": 1}
+    return baseline, patched
+
+
+def assert_same_grads(patched, baseline, bound: float = 1e-5):
+    for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
+        if theirs.grad is None:
+            assert ours.grad is None, name
+            continue
+        assert relative_error(ours.grad, theirs.grad) < bound, name
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_CASES))
+def test_loss_and_grads_match_transformers_without_logits(model_type):
+    baseline, patched = loss_only_pair(model_type)
+    batch = torch.randint(0, VOCAB, (2, 11))
+    labels = batch.clone()
+    labels[0, :4] = -100  # a prompt that carries no loss
+    expected = baseline(input_ids=batch, labels=labels)
+    got = patched(input_ids=batch, labels=labels)
+    assert got.logits is None and type(got) is type(expected)
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-6 * max(1.0, expected.loss.item())
+    if model_type == "mixtral":
+        assert got.aux_loss is not None and torch.equal(got.aux_loss, expected.aux_loss)
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_grads(patched, baseline)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_logits_are_the_models_own_without_labels_or_in_eval(model_type):
+    baseline, patched = loss_only_pair(model_type)
+    batch = torch.randint(0, VOCAB, (2, 7))
+    assert torch.equal(patched(input_ids=batch).logits, baseline(input_ids=batch).logits)
+    patched.eval(), baseline.eval()
+    got, expected = patched(input_ids=batch, labels=batch), baseline(input_ids=batch, labels=batch)
+    assert torch.equal(got.logits, expected.logits) and torch.equal(got.loss, expected.loss)
+    fused = patched(input_ids=batch, labels=batch, skip_logits=True)  # forced, e.g. for an eval loss
+    assert fused.logits is None and abs(fused.loss.item() - expected.loss.item()) < 1e-6
+
+
+def test_num_items_in_batch_accumulation_equals_one_big_batch():
+    baseline, patched = loss_only_pair("llama")
+    batch = torch.randint(0, VOCAB, (4, 9))
+    labels = batch.clone()
+    labels[:2, :5] = -100  # the micro-batches hold different numbers of label tokens
+    items = int((labels[:, 1:] != -100).sum())
+    for half in (slice(0, 2), slice(2, 4)):
+        loss = patched(input_ids=batch[half], labels=labels[half], num_items_in_batch=torch.tensor(items)).loss
+        loss.backward()
+    baseline(input_ids=batch, labels=labels).loss.backward()
+    assert_same_grads(patched, baseline)
+
+
+def test_call_forms_match_transformers():
+    baseline, patched = loss_only_pair("qwen3")
+    batch = torch.randint(0, VOCAB, (2, 8))
+    # logits_to_keep with labels: the loss covers the kept positions only, as in transformers.
+    expected = baseline(input_ids=batch, labels=batch[:, -5:], logits_to_keep=5).loss
+    assert abs(patched(input_ids=batch, labels=batch[:, -5:], logits_to_keep=5).loss.item() - expected.item()) < 1e-6
+    # labels passed positionally and a tuple output: the loss first, no logits.
+    expected = baseline(batch, None, None, None, None, batch).loss
+    got = patched(batch, None, None, None, None, batch, return_dict=False)
+    assert isinstance(got, tuple) and abs(got[0].item() - expected.item()) < 1e-6
+    assert all(not (torch.is_tensor(part) and part.shape[-1] == VOCAB) for part in got[1:])
+    # shift_labels (already shifted, as sequence-parallel trainers pass them) and requested hidden states.
+    shifted = torch.nn.functional.pad(batch, (0, 1), value=-100)[:, 1:].contiguous()
+    expected = baseline(input_ids=batch, labels=batch, shift_labels=shifted, output_hidden_states=True)
+    got = patched(input_ids=batch, labels=batch, shift_labels=shifted, output_hidden_states=True)
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-6
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    assert patched(input_ids=batch, labels=batch).hidden_states is None
+    with pytest.raises(ValueError, match="skip_logits=True .* needs labels"):
+        patched(input_ids=batch, skip_logits=True)
+
+
+def test_generate_is_unchanged():
+    baseline, patched = loss_only_pair("llama")
+    prompt = torch.randint(1, VOCAB, (1, 4))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.eval().generate(prompt, **kwargs), baseline.eval().generate(prompt, **kwargs))
+
+
+def test_lora_on_the_head_falls_back_to_the_transformers_loss(caplog):
+    peft = pytest.importorskip("peft")
+    baseline, _ = loss_only_pair("llama")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(copy.deepcopy(baseline), config)
+    patched = copy.deepcopy(wrapped)
+    assert apply(patched, rms_norm=False, rope=False, swiglu=False).applied == {"fused_linear_cross_entropy": 1}
+    batch = torch.randint(0, VOCAB, (2, 6))
+    with caplog.at_level(logging.WARNING, logger="tigon.kernels"):
+        got = patched(input_ids=batch, labels=batch)
+    assert "not a plain nn.Linear" in caplog.text and got.logits is not None
+    assert torch.equal(got.loss, wrapped(input_ids=batch, labels=batch).loss)
+
+
+def test_lora_elsewhere_keeps_the_fused_loss():
+    peft = pytest.importorskip("peft")
+    baseline, _ = loss_only_pair("llama")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(copy.deepcopy(baseline), config)
+    patched = copy.deepcopy(wrapped)
+    assert apply(patched).applied["fused_linear_cross_entropy"] == 1
+    batch = torch.randint(0, VOCAB, (2, 6))
+    got, expected = patched(input_ids=batch, labels=batch), wrapped(input_ids=batch, labels=batch)
+    assert got.logits is None and abs(got.loss.item() - expected.loss.item()) < 1e-5
+    got.loss.backward()
+    expected.loss.backward()
+    assert_same_grads(patched, wrapped, bound=1e-4)
