@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
@@ -197,15 +196,11 @@ def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, devi
 
     batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
     inputs = model_inputs(batch, attn_implementation)
-    inputs.pop("labels", None)  # the loss is computed here, normalized over the whole global batch
     inputs["use_cache"] = False
-    labels = batch["labels"]
+    # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
+    # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.
     with autocast(device, precision):
-        logits = model(**inputs).logits
-    logits = logits[:, :-1].float()
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+        return model(**inputs, num_items_in_batch=1).loss.float()
 
 
 # ---------------------------------------------------------------- evaluation
