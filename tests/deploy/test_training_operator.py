@@ -372,6 +372,8 @@ def test_disabled_operator_renders_nothing_and_notes_say_so():
     rendered = render({"training-operator": {"enabled": False}})
     assert operator_objects(objects(rendered)) == {}
     assert "the cluster must already serve kubeflow.org/v1 PyTorchJob" in rendered["tigon/templates/NOTES.txt"]
+    enabled = render({})["tigon/templates/NOTES.txt"]
+    assert f"kubectl -n {NAMESPACE} rollout status deployment/{NAME}" in enabled
     kind = load_values("values-kind.yaml")
     assert kind.get("training-operator", {}).get("enabled", True) is True  # kind gets the operator
 
@@ -395,6 +397,8 @@ def test_operator_chart_renders_on_its_own():
     objs = [o for text in rendered.values() for o in yaml.safe_load_all(text) if o]
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
     assert ("Deployment", "kubeflow-training-operator") in names
+    report = helm.lint(OPERATOR_CHART, namespace="kubeflow", strict=True, kube_version=f"v{KUBERNETES_VERSION}")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
     for obj in objs:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
