@@ -2,6 +2,8 @@
 
     tigon render-job CONFIG --job-template NAME [--nodes N] [--namespace NS] [--set key=value ...]
     tigon templates                      list the job templates (deploy/job-templates or $TIGON_JOB_TEMPLATES)
+    tigon submit CONFIG --job-template NAME [--nodes N] [--steps N] [--set key=value ...] [--dry-run]
+                                         check the run locally, then `pyflyte run --remote` the workflow
     tigon train CONFIG ...               see `tigon train --help`
 
 `render-job` prints a ConfigMap and a PyTorchJob (kubectl-ready) from the same code path the
@@ -20,6 +22,7 @@ EXIT_ERROR = 2
 
 def render_job(argv: list[str]) -> int:
     from tigon.platform.jobs import JobSpecError, pytorchjob_manifests, render_yaml
+    from tigon.platform.submit import SubmissionError, check_submission
     from tigon.platform.templates import TemplateError, get_template
     from tigon.runtime.config import ConfigError, load_config
 
@@ -32,9 +35,9 @@ def render_job(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        template = get_template(args.job_template).with_nodes(args.nodes)
+        template = check_submission(config, get_template(args.job_template), args.nodes or 0)
         manifests = pytorchjob_manifests(config, template, args.namespace)
-    except (ConfigError, TemplateError, JobSpecError) as error:
+    except (ConfigError, TemplateError, SubmissionError, JobSpecError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
     sys.stdout.write(render_yaml(manifests))
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return render_job(argv[1:])
     if argv[:1] == ["templates"]:
         return list_templates()
+    if argv[:1] == ["submit"]:
+        from tigon.platform.submit import submit
+
+        return submit(argv[1:])
     if argv[:1] in (["-h"], ["--help"]):
         print(__doc__)
     return runtime_cli.main(argv)

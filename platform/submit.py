@@ -1,0 +1,93 @@
+"""Checks before a run goes to the cluster, and `tigon submit` (validate locally, then `pyflyte run --remote`).
+
+    tigon submit my.yaml --job-template h100x8x2 --nodes 4 [--steps N] [--set key=value ...] [--dry-run]
+
+Everything that can be known on the laptop is checked there, before any container starts: the config
+(unknown keys, wrong types, with the overrides applied), the job template (it must exist), the node
+count (up to the template's `max_nnodes`), and settings that need GPUs on a template without them.
+The workflow's validate task runs the same `check_submission` again, for runs started another way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tigon.platform.templates import JobTemplate, TemplateError, get_template
+from tigon.runtime.config import ConfigError, RunConfig, load_config
+
+WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "finetune.py"
+EXIT_ERROR = 2
+
+
+class SubmissionError(ValueError):
+    """A run that its job template cannot run; the message names the setting and the fix."""
+
+
+def gpu_settings(config: RunConfig) -> list[str]:
+    """The config's settings that only work on GPUs."""
+    needs = []
+    if config.parallelism.backend == "nccl":
+        needs.append("parallelism.backend: nccl (use 'auto' or 'gloo' on CPUs)")
+    if config.model.attn_implementation == "flash_attention_2":
+        needs.append("model.attn_implementation: flash_attention_2 (use 'sdpa' on CPUs)")
+    return needs
+
+
+def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -> JobTemplate:
+    """The template as this run will use it (with its node count), or SubmissionError/TemplateError saying why not."""
+    template = template.with_nodes(nodes or None)
+    needs = gpu_settings(config)
+    if needs and not template.gpus_per_node:
+        raise SubmissionError(
+            f"job template {template.name!r} has no GPUs, but the config asks for them: {'; '.join(needs)}. "
+            "Pick a GPU template (see `tigon templates`) or change those settings."
+        )
+    return template
+
+
+def submit(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tigon submit", description="check a run locally, then start the Flyte workflow on the cluster"
+    )
+    parser.add_argument("config", help="YAML run config; data paths must be readable from the pods (s3://, gs://)")
+    parser.add_argument("--job-template", required=True, help="job template name, e.g. h100x8 (see `tigon templates`)")
+    parser.add_argument("--nodes", type=int, default=0, help="nodes for this run, up to the template's max_nnodes")
+    parser.add_argument("--steps", type=int, default=0, help="training.max_steps for this run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--dry-run", action="store_true", help="check and print the pyflyte command; submit nothing")
+    args, pyflyte_options = parser.parse_known_args(argv)
+    overrides = list(args.overrides)
+    if args.steps:
+        overrides += [f"training.max_steps={args.steps}", "training.epochs=null"]
+    try:
+        config = load_config(args.config, overrides)
+        template = check_submission(config, get_template(args.job_template), args.nodes)
+    except (ConfigError, TemplateError, SubmissionError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    command = [
+        sys.executable,
+        "-m",
+        "flytekit.clis.sdk_in_container.pyflyte",
+        "run",
+        "--remote",
+        *pyflyte_options,
+        str(WORKFLOW),
+        "finetune",
+        "--config_yaml",
+        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+        "--job_template",
+        template.name,
+        "--nodes",
+        str(template.nnodes),
+    ]
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    return subprocess.run(command, check=False).returncode
