@@ -9,8 +9,11 @@ from tigon.kernels.ops.cross_entropy import cross_entropy
 from tigon.kernels.ops.dpo import fused_linear_dpo
 from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
 from tigon.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from tigon.kernels.ops.fused_linear_jsd import fused_linear_jsd
 from tigon.kernels.ops.fused_linear_preference import sequence_logps
 from tigon.kernels.ops.gated_activation import geglu, swiglu
+from tigon.kernels.ops.jsd import jsd
+from tigon.kernels.ops.kl_divergence import kl_divergence
 from tigon.kernels.ops.kto import fused_linear_kto
 from tigon.kernels.ops.layer_norm import layer_norm
 from tigon.kernels.ops.orpo import fused_linear_orpo
@@ -25,10 +28,13 @@ __all__ = [
     "fused_linear_cpo",
     "fused_linear_cross_entropy",
     "fused_linear_dpo",
+    "fused_linear_jsd",
     "fused_linear_kto",
     "fused_linear_orpo",
     "fused_linear_simpo",
     "geglu",
+    "jsd",
+    "kl_divergence",
     "layer_norm",
     "rms_norm",
     "rope",

@@ -241,6 +241,75 @@ class FusedLinearKTOLoss(_PreferenceLoss):
         return F.fused_linear_kto(hidden, weight, target, desirable, bias, **inputs, **self.options)
 
 
+class KLDivLoss(nn.Module):
+    """Drop-in for `nn.KLDivLoss` on `F.kl_divergence`; call with `(input, target)` (student log-probs, teacher)."""
+
+    def __init__(self, reduction: str = "mean", log_target: bool = False) -> None:
+        super().__init__()
+        self.reduction, self.log_target = reduction, log_target
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.kl_divergence(input, target, reduction=self.reduction, log_target=self.log_target)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, log_target={self.log_target}"
+
+
+class _DistillationLoss(nn.Module):
+    """A distillation loss as a module: options at construction, tensors at call time."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
+
+
+class JSDLoss(_DistillationLoss):
+    """`F.jsd`; call with `(student, teacher, label=None)`."""
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+        reduction: str = "batchmean",
+        from_logits: bool = False,
+    ) -> None:
+        super().__init__(
+            beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction, from_logits=from_logits
+        )
+
+    def forward(self, student, teacher, label=None) -> torch.Tensor:
+        return F.jsd(student, teacher, label, **self.options)
+
+
+class FusedLinearJSDLoss(_DistillationLoss):
+    """`F.fused_linear_jsd`; call with `(student_hidden, student_weight, teacher_hidden, teacher_weight, label)`."""
+
+    def __init__(
+        self,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+        reduction: str = "batchmean",
+        accumulate_in_fp32: bool = False,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            beta=beta,
+            temperature=temperature,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            accumulate_in_fp32=accumulate_in_fp32,
+            chunk_size=chunk_size,
+        )
+
+    def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, label=None) -> torch.Tensor:
+        return F.fused_linear_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, label, **self.options)
+
+
 def gated_activation_for(config) -> tuple[str, str | None]:
     """('swiglu', None) or ('geglu', 'tanh' | 'none') for a transformers config's activation name."""
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)

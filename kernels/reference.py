@@ -203,7 +203,7 @@ def fused_linear_cross_entropy(
 
 
 def kl_divergence(
-    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "batchmean", log_target: bool = False
+    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean", log_target: bool = False
 ) -> torch.Tensor:
     """`F.kl_div(input, target)` in at least float32: pointwise `target * (log(target) - input)`."""
     dtype = torch.promote_types(torch.promote_types(input.dtype, target.dtype), torch.float32)

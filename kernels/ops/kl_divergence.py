@@ -43,7 +43,7 @@ BACKWARD_BLOCK = 4096  # elements per program of the backward kernel
 def _pointwise(x, y, LOG_TARGET: tl.constexpr):
     if LOG_TARGET:
         return tl.exp(y) * (y - x)
-    return tl.where(y == 0.0, 0.0, y * tl.log(y)) - y * x
+    return y * tl.log(tl.where(y == 0.0, 1.0, y)) - y * x  # 0 * log 0 = 0; a negative y gives NaN, as in torch
 
 
 @triton.jit
@@ -205,16 +205,16 @@ def check_kl_divergence_inputs(input: torch.Tensor, target: torch.Tensor, reduct
 
 
 def kl_divergence(
-    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "batchmean", log_target: bool = False
+    input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean", log_target: bool = False
 ) -> torch.Tensor:
     """`F.kl_div(input, target, reduction=..., log_target=...)`: KL(target || exp(input)) over the last dimension.
 
     `input` is the student's log-probabilities `(..., V)` (e.g. `log_softmax(logits)`), `target` the
     teacher's probabilities of the same shape, or their logarithms with `log_target=True` (more
     accurate for small probabilities). Pointwise `target * (log(target) - input)`; `reduction` is
-    "batchmean" (the default here; sum / input.shape[0], the true KL per sample), "sum", "mean" (sum
-    / number of elements, torch's default) or "none" (pointwise, in the promoted dtype of the two
-    inputs). Reduced losses are float32. Only `input` gets a gradient: pass a detached target.
+    "mean" (torch's default: sum / number of elements), "batchmean" (sum / input.shape[0], the true
+    KL divergence per sample, what distillation wants), "sum" or "none" (pointwise, in the promoted
+    dtype of the two inputs). Reduced losses are float32. Only `input` gets a gradient: pass a detached target.
     Inputs may be any float dtypes; rows that are not contiguous are copied.
     """
     check_kl_divergence_inputs(input, target, reduction, log_target)

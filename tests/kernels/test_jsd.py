@@ -255,3 +255,19 @@ def test_gpu_memory_is_the_gradient_buffer():
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before - student.numel() * student.element_size()
     assert extra < 16 * 2**20, f"jsd used {extra / 2**20:.1f} MiB beyond the gradient"
+
+
+def test_modules_call_the_functional_ops(device):
+    from tigon.kernels import functional, modules
+
+    student, teacher, label = make_inputs(5, 17, torch.float32, device, 0)
+    loss = modules.JSDLoss(beta=0.2, temperature=2.0, from_logits=True)(student, teacher, label)
+    assert torch.equal(loss, functional.jsd(student, teacher, label, beta=0.2, temperature=2.0, from_logits=True))
+    log_q, log_p = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    kl = modules.KLDivLoss(reduction="batchmean", log_target=True)(log_q, log_p)
+    assert_close(
+        kl, F.kl_div(log_q.double(), log_p.double(), reduction="batchmean", log_target=True), torch.float32, "kl"
+    )
+    hidden, weight = torch.randn(5, 8, device=device), torch.randn(17, 8, device=device)
+    fused = modules.FusedLinearJSDLoss(beta=0.0, chunk_size=2)(hidden, weight, hidden, weight * 2, label)
+    assert torch.equal(fused, functional.fused_linear_jsd(hidden, weight, hidden, weight * 2, label, beta=0.0))

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.helpers import DTYPES, assert_close
+from tests.kernels.helpers import DTYPES, TOLERANCE, assert_close, relative_error
 from tigon.kernels import reference
 from tigon.kernels.ops import kl_divergence as kl_module
 from tigon.kernels.ops.kl_divergence import kl_divergence
@@ -39,7 +39,9 @@ def run_case(rows, vocab, dtype, device, seed=0, grad_scale=1.0, target_dtype=No
     out.backward(grad.float())
     ref.backward(grad)
     assert_close(out, ref, dtype, "loss")
-    assert_close(x.grad, x64.grad, dtype, "dinput")
+    # "mean" gradients are about 1 / (rows * V**2): float16 subnormals, allow twice the error of rounding them.
+    rounding = relative_error(x64.grad.to(dtype), x64.grad)
+    assert_close(x.grad, x64.grad, dtype, "dinput", scale=max(1.0, 2 * rounding / TOLERANCE[dtype]))
     assert x.grad.dtype == dtype
 
 
@@ -79,13 +81,13 @@ def test_reference_matches_torch_and_the_formula():
     y[..., 0] = 0.0
     pointwise = torch.where(y > 0, y * (y.log() - x), 0.0)
     torch.testing.assert_close(reference.kl_divergence(x, y, reduction="none"), pointwise)
-    torch.testing.assert_close(reference.kl_divergence(x, y), pointwise.sum() / 2)
-    torch.testing.assert_close(reference.kl_divergence(x, y, reduction="mean"), pointwise.mean())
+    torch.testing.assert_close(reference.kl_divergence(x, y, reduction="batchmean"), pointwise.sum() / 2)
+    torch.testing.assert_close(reference.kl_divergence(x, y), pointwise.mean())  # torch's default
     log_y = torch.log_softmax(torch.randn(2, 3, 11, dtype=torch.float64), -1)
     torch.testing.assert_close(
         reference.kl_divergence(x, log_y, reduction="sum", log_target=True), (log_y.exp() * (log_y - x)).sum()
     )
-    assert F.kl_div(x, y, reduction="batchmean") == reference.kl_divergence(x, y)
+    assert F.kl_div(x, y, reduction="batchmean") == reference.kl_divergence(x, y, reduction="batchmean")
 
 
 def test_three_dimensional_and_non_contiguous_inputs(device):
