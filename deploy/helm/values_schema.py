@@ -269,7 +269,7 @@ class TrainingOperator(Values):
     )
     image: Image = Field(
         default_factory=lambda: Image(repository="docker.io/kubeflow/training-operator", tag="v1-3f15cb8"),
-        description="operator image; v1-3f15cb8 is the build v1.9.2's standalone kustomization pins",
+        description="operator image; v1-3f15cb8 is the v1.9.2 release build (Kubeflow tags v1 images by commit)",
     )
     imagePullSecrets: list[str] = Field(default_factory=list, description="pull secrets of the operator pod")
     replicas: int = Field(1, ge=1, le=5, description="operator replicas; leader election picks the active one")
