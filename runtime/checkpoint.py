@@ -8,6 +8,10 @@ A checkpoint `<run_dir>/checkpoints/step-N/` holds
     rng-rank{R}.pt    python, numpy, torch and CUDA random states of each rank
     state.json        step, data position (epoch and batches consumed in it), the losses so far
 
+With `parallelism.strategy: fsdp` the model and optimizer are instead a sharded
+torch.distributed.checkpoint directory `dcp/` (every rank writes its shard); with `deepspeed`
+they are DeepSpeed's own checkpoint under `deepspeed/` (see tigon.runtime.parallel).
+
 It is written into a temporary directory and renamed into place (`os.replace`), so a run killed
 mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With several nodes the
 run directory must be on a filesystem every rank sees (each rank writes its own RNG file).
@@ -21,6 +25,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -148,18 +153,38 @@ def model_state(model: nn.Module) -> tuple[dict, bool]:
     return {name: tensor for name, tensor in state.items() if name in trainable}, True
 
 
+def write_torch_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, env: DistEnv, scaler=None
+) -> None:
+    """Rank 0 writes model.pt, optimizer.pt and scheduler.pt (the DDP / one-process layout)."""
+    if not env.is_main:
+        return
+    weights, partial = model_state(model)
+    torch.save({"weights": weights, "partial": partial}, directory / "model.pt")
+    torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+    schedule = {"scheduler": scheduler.state_dict()}
+    if scaler is not None and scaler.is_enabled():
+        schedule["scaler"] = scaler.state_dict()
+    torch.save(schedule, directory / "scheduler.pt")
+
+
 def save_checkpoint(
     run_dir: str | Path,
     state: TrainState,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     scheduler,
     env: DistEnv,
     keep_last: int,
     scaler=None,
     config_json: str | None = None,
+    write_state: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write `step-N` atomically on every rank's behalf (call on all ranks); prune to `keep_last`."""
+    """Write `step-N` atomically on every rank's behalf (call on all ranks); prune to `keep_last`.
+
+    `write_state(directory)` runs on every rank and writes the model and optimizer state there (a sharded
+    strategy's own format); by default rank 0 writes the torch files of `write_torch_state`.
+    """
     root = checkpoint_root(run_dir)
     final = root / f"step-{state.step}"
     temporary = root / f".tmp-step-{state.step}"
@@ -169,19 +194,15 @@ def save_checkpoint(
         temporary.mkdir()
     barrier(env)
     torch.save(rng_state(), temporary / f"rng-rank{env.rank}.pt")
+    if write_state is None:
+        write_torch_state(temporary, model, optimizer, scheduler, env, scaler)
+    else:
+        write_state(temporary)
+    barrier(env)
     if env.is_main:
-        weights, partial = model_state(model)
-        torch.save({"weights": weights, "partial": partial}, temporary / "model.pt")
-        torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
-        schedule = {"scheduler": scheduler.state_dict()}
-        if scaler is not None and scaler.is_enabled():
-            schedule["scaler"] = scaler.state_dict()
-        torch.save(schedule, temporary / "scheduler.pt")
         if config_json is not None:
             (temporary / "config.json").write_text(config_json)
         (temporary / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))  # written last: marks it whole
-    barrier(env)
-    if env.is_main:
         replace_dir(temporary, final)
         for _, old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -190,31 +211,52 @@ def save_checkpoint(
     return final
 
 
+def read_torch_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler=None
+) -> None:
+    """Restore what `write_torch_state` wrote."""
+    if not (directory / "model.pt").is_file():
+        raise FileNotFoundError(
+            f"{directory} has no model.pt: it was written by another parallelism.strategy (fsdp or deepspeed); "
+            "resume with that strategy, or set checkpoint.resume: false to start over"
+        )
+    saved = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
+    target = unwrap(model)
+    result = target.load_state_dict(saved["weights"], strict=not saved["partial"])
+    if result.unexpected_keys:
+        raise RuntimeError(
+            f"checkpoint {directory} does not fit this model: unexpected keys {result.unexpected_keys[:5]}"
+        )
+    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True))
+    schedule = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
+    scheduler.load_state_dict(schedule["scheduler"])
+    if scaler is not None and "scaler" in schedule:
+        scaler.load_state_dict(schedule["scaler"])
+
+
 def load_checkpoint(
     path: str | Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     scheduler,
     env: DistEnv,
     scaler=None,
     restore_rng: bool = True,
+    read_state: Callable[[Path], None] | None = None,
 ) -> TrainState:
-    """Restore everything `save_checkpoint` wrote into the given objects; returns the TrainState."""
+    """Restore everything `save_checkpoint` wrote into the given objects; returns the TrainState.
+
+    `read_state(directory)` restores what the matching `write_state` wrote (call on every rank).
+    """
     path = Path(path)
     state_file = path / STATE_FILE
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a finished checkpoint (no {STATE_FILE})")
     state = TrainState(**json.loads(state_file.read_text()))
-    saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    target = unwrap(model)
-    result = target.load_state_dict(saved["weights"], strict=not saved["partial"])
-    if result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {path} does not fit this model: unexpected keys {result.unexpected_keys[:5]}")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    schedule = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(schedule["scheduler"])
-    if scaler is not None and "scaler" in schedule:
-        scaler.load_state_dict(schedule["scaler"])
+    if read_state is None:
+        read_torch_state(path, model, optimizer, scheduler, scaler)
+    else:
+        read_state(path)
     if restore_rng:
         rng_file = path / f"rng-rank{env.rank}.pt"
         if not rng_file.is_file():

@@ -99,10 +99,32 @@ class KernelsConfig(Section):
 class ParallelismConfig(Section):
     """How the model is spread over processes; rank and world size come from torchrun's environment."""
 
-    strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
-    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage")
-    cpu_offload: bool = Field(False, description="FSDP2 / DeepSpeed: keep parameters and optimizer state on the CPU")
+    strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
+        "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard; deepspeed: ZeRO (zero_stage)"
+    )
+    zero_stage: Literal[1, 2, 3] = Field(
+        2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="fsdp: parameters, gradients and optimizer step on the CPU; deepspeed: optimizer state and step "
+        "on the CPU (ZeRO-3: parameters too)",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+
+    @model_validator(mode="after")
+    def _offload_needs_sharding(self) -> ParallelismConfig:
+        if self.cpu_offload and self.strategy == "ddp":
+            raise ValueError(
+                "parallelism.cpu_offload needs strategy 'fsdp' or 'deepspeed' (DDP keeps the whole model on each "
+                "device); set one of those, or cpu_offload: false"
+            )
+        return self
+
+    @property
+    def shards_parameters(self) -> bool:
+        """True when each rank holds only a shard of the weights, so every forward pass is a collective."""
+        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.zero_stage == 3)
 
 
 class LoraConfig(Section):

@@ -2,7 +2,9 @@
 
 The same entry point runs one process or many: `torchrun` and a Kubeflow PyTorchJob both set
 RANK, WORLD_SIZE, LOCAL_RANK (torchrun), MASTER_ADDR and MASTER_PORT. A process group is
-created only when WORLD_SIZE > 1: gloo on CPUs, NCCL on GPUs (`parallelism.backend`).
+created when WORLD_SIZE > 1, or in one process for the sharded strategies (fsdp, deepspeed):
+gloo on CPUs, NCCL on GPUs (`parallelism.backend`). The strategies themselves live in
+tigon.runtime.parallel.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from tigon.runtime.config import ConfigError, RunConfig
 
 logger = logging.getLogger("tigon.runtime")
 
-#: strategies the plain PyTorch trainer implements; the others are named in the error message
-IMPLEMENTED_STRATEGIES = ("ddp",)
 
 _owns_process_group = False  # True when init_distributed created the group (so shutdown may destroy it)
 
@@ -77,12 +77,19 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def check_strategy(config: RunConfig) -> None:
-    """Fail early, with the alternatives, on a strategy the torch trainer does not implement yet."""
+    """Fail early, with the fix, on a parallelism setting this trainer and precision cannot run."""
     strategy = config.parallelism.strategy
-    if strategy not in IMPLEMENTED_STRATEGIES:
+    if strategy == "ddp":
+        return
+    if config.trainer != "torch":
         raise ConfigError(
-            f"parallelism.strategy: {strategy!r} is not yet available for the torch trainer "
-            f"(FSDP2 and DeepSpeed are planned); use 'ddp'"
+            f"parallelism.strategy: {strategy!r} runs with trainer 'torch' only; set trainer: torch, "
+            "or strategy: ddp for the hf and lightning adapters"
+        )
+    if config.training.precision == "fp16":
+        raise ConfigError(
+            f"training.precision: fp16 is not supported with parallelism.strategy {strategy!r} (it needs a sharded "
+            "gradient scaler); use bf16, or strategy: ddp"
         )
 
 
@@ -106,13 +113,23 @@ def resolve_backend(config: RunConfig, device: torch.device) -> str:
 
 
 def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None) -> tuple[DistEnv, torch.device]:
-    """Read the environment, pick the device and, for WORLD_SIZE > 1, join the process group."""
+    """Read the environment, pick the device and join the process group (WORLD_SIZE > 1, or fsdp/deepspeed)."""
     check_strategy(config)
     env = env_from_environ(environ)
     device = select_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     global _owns_process_group
+    if config.parallelism.strategy != "ddp" and not env.distributed and not dist.is_initialized():
+        # FSDP2 and DeepSpeed shard over a process group even in one process (e.g. to offload to the CPU)
+        dist.init_process_group(
+            backend=resolve_backend(config, device),
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
+        _owns_process_group = True
     if env.distributed and not dist.is_initialized():
         backend = resolve_backend(config, device)
         timeout = datetime.timedelta(minutes=30)

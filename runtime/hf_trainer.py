@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.distributed import env_from_environ
+from tigon.runtime.distributed import check_strategy, env_from_environ
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     GlobalBatchSampler,
@@ -37,6 +37,7 @@ from tigon.runtime.trainer import (
 
 def validate_for_adapter(config: RunConfig, name: str) -> None:
     """What neither adapter honours (yet), named with the fix; the rest is checked as for the torch trainer."""
+    check_strategy(config)  # fsdp and deepspeed need trainer 'torch'
     if env_from_environ().distributed:
         raise ConfigError(f"trainer: {name!r} runs one process only in this build; use trainer 'torch' for DDP/FSDP")
     if config.checkpoint.every_steps > 0:

@@ -40,9 +40,9 @@ from tigon.runtime.distributed import (
     init_distributed,
     shutdown,
     unwrap,
-    wrap_model,
 )
 from tigon.runtime.model import build_model, count_parameters
+from tigon.runtime.parallel import build_strategy
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 
 logger = logging.getLogger("tigon.runtime")
@@ -218,6 +218,12 @@ def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device
         batch = collate([dataset[i] for i in batch_indices])
         totals[0] += token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
         totals[1] += label_tokens(batch["labels"])
+    if config.parallelism.shards_parameters:  # each forward gathers shards: every rank runs as many as rank 0
+        most = math.ceil(math.ceil(len(dataset) / env.world_size) / size)
+        for _ in range(min(most, config.eval.max_batches or most) - len(batches)):
+            token_loss_sum(
+                model, collate([dataset[0]]), config.model.attn_implementation, device, config.training.precision
+            )
     all_reduce_sum(totals, env)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
@@ -254,7 +260,9 @@ def exact_match_rate(
     """
     from tigon.runtime.tasks import exact_match
 
-    share = examples[env.rank :: env.world_size]
+    # Sharded weights: every forward is a collective, so each rank decodes all prompts (the same calls on every
+    # rank); the all-reduced counts are then world_size times larger, which leaves the fraction unchanged.
+    share = examples if config.parallelism.shards_parameters else examples[env.rank :: env.world_size]
     if config.eval.max_batches is not None:
         share = share[: config.eval.max_batches * config.training.micro_batch_size]
     encoded = [(list(ids), response) for ids, response in share]
@@ -422,10 +430,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     run_dir = Path(config.logging.run_dir)
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
 
-    model = wrap_model(prepared.model, config, env, device)
-    optimizer = build_optimizer(prepared.model, training)
-    scheduler = build_scheduler(optimizer, training, total_steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=training.precision == "fp16")
+    strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
     sampler = GlobalBatchSampler(
         len(prepared.train_dataset),
         training.micro_batch_size,
@@ -458,7 +463,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     latest = ckpt.latest_checkpoint(run_dir) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
-        state = ckpt.load_checkpoint(latest, model, optimizer, scheduler, env, scaler)
+        state = strategy.load_checkpoint(latest)
         resumed_from = state.step
         state.world_size = env.world_size
         if env.is_main:
@@ -496,7 +501,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     def run_eval() -> None:
         if prepared.eval_dataset is None or not config.eval.metrics:
             return
-        metrics = evaluate(model, prepared.eval_dataset, tokenizer, config, env, device, examples)
+        metrics = evaluate(prepared.model, prepared.eval_dataset, tokenizer, config, env, device, examples)
         state.eval_history.append({"step": state.step, **metrics})
         reporter.evaluation(state.step, metrics)
 
@@ -504,19 +509,17 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     if state.step == 0 and every_eval > 0:
         run_eval()  # the starting point, so the summary shows the metric move
 
-    params = [p for p in prepared.model.parameters() if p.requires_grad]
     train_seconds, tokens_this_run = 0.0, 0
-    model.train()
+    strategy.model.train()
     try:
         while state.step < total_steps:
             if state.batches_in_epoch >= per_epoch:
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
             started = time.perf_counter()
+            lr = strategy.lr()
             loss, grad_norm, tokens = _optimizer_step(
-                model, sampler, prepared.train_dataset, state, config, env, device, optimizer, scaler, params
+                strategy, sampler, prepared.train_dataset, state, config, env, device
             )
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_seconds += time.perf_counter() - started
@@ -546,17 +549,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
             if every_eval > 0 and state.step % every_eval == 0 and not last:
                 run_eval()
             if every_ckpt > 0 and (state.step % every_ckpt == 0 or last):
-                saved = ckpt.save_checkpoint(
-                    run_dir,
-                    state,
-                    model,
-                    optimizer,
-                    scheduler,
-                    env,
-                    config.checkpoint.keep_last,
-                    scaler,
-                    config_json,
-                )
+                saved = strategy.save_checkpoint(run_dir, state, config.checkpoint.keep_last, config_json)
                 if env.is_main and remote is not None:
                     remote.upload_checkpoint(saved, config.checkpoint.keep_last)
         if not state.eval_history or state.eval_history[-1]["step"] != state.step:
@@ -566,10 +559,9 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
 
     export_dir = export_url = None
     if config.checkpoint.export:
+        exported = strategy.export(tokenizer, run_dir / ckpt.EXPORT, config.checkpoint.merge_lora)  # every rank
         if env.is_main:
-            export_dir = str(
-                ckpt.export_model(model, tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora)
-            )
+            export_dir = str(exported)
             if remote is not None:
                 export_url = remote.upload_export(export_dir)
         barrier(env)
@@ -603,8 +595,8 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     return result
 
 
-def _optimizer_step(model, sampler, dataset, state, config, env, device, optimizer, scaler, params):
-    """Forward and backward over this rank's micro-batches of one global batch, then the update.
+def _optimizer_step(strategy, sampler, dataset, state, config, env, device):
+    """Forward and backward over this rank's micro-batches of one global batch, then the update (`strategy.step`).
 
     Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens processed).
     """
@@ -629,16 +621,10 @@ def _optimizer_step(model, sampler, dataset, state, config, env, device, optimiz
         )
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
-        sync = index == len(micro_batches) - 1 or not env.distributed
-        with contextlib.nullcontext() if sync else model.no_sync():
-            summed = token_loss_sum(model, batch, config.model.attn_implementation, device, training.precision)
-            scaler.scale(summed * (env.world_size / n_label)).backward()
+        with strategy.accumulating(last=index == len(micro_batches) - 1):
+            summed = token_loss_sum(strategy.model, batch, config.model.attn_implementation, device, training.precision)
+            strategy.backward(summed * (env.world_size / n_label))  # gradients are averaged over the ranks
         loss_sum += summed.detach()
-    scaler.unscale_(optimizer)
-    max_norm = training.max_grad_norm if training.max_grad_norm is not None else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = strategy.step()
     all_reduce_sum(loss_sum, env)
     return float(loss_sum) / n_label, grad_norm, n_tokens

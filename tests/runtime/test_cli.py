@@ -51,7 +51,7 @@ def test_train_command_runs_with_overrides(tmp_path, capsys):
         ({"training__learning_rte": 0.1}, [], "training.learning_rte: unknown key (did you mean 'learning_rate'?)"),
         ({}, ["kernels.rmsnorm=false"], "kernels.rmsnorm: unknown key (did you mean 'rms_norm'?)"),
         ({}, ["training.max_steps"], "must look like key.path=value"),
-        ({}, ["parallelism.strategy=fsdp"], "parallelism.strategy: 'fsdp' is not yet available"),
+        ({}, ["parallelism.cpu_offload=true"], "parallelism.cpu_offload needs strategy 'fsdp' or 'deepspeed'"),
         ({"data__train": "missing.jsonl"}, [], "missing.jsonl does not exist"),
     ],
 )

@@ -306,8 +306,6 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"parallelism": {"strategy": "fsdp"}}, "'fsdp' is not yet available for the torch trainer"),
-        ({"parallelism": {"strategy": "deepspeed"}}, "'deepspeed' is not yet available for the torch trainer"),
         ({"trainer": "hf", "checkpoint": {"every_steps": 2}}, "checkpoint.every_steps: trainer 'hf'"),
         ({"training": {"micro_batch_size": 64}}, "fill no global batch"),
         ({"data": {"max_seq_len": 128}}, "max_position_embeddings"),

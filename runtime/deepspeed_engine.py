@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO 1, 2 and 3 as a strategy of the torch trainer (imported only when chosen).
+
+The DeepSpeed config is built from the run's config (`deepspeed_config`): micro-batch and
+accumulation from `training`, clipping from `training.max_grad_norm`, bf16 or fp32 from
+`training.precision`, AdamW with the runtime's betas, eps and weight decay (matrices only, as
+`trainer.param_groups`), and the runtime's learning-rate schedule as the engine's scheduler. ZeRO
+stage and CPU offload come from `parallelism`. The loop keeps its loss normalization: each
+micro-batch's loss already carries the global-batch token count, so `engine.backward` does not
+divide by the accumulation steps again. On a CPU machine `DS_ACCELERATOR=cpu` is set before
+DeepSpeed is imported; DeepSpeed then JIT-builds a small communication op with g++ and ninja
+(cached under ~/.cache/torch_extensions).
+
+Checkpoints are DeepSpeed's own (`engine.save_checkpoint`, every rank writes its partition)
+inside the runtime's atomic `step-N` directory, under `deepspeed/`. Export gathers the weights
+to rank 0: ZeRO-3 through `_zero3_consolidated_16bit_state_dict` (the parameters in their training
+dtype; `stage3_gather_16bit_weights_on_model_save` is on), stages 1 and 2 from the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.distributed import DistEnv
+from tigon.runtime.parallel import DDPStrategy, ShardedExport
+
+TAG = "deepspeed"  # the sub-directory of a step-N checkpoint that holds DeepSpeed's files
+ADAMW_BETAS = (0.9, 0.95)  # as trainer.build_optimizer
+ADAMW_EPS = 1e-8
+
+
+def deepspeed_config(config: RunConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON config equivalent to the run's training and parallelism sections."""
+    training, parallelism = config.training, config.parallelism
+    stage = parallelism.zero_stage
+    zero: dict = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    optimizer = {
+        "lr": training.learning_rate,
+        "betas": list(ADAMW_BETAS),
+        "eps": ADAMW_EPS,
+        "weight_decay": training.weight_decay,
+    }
+    if parallelism.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    else:
+        optimizer["torch_adam"] = True  # torch's AdamW (FusedAdam would need a CUDA build); offload uses CPU Adam
+    return {
+        "train_micro_batch_size_per_gpu": training.micro_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
+        "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * world_size,
+        "gradient_clipping": training.max_grad_norm or 0.0,
+        "bf16": {"enabled": training.precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": optimizer},
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def import_deepspeed(device: torch.device):
+    """deepspeed, on the CPU accelerator when the run is on the CPU; a clear error when it is missing."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError(
+            "parallelism.strategy: 'deepspeed' needs the deepspeed package; pip install 'tigon[deepspeed]'"
+        ) from None
+    return deepspeed
+
+
+class DeepSpeedStrategy(ShardedExport, DDPStrategy):
+    """A DeepSpeed engine (ZeRO `parallelism.zero_stage`) around the model, its optimizer and schedule."""
+
+    def __init__(self, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+        from tigon.runtime.trainer import build_scheduler, param_groups
+
+        deepspeed = import_deepspeed(device)
+        self.module, self.config, self.env, self.device = module, config, env, device
+        training = config.training
+        groups = param_groups(module, training.weight_decay)
+        if not groups:
+            raise ConfigError("the model has no trainable parameters (check lora.target_modules)")
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module,
+            model_parameters=groups,
+            config=deepspeed_config(config, env.world_size),
+            lr_scheduler=lambda optimizer: build_scheduler(optimizer, training, total_steps),
+            dist_init_required=False,
+        )
+        self.model = self.engine
+
+    def accumulating(self, last: bool):
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loss is already normalized over the global batch
+
+    def step(self) -> float:
+        """Clipping, the update and the schedule happen inside `engine.step` (one call per optimizer step)."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def write_state(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+
+    def read_state(self, directory: Path) -> None:
+        if not (directory / TAG).is_dir():
+            raise FileNotFoundError(
+                f"{directory} has no {TAG}/ directory: it was not written with parallelism.strategy 'deepspeed'; "
+                "resume with the strategy that wrote it, or set checkpoint.resume: false to start over"
+            )
+        loaded, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory / TAG}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.config.parallelism.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()  # collective; a dict on rank 0 only
+        if not self.env.is_main:
+            return None
+        return {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}

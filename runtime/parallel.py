@@ -1,0 +1,223 @@
+"""Parallelism strategies behind one small interface, so the torch trainer runs one loop for all of them.
+
+    strategy = build_strategy(model, config, env, device, total_steps)
+    with strategy.accumulating(last_micro_batch):
+        strategy.backward(loss_of(strategy.model))
+    grad_norm = strategy.step()  # clip, optimizer and schedule step, zero the gradients
+
+- `ddp` (`DDPStrategy`): DistributedDataParallel over WORLD_SIZE > 1 processes (the model itself in
+  one), torch AdamW, fp16 through a GradScaler; checkpoints are torch files written by rank 0.
+- `fsdp` (`FSDPStrategy`): FSDP2 `fully_shard` on each decoder layer, then on the root; a
+  MixedPrecisionPolicy (parameters in bf16 with `training.precision: bf16`, gradients reduced in
+  fp32); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Checkpoints are sharded
+  torch.distributed.checkpoint directories (model and optimizer through get/set_state_dict).
+- `deepspeed` (`tigon.runtime.deepspeed_engine.DeepSpeedStrategy`): ZeRO stage 1, 2 or 3.
+
+Every strategy writes into the runtime's `step-N` checkpoint directory (`checkpoint.save_checkpoint`:
+temporary name, barrier, rank 0 renames, last K kept), and exports the whole model as a
+`save_pretrained` directory: a sharded strategy gathers the full state dict to rank 0, which loads
+it into a plain copy of the model and exports that (LoRA merged when asked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.config import RunConfig
+from tigon.runtime.distributed import DistEnv, barrier, wrap_model
+
+logger = logging.getLogger("tigon.runtime")
+
+AUTOCAST_PARAM_DTYPES = {"bf16": torch.bfloat16}
+
+
+class DDPStrategy:
+    """The replicated model: DDP across processes, the model itself in one process."""
+
+    def __init__(self, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+        from tigon.runtime.trainer import build_optimizer, build_scheduler
+
+        self.module, self.config, self.env, self.device = module, config, env, device
+        self.model = self.wrap(module)
+        self.optimizer = build_optimizer(module, config.training)
+        self.scheduler = build_scheduler(self.optimizer, config.training, total_steps)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.training.precision == "fp16")
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        return wrap_model(module, self.config, self.env, self.device)
+
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's forward and backward; gradients are synchronized on the last."""
+        return contextlib.nullcontext() if last or not self.env.distributed else self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def clip(self) -> float:
+        max_norm = self.config.training.max_grad_norm
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf")))
+
+    def step(self) -> float:
+        """Clip, update, advance the schedule, zero the gradients; the gradient norm before clipping."""
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+    def lr(self) -> float:
+        """The learning rate of the coming step."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def write_state(self, directory: Path) -> None:
+        """Model and optimizer state into a checkpoint directory (called on every rank)."""
+        ckpt.write_torch_state(directory, self.model, self.optimizer, self.scheduler, self.env, self.scaler)
+
+    def read_state(self, directory: Path) -> None:
+        ckpt.read_torch_state(directory, self.model, self.optimizer, self.scheduler, self.scaler)
+
+    def save_checkpoint(self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str) -> Path:
+        return ckpt.save_checkpoint(
+            run_dir, state, None, None, None, self.env, keep_last, config_json=config_json, write_state=self.write_state
+        )
+
+    def load_checkpoint(self, path: Path) -> ckpt.TrainState:
+        return ckpt.load_checkpoint(path, None, None, None, self.env, read_state=self.read_state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on rank 0 (None elsewhere); call on every rank."""
+        return self.module.state_dict() if self.env.is_main else None
+
+    def export(self, tokenizer, out_dir: Path, merge_lora: bool) -> Path | None:
+        """`save_pretrained` the trained model on rank 0 (call on every rank); the directory on rank 0."""
+        exported = None
+        if self.env.is_main:
+            exported = ckpt.export_model(self.module, tokenizer, out_dir, merge_lora=merge_lora)
+        barrier(self.env)
+        return exported
+
+
+class ShardedExport:
+    """Export for strategies that shard the weights: rank 0 loads the gathered state dict into a plain copy."""
+
+    module: nn.Module
+    config: RunConfig
+    env: DistEnv
+
+    def export(self, tokenizer, out_dir: Path, merge_lora: bool) -> Path | None:
+        state_dict = self.full_state_dict()
+        exported = None
+        if self.env.is_main:
+            exported = export_state_dict(state_dict, self.config, tokenizer, out_dir, merge_lora)
+        barrier(self.env)
+        return exported
+
+
+def export_state_dict(state_dict: dict, config: RunConfig, tokenizer, out_dir: Path, merge_lora: bool) -> Path:
+    """Build the run's model again on the CPU (kernels, LoRA), load `state_dict` into it and export it."""
+    from tigon.runtime.model import build_model
+
+    with torch.random.fork_rng():
+        plain = build_model(config, len(tokenizer), tokenizer)
+    dtype = next(plain.parameters()).dtype
+    plain.load_state_dict({name: tensor.to(dtype) for name, tensor in state_dict.items()})
+    return ckpt.export_model(plain, tokenizer, out_dir, merge_lora=merge_lora)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one: modules named in a transformers model's `_no_split_modules`."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+class FSDPStrategy(ShardedExport, DDPStrategy):
+    """FSDP2: every decoder layer and then the root `fully_shard`ed over all ranks."""
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        options: dict = {
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=AUTOCAST_PARAM_DTYPES.get(self.config.training.precision), reduce_dtype=torch.float32
+            )
+        }
+        if self.config.parallelism.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        layers = decoder_layers(module)
+        if not layers:
+            logger.warning("fsdp: no decoder layers found (no _no_split_modules); sharding the model as one unit")
+        for layer in layers:
+            fully_shard(layer, **options)
+        fully_shard(module, **options)
+        if self.env.is_main:
+            logger.info("fsdp: %d decoder layers and the root sharded over %d ranks", len(layers), self.env.world_size)
+        return module
+
+    def accumulating(self, last: bool):
+        self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
+        return contextlib.nullcontext()
+
+    def clip(self) -> float:
+        from torch.distributed.tensor import DTensor
+
+        max_norm = self.config.training.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def _state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def write_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=directory / "dcp")
+        if self.env.is_main:
+            torch.save({"scheduler": self.scheduler.state_dict()}, directory / "scheduler.pt")
+
+    def read_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if not (directory / "dcp").is_dir():
+            raise FileNotFoundError(
+                f"{directory} has no dcp/ directory: it was not written with parallelism.strategy 'fsdp'; resume "
+                "with the strategy that wrote it, or set checkpoint.resume: false to start over"
+            )
+        state = self._state()
+        dcp.load(state, checkpoint_id=directory / "dcp")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        schedule = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(schedule["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.env.is_main else None
+
+
+def build_strategy(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+    """The configured strategy around `module` (already on its device), with its optimizer and schedule."""
+    strategy = config.parallelism.strategy
+    if strategy == "fsdp":
+        return FSDPStrategy(module, config, env, device, total_steps)
+    if strategy == "deepspeed":
+        from tigon.runtime.deepspeed_engine import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(module, config, env, device, total_steps)
+    return DDPStrategy(module, config, env, device, total_steps)

@@ -1,0 +1,163 @@
+"""Parallelism beyond DDP, on the CPU with 2 processes over gloo: FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3.
+
+Each test launches one `torchrun --nproc_per_node 2` worker group that trains several runs in turn
+(the worker joins the process group once; the trainer leaves a group it did not create alone):
+
+- `full`:    6 steps, checkpoints at steps 3 and 6, export;
+- `killed`:  the same run stopped after its step-3 checkpoint (another run directory);
+- `resumed`: `killed` continued to step 6 from that checkpoint.
+
+Checked: the per-step losses of `full` equal one process with the same global batch (micro-batch 4)
+within RELATIVE_TOLERANCE (fp32; the sharded reductions sum in another order), `resumed` repeats
+`full` exactly, both ranks agree, and the export loads with `from_pretrained` and gives the same
+logits as the one-process run's export (within LOGITS_TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.runtime.test_trainer import tiny_config
+from tigon.runtime.config import ConfigError
+from tigon.runtime.trainer import train
+
+ROOT = Path(__file__).resolve().parents[2]
+RELATIVE_TOLERANCE = 1e-4
+LOGITS_TOLERANCE = 1e-3
+IDS = torch.tensor([[1, 20, 21, 14, 22, 30, 25, 17]])
+
+WORKER = """
+import json, os, sys
+import torch.distributed as dist
+from tigon.runtime.config import load_config
+from tigon.runtime.trainer import train
+
+dist.init_process_group("gloo")  # once for all runs; the trainer leaves a caller's group alone
+out = sys.argv[1]
+for path in sys.argv[2:]:
+    result = train(load_config(path))
+    name = os.path.basename(path).removesuffix(".yaml")
+    record = {"losses": result.losses, "world_size": result.world_size, "resumed_from": result.resumed_from_step,
+              "export_dir": result.export_dir, "eval": result.eval_metrics}
+    with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
+        json.dump(record, file)
+dist.destroy_process_group()
+"""
+
+
+def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
+    """A tiny run (see test_trainer.tiny_config) with checkpoints every 3 steps and resume on."""
+    training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
+    return tiny_config(
+        tmp_path,
+        training=training,
+        checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": export},
+        eval={"metrics": ["loss", "exact_match"], "max_batches": 1},
+        logging={"run_dir": str(tmp_path / name), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+        **sections,
+    )
+
+
+def launch(tmp_path: Path, configs: dict[str, object]) -> dict[str, dict]:
+    """Train `configs` one after another in one 2-process torchrun group; rank 0's record of each run."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    files = []
+    for name, config in configs.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        files.append(str(path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    done = subprocess.run(
+        [*command, str(tmp_path), *files], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    records = {}
+    for name in configs:
+        ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert ranks[0]["world_size"] == 2 and ranks[0]["losses"] == ranks[1]["losses"], name
+        records[name] = ranks[0]
+    return records
+
+
+def exported_logits(directory: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def check_parallel_run(tmp_path: Path, **sections) -> dict[str, dict]:
+    """Launch full / killed / resumed with `sections`; compare with one process (micro-batch 4, DDP strategy)."""
+    runs = launch(
+        tmp_path,
+        {
+            "full": run_config(tmp_path, "full", 6, True, **sections),
+            "killed": run_config(tmp_path, "resumed", 3, False, **sections),
+            "resumed": run_config(tmp_path, "resumed", 6, False, **sections),
+        },
+    )
+    single = train(run_config(tmp_path, "single", 6, True, training={"micro_batch_size": 4}))
+    full = runs["full"]["losses"]
+    assert len(full) == 6 and full[-1] < full[0], full
+    worst = max(abs(a - b) / abs(b) for a, b in zip(full, single.losses, strict=True))
+    print(f"{sections}: worst relative loss difference to one process {worst:.2e}")
+    assert worst < RELATIVE_TOLERANCE, (full, single.losses)
+    assert (
+        abs(runs["full"]["eval"]["loss"] - single.eval_metrics["loss"])
+        < RELATIVE_TOLERANCE * single.eval_metrics["loss"]
+    )
+    assert runs["full"]["eval"]["exact_match"] == single.eval_metrics["exact_match"]
+
+    assert runs["killed"]["losses"] == full[:3]
+    assert runs["resumed"]["resumed_from"] == 3 and runs["resumed"]["losses"] == full, (runs["resumed"], full)
+    checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    assert checkpoints == ["step-3", "step-6"], checkpoints
+
+    got, want = exported_logits(runs["full"]["export_dir"]), exported_logits(single.export_dir)
+    assert (got - want).abs().max() < LOGITS_TOLERANCE, (got - want).abs().max()
+    return runs
+
+
+def test_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
+    check_parallel_run(tmp_path, parallelism={"strategy": "fsdp"})
+    step = tmp_path / "full" / "checkpoints" / "step-6"
+    assert (step / "dcp" / ".metadata").is_file() and (step / "rng-rank1.pt").is_file()
+    assert not [p for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_deepspeed_zero2_matches_one_process_resumes_exactly_and_exports(tmp_path):
+    check_parallel_run(tmp_path, parallelism={"strategy": "deepspeed", "zero_stage": 2})
+    step = tmp_path / "full" / "checkpoints" / "step-6"
+    assert (step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+
+
+def test_deepspeed_zero3_matches_one_process_resumes_exactly_and_exports(tmp_path):
+    check_parallel_run(tmp_path, parallelism={"strategy": "deepspeed", "zero_stage": 3})
+    step = tmp_path / "full" / "checkpoints" / "step-6"
+    assert (step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_model_states.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"parallelism": {"cpu_offload": True}}, "parallelism.cpu_offload needs strategy 'fsdp' or 'deepspeed'"),
+        ({"parallelism": {"strategy": "deepspeed"}, "trainer": "hf"}, "runs with trainer 'torch' only"),
+        ({"parallelism": {"strategy": "fsdp"}, "trainer": "lightning"}, "runs with trainer 'torch' only"),
+        ({"parallelism": {"strategy": "fsdp"}, "training": {"precision": "fp16"}}, "fp16 is not supported"),
+    ],
+)
+def test_parallelism_settings_that_cannot_run_fail_clearly(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message):
+        train(tiny_config(tmp_path, **sections))
