@@ -302,16 +302,15 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
     return max(mlp, attention)
 
 
-def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> tuple[int, int]:
-    """(bytes kept from the loss's forward for its backward, peak bytes while the loss runs)."""
+def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
+    """Peak bytes of the loss's own buffers (logits, their float32 copy, log-softmax, gradients) while it runs."""
     s, c = work.shape, work.compute_bytes
     tokens, shifted = micro_batch * work.seq_len, micro_batch * (work.seq_len - 1)
     if fused:
         chunk = max(1, s.hidden // 4) * s.vocab * c
-        kept = 4 * tokens * s.hidden
-        return kept, kept + 2 * chunk
+        return 4 * tokens * s.hidden + 2 * chunk
     forward = max(c * tokens + 4 * shifted, 8 * shifted) if c < 4 else 4 * tokens + 8 * shifted
-    return 4 * shifted * s.vocab, max(forward, 12 * shifted) * s.vocab
+    return max(forward, 12 * shifted) * s.vocab
 
 
 def estimate(work: Workload, setting: Setting) -> Estimate:
@@ -356,28 +355,32 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank else c * s.hidden)) * tokens
     recompute = layer if setting.checkpointing else 0
     backward = layer_backward_bytes(work, kernels) * tokens
-    loss_kept, loss_peak = loss_bytes(work, setting.micro_batch, kernels and work.fused_loss)
+    loss_peak = loss_bytes(work, setting.micro_batch, kernels and work.fused_loss)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
     if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
         head_grad //= n
 
-    persistent = int(weights + states + OVERHEAD + gathered)
+    fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
     activations = s.layers * kept_per_layer + head + per_batch + mask
     moments = {
-        "loss": persistent + casts + activations + loss_peak,
-        "backward (top layer)": persistent + casts + activations + recompute + backward + head_grad,
-        "backward (first layer)": persistent + kept_per_layer + recompute + backward + grads + per_batch + mask,
-        "optimizer": persistent + grads + buckets,
+        "loss": {**fixed, "activations": casts + activations, "loss and logits": loss_peak},
+        "backward (top layer)": {
+            **fixed,
+            "activations": casts + activations,
+            "backward buffers": recompute + backward,
+            "gradients": head_grad,
+        },
+        "backward (first layer)": {
+            **fixed,
+            "activations": kept_per_layer + per_batch + mask,
+            "backward buffers": recompute + backward,
+            "gradients": grads,
+        },
+        "optimizer": {**fixed, "gradients": grads + buckets},
     }
-    moment = max(moments, key=moments.get)
-    parts = {
-        "weights": int(weights),
-        "gradients": int(grads),
-        "optimizer states": int(states),
-        "activations": int(activations - head - per_batch),
-        "loss and logits": int(loss_peak if moment == "loss" else loss_kept),
-    }
-    return Estimate(setting, int(moments[moment]), moment, parts)
+    totals = {name: int(sum(parts.values())) for name, parts in moments.items()}
+    moment = max(totals, key=totals.get)
+    return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()})
 
 
 # ---------------------------------------------------------------------------------------------------- plan

@@ -1,0 +1,47 @@
+"""The planner's estimate against the measured peak (torch.cuda.max_memory_allocated) of real training steps.
+
+Each case trains a small Llama (bf16, AdamW, SDPA, random tokens) for a few optimizer steps through
+the torch trainer's step in a fresh process (benchmarks/end_to_end.py's worker), so peaks do not mix.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.end_to_end import run_in_subprocess
+
+SMALL_LLAMA = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1024, 2048])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("variant", ["eager", "tigon"])
+def test_estimate_within_ten_percent_of_the_measured_peak(variant, checkpointing, seq):
+    spec = {
+        "shape": SMALL_LLAMA,
+        "variant": variant,
+        "seq": seq,
+        "micro_batch": 4,
+        "checkpointing": checkpointing,
+        "steps": 2,
+        "warmup": 1,
+        "gpu_memory": None,
+    }
+    result = run_in_subprocess(spec, timeout=600)
+    assert not result["oom"], result
+    estimate, peak = result["estimate_bytes"], result["peak_bytes"]
+    print(
+        f"{variant} checkpointing={checkpointing} seq={seq}: estimate {estimate / 2**30:.3f} GiB, "
+        f"measured {peak / 2**30:.3f} GiB, ratio {estimate / peak:.3f}"
+    )
+    assert abs(estimate - peak) <= 0.10 * peak, f"estimate {estimate} vs measured {peak} ({estimate / peak:.3f}x)"
