@@ -13,6 +13,7 @@ models run it and as Liger-Kernel runs by default.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -220,6 +221,173 @@ def fused_linear_cross_entropy_case(tokens: int, hidden: int, vocab: int) -> Cas
     return Case([x, w], [grad], bytes_moved, providers, flops=6 * tokens * hidden * vocab)
 
 
+def liger_chunked_loss():
+    try:
+        from liger_kernel import chunked_loss
+    except ImportError:
+        return None
+    return chunked_loss
+
+
+PREFERENCE_IGNORE = -100
+PREFERENCE_BETA = 0.1
+
+
+def preference_inputs(pairs: int, seq: int, hidden: int, vocab: int):
+    """Liger-Kernel's DPO benchmark inputs: chosen rows then rejected rows (B = 2 * pairs), a head with bias,
+    a quarter of the targets ignored."""
+    torch.manual_seed(0)
+    x = (torch.randn(2 * pairs, seq, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    b = (torch.randn(vocab, device="cuda", dtype=DTYPE) * 0.1).requires_grad_(True)
+    target = torch.randint(0, vocab, (2 * pairs, seq), device="cuda")
+    target.view(-1)[torch.randperm(target.numel(), device="cuda")[: target.numel() // 4]] = PREFERENCE_IGNORE
+    return x, w, b, target
+
+
+def eager_sequence_logps(x, w, b, target):
+    """TRL's per-sequence summed log-probs: full logits, upcast, log_softmax, gather, masked sum."""
+    logits = F.linear(x, w, b).float()
+    valid = target != PREFERENCE_IGNORE
+    token = logits.log_softmax(-1).gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    return (token * valid).sum(-1), valid.sum(-1)
+
+
+def dpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
+    """DPO with the reference model's log-probs computed from its hidden states and head in the same pass."""
+    from tigon.kernels.functional import fused_linear_dpo
+
+    x, w, b, target = preference_inputs(pairs, seq, hidden, vocab)
+    ref_x = torch.randn_like(x, requires_grad=False) * hidden**-0.5
+    ref_w = (w.detach() + 0.01 * torch.randn_like(w)).requires_grad_(False)
+    ref_b = b.detach().clone()
+
+    def eager(x, w, b):
+        logps, _ = eager_sequence_logps(x, w, b, target)
+        with torch.no_grad():
+            ref, _ = eager_sequence_logps(ref_x, ref_w, ref_b, target)
+        diff = (logps[:pairs] - logps[pairs:]) - (ref[:pairs] - ref[pairs:])
+        return -F.logsigmoid(PREFERENCE_BETA * diff).mean()
+
+    compiled_eager = compiled(eager)
+    refs = {"ref_hidden": ref_x, "ref_weight": ref_w, "ref_bias": ref_b}
+    providers = {
+        "tigon": lambda: (fused_linear_dpo(x, w, target, b, beta=PREFERENCE_BETA, check_targets=False, **refs)[0],),
+        "eager": lambda: (eager(x, w, b),),
+        "compile": lambda: (compiled_eager(x, w, b),),
+    }
+    if liger_chunked_loss():
+        loss = liger_chunked_loss().LigerFusedLinearDPOLoss(
+            ignore_index=PREFERENCE_IGNORE, beta=PREFERENCE_BETA, use_ref_model=True
+        )
+        providers["liger"] = lambda: (loss(w, x, target, b, ref_input=ref_x, ref_weight=ref_w, ref_bias=ref_b)[0],)
+    tokens = 2 * pairs * seq
+    bytes_moved = 2 * (2 * x.numel() + 2 * w.numel()) * x.element_size()
+    return Case([x, w, b], [torch.ones((), device="cuda")], bytes_moved, providers, flops=8 * tokens * hidden * vocab)
+
+
+def orpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
+    """ORPO: chosen NLL plus the odds-ratio term on length-normalized log-probs; no reference model."""
+    from tigon.kernels.functional import fused_linear_orpo
+
+    x, w, b, target = preference_inputs(pairs, seq, hidden, vocab)
+
+    def eager(x, w, b):
+        logps, counts = eager_sequence_logps(x, w, b, target)
+        average = logps / counts
+        chosen, rejected = average[:pairs], average[pairs:]
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        nll = -logps[:pairs].sum() / counts[:pairs].sum()
+        return nll - PREFERENCE_BETA * F.logsigmoid(log_odds).mean()
+
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (fused_linear_orpo(x, w, target, b, beta=PREFERENCE_BETA, check_targets=False)[0],),
+        "eager": lambda: (eager(x, w, b),),
+        "compile": lambda: (compiled_eager(x, w, b),),
+    }
+    if liger_chunked_loss():
+        loss = liger_chunked_loss().LigerFusedLinearORPOLoss(ignore_index=PREFERENCE_IGNORE, beta=PREFERENCE_BETA)
+        providers["liger"] = lambda: (loss(w, x, target, b)[0],)
+    tokens = 2 * pairs * seq
+    bytes_moved = 2 * (x.numel() + w.numel()) * x.element_size()
+    return Case([x, w, b], [torch.ones((), device="cuda")], bytes_moved, providers, flops=6 * tokens * hidden * vocab)
+
+
+def kl_divergence_case(tokens: int, vocab: int) -> Case:
+    """Student log-probabilities against teacher probabilities, "batchmean" (the true KL per token)."""
+    from tigon.kernels.functional import kl_divergence
+
+    x = torch.log_softmax(torch.randn(tokens, vocab, device="cuda"), -1).to(DTYPE).requires_grad_(True)
+    y = torch.softmax(torch.randn(tokens, vocab, device="cuda"), -1).to(DTYPE)
+    eager = lambda x: F.kl_div(x, y, reduction="batchmean")
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (kl_divergence(x, y, reduction="batchmean"),),
+        "eager": lambda: (eager(x),),
+        "compile": lambda: (compiled_eager(x),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_kl_div(x, y, reduction="batchmean"),)
+    grad = torch.ones((), device="cuda")
+    return Case([x], [grad], 4 * x.numel() * x.element_size(), providers)  # read x, y; read y, write dx
+
+
+def eager_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """TRL's generalized_jsd_loss on log-probabilities, in float32, "batchmean" over tokens."""
+    log_q, log_p = student.float(), teacher.float()
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+    kl_p = F.kl_div(log_m, log_p, reduction="none", log_target=True)
+    kl_q = F.kl_div(log_m, log_q, reduction="none", log_target=True)
+    return (beta * kl_p + (1 - beta) * kl_q).sum() / student.shape[0]
+
+
+def jsd_case(tokens: int, vocab: int) -> Case:
+    """Generalized JSD (beta 0.5) on log-probabilities, as Liger-Kernel's benchmark_jsd."""
+    from tigon.kernels.functional import jsd
+
+    s = torch.log_softmax(torch.randn(tokens, vocab, device="cuda"), -1).to(DTYPE).requires_grad_(True)
+    t = torch.log_softmax(torch.randn(tokens, vocab, device="cuda"), -1).to(DTYPE)
+    compiled_eager = compiled(eager_jsd)
+    providers = {
+        "tigon": lambda: (jsd(s, t, beta=0.5),),
+        "eager": lambda: (eager_jsd(s, t),),
+        "compile": lambda: (compiled_eager(s, t),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_jsd(s, t, None, 0.5),)
+    grad = torch.ones((), device="cuda")
+    return Case([s], [grad], 3 * s.numel() * s.element_size(), providers)  # read s, t; write ds
+
+
+def fused_linear_jsd_case(tokens: int, hidden: int, vocab: int) -> Case:
+    """Distillation head: student and teacher logits, log_softmax of both, JSD (beta 0.5); student gets grads."""
+    from tigon.kernels.functional import fused_linear_jsd
+
+    xs = (torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    ws = (torch.randn(vocab, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5).requires_grad_(True)
+    xt = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
+    wt = torch.randn(vocab, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
+
+    def eager(xs, ws):
+        student = torch.log_softmax((xs @ ws.T).float(), -1)
+        teacher = torch.log_softmax((xt @ wt.T).float(), -1)
+        return eager_jsd(student, teacher)
+
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (fused_linear_jsd(xs, ws, xt, wt, beta=0.5),),
+        "eager": lambda: (eager(xs, ws),),
+        "compile": lambda: (compiled_eager(xs, ws),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_fused_linear_jsd(xs, ws, xt, wt, None, 0.5, -100, 1.0),)
+    grad = torch.ones((), device="cuda")
+    bytes_moved = (2 * (xs.numel() + ws.numel()) + xt.numel() + wt.numel()) * xs.element_size()
+    flops = 4 * 2 * tokens * hidden * vocab  # student and teacher logits, dhidden, dweight
+    return Case([xs, ws], [grad], bytes_moved, providers, flops=flops)
+
+
 def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
     return [
         ("rms_norm", "16384x4096", lambda: rms_norm_case(16384, 4096)),
@@ -230,6 +398,14 @@ def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
         ("geglu", "8192x14336", lambda: gated_case(8192, 14336, "geglu")),
         ("cross_entropy", "8192x128256", lambda: cross_entropy_case(8192, 128256)),
         ("fused_linear_cross_entropy", "8192x4096x128256", lambda: fused_linear_cross_entropy_case(8192, 4096, 128256)),
+        ("kl_divergence", "8192x128256", lambda: kl_divergence_case(8192, 128256)),
+        ("jsd", "8192x128256", lambda: jsd_case(8192, 128256)),
+        *[  # Liger-Kernel's benchmark_fused_linear_jsd shapes: BT = 1024 .. 8192, H 4096, V 128256
+            ("fused_linear_jsd", f"{bt}x4096x128256", lambda bt=bt: fused_linear_jsd_case(bt, 4096, 128256))
+            for bt in (1024, 2048, 4096, 8192)
+        ],
+        ("fused_linear_dpo", "16 pairs x512x4096x128256", lambda: dpo_case(16, 512, 4096, 128256)),
+        ("fused_linear_orpo", "16 pairs x512x4096x128256", lambda: orpo_case(16, 512, 4096, 128256)),
     ]
 
 
@@ -250,6 +426,14 @@ def sweep_cases() -> list[tuple[str, str, Callable[[], Case]]]:
                 "fused_linear_cross_entropy/tokens",
                 f"{tokens}x4096x{vocab}",
                 lambda t=tokens, v=vocab: fused_linear_cross_entropy_case(t, 4096, v),
+            )
+        )
+    for pairs in (2, 4, 8):
+        cases.append(
+            (
+                "fused_linear_dpo/pairs",
+                f"{pairs} pairs x512x4096x128256",
+                lambda p=pairs: dpo_case(p, 512, 4096, 128256),
             )
         )
     return cases
