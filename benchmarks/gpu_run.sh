@@ -26,6 +26,7 @@ for step in "$@"; do
     bench-losses) python3 -m benchmarks.kernels --only cross_entropy,fused_linear --out "$out/losses.json" 2>&1 | tee "$out/losses.log" ;;
     bench-losses-main) python3 -m benchmarks.kernels --no-sweeps --only cross_entropy,fused_linear --out "$out/losses-main.json" 2>&1 | tee "$out/losses-main.log" ;;
     bench-distill) python3 -m benchmarks.kernels --no-sweeps --only kl_divergence,jsd,fused_linear_jsd --out "$out/distill.json" 2>&1 | tee "$out/distill.log" ;;
+    bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
