@@ -135,3 +135,17 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         if not self.env.is_main:
             return None
         return {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
+
+
+def build_cpu_ops() -> None:
+    """JIT-build the communication op DeepSpeed's CPU accelerator loads at start (once; cached on disk)."""
+    if torch.cuda.is_available():
+        return
+    import_deepspeed(torch.device("cpu"))
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
+if __name__ == "__main__":  # scripts/setup-venv.sh: build the op before the tests need it
+    build_cpu_ops()
