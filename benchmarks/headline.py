@@ -1,0 +1,206 @@
+"""The issue-8 headline run's pieces; benchmarks/headline_8gpu.sh drives them under torchrun.
+
+    python -m benchmarks.headline prepare --out DIR --variant tigon --seq 4096 --gpus 8   # prints the config path
+    torchrun --nproc_per_node 8 -m tigon.runtime train DIR/tigon-4096/config.yaml        # eager, tigon, planner
+    torchrun --nproc_per_node 8 -m benchmarks.headline liger-train DIR/liger-4096/config.yaml
+    python -m benchmarks.headline collect --out DIR                                      # headline.json + .md
+
+Llama-3-8B's config (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocab 128256,
+rope_theta 500000; weights randomly initialized), bf16, AdamW, micro-batch 8 per GPU, gradient
+checkpointing on, FSDP2 (`parallelism.strategy: fsdp`), trained by `tigon train` on random characters
+(the char tokenizer; the head still spans all 128256 tokens). Variants: eager (kernels off), liger
+(HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
+planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab)
+for fewer GPUs; `--tiny` makes a tiny Llama for CPU smoke runs. Tokens/s is measured after the
+warm-up steps from metrics.jsonl; peak memory is rank 0's torch.cuda.max_memory_allocated
+(summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+import sys
+from pathlib import Path
+
+import yaml
+
+GiB = 2**30
+WARMUP_STEPS = 3
+VARIANTS = ("eager", "liger", "tigon", "planner")
+LLAMA_3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
+
+
+def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
+    """`n_docs` text records of `length` random characters (one record per packed sequence)."""
+    if path.is_file():
+        return
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + " "
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w") as file:
+        for _ in range(n_docs):
+            file.write(json.dumps({"text": "".join(rng.choices(alphabet, k=length))}) + "\n")
+    temporary.replace(path)
+
+
+def prepare(
+    out: Path, variant: str, seq: int, gpus: int, steps: int, micro_batch: int, layers: int | None, tiny: bool = False
+) -> Path:
+    """Write the run's data (shared per sequence length) and config; returns the config path."""
+    data = out / "data" / f"text-{seq}.jsonl"
+    write_data(data, n_docs=int(gpus * micro_batch * steps * 1.1) + 8, length=seq)
+    shape = {**(TINY if tiny else LLAMA_3_8B), "max_position_embeddings": max(8192, seq)}
+    if layers:
+        shape["num_hidden_layers"] = layers
+    run_dir = out / f"{variant}-{seq}"
+    config = {
+        "name": f"headline-{variant}-{seq}",
+        "model": {
+            "config_name": "llama",
+            "config_overrides": shape,
+            "tokenizer": "char",
+            "dtype": "bfloat16",
+            "attn_implementation": "sdpa",
+        },
+        "data": {"train": str(data.resolve()), "format": "text", "max_seq_len": seq, "packing": True},
+        "training": {
+            "max_steps": steps,
+            "learning_rate": 1e-5,
+            "lr_schedule": "constant",
+            "micro_batch_size": micro_batch,
+            "gradient_checkpointing": True,
+            "precision": "bf16",
+            "plan": "auto" if variant == "planner" else "manual",
+        },
+        "kernels": {"enabled": variant in ("tigon", "planner")},
+        "parallelism": {"strategy": "fsdp"},
+        "checkpoint": {"every_steps": 0, "export": False, "resume": False},
+        "logging": {"run_dir": str(run_dir.resolve()), "every_steps": 1, "tensorboard": False, "progress_bar": False},
+        "eval": {"metrics": ["loss"]},
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def liger_train(config_path: str) -> int:
+    """`tigon train CONFIG` with Liger-Kernel patched into transformers' Llama first (every model built after)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama()
+    from tigon.runtime.cli import main
+
+    return main(["train", config_path])
+
+
+def steady_tokens_per_second(metrics: list[dict]) -> float | None:
+    """Tokens/s between the end of the warm-up steps and the last step (the logged rates are cumulative)."""
+    steps = [m for m in metrics if "tokens_per_second" in m and m.get("tokens_per_second")]
+    if len(steps) <= WARMUP_STEPS:
+        return None
+    first, last = steps[WARMUP_STEPS - 1], steps[-1]
+    seconds = last["tokens_seen"] / last["tokens_per_second"] - first["tokens_seen"] / first["tokens_per_second"]
+    return (last["tokens_seen"] - first["tokens_seen"]) / seconds if seconds > 0 else None
+
+
+def collect(out: Path) -> dict:
+    """Every run under `out`: tokens/s after warm-up, rank 0's peak memory, out-of-memory, the longest fit."""
+    runs = []
+    for run_dir in sorted(p for p in out.iterdir() if p.is_dir() and (p / "config.yaml").is_file()):
+        variant, seq = run_dir.name.rsplit("-", 1)
+        log = out / f"{run_dir.name}.log"
+        log_text = log.read_text(errors="replace") if log.is_file() else ""
+        summary_file = run_dir / "summary.json"
+        row = {"variant": variant, "seq": int(seq), "oom": "out of memory" in log_text.lower()}
+        if summary_file.is_file():
+            summary = json.loads(summary_file.read_text())
+            metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+            training = summary["config"]["training"]
+            row |= {
+                "tokens_per_second": steady_tokens_per_second(metrics),
+                "peak_bytes_rank0": summary["peak_memory_bytes"],
+                "world_size": summary["world_size"],
+                "micro_batch": training["micro_batch_size"],
+                "accumulation": training["gradient_accumulation_steps"],
+                "checkpointing": training["gradient_checkpointing"],
+                "final_loss": summary["final_loss"],
+            }
+        elif not row["oom"]:
+            row["error"] = log_text.strip().splitlines()[-1] if log_text.strip() else "no log"
+        runs.append(row)
+    runs.sort(key=lambda r: (VARIANTS.index(r["variant"]) if r["variant"] in VARIANTS else 9, r["seq"]))
+    longest = {}
+    for row in runs:
+        if "tokens_per_second" in row:
+            longest[row["variant"]] = max(longest.get(row["variant"], 0), row["seq"])
+    report = {"runs": runs, "longest": longest}
+    (out / "headline.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "headline.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| variant | seq | micro x accum | checkpointing | tokens/s (all GPUs) | peak GiB (rank 0) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        if "tokens_per_second" in r:
+            tps = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "-"
+            lines.append(
+                f"| {r['variant']} | {r['seq']} | {r['micro_batch']} x {r['accumulation']} | "
+                f"{'on' if r['checkpointing'] else 'off'} | {tps} | {r['peak_bytes_rank0'] / GiB:.2f} |"
+            )
+        else:
+            lines.append(f"| {r['variant']} | {r['seq']} | | | {'out of memory' if r['oom'] else r['error']} | |")
+    lines += ["", "| variant | longest sequence that ran |", "|---|---|"]
+    lines += [f"| {name} | {seq} |" for name, seq in report["longest"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="write one run's data and config; print the config path")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--variant", required=True, choices=VARIANTS)
+    prep.add_argument("--seq", type=int, required=True)
+    prep.add_argument("--gpus", type=int, default=8)
+    prep.add_argument("--steps", type=int, default=12)
+    prep.add_argument("--micro-batch", type=int, default=8)
+    prep.add_argument("--layers", type=int, default=None, help="fewer decoder layers (real widths and vocab)")
+    prep.add_argument("--tiny", action="store_true", help="a tiny Llama instead of Llama-3-8B (CPU smoke runs)")
+    liger = commands.add_parser("liger-train", help="tigon train CONFIG with Liger-Kernel applied to Llama")
+    liger.add_argument("config")
+    gather = commands.add_parser("collect", help="tabulate every run under --out (headline.json, headline.md)")
+    gather.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        out = Path(args.out)
+        print(prepare(out, args.variant, args.seq, args.gpus, args.steps, args.micro_batch, args.layers, args.tiny))
+        return 0
+    if args.command == "liger-train":
+        return liger_train(args.config)
+    print(markdown(collect(Path(args.out))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 8, the headline run: Llama-3-8B (random init), bf16, AdamW, micro-batch 8 per GPU, gradient
+# checkpointing on, FSDP2 over all GPUs through `tigon train` under torchrun; sequence 1K..16K; HF eager,
+# HF + Liger-Kernel, tigon, and tigon with the planner (training.plan: auto). Results under $OUT/headline:
+# one directory and log per run, then headline.json and headline.md (benchmarks/headline.py collect).
+#
+#   bash benchmarks/headline_8gpu.sh                                   # 8 GPUs, the full sweep
+#   GPUS=2 LAYERS=8 bash benchmarks/headline_8gpu.sh                   # 2 GPUs, model shortened to 8 layers
+#   SEQS="4096 8192" VARIANTS="liger tigon" bash benchmarks/headline_8gpu.sh
+#   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline_8gpu.sh   # CPU smoke run
+#
+# A variant that runs out of memory at one length is not run at longer ones. Run from the repository root.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+GPUS=${GPUS:-8}
+SEQS=${SEQS:-"1024 2048 4096 8192 16384"}
+VARIANTS=${VARIANTS:-"eager liger tigon planner"}
+STEPS=${STEPS:-12}
+LAYERS=${LAYERS:-}
+MICRO_BATCH=${MICRO_BATCH:-8}
+TINY=${TINY:-}
+LIMIT=${LIMIT:-1800}  # seconds per run
+out=${OUT:-bench-out}/headline
+mkdir -p "$out" /tmp/tigonpath/tigon
+for layer in kernels runtime platform; do ln -sfn "$PWD/$layer" "/tmp/tigonpath/tigon/$layer"; done
+export PYTHONPATH="/tmp/tigonpath:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if command -v nvidia-smi > /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"; fi
+
+declare -A stopped
+for seq in $SEQS; do
+  for variant in $VARIANTS; do
+    if [[ -n "${stopped[$variant]:-}" ]]; then
+      echo "skip $variant at $seq (out of memory at ${stopped[$variant]})"
+      continue
+    fi
+    config=$(python3 -m benchmarks.headline prepare --out "$out" --variant "$variant" --seq "$seq" --gpus "$GPUS" \
+      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny}) || exit 1
+    if [[ "$variant" == liger ]]; then entry=(-m benchmarks.headline liger-train "$config"); else entry=(-m tigon.runtime train "$config"); fi
+    echo "== $variant at seq $seq on $GPUS GPUs"
+    timeout "$LIMIT" torchrun --standalone --nproc_per_node "$GPUS" "${entry[@]}" > "$out/$variant-$seq.log" 2>&1
+    status=$?
+    tail -n 3 "$out/$variant-$seq.log"
+    if grep -qi "out of memory" "$out/$variant-$seq.log"; then stopped[$variant]=$seq; fi
+    echo "   exit $status"
+  done
+done
+python3 -m benchmarks.headline collect --out "$out" | tee "$out/headline-table.txt"

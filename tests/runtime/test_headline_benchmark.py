@@ -1,0 +1,35 @@
+"""benchmarks/headline_8gpu.sh cannot rot: its tiny CPU run (FSDP2 over 2 gloo processes, `tigon train`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_headline_run_tabulates_both_variants(tmp_path):
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OUT": str(tmp_path)}
+    env |= {"TINY": "1", "GPUS": "2", "SEQS": "32", "VARIANTS": "eager tigon", "STEPS": "5", "MICRO_BATCH": "2"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        ["bash", "benchmarks/headline_8gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "== eager at seq 32 on 2 GPUs" in done.stdout and "exit 0" in done.stdout
+
+    report = json.loads((tmp_path / "headline" / "headline.json").read_text())
+    rows = {row["variant"]: row for row in report["runs"]}
+    assert set(rows) == {"eager", "tigon"}
+    for row in rows.values():
+        assert row["seq"] == 32 and not row["oom"] and row["world_size"] == 2
+        assert row["micro_batch"] == 2 and row["checkpointing"]
+        assert row["tokens_per_second"] > 0 and row["peak_bytes_rank0"] > 0
+    assert report["longest"] == {"eager": 32, "tigon": 32}
+    config = (tmp_path / "headline" / "tigon-32" / "config.yaml").read_text()
+    assert "strategy: fsdp" in config
+    assert "| tigon | 32 | 2 x 1 | on |" in (tmp_path / "headline" / "headline.md").read_text()
