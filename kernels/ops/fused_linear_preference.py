@@ -36,10 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, check_same_device, check_vector
+from tigon.kernels.utils import check_float, check_same_device, check_vector, use_triton
 
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 """(logps, counts, ref_logps, rows) of one chunk's sequences, float64 -> that chunk's share of the loss.
@@ -236,8 +237,17 @@ def sequence_logps(
     ignore_index: int = -100,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Per-sequence summed target log-probs (B,) float64 of `hidden @ weight.T + bias`, chunked, without gradient."""
+    """Per-sequence summed target log-probs (B,) float64 of `hidden @ weight.T + bias`, chunked, without gradient.
+
+    hidden `(B, T, H)`, target `(B, T)` with `ignore_index` where no token is scored; `chunk_size` is
+    sequences per chunk. This is what the losses take as `ref_logps` (e.g. precomputed once per dataset).
+    """
     settings = PassSettings(paired=False, ignore_index=ignore_index, chunk_size=chunk_size)
+    check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, True)
+    if not use_triton("sequence_logps", hidden):
+        with torch.no_grad():
+            logps, _ = reference.sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+        return logps.to(torch.float64)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         _, logps, _, _ = chunked_pass(hidden, weight, bias, target.contiguous(), None, None, settings, (False,) * 3)
     return logps
@@ -288,10 +298,14 @@ def check_sequence_target(name: str, target: torch.Tensor, hidden_name: str, hid
     check_same_device(hidden_name, hidden, **{name: target})
 
 
-def check_per_sequence(name: str, values: torch.Tensor, n_sequences: int, hidden: torch.Tensor) -> None:
+def check_per_sequence(
+    name: str, values: torch.Tensor, n_sequences: int, hidden: torch.Tensor, floating: bool = False
+) -> None:
     """A per-sequence tensor (reference log-probs, KTO flags) must be 1-D with one entry per row of hidden."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    if floating and not values.is_floating_point():
+        raise TypeError(f"{name} has dtype {values.dtype}; it must hold log-probs as floats ({name}.float())")
     if values.shape != (n_sequences,):
         raise ValueError(
             f"{name} has shape {tuple(values.shape)}; it must be ({n_sequences},), one value per sequence "
@@ -332,8 +346,7 @@ def check_preference_inputs(
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("pass either ref_logps or ref_hidden/ref_weight (to compute them), not both")
     if ref_logps is not None:
-        check_float("ref_logps", ref_logps)
-        check_per_sequence("ref_logps", ref_logps, n_sequences, hidden)
+        check_per_sequence("ref_logps", ref_logps, n_sequences, hidden, floating=True)
     elif ref_hidden is not None or ref_weight is not None:
         if ref_hidden is None or ref_weight is None:
             raise ValueError("computing the reference log-probs needs both ref_hidden and ref_weight")

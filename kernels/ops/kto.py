@@ -32,7 +32,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     sequence_logps,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, use_triton
+from tigon.kernels.utils import use_triton
 
 
 def _check_kl_inputs(
@@ -65,8 +65,7 @@ def _check_kl_inputs(
     if (ref_kl_logps is None) == (ref_kl_hidden is None):
         raise ValueError("the KL batch needs exactly one of ref_kl_logps or ref_kl_hidden (with ref_weight)")
     if ref_kl_logps is not None:
-        check_float("ref_kl_logps", ref_kl_logps)
-        check_per_sequence("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], hidden)
+        check_per_sequence("ref_kl_logps", ref_kl_logps, kl_hidden.shape[0], hidden, floating=True)
     else:
         if ref_hidden is None:
             raise ValueError("ref_kl_hidden goes through the reference head: pass ref_hidden and ref_weight too")

@@ -218,7 +218,7 @@ def test_reference_logps_passed_equal_computed(name, device):
     )
     expected, _ = reference.sequence_logps(h.double(), w.double(), target, b.double())
     assert_close(functional.sequence_logps(h, w, target, b, chunk_size=3), expected, torch.float32, "sequence_logps")
-    passed, passed_metrics = fused(h, w, target, bias=b, ref_logps=ref_logps.float(), **options)
+    passed, passed_metrics = fused(h, w, target, bias=b, ref_logps=ref_logps, **options)  # float64 is accepted
     assert_close(passed, computed, torch.float32, "loss", scale=0.1)
     for key, value in passed_metrics.items():
         assert_close(value, computed_metrics[key], torch.float32, key, scale=0.1)
@@ -244,6 +244,18 @@ def test_modules_match_functional(name, device):
         loss, _ = module(h, w, target, b, **options)
     assert torch.equal(loss, expected)
     assert f"beta={defaults['beta']}" in repr(module)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_reference_fallback(name, device, monkeypatch):
+    """Where no Triton kernel can run (CPU without the interpreter), the op returns the reference's result."""
+    fused, ref_fn, defaults = LOSSES[name]
+    monkeypatch.setattr(f"tigon.kernels.ops.{name}.use_triton", lambda op, tensor: False)
+    h, w, b, target = make_inputs(4, 5, 8, 19, torch.float32, device, 3)
+    options = resolve(name, defaults, h, w, b, target, device)
+    loss, metrics = fused(h, w, target, bias=b, **options)
+    expected, expected_metrics = ref_fn(h, w, target, bias=b, **options)
+    assert torch.equal(loss, expected) and metrics.keys() == expected_metrics.keys()
 
 
 def test_without_grad_and_second_backward(device):
