@@ -230,8 +230,8 @@ def test_bad_inputs(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{"beta": 0.5}, {"beta": 0.0, "temperature": 2.0}, {"beta": 1.0}])
 def test_gpu_real_size(options):
-    """8192 tokens x Llama 3's vocabulary in bf16 logits against a float32 reference."""
-    student, teacher, label = make_inputs(8192, 128256, torch.bfloat16, "cuda", 0)
+    """4096 tokens x Llama 3's vocabulary in bf16 logits against a float32 reference (its graph takes ~30 GB)."""
+    student, teacher, label = make_inputs(4096, 128256, torch.bfloat16, "cuda", 0)
     x = student.clone().requires_grad_(True)
     x32 = student.float().requires_grad_(True)
     out = jsd(x, teacher, label, from_logits=True, **options)
