@@ -9,6 +9,7 @@ The estimate (bytes, per GPU) is the largest of four moments of a steady-state t
     persistent  = weights + optimizer states (AdamW: 2 per trainable parameter, in its dtype) + overhead
     loss        = persistent + activations of every layer + head + loss-backward buffers
     layer top   = persistent + activations of every layer + head + grad(lm_head) + backward of one layer
+    (with gradient accumulation, the earlier micro-batches' gradients are there too: all gradients)
     layer bottom= persistent + one layer's activations + all gradients + backward of one layer
     optimizer   = persistent + all gradients (+ DDP's gradient buckets)
 
@@ -362,13 +363,14 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
 
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
     activations = s.layers * kept_per_layer + head + per_batch + mask
+    carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     moments = {
-        "loss": {**fixed, "activations": casts + activations, "loss and logits": loss_peak},
+        "loss": {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried},
         "backward (top layer)": {
             **fixed,
             "activations": casts + activations,
             "backward buffers": recompute + backward,
-            "gradients": head_grad,
+            "gradients": max(carried, head_grad),
         },
         "backward (first layer)": {
             **fixed,

@@ -111,6 +111,14 @@ def test_checkpointing_and_kernels_need_less_memory(seq_len):
     assert estimate(work, Setting(8, 1, True, True)).peak < estimate(work, Setting(8, 1, True, False)).peak
 
 
+def test_accumulation_keeps_the_gradients_during_the_next_micro_batch():
+    work = bf16_work(LLAMA_1B, 4096)
+    one = estimate(work, Setting(4, 1, False, True))
+    two = estimate(work, Setting(4, 2, False, True))
+    assert one.moment == two.moment == "loss"
+    assert two.peak - one.peak == LLAMA_1B.params * 2  # the bf16 gradients of every parameter
+
+
 def test_fused_loss_removes_the_logits():
     logits = estimate(bf16_work(LLAMA_1B, 4096), Setting(8, 1, True, True))
     fused = estimate(bf16_work(LLAMA_1B, 4096, fused_loss=True), Setting(8, 1, True, True))
