@@ -5,6 +5,9 @@ Flyte retries a task only when it raises `FlyteRecoverableException`; torch elas
 network, not in the run: a lost peer or node, a closed or refused connection, a gloo/NCCL
 communication error or timeout. It does not help for a config or data error, a diverging loss or
 running out of memory with the same settings: those fail at once, with their own message.
+
+`is_retryable` judges what a worker raised; `lost_worker` judges torch elastic's report of a worker
+that did not raise at all because a signal ended it (eviction, preemption, a lost node).
 """
 
 from __future__ import annotations
@@ -70,3 +73,20 @@ def is_retryable(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+#: signals that end a worker from outside: preemption or eviction (SIGTERM), a kill or a lost node (SIGKILL)
+LOST_WORKER_SIGNALS = ("SIGKILL", "SIGTERM", "SIGBUS")
+
+
+def lost_worker(error: BaseException) -> str | None:
+    """For torch elastic's ChildFailedError whose first failed worker was killed by a signal from outside
+    (restarts exhausted): a description of it; None for any other error (the worker raised, or exited)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(error, ChildFailedError):
+        return None
+    rank, failure = error.get_first_failure()
+    if failure.exitcode >= 0 or failure.signal_name() not in LOST_WORKER_SIGNALS:
+        return None
+    return f"worker rank {rank} (pid {failure.pid}) was ended by {failure.signal_name()}"

@@ -3,10 +3,10 @@
     packed = pack(config, tokenizer, fingerprint)          # tokenize and pack (build_datasets)
     save_packed(packed, "packed/")                         # train.safetensors, eval.safetensors, manifest.json
     packed = load_packed("packed/", tokenizer)             # no tokenization: the arrays as written
-    result = train(config, datasets=packed)
+    result = train(config, datasets="packed/")            # tigon.runtime.trainer: loads it, never tokenizes
 
-The manifest records the format version, the data's content fingerprint (the cache key), the
-tokenizer's identity (name, vocabulary size, SHA-256 of its vocabulary, special tokens and chat
+The manifest records the format version, the data's content fingerprint (the cache key), a build id,
+the tokenizer's identity (name, vocabulary size, SHA-256 of its vocabulary, special tokens and chat
 template), the data options and the data summary. `load_packed` refuses a directory whose tokenizer
 is not the run's. The manifest is written last, under a temporary name then renamed, so a
 directory without one is unfinished.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ def pack(config: RunConfig, tokenizer: PreTrainedTokenizerBase, fingerprint: str
     manifest = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
+        "build_id": uuid.uuid4().hex,  # tells one packing from another of the same data (e.g. a cache hit)
         "tokenizer": tokenizer_identity(tokenizer),
         "data": config.data.model_dump(mode="json", exclude={"train", "eval"}),
         "sequences": {"train": len(train), "eval": len(evaluation) if evaluation is not None else 0},

@@ -1,13 +1,14 @@
-"""The fine-tune workflow: prepare data, train (distributed), evaluate, export, report.
+"""The fine-tune workflow: validate, prepare data (packed once, cached), train (distributed), evaluate, export, report.
 
     pyflyte run workflows/finetune.py finetune                          # the demo, locally on the CPU
     pyflyte run workflows/finetune.py finetune --config my.yaml --steps 200
-    pyflyte run --remote workflows/finetune.py finetune --config my.yaml --job_template h100x8
+    tigon submit my.yaml --job-template h100x8x2 --nodes 4              # checked locally, then pyflyte run --remote
 
 Locally, the train task runs 2 worker processes over gloo through torch elastic (the kfpytorch
 `Elastic` config of the `cpu-small` job template). On a cluster the same task becomes a single
 elastic pod (`nnodes: 1`) or a PyTorchJob (`nnodes > 1`), configured by the chosen job template
-(`deploy/job-templates/`). A restarted worker resumes from the run's latest checkpoint.
+(`deploy/job-templates/`). A restarted worker resumes from the run's latest checkpoint; on a cluster
+checkpoints and the export are copied to the run's object-store prefix (`tigon.runtime.storage`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,22 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
+import fsspec
 import yaml
-from flytekit import Deck, current_context, dynamic, task, workflow
-from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit import Cache, Deck, current_context, dynamic, task, workflow
+from flytekit.core.task import TaskPlugins
+from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch import Elastic
+from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
-from tigon.platform.jobs import flyte_task_options
-from tigon.platform.templates import load_templates
+from tigon.platform.faults import is_retryable, lost_worker
+from tigon.platform.jobs import flyte_task_options, job_name
+from tigon.platform.submit import check_submission
+from tigon.platform.templates import JobTemplate, load_templates
 from tigon.runtime.checkpoint import atomic_write_text
-from tigon.runtime.config import RunConfig, load_config, parse_config
+from tigon.runtime.config import RunConfig, apply_override, load_config, parse_config
+from tigon.runtime.storage import default_remote_dir, is_local_url
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = str(REPO / "examples" / "demo.yaml")
@@ -40,15 +48,20 @@ JobTemplateName = enum.Enum("JobTemplateName", {name.replace("-", "_"): name for
 LOCAL_TEMPLATE = JobTemplateName("cpu-small")
 
 
-def resolve_config(config: str, steps: int, run_dir: str) -> RunConfig:
-    """The config file with the command line's overrides applied; errors surface before any task runs."""
+def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "") -> RunConfig:
+    """The config (a file, or its YAML text from `tigon submit`) with the command line's overrides applied."""
     overrides = []
     if steps:
         overrides += [f"training.max_steps={steps}", "training.epochs=null"]
     if run_dir:
         overrides.append(f"logging.run_dir={run_dir}")
-    loaded = load_config(config, overrides)
-    data_root = Path(config).resolve().parent
+    if config_yaml:
+        raw = yaml.safe_load(config_yaml) or {}
+        for override in overrides:
+            apply_override(raw, override)
+        loaded, data_root = parse_config(raw, "--config_yaml"), Path.cwd()
+    else:
+        loaded, data_root = load_config(config, overrides), Path(config).resolve().parent
     data = loaded.data.model_copy(
         update={
             "train": _absolute(loaded.data.train, data_root),
@@ -59,22 +72,31 @@ def resolve_config(config: str, steps: int, run_dir: str) -> RunConfig:
 
 
 def _absolute(path: str, root: Path) -> str:
-    """Relative data paths in a config are relative to the config file, wherever the task runs."""
+    """Relative data paths in a config are relative to the config file, wherever the task runs; URLs stay."""
+    if not is_local_url(path):
+        return path
     candidate = Path(path)
     if candidate.is_absolute() or candidate.exists():
         return str(candidate.resolve())
     return str((root / candidate).resolve())
 
 
+def _data_bytes(path: str):
+    """The contents of a data file, or of each file of a directory in name order (paths or fsspec URLs)."""
+    fs, root = fsspec.core.url_to_fs(path)
+    files = sorted(fs.find(root)) if fs.isdir(root) else [root]
+    for file in files:
+        yield fs.cat_file(file)
+
+
 def data_fingerprint(config: RunConfig) -> str:
     """Content hash of the data files, the tokenizer choice and the data options: the cache key."""
     digest = hashlib.sha256()
     for path in filter(None, [config.data.train, config.data.eval]):
-        files = sorted(Path(path).rglob("*")) if Path(path).is_dir() else [Path(path)]
-        for file in files:
-            if file.is_file():
-                digest.update(file.read_bytes())
-    digest.update(json.dumps([config.model.tokenizer, config.model.path, config.data.model_dump()]).encode())
+        for content in _data_bytes(path):
+            digest.update(content)
+    options = config.data.model_dump(mode="json", exclude={"train", "eval"})
+    digest.update(json.dumps([config.model.tokenizer, config.model.path, options]).encode())
     return digest.hexdigest()
 
 
@@ -84,68 +106,128 @@ class Validated(NamedTuple):
 
 
 @task
-def validate(config: str, steps: int, run_dir: str) -> Validated:
-    """Load and check the config (key paths, types, data paths) before any training task starts."""
-    resolved = resolve_config(config, steps, run_dir)
-    return Validated(yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False), data_fingerprint(resolved))
+def validate(
+    config: str, config_yaml: str, steps: int, run_dir: str, job_template: JobTemplateName, nodes: int
+) -> Validated:
+    """Load and check the config against the job template before any training task starts; on a cluster,
+    point checkpoints and the export at the run's object-store prefix."""
+    resolved = resolve_config(config, steps, run_dir, config_yaml)
+    check_submission(resolved, TEMPLATES[job_template.value], nodes)
+    if resolved.checkpoint.remote_dir is None:
+        remote = default_remote_dir(current_context().raw_output_prefix, job_name(resolved.name))
+        resolved = resolved.model_copy(
+            update={"checkpoint": resolved.checkpoint.model_copy(update={"remote_dir": remote})}
+        )
+    config_text = yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False)
+    return Validated(config_text, data_fingerprint(resolved))
 
 
-@task(cache=True, cache_version="1")
-def prepare_data(config_yaml: str, fingerprint: str) -> str:
-    """Tokenize and pack the data once per content hash; returns the data summary (JSON)."""
-    from tigon.runtime.data import build_datasets
+def _local_data(config: RunConfig, cache_dir: Path) -> RunConfig:
+    """The config with data URLs (s3://, gs://) replaced by local copies of the files."""
+    local = {}
+    for name in ("train", "eval"):
+        path = getattr(config.data, name)
+        if path and not is_local_url(path):
+            local[name] = fsspec.open_local(f"simplecache::{path}", simplecache={"cache_storage": str(cache_dir)})
+    return config.model_copy(update={"data": config.data.model_copy(update=local)}) if local else config
+
+
+@task(cache=Cache(version="2", ignored_inputs=("config_yaml",)))
+def prepare_data(config_yaml: str, fingerprint: str) -> FlyteDirectory:
+    """Tokenize and pack the data once per fingerprint (data content, tokenizer, data options): the packed
+    arrays and a manifest with the fingerprint and the tokenizer's identity, which the train task loads."""
+    from tigon.runtime.packed import pack, save_packed
     from tigon.runtime.tokenizer import load_tokenizer
 
-    config = parse_config(yaml.safe_load(config_yaml))
-    _, _, summary = build_datasets(config, load_tokenizer(config.model))
-    return json.dumps({"fingerprint": fingerprint, "summary": str(summary)})
+    working = Path(current_context().working_directory)
+    config = _local_data(parse_config(yaml.safe_load(config_yaml)), working / "data")
+    packed = pack(config, load_tokenizer(config.model), fingerprint)
+    return FlyteDirectory(str(save_packed(packed, working / "packed")))
 
 
-def train_worker(config_yaml: str, data_summary: str) -> str:
-    """One torch elastic worker: train with the runtime (resuming from the latest checkpoint)."""
+def train_worker(config_yaml: str, packed: FlyteDirectory) -> str:
+    """One torch elastic worker: train on the packed data (resuming from the latest checkpoint)."""
     from tigon.runtime.trainer import train
 
     config = parse_config(yaml.safe_load(config_yaml))
     try:
-        result = train(config)
-    except (RuntimeError, OSError) as error:
-        if "NCCL" in str(error) or "connection" in str(error).lower():
+        result = train(config, datasets=packed.download())
+    except Exception as error:
+        if is_retryable(error):
             raise FlyteRecoverableException(
-                f"lost a peer or the network; retry resumes from the checkpoint: {error}"
+                f"lost a peer, a node or the network; a retry resumes from the latest checkpoint: {error}"
             ) from error
         raise
-    return json.dumps({**dataclasses.asdict(result), "data": json.loads(data_summary)["summary"]})
+    outcome = dataclasses.asdict(result)
+    loss_png = Path(result.run_dir) / "loss.png"
+    outcome["loss_png"] = base64.b64encode(loss_png.read_bytes()).decode() if loss_png.is_file() else ""
+    return json.dumps(outcome)
 
 
-def _train_task(template_name: str):
+def train_task_name(template: str, nodes: int = 0) -> str:
+    """`train_<template>` at the template's own node count, `train_<template>_<N>nodes` otherwise."""
+    base = f"train_{template.replace('-', '_')}"
+    return base if nodes in (0, TEMPLATES[template].nnodes) else f"{base}_{nodes}nodes"
+
+
+@dataclasses.dataclass
+class TrainElastic(Elastic):
+    """kfpytorch's Elastic config, run by TrainElasticTask."""
+
+
+class TrainElasticTask(PytorchElasticFunctionTask):
+    """kfpytorch's elastic task, with one more fault worth a Flyte retry: a worker ended by a signal (eviction,
+    preemption, a lost node) once torch elastic's restarts are used up. Workers' own errors are judged in
+    `train_worker`."""
+
+    def execute(self, **kwargs):
+        try:
+            return super().execute(**kwargs)
+        except FlyteUserRuntimeException as error:
+            lost = lost_worker(error.value)
+            if lost is None:
+                raise
+            raise FlyteRecoverableException(f"{lost}; a retry resumes from the latest checkpoint") from error
+
+
+TaskPlugins.register_pythontask_plugin(TrainElastic, TrainElasticTask)
+
+
+def _train_task(template: JobTemplate, name: str):
     """A train task configured by one job template, registered under its own module-level name."""
-    name = f"train_{template_name.replace('-', '_')}"
     function = types.FunctionType(train_worker.__code__, train_worker.__globals__, name)
     function.__qualname__, function.__module__ = name, __name__
     function.__annotations__ = train_worker.__annotations__
-    return name, task(**flyte_task_options(TEMPLATES[template_name]))(function)
+    options = flyte_task_options(template)
+    elastic = options["task_config"]
+    options["task_config"] = TrainElastic(**{f.name: getattr(elastic, f.name) for f in dataclasses.fields(elastic)})
+    return task(**options)(function)
 
 
-TRAIN_TASKS = dict(_train_task(name) for name in TEMPLATES)
+# One train task per template and node count it allows (1 to max_nnodes): Elastic's nnodes is fixed per task.
+TRAIN_TASKS = {
+    train_task_name(name, nodes): _train_task(template.with_nodes(nodes), train_task_name(name, nodes))
+    for name, template in TEMPLATES.items()
+    for nodes in range(1, template.max_nnodes + 1)
+}
 globals().update(TRAIN_TASKS)
 
 
 @dynamic
-def train_with_template(config_yaml: str, data_summary: str, job_template: JobTemplateName) -> str:
-    """Run the train task of the chosen job template."""
-    train_task = TRAIN_TASKS[f"train_{job_template.value.replace('-', '_')}"]
-    return train_task(config_yaml=config_yaml, data_summary=data_summary)
+def train_with_template(config_yaml: str, packed: FlyteDirectory, job_template: JobTemplateName, nodes: int) -> str:
+    """Run the train task of the chosen job template and node count."""
+    return TRAIN_TASKS[train_task_name(job_template.value, nodes)](config_yaml=config_yaml, packed=packed)
 
 
 @task(enable_deck=True)
 def report(config_yaml: str, outcome: str) -> FlyteDirectory:
     """A Deck with the loss curve, throughput, memory and the effective config; returns the model."""
     result = json.loads(outcome)
-    loss_png = Path(result["run_dir"]) / "loss.png"
     image = ""
-    if loss_png.exists():
-        image = f'<img src="data:image/png;base64,{base64.b64encode(loss_png.read_bytes()).decode()}" width="640">'
+    if result["loss_png"]:
+        image = f'<img src="data:image/png;base64,{result["loss_png"]}" width="640">'
     losses = result["losses"]
+    manifest = result["data_manifest"] or {}
     rows = {
         "steps": len(losses),
         "loss": f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-",
@@ -153,16 +235,24 @@ def report(config_yaml: str, outcome: str) -> FlyteDirectory:
         "tokens/s": f"{result['tokens_per_second']:.0f}",
         "peak memory": f"{result['peak_memory_bytes'] / 2**30:.2f} GiB",
         "resumed from step": result["resumed_from_step"] or "-",
-        "data": result["data"],
+        "data": manifest.get("summary", "-"),
+        "data fingerprint": manifest.get("fingerprint", "-"),
     }
     table = "".join(f"<tr><th>{k}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows.items())
     training = f"<h2>Training</h2>{image}<table>{table}</table>"
     config_html = f"<h2>Config</h2><pre>{html.escape(config_yaml)}</pre>"
     Deck("Training", training)
     Deck("Config", config_html)
-    current_context().default_deck.append(f"Model exported to {result['export_dir']}")
-    atomic_write_text(Path(result["run_dir"]) / "report.html", f"<html><body>{training}{config_html}</body></html>")
-    return FlyteDirectory(result["export_dir"])
+    exported = result["export_url"] or result["export_dir"]
+    current_context().default_deck.append(f"Model exported to {exported}")
+    page = f"<html><body>{training}{config_html}</body></html>"
+    remote = parse_config(yaml.safe_load(config_yaml)).checkpoint.remote_dir
+    if remote:
+        fs, root = fsspec.core.url_to_fs(remote)
+        fs.pipe_file(f"{root.rstrip('/')}/report.html", page.encode())
+    else:
+        atomic_write_text(Path(result["run_dir"]) / "report.html", page)
+    return FlyteDirectory(exported)
 
 
 @workflow
@@ -171,9 +261,19 @@ def finetune(
     steps: int = 0,
     job_template: JobTemplateName = LOCAL_TEMPLATE,
     run_dir: str = "",
+    nodes: int = 0,
+    config_yaml: str = "",
 ) -> FlyteDirectory:
-    """Fine-tune a model from a tigon config; returns the exported `save_pretrained` directory."""
-    checked = validate(config=config, steps=steps, run_dir=run_dir)
-    summary = prepare_data(config_yaml=checked.config_yaml, fingerprint=checked.fingerprint)
-    outcome = train_with_template(config_yaml=checked.config_yaml, data_summary=summary, job_template=job_template)
+    """Fine-tune a model from a tigon config; returns the exported `save_pretrained` directory.
+
+    `nodes`: the run's node count, up to the job template's max_nnodes (0: the template's own).
+    `config_yaml`: the config's text instead of a file (what `tigon submit` sends to a cluster).
+    """
+    checked = validate(
+        config=config, config_yaml=config_yaml, steps=steps, run_dir=run_dir, job_template=job_template, nodes=nodes
+    )
+    packed = prepare_data(config_yaml=checked.config_yaml, fingerprint=checked.fingerprint)
+    outcome = train_with_template(
+        config_yaml=checked.config_yaml, packed=packed, job_template=job_template, nodes=nodes
+    )
     return report(config_yaml=checked.config_yaml, outcome=outcome)

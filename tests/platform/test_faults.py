@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tigon.platform.faults import is_retryable
+from tigon.platform.faults import is_retryable, lost_worker
 from tigon.runtime.config import ConfigError, load_config
 from tigon.runtime.data import DataError, read_records
 
@@ -90,3 +90,16 @@ def test_the_runs_own_errors_are_not_retryable(tmp_path):
             raise ConfigError("training.learnin_rate: unknown key") from None
     except ConfigError as error:
         assert not is_retryable(error)
+
+
+def test_a_worker_ended_by_a_signal_is_a_lost_worker():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def failed(exitcode: int) -> ChildFailedError:
+        return ChildFailedError("train", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=exitcode, error_file="-")})
+
+    assert lost_worker(failed(-9)) == "worker rank 1 (pid 4242) was ended by SIGKILL"
+    assert lost_worker(failed(-15)) == "worker rank 1 (pid 4242) was ended by SIGTERM"
+    assert lost_worker(failed(1)) is None  # the worker raised (its own error decides) or exited with an error
+    assert lost_worker(failed(-11)) is None  # SIGSEGV: a crash in the process, not a lost machine
+    assert lost_worker(RuntimeError("Connection closed by peer")) is None

@@ -1,16 +1,24 @@
 """The Flyte workflow, executed for real by flytekit's local engine (2 elastic workers over gloo)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 pytest.importorskip("flytekit")
 
+from flytekit import task  # noqa: E402
 from flytekit.configuration import Image, ImageConfig, SerializationSettings  # noqa: E402
+from flytekit.exceptions.user import FlyteRecoverableException  # noqa: E402
 from flytekit.tools.translator import get_serializable  # noqa: E402
 
 from workflows import finetune as wf  # noqa: E402
@@ -33,7 +41,7 @@ def write_config(tmp_path: Path, **changes) -> str:
     raw["training"]["micro_batch_size"] = 4
     raw["eval"] = {"every_steps": 0, "metrics": ["loss"], "max_batches": 2}
     for section, values in changes.items():
-        raw[section].update(values)
+        raw.setdefault(section, {}).update(values)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -58,15 +66,47 @@ def test_local_workflow_end_to_end(tmp_path):
     assert "<h2>Training</h2>" in report and "data:image/png;base64" in report and "learning_rate" in report
 
 
-@pytest.mark.parametrize("template", sorted(wf.TEMPLATES))
-def test_train_task_serializes_per_job_template(template):
+def test_killed_worker_resumes_from_checkpoint_with_the_same_final_loss(tmp_path):
+    """torch elastic restarts the worker group; the runtime resumes from the newest checkpoint."""
+    options = dict(checkpoint={"every_steps": 3, "resume": True}, logging={"every_steps": 1})
+    uninterrupted, interrupted = tmp_path / "clean", tmp_path / "killed"
+    wf.finetune(config=write_config(tmp_path, **options), steps=9, run_dir=str(uninterrupted))
+    killed: list[int] = []
+
+    def kill_a_worker_after_first_checkpoint():
+        deadline = time.time() + 600
+        while time.time() < deadline and not (interrupted / "checkpoints" / "step-3").exists():
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        if workers:
+            workers[-1].kill()
+            killed.append(workers[-1].pid)
+
+    killer = threading.Thread(target=kill_a_worker_after_first_checkpoint)
+    killer.start()
+    wf.finetune(config=write_config(tmp_path, **options), steps=9, run_dir=str(interrupted))
+    killer.join()
+    assert killed, "no elastic worker process was found to kill"
+    summary = json.loads((interrupted / "summary.json").read_text())
+    assert summary["resumed_from_step"] in (3, 6), summary["resumed_from_step"]  # restarted, not from step 0
+    clean, resumed = losses(uninterrupted), losses(interrupted)
+    assert len(resumed) == len(clean) == 9
+    assert resumed[-1] == pytest.approx(clean[-1], rel=1e-5), (clean, resumed)
+
+
+NODE_COUNTS = sorted({(name, n) for name, t in wf.TEMPLATES.items() for n in (t.nnodes, t.max_nnodes)})
+
+
+@pytest.mark.parametrize("template, nodes", NODE_COUNTS)
+def test_train_task_serializes_per_job_template_and_node_count(template, nodes):
     settings = SerializationSettings(
         image_config=ImageConfig(default_image=Image(name="d", fqn="ghcr.io/x/y", tag="1"))
     )
-    spec = get_serializable({}, settings, wf.TRAIN_TASKS[f"train_{template.replace('-', '_')}"])
-    expected = wf.TEMPLATES[template]
+    train_task = wf.TRAIN_TASKS[wf.train_task_name(template, nodes)]
+    spec = get_serializable({}, settings, train_task)
+    expected = wf.TEMPLATES[template].with_nodes(nodes)
     task_template = spec.template
-    task_config = wf.TRAIN_TASKS[f"train_{template.replace('-', '_')}"].task_config
+    task_config = train_task.task_config
     assert (task_config.nnodes, task_config.nproc_per_node) == (expected.nnodes, expected.nproc_per_node)
     if expected.nnodes == 1:  # a single elastic pod: torch elastic runs inside it, no PyTorchJob
         assert task_template.type == "python-task" and task_template.custom is None
@@ -108,6 +148,56 @@ def test_unknown_job_template_is_rejected_before_running():
     )
     assert result.returncode != 0
     assert "h200x64" in result.stderr + result.stdout and "cpu-small" in result.stderr + result.stdout
+
+
+def _ended_by_a_signal() -> str:
+    """Rank 1 is killed from outside (like an evicted pod); rank 0 waits to be stopped with the group."""
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+    return "not reached"
+
+
+def test_a_worker_lost_after_the_last_restart_makes_flyte_retry():
+    lost = task(task_config=wf.TrainElastic(nnodes=1, nproc_per_node=2, max_restarts=0))(_ended_by_a_signal)
+    assert isinstance(lost, wf.TrainElasticTask)
+    with pytest.raises(FlyteRecoverableException, match="was ended by SIGKILL"):
+        lost()
+
+
+def test_train_task_names_by_node_count():
+    assert wf.train_task_name("h100x8x2") == wf.train_task_name("h100x8x2", 2) == "train_h100x8x2"
+    assert wf.train_task_name("h100x8x2", 4) == "train_h100x8x2_4nodes"
+    assert set(wf.TRAIN_TASKS) >= {"train_cpu_small", "train_h100x8x2_1nodes", "train_h100x8x2_4nodes"}
+
+
+def test_packed_once_cached_and_never_tokenized_in_the_train_task(tmp_path):
+    """prepare_data packs the data; the train task loads the packed arrays (its run summary records the manifest's
+    fingerprint, which only pre-packed data carries); a second run with the same data hits flytekit's local cache
+    (the same packed build, not a new one), even with other steps and another run directory."""
+    data = tmp_path / "train.jsonl"
+    lines = (ROOT / "examples" / "data" / "arithmetic-train.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["nonce"] = uuid.uuid4().hex  # unique content, so no earlier run's cache entry can answer
+    data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    config = write_config(tmp_path, data={"train": str(data)})
+    fingerprint = wf.data_fingerprint(wf.resolve_config(config, 2, ""))
+
+    wf.finetune(config=config, steps=2, run_dir=str(tmp_path / "one"))
+    wf.finetune(config=config, steps=3, run_dir=str(tmp_path / "two"))
+    one, two = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "two"))
+    assert one["data_manifest"]["fingerprint"] == two["data_manifest"]["fingerprint"] == fingerprint
+    assert one["data_manifest"]["build_id"] == two["data_manifest"]["build_id"]  # packed once: a cache hit
+    assert two["steps"] == 3 and one["data_manifest"]["sequences"]["train"] > 0
+
+
+def test_gpu_settings_on_a_cpu_template_and_too_many_nodes_fail_in_validation(tmp_path):
+    config = write_config(tmp_path, parallelism={"backend": "nccl"})
+    with pytest.raises(Exception, match="has no GPUs"):
+        wf.finetune(config=config, steps=2, run_dir=str(tmp_path / "never"))
+    with pytest.raises(Exception, match="at most 1 node"):
+        wf.finetune(config=write_config(tmp_path), steps=2, run_dir=str(tmp_path / "never"), nodes=2)
+    assert not (tmp_path / "never").exists()
 
 
 def test_config_errors_fail_in_validation(tmp_path):
