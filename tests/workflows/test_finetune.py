@@ -191,6 +191,24 @@ def test_packed_once_cached_and_never_tokenized_in_the_train_task(tmp_path):
     assert two["steps"] == 3 and one["data_manifest"]["sequences"]["train"] > 0
 
 
+def test_data_urls_are_hashed_and_fetched_through_fsspec(tmp_path):
+    """Data on an object store (here fsspec's real in-memory filesystem) hashes like the same bytes on disk,
+    and prepare_data works on local copies of it."""
+    import fsspec
+
+    train_bytes = (ROOT / "examples" / "data" / "arithmetic-train.jsonl").read_bytes()
+    url = f"memory://tigon-tests/{uuid.uuid4().hex}/train.jsonl"
+    fsspec.filesystem("memory").pipe_file(url, train_bytes)
+    (tmp_path / "train.jsonl").write_bytes(train_bytes)
+    on_disk = wf.resolve_config(write_config(tmp_path, data={"train": str(tmp_path / "train.jsonl")}), 2, "")
+    remote = wf.resolve_config(write_config(tmp_path, data={"train": url}), 2, "")
+    assert remote.data.train == url
+    assert wf.data_fingerprint(remote) == wf.data_fingerprint(on_disk)
+    local = wf._local_data(remote, tmp_path / "cache")
+    assert Path(local.data.train).read_bytes() == train_bytes and local.data.eval == remote.data.eval
+    fsspec.filesystem("memory").rm(url)
+
+
 def test_gpu_settings_on_a_cpu_template_and_too_many_nodes_fail_in_validation(tmp_path):
     config = write_config(tmp_path, parallelism={"backend": "nccl"})
     with pytest.raises(Exception, match="has no GPUs"):
