@@ -430,6 +430,7 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
     run_dir = Path(config.logging.run_dir)
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
 
+    trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
     sampler = GlobalBatchSampler(
         len(prepared.train_dataset),
@@ -439,7 +440,6 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
         env.rank,
         training.seed,
     )
-    trainable, total_params = count_parameters(prepared.model)
     if env.is_main:
         logger.info(
             "training %s parameters (%s total) on %s x %d: %d steps of %d sequences x %d tokens (%d steps per epoch)",

@@ -32,18 +32,23 @@ from tigon.runtime.trainer import train
 ROOT = Path(__file__).resolve().parents[2]
 RELATIVE_TOLERANCE = 1e-4
 LOGITS_TOLERANCE = 1e-3
+BF16_TOLERANCE = 2e-2  # bf16 weights in the forward (FSDP2) vs fp32 weights under bf16 autocast
 IDS = torch.tensor([[1, 20, 21, 14, 22, 30, 25, 17]])
 
 WORKER = """
-import json, os, sys
+import json, os, sys, time
+started = time.perf_counter()
 import torch.distributed as dist
 from tigon.runtime.config import load_config
 from tigon.runtime.trainer import train
 
 dist.init_process_group("gloo")  # once for all runs; the trainer leaves a caller's group alone
 out = sys.argv[1]
+print(f"imports {time.perf_counter() - started:.1f} s", flush=True)
 for path in sys.argv[2:]:
+    started = time.perf_counter()
     result = train(load_config(path))
+    print(f"{path}: {time.perf_counter() - started:.1f} s", flush=True)
     name = os.path.basename(path).removesuffix(".yaml")
     record = {"losses": result.losses, "world_size": result.world_size, "resumed_from": result.resumed_from_step,
               "export_dir": result.export_dir, "eval": result.eval_metrics}
@@ -82,6 +87,7 @@ def launch(tmp_path: Path, configs: dict[str, object]) -> dict[str, dict]:
         [*command, str(tmp_path), *files], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    print("\n".join(line for line in done.stdout.splitlines() if line.endswith(" s")))
     records = {}
     for name in configs:
         ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -161,3 +167,43 @@ def test_deepspeed_zero3_matches_one_process_resumes_exactly_and_exports(tmp_pat
 def test_parallelism_settings_that_cannot_run_fail_clearly(tmp_path, sections, message):
     with pytest.raises(ConfigError, match=message):
         train(tiny_config(tmp_path, **sections))
+
+
+LORA = {
+    "lora": {"enabled": True, "r": 4},
+    "training": {"gradient_checkpointing": True},
+    "kernels": {"enabled": True, "rope": False},
+}
+
+
+def check_lora_run(tmp_path: Path, parallelism: dict, more: dict | None = None) -> dict[str, dict]:
+    """LoRA adapters (frozen base weights inside the sharded units), gradient checkpointing and tigon's kernels
+    (their CPU references): 2 ranks match one process within RELATIVE_TOLERANCE (fp32), and the export holds
+    the merged weights (plain from_pretrained, same logits as one process's export)."""
+    runs = launch(
+        tmp_path, {"lora": run_config(tmp_path, "lora", 4, True, parallelism=parallelism, **LORA), **(more or {})}
+    )
+    single = train(
+        run_config(tmp_path, "single", 4, True, **{**LORA, "training": {**LORA["training"], "micro_batch_size": 4}})
+    )
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["lora"]["losses"], single.losses, strict=True))
+    print(f"{parallelism} + LoRA: worst relative loss difference to one process {worst:.2e}")
+    assert worst < RELATIVE_TOLERANCE, (runs["lora"]["losses"], single.losses)
+    got, want = exported_logits(runs["lora"]["export_dir"]), exported_logits(single.export_dir)
+    assert (got - want).abs().max() < LOGITS_TOLERANCE
+    return runs
+
+
+def test_fsdp2_with_lora_gradient_checkpointing_kernels_and_bf16(tmp_path):
+    """Also FSDP2's bf16 MixedPrecisionPolicy against one process's bf16 autocast, within BF16_TOLERANCE."""
+    bf16 = {"gradient_checkpointing": True, "precision": "bf16"}
+    more = {"bf16": run_config(tmp_path, "bf16", 4, False, parallelism={"strategy": "fsdp"}, training=bf16)}
+    runs = check_lora_run(tmp_path, {"strategy": "fsdp"}, more)
+    single = train(run_config(tmp_path, "single-bf16", 4, False, training={**bf16, "micro_batch_size": 4}))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["bf16"]["losses"], single.losses, strict=True))
+    print(f"fsdp bf16: worst relative loss difference to one process {worst:.2e}")
+    assert worst < BF16_TOLERANCE, (runs["bf16"]["losses"], single.losses)
+
+
+def test_deepspeed_zero3_with_lora_gradient_checkpointing_and_kernels(tmp_path):
+    check_lora_run(tmp_path, {"strategy": "deepspeed", "zero_stage": 3})
