@@ -339,6 +339,33 @@ def _chosen_nll(chosen_logps: torch.Tensor, chosen_counts: torch.Tensor) -> torc
     return -chosen_logps.sum() / chosen_counts.sum().clamp_min(1)
 
 
+def _target_logits_mean(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    per_sequence: bool = False,
+) -> torch.Tensor:
+    """TRL's logits/chosen: the mean logit over the non-ignored target tokens and the vocabulary (0 without any),
+    over all given sequences or per sequence."""
+    logits = F.linear(hidden, weight, bias)
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    valid = (target != ignore_index)[..., None]
+    dims = (1, 2) if per_sequence else (0, 1, 2)
+    return (torch.where(valid, x, 0).sum(dims) / (valid.sum(dims) * x.shape[-1]).clamp_min(1)).detach()
+
+
+def _paired_logits_means(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, ignore_index: int
+) -> dict[str, torch.Tensor]:
+    pairs = hidden.shape[0] // 2
+    return {
+        "chosen_logits_mean": _target_logits_mean(hidden[:pairs], weight, bias, target[:pairs], ignore_index),
+        "rejected_logits_mean": _target_logits_mean(hidden[pairs:], weight, bias, target[pairs:], ignore_index),
+    }
+
+
 def _sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
@@ -369,6 +396,7 @@ def fused_linear_dpo(
         "rejected_rewards": (beta * (rejected - ref_rejected)).detach(),
         "chosen_logps": chosen.detach(),
         "rejected_logps": rejected.detach(),
+        **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
     return _sigmoid_preference(z, label_smoothing).mean(), metrics
 
@@ -397,6 +425,7 @@ def fused_linear_cpo(
         "chosen_logps": chosen.detach(),
         "rejected_logps": rejected.detach(),
         "nll_loss": nll.detach(),
+        **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
     return loss, metrics
 
@@ -427,6 +456,7 @@ def fused_linear_simpo(
         "chosen_logps": chosen.detach(),
         "rejected_logps": rejected.detach(),
         "nll_loss": nll.detach(),
+        **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
     return loss, metrics
 
@@ -460,6 +490,7 @@ def fused_linear_orpo(
         "nll_loss": nll.detach(),
         "log_odds_ratio": ratio.mean().detach(),
         "log_odds_chosen": log_odds.mean().detach(),
+        **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
     return nll - beta * ratio.mean(), metrics
 
@@ -505,5 +536,10 @@ def fused_linear_kto(
         desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
         undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
     )
-    metrics = {"rewards": (beta * x).detach(), "logps": logps.detach(), "kl": kl}
+    metrics = {
+        "rewards": (beta * x).detach(),
+        "logps": logps.detach(),
+        "logits_mean": _target_logits_mean(hidden, weight, bias, target, ignore_index, per_sequence=True),
+        "kl": kl,
+    }
     return losses.mean(), metrics

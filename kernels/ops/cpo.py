@@ -7,7 +7,9 @@ With summed target log-probs ``logp``, per pair of a chosen sequence ``c`` and i
            + alpha * NLL,   NLL = -sum of the chosen target log-probs / number of chosen target tokens
 
 No reference model. Metrics, as TRL logs them: ``chosen_rewards = beta * logp_c``, ``rejected_rewards =
-beta * logp_r``, ``chosen_logps``, ``rejected_logps`` (per pair) and ``nll_loss``, detached, float32.
+beta * logp_r``, ``chosen_logps``, ``rejected_logps`` (per pair), ``nll_loss`` and
+``chosen_logits_mean``/``rejected_logits_mean`` (the mean logit over the target tokens and the
+vocabulary), detached, float32.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_preference_inputs,
     check_unit_interval,
     chosen_token_count,
+    logits_mean,
     run_preference,
 )
 from tigon.kernels.utils import use_triton
@@ -72,12 +75,15 @@ def fused_linear_cpo(
         preference = sigmoid_preference(beta * (logps[:k] - logps[k:]), label_smoothing).sum() / pairs
         return preference - alpha * logps[:k].sum() / chosen_tokens
 
-    loss, logps, _ = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    result = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    logps, counts = result.logps, (target != ignore_index).sum(1)
     metrics = {
         "chosen_rewards": (beta * logps[:pairs]).float(),
         "rejected_rewards": (beta * logps[pairs:]).float(),
         "chosen_logps": logps[:pairs].float(),
         "rejected_logps": logps[pairs:].float(),
         "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
+        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
+        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
     }
-    return loss, metrics
+    return result.loss, metrics

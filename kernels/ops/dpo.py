@@ -8,7 +8,8 @@ chosen sequence ``c`` and its rejected partner ``r``:
 
 ``label_smoothing`` > 0 is conservative DPO (cDPO). Metrics, as TRL logs them: ``chosen_rewards =
 beta * (logp_c - ref_c)``, ``rejected_rewards = beta * (logp_r - ref_r)``, ``chosen_logps``,
-``rejected_logps`` (one value per pair, detached, float32). The batch holds the chosen sequences then
+``rejected_logps`` (one value per pair), and ``chosen_logits_mean``/``rejected_logits_mean`` (the mean
+logit over the target tokens and the vocabulary), detached, float32. The batch holds the chosen sequences then
 their rejected partners; see `fused_linear_preference` for the chunked pass.
 """
 
@@ -23,6 +24,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_positive,
     check_preference_inputs,
     check_unit_interval,
+    logits_mean,
     reference_source,
     run_preference,
 )
@@ -89,12 +91,15 @@ def fused_linear_dpo(
         return sigmoid_preference(z, label_smoothing).sum() / pairs
 
     source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
-    loss, logps, ref = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
-    rewards = (beta * (logps - ref)).float()
+    result = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
+    logps, counts = result.logps, (target != ignore_index).sum(1)
+    rewards = (beta * (logps - result.ref_logps)).float()
     metrics = {
         "chosen_rewards": rewards[:pairs],
         "rejected_rewards": rewards[pairs:],
         "chosen_logps": logps[:pairs].float(),
         "rejected_logps": logps[pairs:].float(),
+        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
+        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
     }
-    return loss, metrics
+    return result.loss, metrics

@@ -23,6 +23,8 @@ Liger-Kernel lay it out; one sequence for KTO). For each chunk:
 
 So there is one forward and two gradient matmuls per chunk, at most one chunk of logits exists, and
 the backward only scales the finished gradients by the incoming gradient (skipped when it is 1).
+The mean-logit metrics TRL logs need no pass over the logits: a token's logits summed over the
+vocabulary are ``hidden . sum_v weight[v] + sum(bias)``, one matrix-vector product per chunk.
 
 Chunk size: ``choose_chunk_size`` of ``fused_linear_cross_entropy`` gives the tokens per chunk; a chunk
 holds as many whole groups as fit, and at least one. ``chunk_size=`` sets the groups per chunk.
@@ -50,6 +52,18 @@ partners; `rows` are the batch rows of the chunk's sequences, in that order.
 """
 
 
+@dataclass
+class PassResult:
+    """What a chunked pass returns besides the gradients: the loss (float64 scalar, 0 without a loss) and,
+    per sequence, float64 and detached, the summed target log-probs, the reference's (or None), and the
+    logits summed over the vocabulary and over the target tokens."""
+
+    loss: torch.Tensor
+    logps: torch.Tensor
+    ref_logps: torch.Tensor | None
+    logits_sums: torch.Tensor
+
+
 @dataclass(frozen=True)
 class PassSettings:
     """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation."""
@@ -63,6 +77,11 @@ class PassSettings:
 def safe_average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """`logps / counts`, and 0 for a sequence with no target tokens."""
     return torch.where(counts > 0, logps / counts.clamp_min(1), 0.0)
+
+
+def logits_mean(logits_sums: torch.Tensor, counts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Mean logit over the given sequences' target tokens and the vocabulary (TRL's logits/chosen); 0 without tokens."""
+    return logits_sums.sum() / (counts.sum() * vocab).clamp_min(1)
 
 
 def chosen_token_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -101,8 +120,8 @@ def chunked_pass(
     loss_fn: ChunkLoss | None,
     settings: PassSettings,
     want: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor | None, ...]]:
-    """One pass over the chunks: (loss, logps, ref_logps, (grad_hidden, grad_weight, grad_bias)).
+) -> tuple[PassResult, tuple[torch.Tensor | None, ...]]:
+    """One pass over the chunks: (result, (grad_hidden, grad_weight, grad_bias)).
 
     `ref` is either the reference log-probs (B,) or (ref_hidden, ref_weight, ref_bias) to compute them
     chunk by chunk, or None. `loss_fn=None` computes only the log-probs (the loss is then 0).
@@ -125,6 +144,9 @@ def chunked_pass(
     chunks = _chunks(n_sequences, settings.paired, per_chunk, device)
 
     logps = torch.empty(n_sequences, dtype=torch.float64, device=device)
+    logits_sums = torch.empty_like(logps)
+    column_sum = weight.sum(0, dtype=torch.float32)  # (H,): a token's logits summed over the vocabulary, less bias
+    bias_sum = bias.sum(dtype=torch.float32) if bias is not None else 0.0
     if isinstance(ref, torch.Tensor):
         ref_logps = ref.detach().to(torch.float64).clone()
     else:
@@ -148,6 +170,9 @@ def chunked_pass(
             cross_entropy_rows(logits, target_rows, None, scales, options, False, token_loss)
             ref_logps[rows] = -token_loss.view(n, seq_len).sum(1, dtype=torch.float64)
         hidden_rows = _logits_into(logits, hidden, weight, bias, rows)
+        token_logits_sum = torch.mv(hidden_rows.float(), column_sum) + bias_sum
+        token_logits_sum = torch.where(target_rows != settings.ignore_index, token_logits_sum, 0.0)
+        logits_sums[rows] = token_logits_sum.view(n, seq_len).sum(1, dtype=torch.float64)
         cross_entropy_rows(logits, target_rows, None, scales, options, False, token_loss)
         chunk_logps = -token_loss.view(n, seq_len).sum(1, dtype=torch.float64)
         logps[rows] = chunk_logps
@@ -176,7 +201,7 @@ def chunked_pass(
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss, logps, ref_logps, (grad_hidden, grad_weight, grad_bias)
+    return PassResult(loss, logps, ref_logps, logits_sums), (grad_hidden, grad_weight, grad_bias)
 
 
 class FusedLinearPreferenceFunction(torch.autograd.Function):
@@ -184,12 +209,14 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, ref, loss_fn, settings):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, logps, ref_logps, grads = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, want)
+            result, grads = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, want)
         ctx.save_for_backward(*grads)
         ctx.backward_done = False
-        outputs = (logps, ref_logps) if ref_logps is not None else (logps,)
+        outputs = (result.logps, result.logits_sums)
+        if result.ref_logps is not None:
+            outputs += (result.ref_logps,)
         ctx.mark_non_differentiable(*outputs)
-        return (loss.float(), *outputs)
+        return (result.loss.float(), *outputs)
 
     @staticmethod
     @once_differentiable
@@ -215,17 +242,18 @@ def run_preference(
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | torch.Tensor | None,
     loss_fn: ChunkLoss,
     settings: PassSettings,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(loss, per-sequence summed log-probs (B,), reference log-probs (B,) or None); the last two float64, detached."""
+) -> PassResult:
+    """The loss (float32, differentiable) and the detached per-sequence results of one chunked pass."""
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        loss, logps, *rest = FusedLinearPreferenceFunction.apply(hidden, weight, bias, target, ref, loss_fn, settings)
-        return loss, logps, (rest[0] if rest else None)
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, logps, ref_logps, _ = chunked_pass(
-            hidden, weight, bias, target, ref, loss_fn, settings, (False, False, False)
+        loss, logps, logits_sums, *rest = FusedLinearPreferenceFunction.apply(
+            hidden, weight, bias, target, ref, loss_fn, settings
         )
-    return loss.float(), logps, ref_logps
+        return PassResult(loss, logps, rest[0] if rest else None, logits_sums)
+    with torch.autocast(hidden.device.type, enabled=False):
+        result, _ = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, (False, False, False))
+    result.loss = result.loss.float()
+    return result
 
 
 def sequence_logps(
@@ -249,8 +277,8 @@ def sequence_logps(
             logps, _ = reference.sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
         return logps.to(torch.float64)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        _, logps, _, _ = chunked_pass(hidden, weight, bias, target.contiguous(), None, None, settings, (False,) * 3)
-    return logps
+        result, _ = chunked_pass(hidden, weight, bias, target.contiguous(), None, None, settings, (False,) * 3)
+    return result.logps
 
 
 def check_head(

@@ -11,8 +11,8 @@ the policy and ``ref`` of the reference model, ``x = logp - ref``, and the refer
 computed as TRL does, ``clamp(mean(kl_logps - ref_kl_logps), min=0)``, from the mismatched
 (prompt, completion) KL batch ``kl_hidden``/``kl_target`` under the policy head (no gradient) and
 ``ref_kl_logps`` or ``ref_kl_hidden`` under the reference head. Metrics: ``rewards = beta * x`` and
-``logps`` per sequence (split them with ``desirable`` for TRL's chosen/rejected logs) and ``kl``,
-detached, float32.
+``logps`` and ``logits_mean`` (the mean logit over its target tokens and the vocabulary) per sequence
+(split them with ``desirable`` for TRL's chosen/rejected logs) and ``kl``, detached, float32.
 """
 
 from __future__ import annotations
@@ -165,6 +165,12 @@ def fused_linear_kto(
         return losses.sum() / n_sequences
 
     source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
-    loss, logps, ref = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
-    metrics = {"rewards": (beta * (logps - ref)).float(), "logps": logps.float(), "kl": kl.float()}
-    return loss, metrics
+    result = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
+    counts = (target != ignore_index).sum(1)
+    metrics = {
+        "rewards": (beta * (result.logps - result.ref_logps)).float(),
+        "logps": result.logps.float(),
+        "logits_mean": (result.logits_sums / (counts * weight.shape[0]).clamp_min(1)).float(),
+        "kl": kl.float(),
+    }
+    return result.loss, metrics

@@ -11,7 +11,9 @@ sequence ``c`` and its rejected partner ``r``:
 probability 1, as with a one-token vocabulary) gets ``log_odds = 0`` and adds 0 to the sum. No
 reference model. Metrics, as TRL logs them: ``chosen_rewards = beta * avg_c``, ``rejected_rewards =
 beta * avg_r``, ``chosen_logps = avg_c``, ``rejected_logps = avg_r`` (per pair), ``nll_loss``,
-``log_odds_ratio`` (mean of log sigmoid(log_odds)) and ``log_odds_chosen`` (mean of log_odds), detached.
+``log_odds_ratio`` (mean of log sigmoid(log_odds)), ``log_odds_chosen`` (mean of log_odds) and
+``chosen_logits_mean``/``rejected_logits_mean`` (the mean logit over the target tokens and the vocabulary),
+detached, float32.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_positive,
     check_preference_inputs,
     chosen_token_count,
+    logits_mean,
     run_preference,
     safe_average,
 )
@@ -73,8 +76,9 @@ def fused_linear_orpo(
         _, ratio = log_odds_terms(average[:k], average[k:])
         return -logps[:k].sum() / chosen_tokens - beta * ratio.sum() / pairs
 
-    loss, logps, _ = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
-    average = safe_average(logps, (target != ignore_index).sum(1).to(torch.float64))
+    result = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    logps, counts = result.logps, (target != ignore_index).sum(1)
+    average = safe_average(logps, counts.to(torch.float64))
     log_odds, ratio = log_odds_terms(average[:pairs], average[pairs:])
     metrics = {
         "chosen_rewards": (beta * average[:pairs]).float(),
@@ -84,5 +88,7 @@ def fused_linear_orpo(
         "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
         "log_odds_ratio": ratio.mean().float(),
         "log_odds_chosen": log_odds.mean().float(),
+        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
+        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
     }
-    return loss, metrics
+    return result.loss, metrics

@@ -9,7 +9,8 @@ without targets), per pair of a chosen sequence ``c`` and its rejected partner `
 
 No reference model; ``alpha = 0`` (the default) is the paper's loss, ``alpha > 0`` TRL's CPO-SimPO.
 Metrics: ``chosen_rewards = beta * avg_c``, ``rejected_rewards = beta * avg_r``, ``chosen_logps = avg_c``,
-``rejected_logps = avg_r`` (per pair) and ``nll_loss``, detached, float32.
+``rejected_logps = avg_r`` (per pair), ``nll_loss`` and ``chosen_logits_mean``/``rejected_logits_mean`` (the
+mean logit over the target tokens and the vocabulary), detached, float32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_preference_inputs,
     check_unit_interval,
     chosen_token_count,
+    logits_mean,
     run_preference,
     safe_average,
 )
@@ -78,13 +80,16 @@ def fused_linear_simpo(
         z = beta * (average[:k] - average[k:]) - gamma
         return sigmoid_preference(z, label_smoothing).sum() / pairs - alpha * logps[:k].sum() / chosen_tokens
 
-    loss, logps, _ = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
-    average = safe_average(logps, (target != ignore_index).sum(1).to(torch.float64))
+    result = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
+    logps, counts = result.logps, (target != ignore_index).sum(1)
+    average = safe_average(logps, counts.to(torch.float64))
     metrics = {
         "chosen_rewards": (beta * average[:pairs]).float(),
         "rejected_rewards": (beta * average[pairs:]).float(),
         "chosen_logps": average[:pairs].float(),
         "rejected_logps": average[pairs:].float(),
         "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
+        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
+        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
     }
-    return loss, metrics
+    return result.loss, metrics
