@@ -21,6 +21,7 @@ import logging
 import posixpath
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,7 @@ def run_storage(remote_dir: str | None) -> RunStorage | None:
     return RunStorage(remote_dir) if remote_dir else None
 
 
-def fetch_for_resume(remote_dir: str | None, run_dir: str | Path, local_rank: int, barrier) -> None:
+def fetch_for_resume(remote_dir: str | None, run_dir: str | Path, local_rank: int, barrier: Callable[[], None]) -> None:
     """Before resuming: each node's first process fetches the newest uploaded checkpoint; everyone waits."""
     storage = run_storage(remote_dir)
     if storage is None:
