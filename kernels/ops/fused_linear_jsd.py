@@ -165,6 +165,7 @@ def check_fused_linear_jsd_inputs(
     options: JSDOptions,
     chunk_size: int | None,
 ) -> None:
+    """Raise a ValueError/TypeError that names the problem and the fix."""
     _check_head("student", student_hidden, student_weight)
     _check_head("teacher", teacher_hidden, teacher_weight)
     if teacher_hidden.shape[0] != student_hidden.shape[0]:

@@ -21,7 +21,8 @@ Hinton's scaling. The teacher gets no gradient.
 
 One program owns one row (a persistent grid). On logits, pass 1 walks the vocabulary in chunks with
 an online softmax for both models (running maxima and rescaled sums), pass 2 sums the loss and
-`sum_k g_k`, pass 3 writes the gradient; on log-probabilities one pass does both. The forward writes
+`sum_k g_k`, pass 3 writes the gradient (at beta = 0, `sum_k g_k = -1` and pass 2 writes it); on
+log-probabilities one pass does both. The forward writes
 the gradient of the reduced loss (into a new buffer here, into the student's logits chunk in the fused
 linear op); the backward only scales it by the incoming gradient. Reduction: "batchmean" (sum over
 tokens / number of non-ignored tokens), "sum", "mean" (batchmean / V, as TRL's `jsd.mean()`) or
@@ -162,16 +163,21 @@ def _jsd_kernel(
                 if FROM_LOGITS:
                     x = x * inv_temperature - lse_s
                     y = y * inv_temperature - lse_t
-                pointwise, grad, _ = _terms(x, y, beta, log_beta, log_one_minus_beta, BETA_MODE)
+                pointwise, grad, q = _terms(x, y, beta, log_beta, log_one_minus_beta, BETA_MODE)
                 loss += tl.sum(tl.where(mask, pointwise, 0.0), axis=0)
                 if FROM_LOGITS:
-                    grad_sum += tl.sum(tl.where(mask, grad, 0.0), axis=0)
+                    if BETA_MODE == 0:  # g = -P sums to -1, so d/ds = (Q - P) / T is known already
+                        if WRITE_GRAD:
+                            grad = (q + grad) * (coef * inv_temperature)
+                            tl.store(g_row + cols, grad.to(GRAD.dtype.element_ty), mask=mask)
+                    else:
+                        grad_sum += tl.sum(tl.where(mask, grad, 0.0), axis=0)
                 elif WRITE_GRAD:
                     tl.store(g_row + cols, (grad * coef).to(GRAD.dtype.element_ty), mask=mask)
             tl.store(LOSS + row, loss * scale)
 
             # pass 3 (logits): through the softmax, d/ds_j = (g_j - Q_j sum_k g_k) / T
-            if FROM_LOGITS and WRITE_GRAD:
+            if FROM_LOGITS and WRITE_GRAD and BETA_MODE != 0:
                 coef = coef * inv_temperature
                 for start in range(0, n_cols, BLOCK_V):
                     cols = start + offsets
@@ -193,6 +199,7 @@ class JSDOptions:
 
 
 def check_jsd_options(options: JSDOptions) -> None:
+    """Raise on a reduction, beta, temperature or ignore_index outside what the kernel computes."""
     if options.reduction not in REDUCTIONS:
         raise ValueError(f"reduction={options.reduction!r} is not one of {REDUCTIONS}")
     if isinstance(options.beta, bool) or not isinstance(options.beta, (int, float)) or not 0 <= options.beta <= 1:
@@ -208,6 +215,7 @@ def check_jsd_options(options: JSDOptions) -> None:
 
 
 def check_label(label: torch.Tensor | None, n_rows: int, rows_name: str) -> None:
+    """An optional label must hold one integer per token (row)."""
     if label is None:
         return
     if not isinstance(label, torch.Tensor):
@@ -221,7 +229,9 @@ def check_label(label: torch.Tensor | None, n_rows: int, rows_name: str) -> None
         )
 
 
-def loss_scale(label: torch.Tensor | None, n_rows: int, n_cols: int, options: JSDOptions, device) -> torch.Tensor:
+def loss_scale(
+    label: torch.Tensor | None, n_rows: int, n_cols: int, options: JSDOptions, device: torch.device
+) -> torch.Tensor:
     """float32 one-element tensor: the reduction's normalizer, computed on the device (no host sync)."""
     if options.reduction in ("sum", "none"):
         return torch.ones(1, dtype=torch.float32, device=device)
@@ -235,6 +245,7 @@ def loss_scale(label: torch.Tensor | None, n_rows: int, n_cols: int, options: JS
 
 
 def beta_mode(beta: float) -> int:
+    """The kernel's BETA_MODE: 0 forward KL, 1 reverse KL, 2 the mixture JSD."""
     return 0 if beta == 0 else 1 if beta == 1 else 2
 
 
@@ -288,10 +299,19 @@ def jsd_rows(
 
 
 def reduce_rows(loss_rows: torch.Tensor, options: JSDOptions) -> torch.Tensor:
+    """Per-row losses (already scaled by the reduction's normalizer) to the returned loss."""
     return loss_rows if options.reduction == "none" else loss_rows.sum()
 
 
-def _forward(student, teacher, label, options, from_logits, want_grad):
+def _forward(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    label: torch.Tensor | None,
+    options: JSDOptions,
+    from_logits: bool,
+    want_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, gradient of the reduced loss with respect to the student as (rows, V), or None)."""
     s, t = rows_view(student), rows_view(teacher)
     n_rows, n_cols = s.shape
     label = label.reshape(-1).contiguous() if label is not None else None
@@ -326,7 +346,10 @@ class JSDFunction(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None
 
 
-def check_jsd_inputs(student: torch.Tensor, teacher: torch.Tensor, label: torch.Tensor | None, options) -> None:
+def check_jsd_inputs(
+    student: torch.Tensor, teacher: torch.Tensor, label: torch.Tensor | None, options: JSDOptions
+) -> None:
+    """Raise a ValueError/TypeError that names the problem and the fix."""
     check_float("student", student)
     check_float("teacher", teacher)
     if student.dim() == 0 or student.numel() == 0:

@@ -181,6 +181,7 @@ class KLDivergenceFunction(torch.autograd.Function):
 
 
 def check_kl_divergence_inputs(input: torch.Tensor, target: torch.Tensor, reduction: str, log_target: bool) -> None:
+    """Raise a ValueError/TypeError that names the problem and the fix."""
     check_float("input", input)
     check_float("target", target)
     if input.dim() == 0 or input.numel() == 0:
