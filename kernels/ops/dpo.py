@@ -85,7 +85,10 @@ def fused_linear_dpo(
         )
     pairs = hidden.shape[0] // 2
 
-    def loss_fn(logps, counts, ref, rows):
+    def loss_fn(
+        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
         k = logps.shape[0] // 2
         z = beta * ((logps[:k] - logps[k:]) - (ref[:k] - ref[k:]))
         return sigmoid_preference(z, label_smoothing).sum() / pairs

@@ -155,7 +155,10 @@ def fused_linear_kto(
     kl = torch.as_tensor(kl, dtype=torch.float64, device=hidden.device).detach().reshape(())
     n_sequences = hidden.shape[0]
 
-    def loss_fn(logps, counts, ref, rows):
+    def loss_fn(
+        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
         x = logps - ref
         losses = torch.where(
             desirable[rows],

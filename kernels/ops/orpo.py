@@ -70,7 +70,10 @@ def fused_linear_orpo(
     pairs = hidden.shape[0] // 2
     chosen_tokens = chosen_token_count(target, ignore_index)
 
-    def loss_fn(logps, counts, ref, rows):
+    def loss_fn(
+        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
         k = logps.shape[0] // 2
         average = safe_average(logps, counts)
         _, ratio = log_odds_terms(average[:k], average[k:])
