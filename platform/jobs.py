@@ -165,6 +165,8 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         "pod_template": PodTemplate(pod_spec=pod_spec),
         "container_image": template.image,
         "environment": dict(template.env),
+        # Flyte retries a FlyteRecoverableException (lost node, network) as often as a PyTorchJob's backoffLimit.
+        "retries": template.max_restarts,
     }
     if template.shared_memory:
         options["shared_memory"] = template.shared_memory

@@ -127,6 +127,7 @@ def test_train_task_serializes_per_job_template_and_node_count(template, nodes):
     assert pod.get("nodeSelector", {}) == expected.node_selector
     shared_memory = task_template.extended_resources.shared_memory  # Flyte mounts it at /dev/shm
     assert shared_memory.size_limit == expected.shared_memory
+    assert task_template.metadata.retries.retries == expected.max_restarts  # Flyte retries of recoverable faults
 
 
 def test_unknown_job_template_is_rejected_before_running():
