@@ -161,7 +161,8 @@ class KLDivergenceFunction(torch.autograd.Function):
         else:
             g, stride_row, stride_col = grad_out.reshape(1), 0, 0
         grad = torch.empty((n_rows, n_cols), dtype=ctx.dtype, device=y.device)
-        blocks_per_row = triton.cdiv(n_cols, BACKWARD_BLOCK)
+        block = min(next_power_of_2(n_cols), BACKWARD_BLOCK)
+        blocks_per_row = triton.cdiv(n_cols, block)
         _kl_div_backward_kernel[(n_rows * blocks_per_row,)](
             y,
             y.stride(0),
@@ -174,8 +175,8 @@ class KLDivergenceFunction(torch.autograd.Function):
             blocks_per_row,
             _reduction_scale(ctx.shape, ctx.reduction),
             LOG_TARGET=ctx.log_target,
-            BLOCK=BACKWARD_BLOCK,
-            num_warps=8,
+            BLOCK=block,
+            num_warps=min(8, warps_for(block)),
         )
         return grad.view(ctx.shape), None, None, None
 
