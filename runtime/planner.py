@@ -17,8 +17,8 @@ Activations, per token of a micro-batch (B x T tokens), in bytes, with h hidden,
 q = heads x head_dim, kv = kv_heads x head_dim, c the compute dtype's size (2 under bf16/fp16,
 else the weights' size) and r the residual stream's size (the weights' dtype):
 
-- RMSNorm, Hugging Face eager: the float32 copy of its input (4h) and the normalized input in its
-  own dtype (r h; only when the norm weight trains). tigon: the input itself (r h) and 1/rms (4).
+- RMSNorm, Hugging Face eager: the float32 copy of its input (4h), 1/rms (4) and the normalized
+  input in its own dtype (r h; only when the norm weight trains). tigon: the input itself (r h) and 1/rms (4).
 - A Linear saves its input (c h, or c i for down_proj) when its weight trains or it carries a LoRA
   adapter (then also the adapter's c x rank output).
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
@@ -266,32 +266,41 @@ def norm_bytes(work: Workload, kernels: bool) -> float:
     h, r = work.shape.hidden, work.weight_bytes
     if kernels:
         return r * h + 4
-    return 4 * h + (r * h if not work.lora_rank else 0)
+    return 4 * h + 4 + (r * h if not work.lora_rank else 0)  # float32 input, 1/rms, normalized input
+
+
+def _adapter_bytes(work: Workload, names: tuple[str, ...]) -> float:
+    """Bytes per token LoRA adapters on these projections save (each one's c x rank output)."""
+    return work.compute_bytes * work.lora_rank * len([n for n in names if n in work.lora_targets])
+
+
+def attention_bytes(work: Workload) -> float:
+    """Bytes per token one attention block saves: q/k/v input, the attention kernel's, o_proj's input."""
+    s, c = work.shape, work.compute_bytes
+    h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    total = c * h if any(_trains(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
+    if work.attention == "flash_attention_2":
+        total += c * (2 * q + 2 * kv) + 4 * s.heads  # o_proj reads the kernel's output itself
+    else:
+        total += c * 4 * q + 4 * s.heads + c * work.seq_len  # q, k, v repeated, output; lse; the mask as a bias
+        total += c * q if _trains(work, "o_proj") else 0  # o_proj's contiguous copy of the output
+        if work.attention == "eager":
+            total += (4 + c) * s.heads * work.seq_len
+    return total + _adapter_bytes(work, ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def mlp_bytes(work: Workload, kernels: bool) -> float:
+    """Bytes per token one gated MLP saves: its input, gate/up (and SiLU's output, eager), down_proj's input."""
+    c, h, i = work.compute_bytes, work.shape.hidden, work.shape.intermediate
+    total = c * h if any(_trains(work, n) for n in ("gate_proj", "up_proj")) else 0
+    total += c * i * (2 if kernels else 3)
+    total += c * i if _trains(work, "down_proj") else 0
+    return total + _adapter_bytes(work, ("gate_proj", "up_proj", "down_proj"))
 
 
 def layer_bytes(work: Workload, kernels: bool) -> float:
     """Bytes per token one decoder layer saves for its backward, without checkpointing (see the module doc)."""
-    s, c = work.shape, work.compute_bytes
-    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    total = 2 * norm_bytes(work, kernels)
-    if any(_trains(work, n) for n in ("q_proj", "k_proj", "v_proj")):
-        total += c * h
-    if work.attention == "flash_attention_2":
-        total += c * (2 * q + 2 * kv) + 4 * s.heads
-    else:
-        total += c * 5 * q + 4 * s.heads + c * work.seq_len
-        if work.attention == "eager":
-            total += (4 + c) * s.heads * work.seq_len
-    if not _trains(work, "o_proj") and work.attention != "flash_attention_2":
-        total -= c * q  # o_proj's contiguous copy is not saved
-    if any(_trains(work, n) for n in ("gate_proj", "up_proj")):
-        total += c * h
-    total += c * i * (2 if kernels else 3)
-    if _trains(work, "down_proj"):
-        total += c * i
-    if work.lora_rank:
-        total += c * work.lora_rank * len([n for n in work.lora_targets if n in s.linear_names])
-    return total
+    return 2 * norm_bytes(work, kernels) + attention_bytes(work) + mlp_bytes(work, kernels)
 
 
 def layer_backward_bytes(work: Workload, kernels: bool) -> float:

@@ -59,10 +59,10 @@ def test_estimate_matches_hand_computed_bytes():
     assert TINY.params == 1352
     persistent = 1352 * 2 + 2 * 1352 * 2 + planner.OVERHEAD  # bf16 weights + AdamW's two states
 
-    # checkpointing off, kernels off; per token of a layer: norms 2 x (4h + 2h) = 96, q/k/v input 16,
+    # checkpointing off, kernels off; per token of a layer: norms 2 x (4h + 4 + 2h) = 104, q/k/v input 16,
     # attention 2 x 5 x 8 + lse 4 x 2 + mask bias 2 x 4 = 96, MLP input 16, MLP 3 x 2 x 16 = 96, down input 32
-    layer = (96 + 16 + 96 + 16 + 96 + 32) * 8
-    head = (48 + 16) * 8  # final norm + lm_head's input
+    layer = (104 + 16 + 96 + 16 + 96 + 32) * 8
+    head = (52 + 16) * 8  # final norm + lm_head's input
     per_batch = 24 * 8 + 2 * 2 * 4 * 8  # ids/labels/positions + cos/sin
     backward = max(3 * 2 * 16, 3 * 2 * 8 + 4 * 8) * 8  # the MLP's gradients
     head_grad = 80 * 2
@@ -80,7 +80,7 @@ def test_estimate_matches_hand_computed_bytes():
     got = estimate(work, Setting(2, 1, checkpointing=True, kernels=False))
     assert got.peak == first and got.moment == "backward (first layer)"
 
-    # tigon kernels: a norm keeps its input and 1/rms (2h + 4 = 20 instead of 48); SwiGLU keeps gate and up
+    # tigon kernels: a norm keeps its input and 1/rms (2h + 4 = 20 instead of 52); SwiGLU keeps gate and up
     # (2 x 2 x 16 = 64 instead of 96); the MLP's backward gradient is one intermediate (2 x 16 = 32)
     layer_k = (2 * 20 + 16 + 96 + 16 + 64 + 32) * 8
     head_k = (20 + 16) * 8
@@ -237,3 +237,45 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "GPU memory 141.00 GiB" in out and "plan: micro-batch" in out and "(current)" in out
     assert cli.main(["plan", str(path), "--gpu-memory", "2GiB"]) == 2
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
+
+
+def saved_bytes(module, x) -> int:
+    """Bytes autograd keeps for the backward of `module(x)`: every saved tensor's storage once, parameters excluded."""
+    import torch
+
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_norm_and_mlp_formulas_match_what_autograd_saves(kernels, frozen):
+    """bf16 on the CPU (tigon's autograd functions save the same tensors on either device)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from tigon.kernels.modules import GatedMLP, RMSNorm
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=1)
+    shape = ModelShape.from_hf_config(config)
+    norm, mlp = LlamaRMSNorm(64).to(torch.bfloat16), LlamaMLP(config).to(torch.bfloat16)
+    if kernels:
+        norm, mlp = RMSNorm.from_module(norm, in_place_backward=True), GatedMLP.from_module(mlp, config)
+    lora = {"lora_rank": 4, "lora_targets": ("q_proj", "v_proj")} if frozen else {}
+    for parameter in [*norm.parameters(), *mlp.parameters()]:
+        parameter.requires_grad_(not frozen)  # LoRA on attention only: the norm and the MLP are frozen
+    work = bf16_work(shape, 16, **lora)
+    tokens = 3 * 16
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    assert saved_bytes(norm, x) == planner.norm_bytes(work, kernels) * tokens
+    assert saved_bytes(mlp, x) == planner.mlp_bytes(work, kernels) * tokens
