@@ -45,3 +45,37 @@ def test_estimate_within_ten_percent_of_the_measured_peak(variant, checkpointing
         f"measured {peak / 2**30:.3f} GiB, ratio {estimate / peak:.3f}"
     )
     assert abs(estimate - peak) <= 0.10 * peak, f"estimate {estimate} vs measured {peak} ({estimate / peak:.3f}x)"
+
+
+@pytest.mark.gpu
+def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
+    """A Llama-3.2-1B-shaped run far past the GPU's memory: train() raises the planner's advice, not a bare OOM."""
+    import json
+
+    from benchmarks.end_to_end import LLAMA_32_1B
+    from tigon.runtime.config import parse_config
+    from tigon.runtime.planner import TrainingOutOfMemory
+    from tigon.runtime.trainer import train
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": "0123456789 " * 800}) + "\n" for _ in range(40)))
+    config = parse_config(
+        {
+            "model": {
+                "config_name": "llama",
+                "config_overrides": LLAMA_32_1B,
+                "tokenizer": "char",
+                "dtype": "bfloat16",
+            },
+            "data": {"train": str(data), "max_seq_len": 8192},
+            "training": {"max_steps": 1, "micro_batch_size": 32, "precision": "bf16"},
+            "kernels": {"enabled": False},
+            "checkpoint": {"export": False, "resume": False},
+            "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
+        }
+    )
+    with pytest.raises(TrainingOutOfMemory) as error:
+        train(config)
+    message = str(error.value)
+    assert message.startswith("CUDA out of memory: the planner estimates this run's peak at")
+    assert "--set training.micro_batch_size=" in message and "training.plan: auto" in message
