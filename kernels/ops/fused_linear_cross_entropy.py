@@ -239,6 +239,120 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
 
 
+@torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    lse_square_scale: float,
+    softcap: float | None,
+    return_z_loss: bool,
+    check_targets: bool,
+    accumulate_in_fp32: bool,
+    chunk_size: int | None,
+    want: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile: (loss, z_loss, grad_hidden, grad_weight, grad_bias).
+
+    The gradients are those of the reduced loss (empty where not wanted, and always with reduction "none",
+    whose backward is `fused_linear_cross_entropy_backward_op`); the target check runs inside.
+    """
+    options = LossOptions(
+        ignore_index, label_smoothing, reduction, lse_square_scale, softcap, num_items_in_batch, return_z_loss
+    )
+    if check_targets:
+        check_target_range(target, weight.shape[0], ignore_index)
+    target = target.contiguous()
+    scales = loss_scales(target, class_weight, weight.shape[0], options)
+    want = tuple(want) if reduction != "none" else (False, False, False)
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss_rows, z_rows, *grads = chunked_pass(
+            hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want
+        )
+    loss, z_loss = reduce_rows(loss_rows, z_rows, options)
+    fresh = [loss, z_loss, *grads]  # outputs may not alias each other: a new empty tensor per missing one
+    return tuple(t if t is not None else loss_rows.new_empty(0) for t in fresh)
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
+      lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, want):  # fmt: skip
+    rows = hidden.new_empty(() if reduction != "none" else hidden.shape[:1], dtype=torch.float32)
+    grads = [
+        t.new_empty(t.shape) if on and reduction != "none" else rows.new_empty(0)
+        for t, on in zip((hidden, weight, bias), want, strict=True)
+    ]
+    return rows, rows.new_empty(rows.shape if return_z_loss else 0), *grads
+
+
+@torch.library.custom_op("tigon::fused_linear_cross_entropy_backward", mutates_args=())
+def fused_linear_cross_entropy_backward_op(
+    grad_rows: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    accumulate_in_fp32: bool,
+    chunk_size: int | None,
+    want: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none": the chunked pass again, each token's logits gradient scaled by its incoming gradient."""
+    options = LossOptions(ignore_index, label_smoothing, "none", lse_square_scale, softcap)
+    target = target.contiguous()
+    scales = loss_scales(target, class_weight, weight.shape[0], options)
+    with torch.autocast(hidden.device.type, enabled=False):
+        _, _, *grads = chunked_pass(
+            hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, tuple(want),
+            row_scale=grad_rows.contiguous(),
+        )  # fmt: skip
+    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+
+
+@fused_linear_cross_entropy_backward_op.register_fake
+def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
+      accumulate_in_fp32, chunk_size, want):  # fmt: skip
+    return tuple(
+        t.new_empty(t.shape) if on else hidden.new_empty(0) for t, on in zip((hidden, weight, bias), want, strict=True)
+    )
+
+
+def _flce_setup(ctx, inputs, output):
+    hidden, weight, target, bias, class_weight, _, ignore_index, label_smoothing, reduction = inputs[:9]
+    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, want = inputs[9:]
+    ctx.want, ctx.reduction = want, reduction
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
+        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _flce_grad(ctx, grad_loss, *_):
+    if ctx.reduction == "none":
+        hidden, weight, target, bias, class_weight = ctx.saved_tensors
+        grads = fused_linear_cross_entropy_backward_op(
+            grad_loss, hidden, weight, target, bias, class_weight, *ctx.options, ctx.want
+        )
+    else:
+        grads = [grad * grad_loss.to(grad.dtype) for grad in ctx.saved_tensors]
+    grad_hidden, grad_weight, grad_bias = (grad if on else None for grad, on in zip(grads, ctx.want, strict=True))
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 12
+
+
+fused_linear_cross_entropy_op.register_autograd(_flce_grad, setup_context=_flce_setup)
+
+
 def check_fused_linear_cross_entropy_inputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -315,8 +429,6 @@ def fused_linear_cross_entropy(
         return_z_loss=return_z_loss,
     )
     check_fused_linear_cross_entropy_inputs(hidden, weight, target, bias, class_weight, options, chunk_size)
-    if check_targets:
-        check_target_range(target, weight.shape[0], ignore_index)
     if not use_triton("fused_linear_cross_entropy", hidden):
         return reference.fused_linear_cross_entropy(
             hidden,
@@ -331,10 +443,22 @@ def fused_linear_cross_entropy(
             softcap=softcap,
             num_items_in_batch=num_items_in_batch,
             return_z_loss=return_z_loss,
-            check_targets=False,
+            check_targets=check_targets,
         )
-    target = target.contiguous()
     tensors = (hidden, weight, bias)
+    if torch.compiler.is_compiling():  # opaque ops, target check included: no graph break
+        if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = torch.tensor(float(num_items_in_batch))
+        grad = torch.is_grad_enabled()
+        loss, z_loss, *_ = fused_linear_cross_entropy_op(
+            hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
+            lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size,
+            [grad and t is not None and t.requires_grad for t in tensors],
+        )  # fmt: skip
+        return (loss, z_loss) if return_z_loss else loss
+    if check_targets:
+        check_target_range(target, weight.shape[0], ignore_index)
+    target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return FusedLinearCrossEntropyFunction.apply(
             hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size

@@ -128,7 +128,7 @@ def check_gated_inputs(gate: torch.Tensor, up: torch.Tensor, in_place_backward: 
         raise ValueError(
             f"gate has shape {tuple(gate.shape)} but up has shape {tuple(up.shape)}; they must have the same shape"
         )
-    if in_place_backward:
+    if in_place_backward and not torch.compiler.is_compiling():  # compiled code never writes in place
         if not (gate.is_contiguous() and up.is_contiguous()):
             raise ValueError(
                 "in_place_backward=True writes the gradients into gate's and up's memory, so both must be "
@@ -156,6 +156,49 @@ class GatedActivationFunction(torch.autograd.Function):
         return dgate.view(gate.shape), dup.view(up.shape), None, None
 
 
+@torch.library.custom_op("tigon::gated_activation", mutates_args=())
+def gated_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`act(gate) * up` as an opaque op for torch.compile (out-of-place backward)."""
+    return gated_forward(gate.contiguous(), up.contiguous(), activation).view(gate.shape)
+
+
+@gated_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("tigon::gated_activation_backward", mutates_args=())
+def gated_backward_op(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate, dup = gated_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), activation, in_place=False)
+    return dgate.view(gate.shape), dup.view(up.shape)
+
+
+@gated_backward_op.register_fake
+def _(grad, gate, up, activation):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _gated_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.activation = inputs[2]
+
+
+def _gated_grad(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return *gated_backward_op(grad, gate, up, ctx.activation), None
+
+
+gated_op.register_autograd(_gated_grad, setup_context=_gated_setup)
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # an opaque op; the in-place backward is an eager-mode saving
+        return gated_op(gate, up, activation)
+    return GatedActivationFunction.apply(gate, up, activation, in_place_backward)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
     """`silu(gate) * up` elementwise; `gate` and `up` share shape, dtype and device.
 
@@ -166,7 +209,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False
     check_gated_inputs(gate, up, in_place_backward)
     if not use_triton("swiglu", gate):
         return reference.swiglu(gate, up)
-    return GatedActivationFunction.apply(gate, up, "silu", in_place_backward)
+    return _gated(gate, up, "silu", in_place_backward)
 
 
 def geglu(
@@ -181,4 +224,4 @@ def geglu(
     check_gated_inputs(gate, up, in_place_backward)
     if not use_triton("geglu", gate):
         return reference.geglu(gate, up, approximate)
-    return GatedActivationFunction.apply(gate, up, APPROXIMATIONS[approximate], in_place_backward)
+    return _gated(gate, up, APPROXIMATIONS[approximate], in_place_backward)

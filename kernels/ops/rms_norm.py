@@ -269,6 +269,50 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dweight, None, None, None, None
 
 
+@torch.library.custom_op("tigon::rms_norm", mutates_args=())
+def rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile: returns (y, rstd)."""
+    y, rstd, _ = rms_norm_forward(rows_view(x), weight, eps, offset, casting)
+    return y.view(*x.shape[:-1], y.shape[-1]), rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, offset, casting):
+    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting == "llama" else x.dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("tigon::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) out of place; dweight is empty without a weight."""
+    dx, dweight = rms_norm_backward(rows_view(dy), rows_view(x), weight, rstd, offset, casting, in_place=False)
+    return dx.view(x.shape), dweight if dweight is not None else x.new_empty(0)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, offset, casting):
+    return torch.empty_like(x), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, offset, casting = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.casting = offset, casting
+
+
+def _rms_norm_grad(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy, x, weight, rstd, ctx.offset, ctx.casting)
+    return dx, dweight if weight is not None else None, None, None, None
+
+
+rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -286,4 +330,6 @@ def rms_norm(
     check_rms_norm_inputs(x, weight, casting)
     if not use_triton("rms_norm", x):
         return reference.rms_norm(x, weight, eps, offset, casting)
+    if torch.compiler.is_compiling():  # an opaque op, out-of-place backward: no graph break
+        return rms_norm_op(x, weight, eps, offset, casting)[0]
     return RMSNormFunction.apply(x, weight, eps, offset, casting, in_place_backward)

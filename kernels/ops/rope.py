@@ -310,6 +310,36 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+@torch.library.custom_op("tigon::rope", mutates_args=())
+def rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_rotate` as an opaque op for torch.compile (the backward is the same op, transposed)."""
+    return rope_rotate(q, k, cos, sin, position_ids, backward)
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, position_ids, backward):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rope_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[2:5])
+
+
+def _rope_grad(ctx, dq_out, dk_out):
+    cos, sin, position_ids = ctx.saved_tensors
+    return *rope_op(dq_out, dk_out, cos, sin, position_ids, True), None, None, None, None
+
+
+rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
 def rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -328,4 +358,6 @@ def rope(
     check_rope_inputs(q, k, cos, sin, position_ids)
     if not use_triton("rope", q):
         return reference.rope(q, k, cos, sin, position_ids)
+    if torch.compiler.is_compiling():
+        return rope_op(q, k, cos, sin, position_ids, False)
     return RoPEFunction.apply(q, k, cos, sin, position_ids)

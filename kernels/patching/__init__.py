@@ -15,7 +15,7 @@ from torch import nn
 
 from tigon.kernels import functional
 from tigon.kernels.modules import GatedMLP, GemmaRMSNorm, RMSNorm
-from tigon.kernels.patching.causal_lm import fused_class, fused_forward
+from tigon.kernels.patching.causal_lm import fused_class, fused_forward, keep_last_hidden_state
 
 logger = logging.getLogger("tigon.kernels")
 
@@ -246,6 +246,7 @@ def apply(
             if type(causal_lm).__name__ == family.causal_lm:
                 original = getattr(type(causal_lm), "__tigon_original__", type(causal_lm))
                 causal_lm.__class__ = fused_class(original, family)
+                keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)

@@ -1,12 +1,12 @@
 """Fused linear cross entropy in a causal LM's `forward`: one wrapper for every family in the table.
 
-With `labels` and `skip_logits` (default: `model.training`), the wrapped forward runs the family's own
-forward with no logit positions kept (`logits_to_keep` = an empty index, so the head projects nothing),
-takes the final hidden states from it, and computes the loss with `fused_linear_cross_entropy`: the
-`(tokens, vocabulary)` logits never exist. The output is the family's own output class with
-`logits=None` (as Liger-Kernel returns), and everything else (past key values, MoE `aux_loss` and
-router logits, requested hidden states) unchanged. Without labels, or in eval mode, the family's
-forward runs untouched, so generation and evaluation get their logits.
+With `labels` and `skip_logits` (default: `model.training`), the wrapped forward runs the family's
+own forward with no logit positions kept (`logits_to_keep` = an empty index, so the head projects
+nothing), takes the final hidden states from a forward hook on the decoder, and computes the loss
+with `fused_linear_cross_entropy`: the `(tokens, vocabulary)` logits never exist. The output is the
+family's own output class with `logits=None` (as Liger-Kernel returns), everything else (past key
+values, MoE `aux_loss` and router logits, hidden states) unchanged. Without labels, or in eval mode,
+the family's forward runs untouched, so generation and evaluation get their logits.
 
 The loss is Hugging Face's `ForCausalLMLoss`: labels shifted left and padded with `ignore_index`,
 `shift_labels` used as given, `num_items_in_batch` dividing the summed loss (gradient accumulation),
@@ -77,6 +77,27 @@ def causal_lm_loss(
     )
 
 
+LAST_HIDDEN = "_tigon_last_hidden_state"
+
+
+def _store_last_hidden_state(decoder: nn.Module, args, output) -> None:
+    box = decoder.__dict__[LAST_HIDDEN]
+    if box:  # a fused forward is waiting for it
+        box[-1] = output[0]
+
+
+def keep_last_hidden_state(causal_lm: nn.Module) -> list:
+    """The list the decoder's forward hook fills with its `last_hidden_state` (installed once per model).
+
+    A hook, not `output_hidden_states=True`: transformers' output capturing breaks torch.compile graphs.
+    """
+    decoder = causal_lm.get_decoder()
+    if LAST_HIDDEN not in decoder.__dict__:
+        decoder.__dict__[LAST_HIDDEN] = []
+        decoder.register_forward_hook(_store_last_hidden_state)
+    return decoder.__dict__[LAST_HIDDEN]
+
+
 def fused_forward(original, family: Family):
     """A `forward(self, ...)` that computes the loss with the fused op when it skips the logits.
 
@@ -103,12 +124,13 @@ def fused_forward(original, family: Family):
         del kwargs["labels"]
         keep = kwargs.pop("logits_to_keep", 0)
         return_dict = kwargs.pop("return_dict", None)
-        wants_hidden = kwargs.pop("output_hidden_states", None)
+        box = keep_last_hidden_state(self)
+        box.append(None)
         no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
-        out = original(self, **kwargs, logits_to_keep=no_positions, output_hidden_states=True, return_dict=True)
+        out = original(self, **kwargs, logits_to_keep=no_positions, return_dict=True)
         from transformers.modeling_utils import slice_logits_to_keep
 
-        hidden = slice_logits_to_keep(out.hidden_states[-1], keep)
+        hidden = slice_logits_to_keep(box.pop(), keep)
         loss = causal_lm_loss(
             self,
             family,
@@ -121,8 +143,6 @@ def fused_forward(original, family: Family):
         if getattr(out, "aux_loss", None) is not None:
             loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
         fields = {name: value for name, value in out.items() if name not in ("logits", "loss")}
-        if not (wants_hidden if wants_hidden is not None else self.config.output_hidden_states):
-            fields.pop("hidden_states", None)
         result = type(out)(loss=loss, **fields)
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
             return result.to_tuple()

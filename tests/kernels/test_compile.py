@@ -1,0 +1,158 @@
+"""torch.compile: the kernels are custom ops, so compiled code has no graph break in them and computes the same.
+
+On the CPU the compiled tests use the `aot_eager` backend (Dynamo + AOTAutograd, which trace the ops
+through their fake implementations; the kernels then run through Triton's interpreter). The GPU test
+compiles with Inductor.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.kernels.helpers import relative_error
+from tigon.kernels import functional as F
+from tigon.kernels import reference
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def assert_compiled_matches(function, oracle, tensors, bound=1e-5):
+    """`function` compiled with fullgraph=True (any graph break fails) against `oracle`, forward and backward."""
+    ours, theirs = leaves(*tensors), leaves(*tensors)
+    out = torch.compile(function, backend="aot_eager", fullgraph=True)(*ours)
+    expected = oracle(*theirs)
+    assert relative_error(out, expected) < bound
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    for got, want in zip(ours, theirs, strict=True):
+        assert relative_error(got.grad, want.grad) < bound
+
+
+def test_rms_norm_compiles_without_graph_breaks():
+    x, w = torch.randn(3, 5, 24), torch.randn(24)
+    assert_compiled_matches(lambda x, w: F.rms_norm(x, w, 1e-6), lambda x, w: reference.rms_norm(x, w, 1e-6), (x, w))
+    gemma = dict(eps=1e-6, offset=1.0, casting="gemma")
+    assert_compiled_matches(
+        lambda x, w: F.rms_norm(x, w, **gemma), lambda x, w: reference.rms_norm(x, w, **gemma), (x, w)
+    )
+
+
+def test_rope_compiles_without_graph_breaks():
+    q, k = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16)
+    cos, sin = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
+
+    def ours(q, k):
+        return torch.cat([t.flatten() for t in F.rope(q, k, cos, sin)])
+
+    def theirs(q, k):
+        return torch.cat([t.flatten() for t in reference.rope(q, k, cos, sin)])
+
+    assert_compiled_matches(ours, theirs, (q, k))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_gated_activation_compiles_without_graph_breaks(activation):
+    gate, up = torch.randn(3, 50), torch.randn(3, 50)
+    ours = getattr(F, activation)
+    assert_compiled_matches(
+        lambda g, u: ours(g, u, in_place_backward=True), getattr(reference, activation), (gate, up)
+    )  # the in-place backward is an eager-mode saving; compiled code stays out of place
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(num_items_in_batch=11, softcap=3.0),
+        dict(reduction="sum", lse_square_scale=1e-3),
+        dict(reduction="none"),
+    ],
+)
+def test_fused_linear_cross_entropy_compiles_without_graph_breaks(options):
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(13, 16), torch.randn(37, 16), torch.randn(37)
+    target = torch.randint(0, 37, (13,))
+    target[3] = -100
+
+    def ours(h, w, b):
+        return F.fused_linear_cross_entropy(h, w, target, b, **options)
+
+    def theirs(h, w, b):
+        return reference.fused_linear_cross_entropy(h, w, target, b, **options)
+
+    assert_compiled_matches(ours, theirs, (hidden, weight, bias))
+    bad = target.clone()
+    bad[0] = 37
+    compiled = torch.compile(lambda h, w: F.fused_linear_cross_entropy(h, w, bad), backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"target\[0\] = 37 is out of range"):
+        compiled(hidden, weight)  # the target check runs inside the op, so it needs no graph break
+
+
+MODELS = {
+    "llama": {},
+    "qwen3": {},
+    "gemma2": dict(final_logit_softcapping=3.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_patched_model_compiles_without_graph_breaks_and_same_loss(model_type, restore_rope):
+    from tests.kernels.test_patching import tiny
+    from tigon.kernels.patching import apply
+
+    eager = tiny(model_type, **MODELS[model_type])
+    assert set(apply(eager).applied) >= {"rms_norm", "rope", "fused_linear_cross_entropy"}
+    compiled_model = copy.deepcopy(eager)
+    batch = torch.randint(0, 131, (2, 9))
+    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=batch)
+    assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(compiled_model, backend="aot_eager")(input_ids=batch, labels=batch)
+    expected = eager(input_ids=batch, labels=batch)
+    assert got.logits is None and abs(got.loss.item() - expected.loss.item()) < 1e-6
+    got.loss.backward()
+    expected.loss.backward()
+    for (name, theirs), (_, ours) in zip(eager.named_parameters(), compiled_model.named_parameters(), strict=True):
+        assert relative_error(ours.grad, theirs.grad) < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_patched_model_compiles_with_inductor_on_gpu(model_type, restore_rope):
+    from tigon.kernels.patching import apply
+
+    common = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+    config = transformers.AutoConfig.for_model(
+        model_type, num_hidden_layers=2, vocab_size=32000, **common, **MODELS[model_type]
+    )
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config).cuda()
+    apply(eager)
+    compiled_model = copy.deepcopy(eager)
+    batch = torch.randint(0, 32000, (4, 512), device="cuda")
+    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=batch)
+    assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model)
+    for _ in range(2):  # the second call runs the cached graph
+        compiled_model.zero_grad(), eager.zero_grad()
+        got, expected = compiled(input_ids=batch, labels=batch), eager(input_ids=batch, labels=batch)
+        assert abs(got.loss.item() - expected.loss.item()) < 1e-4 * expected.loss.item()
+        got.loss.backward()
+        expected.loss.backward()
+    for (name, theirs), (_, ours) in zip(eager.named_parameters(), compiled_model.named_parameters(), strict=True):
+        assert relative_error(ours.grad, theirs.grad) < 1e-3, name
