@@ -1,0 +1,127 @@
+"""HF Trainer and Lightning callbacks: the same per-step losses as applying the kernels by hand."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.kernels.test_patching import tiny
+from tigon.kernels import integrations
+from tigon.kernels.patching import apply
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 2
+
+
+def labelled_rows(n: int = 8, length: int = 12) -> list[dict]:
+    """Fixed token rows whose label counts differ, so a mean of micro-batch means would differ from the token mean."""
+    generator = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(1, 131, (length,), generator=generator)
+        labels = ids.clone()
+        labels[: 1 + 2 * (i % 5)] = -100  # prompts of different lengths carry no loss
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def hf_losses(model, tmp_path, callbacks=()) -> list[float]:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=labelled_rows(), callbacks=list(callbacks))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_hf_trainer_callback_matches_kernels_applied_by_hand(tmp_path, restore_rope):
+    baseline = tiny("llama")
+    by_hand = copy.deepcopy(baseline)
+    apply(by_hand)
+    callback = integrations.HFCallback()
+    with_callback = copy.deepcopy(baseline)
+    callback_losses = hf_losses(with_callback, tmp_path / "callback", [callback])
+    assert callback.report.applied["fused_linear_cross_entropy"] == 1
+    assert with_callback.tigon_patch_report is callback.report
+    hand_losses = hf_losses(by_hand, tmp_path / "hand")
+    plain_losses = hf_losses(baseline, tmp_path / "plain")
+    assert len(callback_losses) == STEPS and callback_losses == hand_losses
+    # Gradient accumulation with num_items_in_batch: the fused loss normalizes as transformers does.
+    for ours, theirs in zip(callback_losses, plain_losses, strict=True):
+        assert abs(ours - theirs) < 1e-5 * theirs
+    for ours, theirs in zip(with_callback.parameters(), by_hand.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_apply_to_trainer_patches_a_built_trainer(tmp_path, restore_rope):
+    model = tiny("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=labelled_rows(2))
+    report = integrations.apply_to_trainer(trainer, swiglu=False)
+    assert report.applied == {"rms_norm": 5, "rope": 1, "fused_linear_cross_entropy": 1}
+    assert model.tigon_patch_report is report
+
+
+def lightning_losses(model, callbacks=()) -> list[float]:
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.losses = model, []
+
+        def training_step(self, batch, index):
+            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    rows = labelled_rows()
+    loader = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=False)
+    module = Module(model)
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, loader)
+    return module.losses
+
+
+def test_lightning_callback_matches_kernels_applied_by_hand(restore_rope):
+    baseline = tiny("llama")
+    by_hand = copy.deepcopy(baseline)
+    apply(by_hand)
+    callback = integrations.LightningCallback()
+    with_callback = copy.deepcopy(baseline)
+    callback_losses = lightning_losses(with_callback, [callback])
+    assert callback.report.applied["fused_linear_cross_entropy"] == 1
+    assert type(with_callback).forward is not transformers.LlamaForCausalLM.forward
+    hand_losses = lightning_losses(by_hand)
+    plain_losses = lightning_losses(baseline)
+    assert len(callback_losses) == STEPS and callback_losses == hand_losses
+    for ours, theirs in zip(callback_losses, plain_losses, strict=True):
+        assert abs(ours - theirs) < 1e-5 * theirs
+
+
+def test_lightning_callback_names_the_fix_without_a_hugging_face_model():
+    with pytest.raises(ValueError, match="holds no Hugging Face model"):
+        integrations.find_hf_model(torch.nn.Linear(2, 2))
