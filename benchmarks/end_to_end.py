@@ -208,14 +208,16 @@ def run_in_subprocess(spec: dict, timeout: int) -> dict:
     """`worker(spec)` in a fresh interpreter; its JSON is the last line of its stdout."""
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", json.dumps(spec)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0 or not done.stdout.strip():
-        raise RuntimeError(
-            f"{spec['variant']} at seq {spec['seq']} failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
-        )
+    if done.returncode != 0 or not done.stdout.strip():  # recorded, so one broken variant does not stop the rest
+        print(f"{spec['variant']} at seq {spec['seq']} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        return {"variant": spec["variant"], "seq": spec["seq"], "oom": False, "error": last}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def describe(result: dict) -> str:
+    if "error" in result:
+        return f"failed: {result['error']}"
     if result["oom"]:
         return "out of memory"
     peak = result["peak_bytes"]
@@ -226,34 +228,75 @@ def describe(result: dict) -> str:
     return f"{result['tokens_per_second']:,.0f} tokens/s{memory}, first loss {result['losses'][0]:.4f}"
 
 
+def predicted_longest(base: dict, limit: int, step: int) -> int | None:
+    """The longest multiple of `step` the planner expects this variant to fit; None without a memory figure.
+
+    Eager and tigon are compared with the GPU's memory less the CUDA context; the planner variant with the
+    planner's own budget; Liger (not modeled) is predicted as tigon.
+    """
+    import torch
+
+    from tigon.runtime import planner
+
+    cuda = torch.cuda.is_available()
+    if base.get("gpu_memory"):
+        memory = planner.parse_memory(base["gpu_memory"])
+    elif cuda:
+        memory = planner.detect_gpu_memory()
+    else:
+        return None
+    variant = "tigon" if base["variant"] == "liger" else base["variant"]
+    shape = planner.model_shape(bench_config({**base, "variant": variant, "seq": step}, cuda))
+    usable = memory - planner.CUDA_CONTEXT
+    if variant == "planner":
+        usable = int(usable * planner.FIT_FRACTION)
+    best = None
+    for seq in range(step, limit + 1, step):
+        config = bench_config({**base, "variant": variant, "seq": seq}, cuda)
+        work, setting = planner.workload(config, 1, shape), planner.setting_of(config)
+        settings = planner.candidates(work, setting) if variant == "planner" else [setting]
+        if min(planner.estimate(work, s).peak for s in settings) > usable:
+            break
+        best = seq
+    return best
+
+
 def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int) -> tuple[int | None, list[dict]]:
-    """Double the sequence from `start` until it no longer fits (or reaches `limit`), then bisect to `step`."""
+    """Probe from the planner's prediction (or `start`): up by `step` while it fits, else down until it does."""
     probes: list[dict] = []
+
+    class Failed(Exception):
+        """A probe failed for another reason than memory: the search stops."""
 
     def fits(seq: int) -> bool:
         result = run_in_subprocess({**base, "seq": seq}, timeout)
         probes.append(result)
         print(f"  {base['variant']} seq {seq}: {describe(result)}", flush=True)
+        if "error" in result:
+            raise Failed
         return not result["oom"]
 
-    good, bad, seq = None, None, start
-    while seq <= limit:
-        if not fits(seq):
-            bad = seq
-            break
-        good, seq = seq, seq * 2
-    if bad is None:
-        return good, probes
-    low = good if good is not None else 0
-    while bad - low > step:
-        middle = (low + bad) // 2 // step * step
-        if middle <= low:
-            break
-        if fits(middle):
-            low = middle
-        else:
-            bad = middle
-    return (low or None), probes
+    try:
+        return _search(fits, predicted_longest(base, limit, step) or start, base["variant"], limit, step), probes
+    except Failed:
+        return None, probes
+
+
+def _search(fits, guess: int, variant: str, limit: int, step: int) -> int | None:
+    """From `guess`: up by `step` while it fits, else down until it does."""
+    print(f"  {variant}: the planner predicts {guess}", flush=True)
+
+    if fits(guess):
+        good, seq = guess, guess + step
+        while seq <= limit and fits(seq):
+            good, seq = seq, seq + step
+        return good
+    seq = guess - step
+    while seq >= step:
+        if fits(seq):
+            return seq
+        seq -= step
+    return None
 
 
 def environment() -> dict:
@@ -292,6 +335,9 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
+        if "error" in r or "micro_batch" not in r:  # failed, or the planner found nothing that fits
+            lines.append(f"| {r['variant']} | {r['seq']} | | | | {describe(r)} | | | |")
+            continue
         peak, estimate = r.get("peak_bytes"), r.get("estimate_bytes")
         cells = [
             r["variant"],
@@ -306,7 +352,8 @@ def markdown(report: dict) -> str:
         ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     if report.get("longest"):
-        lines += ["", "| variant | longest sequence that fits (micro-batch 8) |", "|---|---|"]
+        micro = report["settings"]["micro_batch"]
+        lines += ["", f"| variant | longest sequence that fits (global batch {micro}) |", "|---|---|"]
         lines += [f"| {name} | {seq if seq else 'none'} |" for name, seq in report["longest"].items()]
     lines += [
         "",
@@ -333,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence each variant fits")
-    parser.add_argument("--longest-max", type=int, default=131072)
+    parser.add_argument("--longest-max", type=int, default=None, help="longest sequence probed (131072; --tiny 256)")
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
@@ -385,10 +432,11 @@ def main(argv: list[str] | None = None) -> None:
         step = 16 if tiny else 1024
         for variant in variants:
             print(f"longest sequence for {variant}:", flush=True)
-            seq, probes = longest_sequence(
-                {**base, "variant": variant, "steps": 1, "warmup": 1}, seqs[0], args.longest_max, step, args.timeout
-            )
-            report["longest"][variant] = seq
+            limit = args.longest_max or (256 if tiny else 131072)
+            probe = {**base, "variant": variant, "steps": 1, "warmup": 1}
+            seq, probes = longest_sequence(probe, seqs[0], limit, step, args.timeout)
+            failed = seq is None and probes and "error" in probes[-1]
+            report["longest"][variant] = "failed (see longest_probes)" if failed else seq
             report["longest_probes"] += probes
             save()
     save()
