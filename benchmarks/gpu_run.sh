@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 for step in "$@"; do
   case "$step" in
-    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels 2>&1 | tail -n 40 | tee "$out/gpu-tests.log" ;;
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels > "$out/gpu-tests.log" 2>&1; tail -n 40 "$out/gpu-tests.log" ;;
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
     tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;
@@ -27,7 +27,7 @@ for step in "$@"; do
     bench-losses) python3 -m benchmarks.kernels --only cross_entropy,fused_linear --out "$out/losses.json" 2>&1 | tee "$out/losses.log" ;;
     bench-losses-main) python3 -m benchmarks.kernels --no-sweeps --only cross_entropy,fused_linear --out "$out/losses-main.json" 2>&1 | tee "$out/losses-main.log" ;;
     bench-distill) python3 -m benchmarks.kernels --no-sweeps --only kl_divergence,jsd,fused_linear_jsd --out "$out/distill.json" 2>&1 | tee "$out/distill.log" ;;
-    bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
+    bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo,fused_linear_orpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
