@@ -86,8 +86,6 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         from tigon.runtime.trainer import build_scheduler, param_groups
 
         deepspeed = import_deepspeed(device)
-        for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank)):
-            os.environ.setdefault(name, str(value))  # set by torchrun; a plain one-process run has none
         self.module, self.config, self.env, self.device = module, config, env, device
         training = config.training
         groups = param_groups(module, training.weight_decay)

@@ -25,6 +25,7 @@ logger = logging.getLogger("tigon.runtime")
 
 
 _owns_process_group = False  # True when init_distributed created the group (so shutdown may destroy it)
+_added_environ: list[str] = []  # launcher variables init_distributed set for a one-process group
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,12 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
         torch.cuda.set_device(device)
     global _owns_process_group
     if config.parallelism.strategy != "ddp" and not env.distributed and not dist.is_initialized():
-        # FSDP2 and DeepSpeed shard over a process group even in one process (e.g. to offload to the CPU)
+        # FSDP2 and DeepSpeed shard over a process group even in one process (e.g. to offload to the CPU).
+        # DeepSpeed reads torchrun's variables; they are set for the run and removed again by `shutdown`.
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            if name not in os.environ:
+                os.environ[name] = "1" if name == "WORLD_SIZE" else "0"
+                _added_environ.append(name)
         dist.init_process_group(
             backend=resolve_backend(config, device),
             store=dist.HashStore(),
@@ -156,6 +162,8 @@ def shutdown() -> None:
     if _owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _owns_process_group = False
+    while _added_environ:
+        os.environ.pop(_added_environ.pop(), None)
 
 
 def wrap_model(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:

@@ -8,6 +8,9 @@ The loss is the model's own causal-LM loss, which transformers (5.x) sums over l
 divides by `num_items_in_batch`: the label tokens (after the shift) of all micro-batches of the
 step, exactly the torch trainer's normalization. HF's checkpointing and reporting stay off; the
 per-step losses go through tigon's Reporter. `finish_adapter_run` is shared with the Lightning one.
+Under torchrun the HF adapter runs DDP (accelerate wraps the model): `epoch_order` deals the
+micro-batches of each global batch to the ranks as the torch trainer does, and each step's loss is
+summed over the ranks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.distributed import check_strategy, env_from_environ
+from tigon.runtime.distributed import all_reduce_sum, barrier, check_strategy, env_from_environ
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     GlobalBatchSampler,
@@ -38,8 +41,11 @@ from tigon.runtime.trainer import (
 def validate_for_adapter(config: RunConfig, name: str) -> None:
     """What neither adapter honours (yet), named with the fix; the rest is checked as for the torch trainer."""
     check_strategy(config)  # fsdp and deepspeed need trainer 'torch'
-    if env_from_environ().distributed:
-        raise ConfigError(f"trainer: {name!r} runs one process only in this build; use trainer 'torch' for DDP/FSDP")
+    if env_from_environ().distributed and name != "hf":
+        raise ConfigError(
+            f"trainer: {name!r} runs one process only in this build; use trainer 'torch' (DDP, FSDP, DeepSpeed) "
+            "or 'hf' (DDP) under torchrun"
+        )
     if config.checkpoint.every_steps > 0:
         raise ConfigError(
             f"checkpoint.every_steps: trainer {name!r} does not write tigon checkpoints (resume needs them); "
@@ -57,10 +63,15 @@ def prepare_adapter(config: RunConfig, name: str) -> Prepared:
     return prepare(config.model_copy(update={"trainer": "torch"}))
 
 
-def epoch_order(config: RunConfig, n_items: int) -> GlobalBatchSampler:
+def epoch_order(config: RunConfig, n_items: int, world_size: int = 1) -> GlobalBatchSampler:
+    """The torch trainer's order as one stream of micro-batches, global batch after global batch.
+
+    With W ranks, dealing micro-batch k of the stream to rank k % W (what accelerate's BatchSamplerShard
+    does under DDP) gives rank r micro-batches r, r + W, ... of each global batch: the torch trainer's split.
+    """
     training = config.training
     return GlobalBatchSampler(
-        n_items, training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
+        n_items, training.micro_batch_size, training.gradient_accumulation_steps * world_size, 1, 0, training.seed
     )
 
 
@@ -100,9 +111,13 @@ def finish_adapter_run(
         eval_history.append({"step": len(losses), **metrics})
     export_dir = None
     if config.checkpoint.export:
-        export_dir = str(
-            ckpt.export_model(model, prepared.tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora)
-        )
+        if prepared.env.is_main:
+            export_dir = str(
+                ckpt.export_model(
+                    model, prepared.tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora
+                )
+            )
+        barrier(prepared.env)
     patch = getattr(model, "tigon_patch_report", None)
     result = TrainResult(
         run_dir=str(run_dir),
@@ -115,21 +130,24 @@ def finish_adapter_run(
         peak_memory_bytes=memory_bytes(device),
         eval_history=eval_history,
         device=str(device),
+        world_size=prepared.env.world_size,
         tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
     )
     config_json = json.loads(config.model_dump_json())
-    ckpt.atomic_write_text(run_dir / "config.json", json.dumps(config_json, indent=2) + "\n")
-    write_summary(run_dir, {**result.__dict__, "config": config_json})
-    print(summary_text(result), flush=True)
+    if prepared.env.is_main:
+        ckpt.atomic_write_text(run_dir / "config.json", json.dumps(config_json, indent=2) + "\n")
+        write_summary(run_dir, {**result.__dict__, "config": config_json})
+        print(summary_text(result), flush=True)
     return result
 
 
-def make_reporter(config: RunConfig, total_steps: int, device: torch.device) -> Reporter:
+def make_reporter(config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True) -> Reporter:
     return Reporter(
         config.logging.run_dir,
         total_steps,
+        enabled=enabled,
         progress_bar=config.logging.progress_bar,
         tensorboard=config.logging.tensorboard,
         log_every=config.logging.every_steps,
@@ -144,11 +162,11 @@ def train_with_hf(config: RunConfig) -> TrainResult:
     from tigon.runtime.data import model_inputs
 
     prepared = prepare_adapter(config, "hf")
-    training, device = config.training, prepared.device
-    total_steps, _ = plan_steps(config, len(prepared.train_dataset), 1)
+    training, device, env = config.training, prepared.device, prepared.env
+    total_steps, _ = plan_steps(config, len(prepared.train_dataset), env.world_size)
     optimizer = build_optimizer(prepared.model, training)
     scheduler = build_scheduler(optimizer, training, total_steps)
-    order = OrderSampler(epoch_order(config, len(prepared.train_dataset)))
+    order = OrderSampler(epoch_order(config, len(prepared.train_dataset), env.world_size))
     attn = config.model.attn_implementation
 
     def collator(items: list[dict]) -> dict:
@@ -172,7 +190,7 @@ def train_with_hf(config: RunConfig) -> TrainResult:
             return loss
 
     losses: list[float] = []
-    reporter = make_reporter(config, total_steps, device)
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
 
     class RecordLosses(TrainerCallback):
@@ -181,8 +199,12 @@ def train_with_hf(config: RunConfig) -> TrainResult:
 
         def on_step_end(self, args, state, control, **kwargs):
             clock["seconds"] += time.perf_counter() - clock["started"]
-            clock["tokens"] += trainer.step_tokens
-            loss, trainer.step_loss, trainer.step_tokens = trainer.step_loss, 0.0, 0
+            # Under DDP each rank's share is (its token loss sum / the step's label tokens on all ranks) x world
+            # size (HF scales it so that DDP's gradient mean comes out right): the step's loss is the sum / W.
+            totals = torch.tensor([trainer.step_loss, trainer.step_tokens], dtype=torch.float64, device=device)
+            all_reduce_sum(totals, env)
+            loss, trainer.step_loss, trainer.step_tokens = float(totals[0]) / env.world_size, 0.0, 0
+            clock["tokens"] += int(totals[1])
             losses.append(loss)
             reporter.step(
                 state.global_step,

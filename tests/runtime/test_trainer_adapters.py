@@ -68,3 +68,19 @@ def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
 def test_options_an_adapter_cannot_honour_fail_clearly(tmp_path, trainer, sections, message):
     with pytest.raises(ConfigError, match=message):
         train(adapter_config(tmp_path, trainer, **sections))
+
+
+def test_hf_trainer_ddp_two_processes_match_the_torch_trainer(tmp_path):
+    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 with HF's Trainer (DDP through accelerate, gloo) ==
+    the torch trainer in one process with micro-batch 2 x accumulation 4, within RELATIVE_TOLERANCE."""
+    from tests.runtime.test_parallel import launch
+
+    every = {"eval": {"metrics": ["loss"], "max_batches": None}}  # the whole held-out set on 1 and 2 ranks
+    runs = launch(tmp_path, {"hf": adapter_config(tmp_path, "hf", **every)})
+    torch_run = train(adapter_config(tmp_path, "torch", training={"gradient_accumulation_steps": 4}, **every))
+    losses, reference = runs["hf"]["losses"], torch_run.losses
+    assert len(losses) == 6 and reference[-1] < reference[0]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+    print(f"hf DDP: worst relative loss difference to torch {worst:.2e}")
+    assert worst < RELATIVE_TOLERANCE, (losses, reference)
+    assert abs(runs["hf"]["eval"]["loss"] - torch_run.eval_metrics["loss"]) < RELATIVE_TOLERANCE * reference[-1]
