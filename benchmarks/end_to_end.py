@@ -16,9 +16,9 @@ trainer's own `_optimizer_step` and strategy (its loss, clipping and AdamW step)
 
 Every variant runs in a fresh subprocess so peaks do not mix; warm-up steps are not timed. The
 planner's estimate is recorded next to each measured peak (the planner models eager and tigon;
-Liger's rows have none). Note: the torch trainer computes its loss from the full logits
-(`token_loss_sum` calls the model without labels), so neither Liger's nor tigon's fused linear
-cross entropy runs in this path; both variants pay for the (tokens x vocab) logits.
+Liger's rows have none). The trainer's loss is the model's own, called with labels: HF eager computes
+`ForCausalLMLoss` from the full logits; Liger's and tigon's patched forwards use their fused linear
+cross entropy, so neither materializes the (tokens x vocab) logits.
 Results: JSON to --out, a markdown table to --md (default: --out with .md).
 """
 
@@ -357,7 +357,7 @@ def markdown(report: dict) -> str:
         lines += [f"| {name} | {seq if seq else 'none'} |" for name, seq in report["longest"].items()]
     lines += [
         "",
-        "The torch trainer's loss is computed from the full logits (no fused linear cross entropy in this path).",
+        "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy).",
     ]
     return "\n".join(lines) + "\n"
 

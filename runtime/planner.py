@@ -33,13 +33,14 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 With gradient checkpointing a layer keeps only its input (r h per token); during the backward one
 layer is recomputed at a time, so one layer's full activations come back transiently.
 
-Once per micro-batch: the final norm and lm_head's input, the ids, labels and positions (24 per
-token), cos and sin (2 r head_dim). The loss as the torch trainer computes it (`token_loss_sum`):
-the logits (c V per token), their float32 copy and log-softmax (4 V each); log-softmax's output stays
-for the backward (4 V), whose buffers peak at 12 V per token. With tigon's fused linear cross
-entropy (`Workload.fused_loss`, with the kernels on) the logits never exist: two chunks of
-(hidden/4 tokens x V) logits and a float32 gradient of the hidden states (4 h per token) instead.
-The torch trainer does not use it yet (its loss needs the full logits), so `workload` sets it False.
+Once per micro-batch: the final norm, the ids, labels and positions (24 per token), cos and sin
+(2 r head_dim). The loss (`token_loss_sum`: the model's own loss with labels): Hugging Face's
+`ForCausalLMLoss` keeps lm_head's input (c h) and makes the logits (c V per token), their float32
+copy and log-softmax (4 V each); log-softmax's output stays for the backward, whose buffers peak at
+12 V per token. With the kernels on, tigon's fused linear cross entropy replaces it
+(`Workload.fused_loss`): the logits never exist; its forward already computes the hidden states'
+gradient (c h per token) and lm_head's weight gradient (V h in the weight's dtype), the per-token
+losses (4) and one chunk of logits (hidden/4 tokens x V) at a time.
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward; attention's are 3 c q + 4 q; the larger counts.
@@ -156,7 +157,7 @@ class Workload:
     zero_stage: int = 2
     cpu_offload: bool = False
     world_size: int = 1
-    fused_loss: bool = False  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
+    fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
 
     @property
@@ -228,7 +229,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         zero_stage=config.parallelism.zero_stage,
         cpu_offload=config.parallelism.cpu_offload,
         world_size=world_size or detect_world_size(),
-        fused_loss=False,  # the torch trainer's token_loss_sum computes the loss from the full logits
+        fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
     )
 
@@ -315,12 +316,11 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
 def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
     """Peak bytes of the loss's own buffers (logits, their float32 copy, log-softmax, gradients) while it runs."""
     s, c = work.shape, work.compute_bytes
-    tokens, shifted = micro_batch * work.seq_len, micro_batch * (work.seq_len - 1)
+    tokens = micro_batch * work.seq_len
     if fused:
         chunk = max(1, s.hidden // 4) * s.vocab * c
-        return 4 * tokens * s.hidden + 2 * chunk
-    forward = max(c * tokens + 4 * shifted, 8 * shifted) if c < 4 else 4 * tokens + 8 * shifted
-    return max(forward, 12 * shifted) * s.vocab
+        return c * tokens * s.hidden + work.weight_bytes * s.vocab * s.hidden + 4 * tokens + chunk
+    return 12 * tokens * s.vocab  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 
 
 def estimate(work: Workload, setting: Setting) -> Estimate:
@@ -362,10 +362,11 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
     per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
     masked = setting.checkpointing and work.attention != "flash_attention_2"  # checkpoints keep the bool mask
     mask = setting.micro_batch * work.seq_len**2 if masked else 0
-    head = (norm_bytes(work, kernels) + (0 if work.lora_rank else c * s.hidden)) * tokens
+    fused = kernels and work.fused_loss
+    head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
     recompute = layer if setting.checkpointing else 0
     backward = layer_backward_bytes(work, kernels) * tokens
-    loss_peak = loss_bytes(work, setting.micro_batch, kernels and work.fused_loss)
+    loss_peak = loss_bytes(work, setting.micro_batch, fused)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
     if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
         head_grad //= n
@@ -440,7 +441,7 @@ class Plan:
             f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
             f"sequence {w.seq_len}, weights {_dtype(w.weight_bytes)}, compute {_dtype(w.compute_bytes)}, "
             f"attention {w.attention}, {w.strategy} x {w.world_size}, loss from "
-            f"{'fused linear cross entropy (kernels on)' if w.fused_loss else 'full logits'}",
+            f"{'fused linear cross entropy with the kernels, else ' if w.fused_loss else ''}full logits",
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
