@@ -78,7 +78,11 @@ class TrainingConfig(Section):
     seed: int = 0
     gradient_checkpointing: bool = False
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
-    plan: Literal["manual", "auto"] = Field("manual", description="auto: let the memory planner pick the batch shape")
+    plan: Literal["manual", "auto"] = Field(
+        "manual",
+        description="auto: the memory planner picks micro-batch (same global batch), gradient checkpointing and "
+        "kernels to fit this GPU (see `tigon plan`)",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingConfig:
