@@ -53,9 +53,11 @@ MAX_CHUNK_LOGITS_BYTES = 1 << 30
 FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
 
 
-def choose_chunk_size(n_tokens: int, vocab: int, hidden: int, itemsize: int, device: torch.device) -> int:
-    """Tokens per chunk: logits under min(1 GiB, free memory / 8, weight bytes / 4), split evenly."""
-    budget = min(MAX_CHUNK_LOGITS_BYTES, vocab * hidden * itemsize // 4)
+def choose_chunk_size(
+    n_tokens: int, vocab: int, hidden: int, itemsize: int, device: torch.device, weight_fraction: int = 4
+) -> int:
+    """Tokens per chunk: logits under min(1 GiB, free memory / 8, weight bytes / weight_fraction), split evenly."""
+    budget = min(MAX_CHUNK_LOGITS_BYTES, vocab * hidden * itemsize // weight_fraction)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -124,13 +124,18 @@ def test_chunked_equals_unchunked(device):
 
 
 def test_chunk_size_rule_counts_both_heads(device, monkeypatch):
-    """The FLCE rule, with the student's and the teacher's logits bytes per token together."""
+    """The FLCE rule with a 16th of the weight, the student's and the teacher's logits bytes per token together."""
     calls = []
     choose = fljsd_module.choose_chunk_size
-    monkeypatch.setattr(fljsd_module, "choose_chunk_size", lambda *args: calls.append(args) or choose(*args))
+    monkeypatch.setattr(
+        fljsd_module,
+        "choose_chunk_size",
+        lambda *args, **kwargs: calls.append((args, kwargs)) or choose(*args, **kwargs),
+    )
     hs, ws, ht, wt, label = make_inputs(7, 33, torch.bfloat16, device, 0, teacher_dtype=torch.float32)
     fused_linear_jsd(hs, ws, ht, wt, label)
-    assert calls == [(7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device))]
+    assert calls == [((7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device)), {"weight_fraction": 16})]
+    assert choose(8192, 128256, 4096, 2 + 2, torch.device("cpu"), weight_fraction=16) == 256
 
 
 def test_reduction_none_scales_each_token_exactly(device):
