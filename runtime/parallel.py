@@ -34,7 +34,7 @@ from tigon.runtime.distributed import DistEnv, barrier, wrap_model
 
 logger = logging.getLogger("tigon.runtime")
 
-AUTOCAST_PARAM_DTYPES = {"bf16": torch.bfloat16}
+FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16}  # MixedPrecisionPolicy.param_dtype per training.precision
 
 
 class DDPStrategy:
@@ -149,7 +149,7 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
 
         options: dict = {
             "mp_policy": MixedPrecisionPolicy(
-                param_dtype=AUTOCAST_PARAM_DTYPES.get(self.config.training.precision), reduce_dtype=torch.float32
+                param_dtype=FSDP_PARAM_DTYPES.get(self.config.training.precision), reduce_dtype=torch.float32
             )
         }
         if self.config.parallelism.cpu_offload:

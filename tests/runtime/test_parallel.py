@@ -207,3 +207,31 @@ def test_fsdp2_with_lora_gradient_checkpointing_kernels_and_bf16(tmp_path):
 
 def test_deepspeed_zero3_with_lora_gradient_checkpointing_and_kernels(tmp_path):
     check_lora_run(tmp_path, {"strategy": "deepspeed", "zero_stage": 3})
+
+
+def test_deepspeed_config_follows_the_run_config(tmp_path):
+    """The DeepSpeed JSON built from the run's config: batch shape, clipping, precision, optimizer, ZeRO and offload."""
+    from tigon.runtime.deepspeed_engine import deepspeed_config
+
+    config = tiny_config(
+        tmp_path,
+        training={"micro_batch_size": 2, "gradient_accumulation_steps": 3, "precision": "bf16", "weight_decay": 0.1},
+        parallelism={"strategy": "deepspeed", "zero_stage": 3, "cpu_offload": True},
+    )
+    built = deepspeed_config(config, world_size=4)
+    assert built["train_batch_size"] == 24 and built["train_micro_batch_size_per_gpu"] == 2
+    assert built["gradient_accumulation_steps"] == 3 and built["gradient_clipping"] == 1.0
+    assert built["bf16"] == {"enabled": True}
+    assert built["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+    }
+    zero = built["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+
+    stage1 = config.model_copy(deep=True)
+    stage1.parallelism.zero_stage, stage1.parallelism.cpu_offload, stage1.training.max_grad_norm = 1, False, None
+    built = deepspeed_config(stage1, world_size=4)
+    assert built["zero_optimization"] == {"stage": 1} and built["optimizer"]["params"]["torch_adam"] is True
+    assert built["gradient_clipping"] == 0.0
