@@ -319,7 +319,8 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
     tokens = micro_batch * work.seq_len
     if fused:
         chunk = max(1, s.hidden // 4) * s.vocab * c
-        return c * tokens * s.hidden + work.weight_bytes * s.vocab * s.hidden + 4 * tokens + chunk
+        head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden  # a frozen head has none
+        return c * tokens * s.hidden + head_grad + 4 * tokens + chunk
     return 12 * tokens * s.vocab  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 
 
