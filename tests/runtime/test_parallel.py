@@ -235,3 +235,20 @@ def test_deepspeed_config_follows_the_run_config(tmp_path):
     built = deepspeed_config(stage1, world_size=4)
     assert built["zero_optimization"] == {"stage": 1} and built["optimizer"]["params"]["torch_adam"] is True
     assert built["gradient_clipping"] == 0.0
+
+
+def test_one_process_fsdp2_cpu_offload_and_zero1_match_ddp(tmp_path):
+    """In one process (a process group of one, made by the runtime): FSDP2 with a CPUOffloadPolicy and DeepSpeed
+    ZeRO-1 reach the plain run's per-step losses within RELATIVE_TOLERANCE."""
+    runs = {}
+    for name, parallelism in [
+        ("ddp", {}),
+        ("fsdp-offload", {"strategy": "fsdp", "cpu_offload": True}),
+        ("zero1", {"strategy": "deepspeed", "zero_stage": 1}),
+    ]:
+        config = run_config(tmp_path, name, 3, False, parallelism=parallelism, training={"micro_batch_size": 4})
+        runs[name] = train(config.model_copy(update={"eval": config.eval.model_copy(update={"metrics": []})}))
+    for name in ("fsdp-offload", "zero1"):
+        worst = max(abs(a - b) / abs(b) for a, b in zip(runs[name].losses, runs["ddp"].losses, strict=True))
+        assert worst < RELATIVE_TOLERANCE, (name, runs[name].losses, runs["ddp"].losses)
+        assert (tmp_path / name / "checkpoints" / "step-3").is_dir()
