@@ -22,7 +22,7 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 - A Linear saves its input (c h, or c i for down_proj) when its weight trains or it carries a LoRA
   adapter (then also the adapter's c x rank output).
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
-  repeated to all heads (3 c q), the output and o_proj's contiguous copy of it (2 c q), the log-sum-exp
+  repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
   flash_attention_2: q (c q), k and v unrepeated (2 c kv), the output once (c q), the log-sum-exp.
   eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T.
@@ -283,8 +283,9 @@ def attention_bytes(work: Workload) -> float:
     if work.attention == "flash_attention_2":
         total += c * (2 * q + 2 * kv) + 4 * s.heads  # o_proj reads the kernel's output itself
     else:
-        total += c * 4 * q + 4 * s.heads + c * work.seq_len  # q, k, v repeated, output; lse; the mask as a bias
-        total += c * q if _trains(work, "o_proj") else 0  # o_proj's contiguous copy of the output
+        # q, k and v repeated to every head, the output (o_proj reads it: its (B, T, H, d) memory needs no copy),
+        # the log-sum-exp, and the packed mask as an additive bias
+        total += c * 4 * q + 4 * s.heads + c * work.seq_len
         if work.attention == "eager":
             total += (4 + c) * s.heads * work.seq_len
     return total + _adapter_bytes(work, ("q_proj", "k_proj", "v_proj", "o_proj"))

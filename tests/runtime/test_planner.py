@@ -60,8 +60,9 @@ def test_estimate_matches_hand_computed_bytes():
     persistent = 1352 * 2 + 2 * 1352 * 2 + planner.OVERHEAD  # bf16 weights + AdamW's two states
 
     # checkpointing off, kernels off; per token of a layer: norms 2 x (4h + 4 + 2h) = 104, q/k/v input 16,
-    # attention 2 x 5 x 8 + lse 4 x 2 + mask bias 2 x 4 = 96, MLP input 16, MLP 3 x 2 x 16 = 96, down input 32
-    layer = (104 + 16 + 96 + 16 + 96 + 32) * 8
+    # attention: q, k, v repeated, output 2 x 4 x 8 + lse 4 x 2 + mask bias 2 x 4 = 80; MLP input 16,
+    # MLP 3 x 2 x 16 = 96, down input 32
+    layer = (104 + 16 + 80 + 16 + 96 + 32) * 8
     head = (52 + 16) * 8  # final norm + lm_head's input
     per_batch = 24 * 8 + 2 * 2 * 4 * 8  # ids/labels/positions + cos/sin
     backward = max(3 * 2 * 16, 3 * 2 * 8 + 4 * 8) * 8  # the MLP's gradients
@@ -83,7 +84,7 @@ def test_estimate_matches_hand_computed_bytes():
     # (2 x 2 x 16 = 64 instead of 96); the MLP's backward gradient is one intermediate (2 x 16 = 32); the fused
     # linear cross entropy keeps no lm_head input and no logits: the hidden gradient 2 x 8 x 8, the head's weight
     # gradient 2 x 10 x 8, the losses 4 x 8 and one chunk of 2 tokens x 10 x 2 bytes
-    layer_k = (2 * 20 + 16 + 96 + 16 + 64 + 32) * 8
+    layer_k = (2 * 20 + 16 + 80 + 16 + 64 + 32) * 8
     head_k = 20 * 8
     backward_k = max(2 * 16, 3 * 2 * 8 + 4 * 8) * 8
     loss_k = persistent + 2 * layer_k + head_k + per_batch + (128 + 160 + 32 + 40)
@@ -242,21 +243,22 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
 
 
-def saved_bytes(module, x) -> int:
-    """Bytes autograd keeps for the backward of `module(x)`: every saved tensor's storage once, parameters excluded."""
+def saved_bytes(forward, x, exclude) -> int:
+    """Bytes autograd keeps for the backward of `forward(x)`: every saved tensor's storage once, those of the
+    `exclude` tensors (parameters, inputs shared by all layers) left out."""
     import torch
 
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
     storages: dict[int, int] = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in excluded:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(x)
+        forward(x)
     return sum(storages.values())
 
 
@@ -280,5 +282,41 @@ def test_norm_and_mlp_formulas_match_what_autograd_saves(kernels, frozen):
     work = bf16_work(shape, 16, **lora)
     tokens = 3 * 16
     x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
-    assert saved_bytes(norm, x) == planner.norm_bytes(work, kernels) * tokens
-    assert saved_bytes(mlp, x) == planner.mlp_bytes(work, kernels) * tokens
+    assert saved_bytes(norm, x, norm.parameters()) == planner.norm_bytes(work, kernels) * tokens
+    assert saved_bytes(mlp, x, mlp.parameters()) == planner.mlp_bytes(work, kernels) * tokens
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_decoder_layer_formula_matches_what_autograd_saves(kernels, restore_rope):
+    """A whole Llama decoder layer (SDPA with the packed mask, bf16): the saved bytes are layer_bytes exactly.
+
+    On the CPU, SDPA saves what CUDA's memory-efficient kernel saves (q, k and v repeated, the output, the
+    log-sum-exp, the mask as a bias); tigon's autograd functions run through Triton's interpreter.
+    """
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from tigon.kernels.patching import apply
+    from tigon.runtime.data import packed_attention_mask
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+    )
+    config._attn_implementation = "sdpa"
+    holder = torch.nn.Module()
+    holder.config, holder.layer = config, LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    if kernels:
+        assert apply(holder).applied == {"rms_norm": 2, "gated_mlp": 1, "rope": 1}
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(16).repeat(3, 1)
+    positions[1, 8:] = torch.arange(8)  # two documents in the second row
+    cos, sin = LlamaRotaryEmbedding(config)(x, positions)
+    mask = packed_attention_mask(positions, torch.bool)
+
+    def layer(x):
+        return holder.layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions)
+
+    shared = [cos, sin, mask, positions]  # the micro-batch's, shared by every layer
+    measured = saved_bytes(layer, x, [*holder.layer.parameters(), *shared])
+    work = bf16_work(ModelShape.from_hf_config(config), 16)
+    assert measured == planner.layer_bytes(work, kernels) * 3 * 16
