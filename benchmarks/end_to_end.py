@@ -129,6 +129,7 @@ def run_steps(config, steps: int, warmup: int, liger: bool = False) -> dict:
     training = config.training
     vocab = config.model.config_overrides["vocab_size"]
     if cuda:
+        torch.zeros((), device=device)  # initializes CUDA: resetting the peak before that is an error
         torch.cuda.reset_peak_memory_stats(device)
     trainer.seed_everything(training.seed)
     with device:

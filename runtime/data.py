@@ -492,6 +492,12 @@ def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def single_documents(position_ids: torch.Tensor) -> bool:
+    """Whether each row holds one document: its position ids count 0, 1, 2, ... to the end."""
+    expected = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == expected).all())
+
+
 def model_inputs(batch: dict, attn_implementation: str) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
@@ -501,12 +507,15 @@ def model_inputs(batch: dict, attn_implementation: str) -> dict[str, Any]:
     - "flash_attention_2": none; flash-attention's varlen path finds the documents from position_ids.
     The mask is (B, 1, L, L), made on position_ids' device: move the batch there first. Call the model with
     use_cache=False too: transformers 5 skips its own packed-sequence detection when a cache is made.
+    When every row is a single document (position ids 0, 1, 2, ... throughout) no mask is passed, so
+    attention is plain causal and SDPA may take its flash kernel: a dense mask forces the slower
+    memory-efficient kernel and an (L, L) bias per layer.
     """
     missing = [key for key in ("input_ids", "labels", "position_ids") if key not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}; expected a collated batch of PackedDataset items")
     inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}
-    if attn_implementation == "flash_attention_2":
+    if attn_implementation == "flash_attention_2" or single_documents(batch["position_ids"]):
         return inputs
     if attn_implementation == "sdpa":
         inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.bool)

@@ -355,6 +355,23 @@ def test_model_inputs_per_attention_implementation():
         model_inputs({"input_ids": batch["input_ids"]}, "sdpa")
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_single_document_rows_take_plain_causal_attention(attn_implementation):
+    """No dense mask when no row is packed (so SDPA may use flash), and the same logits as with the mask."""
+    model = tiny_llama(attn_implementation, 50)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(12).expand(2, 12)}
+    inputs = model_inputs(batch, attn_implementation)
+    assert "attention_mask" not in inputs
+    packed = dict(batch, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]] * 2))
+    assert "attention_mask" in model_inputs(packed, attn_implementation)
+    mask = packed_attention_mask(batch["position_ids"], torch.bool if attn_implementation == "sdpa" else torch.float32)
+    with torch.no_grad():
+        plain = model(**inputs, use_cache=False).logits
+        masked = model(**inputs, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(plain, masked, rtol=1e-5, atol=1e-5)
+
+
 def tiny_llama(attn_implementation, vocab_size):
     from transformers import LlamaConfig, LlamaForCausalLM
 
