@@ -86,7 +86,7 @@ def bench_config(spec: dict, cuda: bool):
             "dtype": "bfloat16" if cuda else "float32",
             "attn_implementation": "sdpa",
         },
-        "data": {"train": "random-tokens", "max_seq_len": spec["seq"]},
+        "data": {"train": "random-tokens", "max_seq_len": spec["seq"], "packing": False},
         "training": {
             "max_steps": spec["warmup"] + spec["steps"],
             "learning_rate": 1e-4,

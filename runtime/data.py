@@ -363,7 +363,9 @@ class PackedDataset(Dataset):
     `max_seq_len` tokens (counted in `truncated`); one with no label left after that (and after its first
     label is set to -100) is dropped (counted in `dropped`). With `packing`, documents are placed greedily
     in order; otherwise each gets its own sequence. Tails are padded with `pad_token_id`, label -100, and
-    position ids counting from 0, so padding is a document of its own that no real token attends to.
+    position ids that go on counting from the last document's: under causal attention no real token
+    attends to the padding after it, and a row of one document stays one document, which trains with
+    plain causal attention (no dense mask, see `model_inputs`).
     """
 
     def __init__(
@@ -394,7 +396,8 @@ class PackedDataset(Dataset):
             self.num_padding_tokens += pad
             rows_ids.append(ids + [pad_token_id] * pad)
             rows_labels.append(labels + [IGNORE_INDEX] * pad)
-            rows_positions.append(positions + list(range(pad)))
+            start = positions[-1] + 1 if positions else 0
+            rows_positions.append(positions + list(range(start, start + pad)))
 
         for number, (doc_ids, doc_labels) in enumerate(documents):
             if len(doc_ids) != len(doc_labels):

@@ -24,7 +24,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
   repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
-  flash_attention_2: q (c q), k and v unrepeated (2 c kv), the output once (c q), the log-sum-exp.
+  flash_attention_2, and SDPA without packing (one document per row, so no mask: plain causal attention
+  with k and v unrepeated): q (c q), k and v (2 c kv), the output once (c q), the log-sum-exp.
   eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T.
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
   (3 c i). tigon's SwiGLU saves gate and up only and recomputes SiLU (2 c i).
@@ -150,7 +151,7 @@ class Workload:
     weight_bytes: int
     compute_bytes: int
     autocast: bool  # the forward runs under autocast to a narrower dtype than the weights
-    attention: Literal["sdpa", "flash_attention_2", "eager"]
+    attention: Literal["sdpa", "sdpa_causal", "flash_attention_2", "eager"]  # sdpa_causal: unpacked, no mask
     lora_rank: int = 0  # 0: full fine-tuning
     lora_targets: tuple[str, ...] = ()
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
@@ -222,7 +223,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         weight_bytes=weight_bytes,
         compute_bytes=2 if narrow else weight_bytes,
         autocast=narrow and weight_bytes == 4,
-        attention=config.model.attn_implementation,
+        attention=attention_path(config),
         lora_rank=lora.r if lora.enabled else 0,
         lora_targets=tuple(lora.target_modules) if lora.enabled else (),
         strategy=config.parallelism.strategy,
@@ -275,12 +276,21 @@ def _adapter_bytes(work: Workload, names: tuple[str, ...]) -> float:
     return work.compute_bytes * work.lora_rank * len([n for n in names if n in work.lora_targets])
 
 
+UNMASKED = ("flash_attention_2", "sdpa_causal")
+
+
+def attention_path(config: RunConfig) -> str:
+    """The attention the run takes: unpacked SDPA rows are one document each, so they need no mask."""
+    attention = config.model.attn_implementation
+    return "sdpa_causal" if attention == "sdpa" and not config.data.packing else attention
+
+
 def attention_bytes(work: Workload) -> float:
     """Bytes per token one attention block saves: q/k/v input, the attention kernel's, o_proj's input."""
     s, c = work.shape, work.compute_bytes
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     total = c * h if any(_trains(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
-    if work.attention == "flash_attention_2":
+    if work.attention in UNMASKED:
         total += c * (2 * q + 2 * kv) + 4 * s.heads  # o_proj reads the kernel's output itself
     else:
         # q, k and v repeated to every head, the output (o_proj reads it: its (B, T, H, d) memory needs no copy),
@@ -362,7 +372,7 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
     layer = layer_bytes(work, kernels) * tokens
     kept_per_layer = r * s.hidden * tokens if setting.checkpointing else layer
     per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
-    masked = setting.checkpointing and work.attention != "flash_attention_2"  # checkpoints keep the bool mask
+    masked = setting.checkpointing and work.attention not in UNMASKED  # checkpoints keep the bool mask
     mask = setting.micro_batch * work.seq_len**2 if masked else 0
     fused = kernels and work.fused_loss
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens

@@ -259,10 +259,10 @@ def test_packing_invariants():
         assert all(value.dtype == torch.long and value.shape == (16,) for value in item.values())
         ids, labels, positions = item["input_ids"].tolist(), item["labels"].tolist(), item["position_ids"].tolist()
         real = sum(token != 0 for token in ids)
-        # real tokens first, then padding with label -100 and position ids of its own, from 0
+        # real tokens first, then padding with label -100 and positions that go on counting from the last document's
         assert all(token == 0 for token in ids[real:])
         assert labels[real:] == [IGNORE_INDEX] * (16 - real)
-        assert positions[real:] == list(range(16 - real))
+        assert positions[real:] == list(range(positions[real - 1] + 1, positions[real - 1] + 1 + 16 - real))
         starts = [i for i, p in enumerate(positions[:real]) if p == 0]
         assert starts[0] == 0
         for start, end in zip(starts, [*starts[1:], real], strict=True):
@@ -281,8 +281,9 @@ def test_packing_invariants():
 def test_greedy_packing_layout():
     dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0)
     layout = [split_documents(i["input_ids"].tolist(), i["position_ids"].tolist()) for i in dataset]
-    assert [[len(p) for p in row] for row in layout] == [[5, 3, 2], [9, 1], [7, 3]]  # 2 and 3 are padding
-    assert dataset[0]["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1]
+    # the 1-token document has no loss token and is dropped; padding (2, 1 and 3 tokens) continues the last document
+    assert [[len(p) for p in row] for row in layout] == [[5, 5], [10], [10]]
+    assert dataset[0]["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
 
 
 def test_no_packing_gives_one_document_per_sequence():
@@ -290,7 +291,7 @@ def test_no_packing_gives_one_document_per_sequence():
     assert len(dataset) == 3 and dataset.truncated == 1
     assert dataset[1]["input_ids"].tolist() == [15, 16, 17, 0, 0, 0, 0, 0]
     assert dataset[1]["labels"].tolist() == [IGNORE_INDEX, 16, 17] + [IGNORE_INDEX] * 5
-    assert dataset[1]["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert dataset[1]["position_ids"].tolist() == list(range(8))  # one document and its padding: plain causal
     assert dataset[2]["position_ids"].tolist() == list(range(8))
 
 

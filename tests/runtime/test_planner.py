@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -320,3 +321,30 @@ def test_decoder_layer_formula_matches_what_autograd_saves(kernels, restore_rope
     measured = saved_bytes(layer, x, [*holder.layer.parameters(), *shared])
     work = bf16_work(ModelShape.from_hf_config(config), 16)
     assert measured == planner.layer_bytes(work, kernels) * 3 * 16
+
+
+def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_rope):
+    """packing off: one document per row, no mask; the layer saves what the unmasked formula says."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    packed = plan_config(tmp_path)
+    unpacked = packed.model_copy(update={"data": packed.data.model_copy(update={"packing": False})})
+    assert planner.workload(packed, world_size=1).attention == "sdpa"
+    assert planner.workload(unpacked, world_size=1).attention == "sdpa_causal"
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+    )
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(16).repeat(3, 1)
+    cos, sin = LlamaRotaryEmbedding(config)(x, positions)
+    measured = saved_bytes(
+        lambda x: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=positions),
+        x,
+        [*layer.parameters(), cos, sin, positions],
+    )
+    work = dataclasses.replace(bf16_work(ModelShape.from_hf_config(config), 16), attention="sdpa_causal")
+    assert measured == planner.layer_bytes(work, False) * 3 * 16
