@@ -6,23 +6,28 @@ Shared with the torch trainer: `prepare` (model, tokenizer, packed data), `build
 `build_scheduler` (passed as `optimizers=`), the data order (`GlobalBatchSampler`), `evaluate`.
 The loss is the model's own causal-LM loss, which transformers (5.x) sums over label tokens and
 divides by `num_items_in_batch`: the label tokens (after the shift) of all micro-batches of the
-step, exactly the torch trainer's normalization. HF's checkpointing and reporting stay off; the
-per-step losses go through tigon's Reporter. `finish_adapter_run` is shared with the Lightning one.
-Under torchrun the HF adapter runs DDP (accelerate wraps the model): `epoch_order` deals the
-micro-batches of each global batch to the ranks as the torch trainer does, and each step's loss is
-summed over the ranks.
+step, exactly the torch trainer's normalization. HF's own checkpointing and reporting stay off:
+`AdapterCheckpoints` writes the torch trainer's checkpoints (every N steps, last K kept, atomic) from a
+callback and resumes from them exactly, and the per-step losses go through tigon's Reporter. Under
+torchrun the HF adapter runs DDP (accelerate wraps the model): `epoch_order` deals the micro-batches
+of each global batch to the ranks as the torch trainer does, and each step's loss is summed over the
+ranks. `AdapterCheckpoints`, `OrderSampler` and `finish_adapter_run` are shared with the Lightning one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.distributed import all_reduce_sum, barrier, check_strategy, env_from_environ
+from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier, check_strategy
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     GlobalBatchSampler,
@@ -30,6 +35,7 @@ from tigon.runtime.trainer import (
     TrainResult,
     build_optimizer,
     build_scheduler,
+    check_resumable,
     collate,
     evaluate,
     generation_examples,
@@ -37,20 +43,12 @@ from tigon.runtime.trainer import (
     prepare,
 )
 
+logger = logging.getLogger("tigon.runtime")
+
 
 def validate_for_adapter(config: RunConfig, name: str) -> None:
     """What neither adapter honours (yet), named with the fix; the rest is checked as for the torch trainer."""
     check_strategy(config)  # fsdp and deepspeed need trainer 'torch'
-    if env_from_environ().distributed and name != "hf":
-        raise ConfigError(
-            f"trainer: {name!r} runs one process only in this build; use trainer 'torch' (DDP, FSDP, DeepSpeed) "
-            "or 'hf' (DDP) under torchrun"
-        )
-    if config.checkpoint.every_steps > 0:
-        raise ConfigError(
-            f"checkpoint.every_steps: trainer {name!r} does not write tigon checkpoints (resume needs them); "
-            "set checkpoint.every_steps: 0 or use trainer 'torch'"
-        )
     if config.eval.every_steps > 0:
         raise ConfigError(
             f"eval.every_steps: trainer {name!r} evaluates only at the end; set eval.every_steps: 0 or use 'torch'"
@@ -75,41 +73,118 @@ def epoch_order(config: RunConfig, n_items: int, world_size: int = 1) -> GlobalB
     )
 
 
+def positions(state: ckpt.TrainState, per_epoch: int, steps: int) -> list[tuple[int, int]]:
+    """(epoch, global batch) of the next `steps` optimizer steps after `state`, as the torch trainer walks them."""
+    epoch, batch, result = state.epoch, state.batches_in_epoch, []
+    for _ in range(steps):
+        if batch >= per_epoch:
+            epoch, batch = epoch + 1, 0
+        result.append((epoch, batch))
+        batch += 1
+    return result
+
+
 class OrderSampler(torch.utils.data.Sampler):
-    """The torch trainer's data order, flattened: the micro-batches of each full global batch of the epoch."""
+    """The torch trainer's data order from a run's position on: the micro-batches of the given global batches."""
 
-    def __init__(self, sampler: GlobalBatchSampler):
-        self.sampler, self.epoch = sampler, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, sampler: GlobalBatchSampler, steps: list[tuple[int, int]]):
+        self.sampler, self.steps = sampler, steps
 
     def batches(self):
-        for batch in range(self.sampler.batches_per_epoch):
-            yield from self.sampler.micro_batches(self.epoch, batch)
+        for epoch, batch in self.steps:
+            yield from self.sampler.micro_batches(epoch, batch)
 
     def __iter__(self):
         for micro in self.batches():
             yield from micro
 
     def __len__(self) -> int:
-        return self.sampler.batches_per_epoch * self.sampler.global_batch
+        return len(self.steps) * self.sampler.global_batch
+
+
+class AdapterCheckpoints:
+    """The torch trainer's checkpoints for an adapter: where the run stands, resume, and `step-N` every N steps.
+
+    Construct on every rank before training: it finds the newest checkpoint (or clears stale ones when not
+    resuming). `restore` loads its model, optimizer, schedule and RNG states just before the first step;
+    `step_done` advances the position and writes a checkpoint when one is due (call on every rank).
+    """
+
+    def __init__(self, config: RunConfig, env: DistEnv, per_epoch: int):
+        from tigon.runtime import storage
+
+        self.config, self.env, self.per_epoch = config, env, per_epoch
+        self.run_dir = Path(config.logging.run_dir)
+        self.remote = storage.run_storage(config.checkpoint.remote_dir)
+        self.config_json = config.model_dump_json(indent=2)
+        self.state = ckpt.TrainState(world_size=env.world_size)
+        self.latest: Path | None = None
+        if config.checkpoint.resume:
+            storage.fetch_for_resume(config.checkpoint.remote_dir, self.run_dir, env.local_rank, lambda: barrier(env))
+            self.latest = ckpt.latest_checkpoint(self.run_dir)
+        if self.latest is not None:
+            check_resumable(self.latest, config)
+            self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
+            self.state.world_size = env.world_size
+        else:
+            stale = ckpt.checkpoint_root(self.run_dir)
+            if env.is_main and stale.is_dir():
+                logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
+                shutil.rmtree(stale)
+            if env.is_main and self.remote is not None:
+                self.remote.clear_checkpoints()
+        barrier(env)
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.atomic_write_text(self.run_dir / "config.json", self.config_json + "\n")
+        self.resumed_from = self.state.step if self.latest is not None else None
+        self.pending = self.latest is not None  # states still to load before the first step
+
+    def remaining(self, total_steps: int) -> list[tuple[int, int]]:
+        return positions(self.state, self.per_epoch, max(0, total_steps - self.state.step))
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler=None) -> None:
+        """Load the checkpoint's states once; call right before the first step (after any data loader started,
+        which draws from the RNG)."""
+        if self.pending:
+            self.pending = False
+            ckpt.load_checkpoint(self.latest, model, optimizer, scheduler, self.env, scaler)
+            if self.env.is_main:
+                logger.info("resumed from %s (step %d, epoch %d)", self.latest, self.state.step, self.state.epoch)
+
+    def step_done(
+        self, loss: float, tokens: int, total_steps: int, model: nn.Module, optimizer, scheduler, scaler=None
+    ) -> None:
+        """Record an optimizer step; write `step-N` when `checkpoint.every_steps` (or the last step) says so."""
+        state = self.state
+        if state.batches_in_epoch >= self.per_epoch:
+            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
+        state.step += 1
+        state.batches_in_epoch += 1
+        state.tokens_seen += tokens
+        state.losses.append(loss)
+        every, keep = self.config.checkpoint.every_steps, self.config.checkpoint.keep_last
+        if every > 0 and (state.step % every == 0 or state.step == total_steps):
+            saved = ckpt.save_checkpoint(
+                self.run_dir, state, model, optimizer, scheduler, self.env, keep, scaler, self.config_json
+            )
+            if self.env.is_main and self.remote is not None:
+                self.remote.upload_checkpoint(saved, keep)
 
 
 def finish_adapter_run(
-    config: RunConfig, prepared: Prepared, losses: list[float], train_seconds: float, tokens: int
+    config: RunConfig, prepared: Prepared, checkpoints: AdapterCheckpoints, train_seconds: float, tokens: int
 ) -> TrainResult:
     """Evaluate once at the end, export, and write the summary as the torch trainer does."""
-    from tigon.runtime import checkpoint as ckpt
-
     run_dir = Path(config.logging.run_dir)
-    model, device = prepared.model, prepared.device
+    model, device, state = prepared.model, prepared.device, checkpoints.state
+    losses = state.losses
     eval_history = []
     if prepared.eval_dataset is not None and config.eval.metrics:
         examples = generation_examples(config, prepared.tokenizer) if "exact_match" in config.eval.metrics else None
         metrics = evaluate(model, prepared.eval_dataset, prepared.tokenizer, config, prepared.env, device, examples)
-        eval_history.append({"step": len(losses), **metrics})
-    export_dir = None
+        eval_history.append({"step": state.step, **metrics})
+    export_dir = export_url = None
     if config.checkpoint.export:
         if prepared.env.is_main:
             export_dir = str(
@@ -117,33 +192,39 @@ def finish_adapter_run(
                     model, prepared.tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora
                 )
             )
+            if checkpoints.remote is not None:
+                export_url = checkpoints.remote.upload_export(export_dir)
         barrier(prepared.env)
+    latest = ckpt.latest_checkpoint(run_dir)
     patch = getattr(model, "tigon_patch_report", None)
     result = TrainResult(
         run_dir=str(run_dir),
-        steps=len(losses),
+        steps=state.step,
         losses=list(losses),
         final_loss=losses[-1] if losses else None,
         eval_metrics={k: v for k, v in (eval_history[-1] if eval_history else {}).items() if k != "step"},
         export_dir=export_dir,
         tokens_per_second=tokens / train_seconds if train_seconds > 0 else 0.0,
         peak_memory_bytes=memory_bytes(device),
+        resumed_from_step=checkpoints.resumed_from,
         eval_history=eval_history,
         device=str(device),
         world_size=prepared.env.world_size,
+        checkpoint_dir=str(latest) if latest is not None else None,
         tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
+        export_url=export_url,
     )
-    config_json = json.loads(config.model_dump_json())
     if prepared.env.is_main:
-        ckpt.atomic_write_text(run_dir / "config.json", json.dumps(config_json, indent=2) + "\n")
-        write_summary(run_dir, {**result.__dict__, "config": config_json})
+        write_summary(run_dir, {**result.__dict__, "config": json.loads(checkpoints.config_json)})
         print(summary_text(result), flush=True)
     return result
 
 
-def make_reporter(config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True) -> Reporter:
+def make_reporter(
+    config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True, initial_step: int = 0
+) -> Reporter:
     return Reporter(
         config.logging.run_dir,
         total_steps,
@@ -151,22 +232,25 @@ def make_reporter(config: RunConfig, total_steps: int, device: torch.device, ena
         progress_bar=config.logging.progress_bar,
         tensorboard=config.logging.tensorboard,
         log_every=config.logging.every_steps,
+        initial_step=initial_step,
         device=device,
     )
 
 
 def train_with_hf(config: RunConfig) -> TrainResult:
-    """Train as configured with transformers' `Trainer`; returns what the torch trainer would."""
+    """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from tigon.runtime.data import model_inputs
 
     prepared = prepare_adapter(config, "hf")
     training, device, env = config.training, prepared.device, prepared.env
-    total_steps, _ = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    checkpoints = AdapterCheckpoints(config, env, per_epoch)
+    steps = checkpoints.remaining(total_steps)
     optimizer = build_optimizer(prepared.model, training)
     scheduler = build_scheduler(optimizer, training, total_steps)
-    order = OrderSampler(epoch_order(config, len(prepared.train_dataset), env.world_size))
+    order = OrderSampler(epoch_order(config, len(prepared.train_dataset), env.world_size), steps)
     attn = config.model.attn_implementation
 
     def collator(items: list[dict]) -> dict:
@@ -189,12 +273,15 @@ def train_with_hf(config: RunConfig) -> TrainResult:
             self.step_tokens += int(inputs["input_ids"].numel())
             return loss
 
-    losses: list[float] = []
-    reporter = make_reporter(config, total_steps, device, enabled=env.is_main)
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
+
+    def scaler():
+        return getattr(trainer.accelerator, "scaler", None)  # fp16 on a GPU: its loss scale is resumed too
 
     class RecordLosses(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            checkpoints.restore(prepared.model, optimizer, scheduler, scaler())  # the first step of a resumed run
             clock["started"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -205,14 +292,16 @@ def train_with_hf(config: RunConfig) -> TrainResult:
             all_reduce_sum(totals, env)
             loss, trainer.step_loss, trainer.step_tokens = float(totals[0]) / env.world_size, 0.0, 0
             clock["tokens"] += int(totals[1])
-            losses.append(loss)
+            lr = scheduler.get_last_lr()[0]
+            checkpoints.step_done(loss, int(totals[1]), total_steps, prepared.model, optimizer, scheduler, scaler())
             reporter.step(
-                state.global_step,
+                checkpoints.state.step,
                 {
                     "loss": loss,
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
+                    "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
 
@@ -220,14 +309,14 @@ def train_with_hf(config: RunConfig) -> TrainResult:
         output_dir=str(Path(config.logging.run_dir) / "hf"),
         per_device_train_batch_size=training.micro_batch_size,
         gradient_accumulation_steps=training.gradient_accumulation_steps,
-        max_steps=total_steps,
+        max_steps=len(steps),
         max_grad_norm=training.max_grad_norm or 0.0,  # 0 turns HF's clipping off
         seed=training.seed,
         bf16=training.precision == "bf16",
         fp16=training.precision == "fp16",
         use_cpu=device.type == "cpu",
         report_to="none",
-        save_strategy="no",
+        save_strategy="no",  # tigon's checkpoints (AdapterCheckpoints) instead
         eval_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
@@ -243,7 +332,9 @@ def train_with_hf(config: RunConfig) -> TrainResult:
         callbacks=[RecordLosses()],
     )
     try:
-        trainer.train()
+        if steps:  # a run resumed from its last checkpoint has nothing left to train
+            trainer.train()
     finally:
         reporter.close()
-    return finish_adapter_run(config, prepared, losses, clock["seconds"], clock["tokens"])
+    checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
+    return finish_adapter_run(config, prepared, checkpoints, clock["seconds"], clock["tokens"])

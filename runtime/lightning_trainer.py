@@ -3,23 +3,30 @@
     result = train(config)  # with config.trainer == "lightning"
 
 Shared with the torch trainer: `prepare`, `build_optimizer`, `build_scheduler`, the data order
-(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization. Optimization is manual:
-Lightning's automatic accumulation divides each micro-batch's loss by the number of micro-batches,
-which is not the torch trainer's "sum over label tokens of the step / their count" when
-micro-batches hold different numbers of label tokens. So one Lightning batch is one global batch
-(a list of micro-batches), and `training_step` runs the accumulation, clipping and update itself.
+(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization, and its checkpoints
+(`AdapterCheckpoints`: every N steps, last K kept, atomic; resume continues exactly). Optimization is
+manual: Lightning's automatic accumulation divides each micro-batch's loss by the number of
+micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
+micro-batches hold different numbers of label tokens. So one Lightning batch is one rank's share of a
+global batch (a list of micro-batches), and `training_step` runs the accumulation, clipping and update
+itself. Under torchrun Lightning's DDP strategy runs over the process group `prepare` created; each
+rank takes the torch trainer's micro-batches for its rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import torch
 
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.hf_trainer import OrderSampler, epoch_order, finish_adapter_run, make_reporter, prepare_adapter
+from tigon.runtime.distributed import DistEnv, all_reduce_sum
+from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, make_reporter, prepare_adapter
 from tigon.runtime.reporting import memory_bytes
 from tigon.runtime.trainer import (
+    GlobalBatchSampler,
     TrainResult,
     build_optimizer,
     build_scheduler,
@@ -31,27 +38,35 @@ from tigon.runtime.trainer import (
 
 
 class GlobalBatches(torch.utils.data.Sampler):
-    """One item per optimizer step: the indices of its micro-batches, in the torch trainer's order."""
+    """One item per optimizer step: the indices of this rank's micro-batches of it, in the torch trainer's order."""
 
-    def __init__(self, order: OrderSampler):
-        self.sampler = order  # Lightning calls `batch_sampler.sampler.set_epoch` at each epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def __init__(self, sampler: GlobalBatchSampler, steps: list[tuple[int, int]]):
+        self.order, self.steps = sampler, steps
 
     def __iter__(self):
-        micro = list(self.sampler.batches())
-        per_step = self.sampler.sampler.accumulation
-        for start in range(0, len(micro), per_step):
-            yield [index for batch in micro[start : start + per_step] for index in batch]
+        for epoch, batch in self.steps:
+            yield [index for micro in self.order.micro_batches(epoch, batch) for index in micro]
 
     def __len__(self) -> int:
-        return self.sampler.sampler.batches_per_epoch
+        return len(self.steps)
+
+
+def lightning_devices(env: DistEnv) -> tuple[int, int]:
+    """(devices per node, nodes) of a torchrun / PyTorchJob launch, as Lightning's DDP strategy wants them."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    if per_node < 1 or env.world_size % per_node:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={per_node} does not divide WORLD_SIZE={env.world_size}; launch with torchrun "
+            "(--nnodes N --nproc_per_node P starts the same number of processes on every node)"
+        )
+    return per_node, env.world_size // per_node
 
 
 def train_with_lightning(config: RunConfig) -> TrainResult:
-    """Train as configured with a Lightning `Trainer` (CPU or one GPU); returns what the torch trainer would."""
+    """Train (or resume) as configured with a Lightning `Trainer` (DDP under torchrun); returns what the torch
+    trainer would."""
     import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
 
     if config.training.precision == "fp16":
         raise ConfigError(
@@ -59,12 +74,22 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
             "optimization here; use bf16 or fp32, or trainer 'torch'"
         )
     prepared = prepare_adapter(config, "lightning")
-    training, device = config.training, prepared.device
-    total_steps, _ = plan_steps(config, len(prepared.train_dataset), 1)
+    training, device, env = config.training, prepared.device, prepared.env
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    checkpoints = AdapterCheckpoints(config, env, per_epoch)
+    steps = checkpoints.remaining(total_steps)
     dataset = prepared.train_dataset
-    order = OrderSampler(epoch_order(config, len(dataset)))
-    reporter = make_reporter(config, total_steps, device)
-    losses: list[float] = []
+    order = GlobalBatchSampler(
+        len(dataset),
+        training.micro_batch_size,
+        training.gradient_accumulation_steps,
+        env.world_size,
+        env.rank,
+        training.seed,
+    )
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
+    optimizer = build_optimizer(prepared.model, training)
+    scheduler = build_scheduler(optimizer, training, total_steps)
     clock = {"seconds": 0.0, "tokens": 0}
 
     class TigonModule(L.LightningModule):
@@ -74,56 +99,77 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
             self.model = prepared.model
 
         def configure_optimizers(self):
-            optimizer = build_optimizer(self.model, training)
-            return [optimizer], [build_scheduler(optimizer, training, total_steps)]
+            return [optimizer], [scheduler]
 
         def training_step(self, micro_batches, batch_index):
+            checkpoints.restore(prepared.model, optimizer, scheduler)  # the first step of a resumed run
             started = time.perf_counter()
-            optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-            n_label = sum(label_tokens(batch["labels"]) for batch in micro_batches)
+            counts = torch.tensor(
+                [
+                    sum(label_tokens(batch["labels"]) for batch in micro_batches),
+                    sum(batch["input_ids"].numel() for batch in micro_batches),
+                ],
+                dtype=torch.float64,
+                device=device,
+            )
+            all_reduce_sum(counts, env)
+            n_label, n_tokens = float(counts[0]), int(counts[1])
             if n_label == 0:
-                raise ValueError(f"step {len(losses) + 1}: no token in the global batch carries a label (all -100)")
-            loss_sum = 0.0
-            for batch in micro_batches:
-                summed = token_loss_sum(
-                    self.model, batch, config.model.attn_implementation, self.device, training.precision
+                raise ValueError(
+                    f"step {checkpoints.state.step + 1}: no token in the global batch carries a label (all -100)"
                 )
-                self.manual_backward(summed / n_label)
-                loss_sum += float(summed.detach())
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for index, batch in enumerate(micro_batches):
+                last = index == len(micro_batches) - 1
+                strategy = self.trainer.strategy
+                # DDP averages gradients over the ranks: all-reduce once, on the last micro-batch
+                sync = strategy.block_backward_sync() if env.distributed and not last else contextlib.nullcontext()
+                with sync:
+                    summed = token_loss_sum(
+                        self.model, batch, config.model.attn_implementation, self.device, training.precision
+                    )
+                    self.manual_backward(summed * (env.world_size / n_label))
+                loss_sum += summed.detach()
             params = [p for p in self.model.parameters() if p.requires_grad]
             max_norm = training.max_grad_norm if training.max_grad_norm is not None else float("inf")
             torch.nn.utils.clip_grad_norm_(params, max_norm)
             lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
+            self.optimizers().step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            all_reduce_sum(loss_sum, env)
+            loss = float(loss_sum) / n_label
             clock["seconds"] += time.perf_counter() - started
-            clock["tokens"] += sum(batch["input_ids"].numel() for batch in micro_batches)
-            losses.append(loss_sum / n_label)
+            clock["tokens"] += n_tokens
+            checkpoints.step_done(loss, n_tokens, total_steps, prepared.model, optimizer, scheduler)
             reporter.step(
-                len(losses),
+                checkpoints.state.step,
                 {
-                    "loss": losses[-1],
+                    "loss": loss,
                     "lr": lr,
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
+                    "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
 
     loader = torch.utils.data.DataLoader(
         dataset,
-        batch_sampler=GlobalBatches(order),
+        batch_sampler=GlobalBatches(order, steps),
         collate_fn=lambda items: [
             collate(items[i : i + training.micro_batch_size]) for i in range(0, len(items), training.micro_batch_size)
         ],
     )
+    devices, nodes = lightning_devices(env) if env.distributed else (1, 1)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        max_steps=total_steps,
+        strategy=DDPStrategy(process_group_backend=torch.distributed.get_backend()) if env.distributed else "auto",
+        devices=devices,
+        num_nodes=nodes,
+        max_steps=len(steps),
         max_epochs=-1,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=False,  # tigon's checkpoints (AdapterCheckpoints) instead
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -131,7 +177,9 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
         deterministic=False,
     )
     try:
-        trainer.fit(TigonModule(), train_dataloaders=loader)
+        if steps:  # a run resumed from its last checkpoint has nothing left to train
+            trainer.fit(TigonModule(), train_dataloaders=loader)
     finally:
         reporter.close()
-    return finish_adapter_run(config, prepared, losses, clock["seconds"], clock["tokens"])
+    checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
+    return finish_adapter_run(config, prepared, checkpoints, clock["seconds"], clock["tokens"])

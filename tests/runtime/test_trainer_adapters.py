@@ -2,15 +2,27 @@
 
 The adapters share the torch trainer's model building, data order, optimizer, schedule and loss
 normalization (sum over label tokens / label tokens of the whole step), so on the CPU in fp32 the
-per-step losses agree to rounding: stated tolerance 1e-4 relative (measured far below that).
+per-step losses agree to rounding: stated tolerance 1e-4 relative (measured far below that). They
+also share its checkpoints: a run stopped at step k and resumed repeats the uninterrupted losses
+exactly, and the export loads with `from_pretrained`.
 """
 
 from __future__ import annotations
 
-import pytest
+import json
+import shutil
+import uuid
+from pathlib import Path
 
+import fsspec
+import pytest
+import torch
+
+from tests.runtime.test_checkpoint import OVERRIDES, _capture_before_export
 from tests.runtime.test_trainer import tiny_config
+from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
+from tigon.runtime.storage import RunStorage
 from tigon.runtime.trainer import train
 
 pytest.importorskip("transformers")
@@ -38,7 +50,12 @@ def adapter_config(tmp_path, trainer: str, **sections):
         training=training,
         data={"max_seq_len": 32},
         eval={"metrics": ["loss"], "max_batches": 1, **sections.pop("eval", {})},
-        logging={"run_dir": str(tmp_path / f"run-{trainer}"), "tensorboard": False, "progress_bar": False},
+        logging={
+            "run_dir": str(tmp_path / f"run-{trainer}"),
+            "tensorboard": False,
+            "progress_bar": False,
+            **sections.pop("logging", {}),
+        },
         **sections,
     )
 
@@ -60,7 +77,6 @@ def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
 @pytest.mark.parametrize(
     ("trainer", "sections", "message"),
     [
-        ("hf", {"checkpoint": {"every_steps": 2, "export": False, "resume": False}}, "checkpoint.every_steps"),
         ("lightning", {"training": {"precision": "fp16"}}, "gradient scaler"),
         ("lightning", {"eval": {"every_steps": 2}}, "eval.every_steps"),
     ],
@@ -70,17 +86,112 @@ def test_options_an_adapter_cannot_honour_fail_clearly(tmp_path, trainer, sectio
         train(adapter_config(tmp_path, trainer, **sections))
 
 
-def test_hf_trainer_ddp_two_processes_match_the_torch_trainer(tmp_path):
-    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 with HF's Trainer (DDP through accelerate, gloo) ==
-    the torch trainer in one process with micro-batch 2 x accumulation 4, within RELATIVE_TOLERANCE."""
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_adapter_resumes_exactly_from_its_checkpoint(tmp_path, trainer):
+    """Stop at step 3 (its checkpoint), lose the run directory, resume from the object store to step 7: the
+    uninterrupted run's losses, bit for bit.
+
+    Dropout is on (so the restored RNG states matter), an epoch is 3 steps (the position crosses epochs) and
+    the schedule is constant after warmup (so the shortened run follows the full run's learning rates).
+    """
+    remote = f"memory://tigon-tests/{uuid.uuid4().hex}/run"
+
+    def config(name: str, max_steps: int, remote_dir: str | None = remote):
+        return adapter_config(
+            tmp_path,
+            trainer,
+            model={"config_overrides": {**OVERRIDES, "attention_dropout": 0.2}},
+            training={"max_steps": max_steps, "lr_schedule": "constant"},
+            checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": True, "remote_dir": remote_dir},
+            eval={"metrics": []},
+            logging={"run_dir": str(tmp_path / name)},
+        )
+
+    full = train(config("full", 7, None))
+    assert full.resumed_from_step is None and len(full.losses) == 7
+    killed = train(config("pod-1", 3))
+    assert killed.losses == full.losses[:3]
+    shutil.rmtree(tmp_path / "pod-1")  # the pod is gone, its disk with it
+    resumed = train(config("pod-2", 7))
+    assert resumed.resumed_from_step == 3 and resumed.steps == 7
+    assert resumed.losses == full.losses, (resumed.losses, full.losses)
+    run_dir = tmp_path / "pod-2"
+    assert [path.name for _, path in ckpt.list_checkpoints(run_dir)] == ["step-6", "step-7"]
+    assert RunStorage(remote).checkpoint_steps() == [6, 7]
+    assert resumed.export_url == RunStorage(remote).export_url
+    state = json.loads((run_dir / "checkpoints" / "step-7" / "state.json").read_text())
+    assert state["step"] == 7 and state["epoch"] == 2 and state["losses"] == full.losses
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4, 5, 6, 7], "the new pod's metrics.jsonl starts after the checkpoint"
+    again = train(config("pod-2", 7))  # resumed at its last step: nothing left to train
+    assert again.resumed_from_step == 7 and again.losses == full.losses
+    fsspec.filesystem("memory").rm(remote, recursive=True)
+
+
+@pytest.mark.parametrize(("trainer", "lora"), [("hf", False), ("lightning", True)])
+def test_adapter_export_loads_with_from_pretrained(tmp_path, monkeypatch, trainer, lora):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 20, 21, 14, 22, 30]])
+    captured = _capture_before_export(monkeypatch, ids)
+    config = adapter_config(
+        tmp_path,
+        trainer,
+        training={"max_steps": 2},
+        lora={"enabled": lora, "r": 4},
+        checkpoint={"export": True, "merge_lora": True},
+        eval={"metrics": []},
+    )
+    result = train(config)
+    assert Path(result.export_dir) == Path(config.logging.run_dir) / "export"
+    loaded = AutoModelForCausalLM.from_pretrained(result.export_dir)
+    assert not any("lora" in name for name, _ in loaded.named_parameters())
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    assert torch.allclose(got, captured["logits"], atol=1e-5), "the export holds the trained weights"
+
+
+def test_hf_and_lightning_ddp_two_processes_match_the_torch_trainer_and_resume_exactly(tmp_path):
+    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 with HF's Trainer (DDP through accelerate, gloo) and
+    with Lightning (its DDP strategy, gloo) == the torch trainer in one process with micro-batch 2 x
+    accumulation 4, within RELATIVE_TOLERANCE. Each adapter, stopped at its step-3 checkpoint and resumed on
+    2 ranks, repeats its uninterrupted losses exactly."""
     from tests.runtime.test_parallel import launch
 
-    every = {"eval": {"metrics": ["loss"], "max_batches": None}}  # the whole held-out set on 1 and 2 ranks
-    runs = launch(tmp_path, {"hf": adapter_config(tmp_path, "hf", **every)})
-    torch_run = train(adapter_config(tmp_path, "torch", training={"gradient_accumulation_steps": 4}, **every))
-    losses, reference = runs["hf"]["losses"], torch_run.losses
-    assert len(losses) == 6 and reference[-1] < reference[0]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-    print(f"hf DDP: worst relative loss difference to torch {worst:.2e}")
-    assert worst < RELATIVE_TOLERANCE, (losses, reference)
-    assert abs(runs["hf"]["eval"]["loss"] - torch_run.eval_metrics["loss"]) < RELATIVE_TOLERANCE * reference[-1]
+    def config(trainer: str, run: str, max_steps: int, **sections):
+        return adapter_config(
+            tmp_path,
+            trainer,
+            training={"max_steps": max_steps, "lr_schedule": "constant", **sections.pop("training", {})},
+            checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": False},
+            eval={"metrics": ["loss"], "max_batches": None},  # the whole held-out set on 1 and 2 ranks
+            logging={"run_dir": str(tmp_path / run)},
+            **sections,
+        )
+
+    configs = {}
+    for name in ("hf", "lightning"):
+        configs[name] = config(name, name, 6)
+        configs[f"{name}-killed"] = config(name, f"{name}-resumed", 3)
+        configs[f"{name}-resumed"] = config(name, f"{name}-resumed", 6)
+    runs = launch(tmp_path, configs)
+    torch_run = train(config("torch", "torch", 6, training={"gradient_accumulation_steps": 4}))
+    reference = torch_run.losses
+    assert len(reference) == 6 and reference[-1] < reference[0]
+    for name in ("hf", "lightning"):
+        losses = runs[name]["losses"]
+        assert len(losses) == 6, (name, losses)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+        print(f"{name} DDP: worst relative loss difference to torch {worst:.2e}")
+        assert worst < RELATIVE_TOLERANCE, (name, losses, reference)
+        eval_loss = runs[name]["eval"]["loss"]
+        assert abs(eval_loss - torch_run.eval_metrics["loss"]) < RELATIVE_TOLERANCE * reference[-1], name
+        assert runs[f"{name}-killed"]["losses"] == losses[:3], name
+        resumed = runs[f"{name}-resumed"]
+        assert resumed["resumed_from"] == 3 and resumed["losses"] == losses, (name, resumed, losses)
+        names = sorted(p.name for p in (tmp_path / f"{name}-resumed" / "checkpoints").iterdir())
+        assert names == ["step-3", "step-6"], (name, names)
+        assert sorted(p.name for p in (tmp_path / f"{name}-resumed" / "checkpoints" / "step-6").glob("rng-*")) == [
+            "rng-rank0.pt",
+            "rng-rank1.pt",
+        ]
