@@ -38,9 +38,9 @@ class Family:
     `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
-    The fused linear cross entropy replaces the forward of `causal_lm` (`<Prefix>ForCausalLM`, the
-    prefix of the first norm class); `final_logit_softcapping` and `logits_scaling` name the
-    family's head quirks, read from the config (Gemma 2/3 softcap the logits, Granite divides them).
+    The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`);
+    `final_logit_softcapping` and `logits_scaling` name the family's head quirks, read from the
+    config (Gemma 2/3 softcap the logits, Granite divides them).
     """
 
     modeling: str
@@ -52,12 +52,9 @@ class Family:
     rope: bool = True
     partial_rope: bool = False
     unfit: tuple[tuple[str, str], ...] = ()
+    causal_lm: str = field(kw_only=True)
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
-
-    @property
-    def causal_lm(self) -> str:
-        return self.rms_norm[0].removesuffix("RMSNorm") + "ForCausalLM"
 
 
 def _models(name: str) -> str:
@@ -68,26 +65,31 @@ _FUSED_EXPERTS = "experts keep every expert's gate/up projections in one 3-D par
 _FUSED_GATE_UP = "MLP has one fused gate_up_proj Linear; GatedMLP needs separate gate_proj/up_proj"
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",)),
-    "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",)),
+    "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
+    "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",), causal_lm="MistralForCausalLM"),
     "mixtral": Family(
-        _models("mixtral"), ("MixtralRMSNorm",), unfit=(("swiglu", f"MixtralExperts: {_FUSED_EXPERTS}"),)
+        _models("mixtral"),
+        ("MixtralRMSNorm",),
+        unfit=(("swiglu", f"MixtralExperts: {_FUSED_EXPERTS}"),),
+        causal_lm="MixtralForCausalLM",
     ),
-    "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",)),
+    "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),
     "qwen2_moe": Family(
         _models("qwen2_moe"),
         ("Qwen2MoeRMSNorm",),
         ("Qwen2MoeMLP",),  # the shared expert and dense (mlp_only) layers
         unfit=(("swiglu", f"Qwen2MoeExperts: {_FUSED_EXPERTS}"),),
+        causal_lm="Qwen2MoeForCausalLM",
     ),
-    "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",)),
+    "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",), causal_lm="Qwen3ForCausalLM"),
     "qwen3_moe": Family(
         _models("qwen3_moe"),
         ("Qwen3MoeRMSNorm",),
         ("Qwen3MoeMLP",),  # dense (mlp_only) layers
         unfit=(("swiglu", f"Qwen3MoeExperts: {_FUSED_EXPERTS}"),),
+        causal_lm="Qwen3MoeForCausalLM",
     ),
-    "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True),
+    "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True, causal_lm="GemmaForCausalLM"),
     "gemma2": Family(
         _models("gemma2"),
         ("Gemma2RMSNorm",),
@@ -95,6 +97,7 @@ FAMILIES: dict[str, Family] = {
         gemma_norm=True,
         in_place_norm_backward=False,
         final_logit_softcapping=True,
+        causal_lm="Gemma2ForCausalLM",
     ),
     "gemma3_text": Family(
         _models("gemma3"),
@@ -103,12 +106,22 @@ FAMILIES: dict[str, Family] = {
         gemma_norm=True,
         in_place_norm_backward=False,
         final_logit_softcapping=True,
+        causal_lm="Gemma3ForCausalLM",
     ),
     "phi3": Family(
-        _models("phi3"), ("Phi3RMSNorm",), partial_rope=True, unfit=(("swiglu", f"Phi3MLP: {_FUSED_GATE_UP}"),)
+        _models("phi3"),
+        ("Phi3RMSNorm",),
+        partial_rope=True,
+        unfit=(("swiglu", f"Phi3MLP: {_FUSED_GATE_UP}"),),
+        causal_lm="Phi3ForCausalLM",
     ),
     "olmo2": Family(
-        _models("olmo2"), ("Olmo2RMSNorm",), ("Olmo2MLP",), in_place_norm_backward=False, norm_casting="gemma"
+        _models("olmo2"),
+        ("Olmo2RMSNorm",),
+        ("Olmo2MLP",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        causal_lm="Olmo2ForCausalLM",
     ),
     "glm4": Family(
         _models("glm4"),
@@ -119,8 +132,11 @@ FAMILIES: dict[str, Family] = {
             ("swiglu", f"Glm4MLP: {_FUSED_GATE_UP}"),
             ("rope", "Glm4 apply_rotary_pos_emb is interleaved and partial; tigon's RoPE is rotate-half"),
         ),
+        causal_lm="Glm4ForCausalLM",
     ),
-    "granite": Family(_models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",), logits_scaling=True),
+    "granite": Family(
+        _models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",), logits_scaling=True, causal_lm="GraniteForCausalLM"
+    ),
 }
 
 
