@@ -173,9 +173,14 @@ class AdapterCheckpoints:
 
 
 def finish_adapter_run(
-    config: RunConfig, prepared: Prepared, checkpoints: AdapterCheckpoints, train_seconds: float, tokens: int
+    config: RunConfig,
+    prepared: Prepared,
+    checkpoints: AdapterCheckpoints,
+    reporter: Reporter,
+    train_seconds: float,
+    tokens: int,
 ) -> TrainResult:
-    """Evaluate once at the end, export, and write the summary as the torch trainer does."""
+    """Evaluate once at the end, export, and write the loss curve and summary as the torch trainer does."""
     run_dir = Path(config.logging.run_dir)
     model, device, state = prepared.model, prepared.device, checkpoints.state
     losses = state.losses
@@ -217,6 +222,7 @@ def finish_adapter_run(
         export_url=export_url,
     )
     if prepared.env.is_main:
+        reporter.plot(result.losses, result.eval_history)
         write_summary(run_dir, {**result.__dict__, "config": json.loads(checkpoints.config_json)})
         print(summary_text(result), flush=True)
     return result
@@ -337,4 +343,4 @@ def train_with_hf(config: RunConfig) -> TrainResult:
     finally:
         reporter.close()
     checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
-    return finish_adapter_run(config, prepared, checkpoints, clock["seconds"], clock["tokens"])
+    return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])

@@ -182,4 +182,4 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
     finally:
         reporter.close()
     checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
-    return finish_adapter_run(config, prepared, checkpoints, clock["seconds"], clock["tokens"])
+    return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])

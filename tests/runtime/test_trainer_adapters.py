@@ -123,6 +123,7 @@ def test_adapter_resumes_exactly_from_its_checkpoint(tmp_path, trainer):
     assert state["step"] == 7 and state["epoch"] == 2 and state["losses"] == full.losses
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 5, 6, 7], "the new pod's metrics.jsonl starts after the checkpoint"
+    assert (run_dir / "loss.png").stat().st_size > 0 and (run_dir / "summary.json").is_file()
     again = train(config("pod-2", 7))  # resumed at its last step: nothing left to train
     assert again.resumed_from_step == 7 and again.losses == full.losses
     fsspec.filesystem("memory").rm(remote, recursive=True)
