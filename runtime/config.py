@@ -98,6 +98,7 @@ class KernelsConfig(Section):
     rms_norm: bool = True
     rope: bool = True
     swiglu: bool = True
+    fused_linear_cross_entropy: bool = Field(True, description="the training loss without materializing logits")
 
 
 class ParallelismConfig(Section):

@@ -108,7 +108,13 @@ def apply_kernels(model: nn.Module, config: RunConfig):
         return None
     from tigon.kernels.patching import apply
 
-    return apply(model, rms_norm=kernels.rms_norm, rope=kernels.rope, swiglu=kernels.swiglu)  # logs its report
+    return apply(  # logs its report
+        model,
+        rms_norm=kernels.rms_norm,
+        rope=kernels.rope,
+        swiglu=kernels.swiglu,
+        fused_linear_cross_entropy=kernels.fused_linear_cross_entropy,
+    )
 
 
 def add_lora(model: nn.Module, config: RunConfig) -> nn.Module:

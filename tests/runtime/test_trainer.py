@@ -150,6 +150,26 @@ def test_loss_is_token_mean_over_label_tokens(tmp_path):
     assert torch.allclose(summed / label_tokens(batch["labels"]), expected, rtol=1e-5)
 
 
+def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
+    """kernels.fused_linear_cross_entropy: the training loss without logits equals the one from full logits."""
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.model import build_model
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    sums = {}
+    for fused in (True, False):
+        config = tiny_config(tmp_path, kernels={"enabled": True, "fused_linear_cross_entropy": fused})
+        tokenizer = load_tokenizer(config.model)
+        dataset, _, _ = build_datasets(config, tokenizer)
+        torch.manual_seed(0)
+        model = build_model(config, len(tokenizer), tokenizer).train()  # the fused loss is the training path
+        assert ("fused_linear_cross_entropy" in model.tigon_patch_report.applied) is fused
+        sums[fused] = token_loss_sum(
+            model, collate([dataset[i] for i in range(3)]), "sdpa", torch.device("cpu"), "fp32"
+        )
+    assert torch.allclose(sums[True], sums[False], rtol=1e-6)
+
+
 def _ddp_worker(tmp_path: Path) -> Path:
     """A script for torchrun: `tigon train CONFIG` through the CLI, then this rank's losses and parameters."""
     script = tmp_path / "ddp_worker.py"
