@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,29 @@ def use_triton(op: str, tensor: torch.Tensor) -> bool:
         return True
     _announce_reference(op)
     return False
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether `tensor` is a torch.distributed DTensor (e.g. an FSDP2 parameter outside its module's forward)."""
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def gather_dtensors(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each DTensor as its whole value on every rank (`full_tensor()`, differentiable: the gradient goes back
+    to this rank's shard as DTensor autograd does), other tensors unchanged."""
+    return tuple(t.full_tensor() if is_dtensor(t) else t for t in tensors)
+
+
+def reject_dtensor(op: str, **tensors: torch.Tensor | None) -> None:
+    """A clear error for a DTensor argument of an op that takes plain tensors only."""
+    for name, tensor in tensors.items():
+        if is_dtensor(tensor):
+            raise TypeError(
+                f"tigon {op}: {name} is a DTensor (a sharded parameter, e.g. FSDP2 outside the module's "
+                f"forward); pass {name}.full_tensor(), or call it inside the FSDP module's forward where the "
+                "parameters are whole"
+            )
 
 
 def check_float(name: str, tensor: torch.Tensor) -> None:

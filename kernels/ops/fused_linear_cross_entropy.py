@@ -47,7 +47,14 @@ from tigon.kernels.ops.cross_entropy import (
     scale_in_place,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, check_same_device, check_vector, logger, use_triton
+from tigon.kernels.utils import (
+    check_float,
+    check_same_device,
+    check_vector,
+    gather_dtensors,
+    logger,
+    use_triton,
+)
 
 MAX_CHUNK_LOGITS_BYTES = 1 << 30
 FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
@@ -420,6 +427,8 @@ def fused_linear_cross_entropy(
     sums the weight gradient over chunks in float32 (cast to the weight's dtype at the end). A frozen
     head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
     autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
+    A DTensor argument (a sharded weight) is gathered with `full_tensor()`, which is differentiable: the
+    weight gradient returns to each rank's shard (this rank's gradient, not summed over ranks).
     """
     options = LossOptions(
         ignore_index=ignore_index,
@@ -430,6 +439,7 @@ def fused_linear_cross_entropy(
         num_items_in_batch=num_items_in_batch,
         return_z_loss=return_z_loss,
     )
+    hidden, weight, target, bias, class_weight = gather_dtensors(hidden, weight, target, bias, class_weight)
     check_fused_linear_cross_entropy_inputs(hidden, weight, target, bias, class_weight, options, chunk_size)
     if not use_triton("fused_linear_cross_entropy", hidden):
         return reference.fused_linear_cross_entropy(

@@ -32,7 +32,7 @@ from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
-from tigon.kernels.utils import check_float, check_same_device, use_triton
+from tigon.kernels.utils import check_float, check_same_device, gather_dtensors, use_triton
 
 
 def chunked_pass(
@@ -224,9 +224,13 @@ def fused_linear_jsd(
     full `(N, V)` logits never exist (see the module docstring for the chunking; `chunk_size`
     overrides it). Gradients go to the student's hidden states and weight only, computed in the
     forward; one backward per forward. `accumulate_in_fp32` sums the weight gradient over chunks in
-    float32. Autocast is off inside: pass each hidden state in its head's dtype.
+    float32. Autocast is off inside: pass each hidden state in its head's dtype. DTensor arguments (sharded
+    heads) are gathered with `full_tensor()`, as in `fused_linear_cross_entropy`.
     """
     options = JSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction)
+    student_hidden, student_weight, teacher_hidden, teacher_weight, label = gather_dtensors(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, label
+    )
     check_fused_linear_jsd_inputs(
         student_hidden, student_weight, teacher_hidden, teacher_weight, label, options, chunk_size
     )

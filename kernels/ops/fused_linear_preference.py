@@ -42,7 +42,7 @@ from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, check_same_device, check_vector, use_triton
+from tigon.kernels.utils import check_float, check_same_device, check_vector, reject_dtensor, use_triton
 
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 """(logps, counts, ref_logps, rows) of one chunk's sequences, float64 -> that chunk's share of the loss.
@@ -289,7 +289,8 @@ def check_head(
     bias_name: str,
     bias: torch.Tensor | None,
 ) -> None:
-    """hidden (B, T, H) non-empty, weight (V, H), bias (V,), all of one float dtype."""
+    """hidden (B, T, H) non-empty, weight (V, H), bias (V,), all of one float dtype; no DTensors."""
+    reject_dtensor("preference loss", **{hidden_name: hidden, weight_name: weight, bias_name: bias})
     check_float(hidden_name, hidden)
     check_float(weight_name, weight)
     if hidden.dim() != 3 or 0 in hidden.shape:

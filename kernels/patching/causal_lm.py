@@ -20,12 +20,15 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tigon.kernels.patching import Family
 
 logger = logging.getLogger("tigon.kernels")
@@ -98,6 +101,22 @@ def keep_last_hidden_state(causal_lm: nn.Module) -> list:
     return decoder.__dict__[LAST_HIDDEN]
 
 
+def gathered_in_own_forward(head: nn.Module) -> bool:
+    """Whether the head's weight is whole only inside its own forward: its own FSDP2 unit, or ZeRO-3."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return (fsdp is not None and isinstance(head, fsdp.FSDPModule)) or hasattr(head.weight, "ds_id")
+
+
+def run_as_forward(module: nn.Module, function: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """`function(*args)` run as `module`'s forward, so the module's hooks gather its sharded weight around it
+    (FSDP2 unshard and gradient reduce-scatter, ZeRO-3 gather and partitioned gradients)."""
+    module.forward = function
+    try:
+        return module(*args)
+    finally:
+        del module.forward
+
+
 def fused_forward(original, family: Family):
     """A `forward(self, ...)` that computes the loss with the fused op when it skips the logits.
 
@@ -118,7 +137,7 @@ def fused_forward(original, family: Family):
         if labels is None:
             raise ValueError("skip_logits=True computes the loss without logits, so it needs labels; pass labels=")
         head = self.get_output_embeddings()
-        if type(head) is not nn.Linear:
+        if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:  # FSDPLinear passes
             _warn_head(type(head).__name__)
             return original(self, **kwargs)
         del kwargs["labels"]
@@ -131,15 +150,16 @@ def fused_forward(original, family: Family):
         from transformers.modeling_utils import slice_logits_to_keep
 
         hidden = slice_logits_to_keep(box.pop(), keep)
-        loss = causal_lm_loss(
+        loss_of = functools.partial(
+            causal_lm_loss,
             self,
             family,
-            hidden,
-            labels,
-            kwargs.get("shift_labels"),
-            kwargs.get("num_items_in_batch"),
-            kwargs.get("ignore_index", -100),
+            labels=labels,
+            shift_labels=kwargs.get("shift_labels"),
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ignore_index=kwargs.get("ignore_index", -100),
         )
+        loss = run_as_forward(head, loss_of, hidden) if gathered_in_own_forward(head) else loss_of(hidden)
         if getattr(out, "aux_loss", None) is not None:
             loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
         fields = {name: value for name, value in out.items() if name not in ("logits", "loss")}
