@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tigon.kernels import reference
-from tigon.kernels.ops.rms_norm import check_rms_norm_inputs, rms_norm_backward, rms_norm_forward
+from tigon.kernels.ops.rms_norm import check_rms_norm_inputs, rms_norm_backward, rms_norm_backward_op, rms_norm_forward
 from tigon.kernels.utils import rows_view, use_triton
 
 
@@ -45,6 +45,36 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return dx, dx, dweight, None, None, None, None
 
 
+@torch.library.custom_op("tigon::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile: (y, x + residual, rstd); the backward is RMSNorm's op."""
+    y, rstd, new_residual = rms_norm_forward(rows_view(x), weight, eps, offset, casting, residual2d=rows_view(residual))
+    return y.view(*x.shape[:-1], y.shape[-1]), new_residual.view(x.shape), rstd
+
+
+@fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, casting):
+    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting == "llama" else x.dtype
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape, dtype=dtype), torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+
+
+def _fused_add_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], inputs[2], output[2])
+    ctx.offset, ctx.casting = inputs[4], inputs[5]
+
+
+def _fused_add_grad(ctx, dy, dresidual, _):
+    new_residual, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy, new_residual, weight, rstd, ctx.offset, ctx.casting, dresidual)
+    return dx, dx, dweight if weight is not None else None, None, None, None
+
+
+fused_add_rms_norm_op.register_autograd(_fused_add_grad, setup_context=_fused_add_setup)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -65,4 +95,6 @@ def fused_add_rms_norm(
         raise ValueError(f"residual is on {residual.device} but x is on {x.device}; move it to x.device")
     if not use_triton("fused_add_rms_norm", x):
         return reference.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
+    if torch.compiler.is_compiling():
+        return fused_add_rms_norm_op(x, residual, weight, eps, offset, casting)[:2]
     return FusedAddRMSNormFunction.apply(x, residual, weight, eps, offset, casting, in_place_backward)

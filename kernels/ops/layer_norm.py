@@ -249,6 +249,55 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dweight, dbias, None, None
 
 
+@torch.library.custom_op("tigon::layer_norm", mutates_args=())
+def layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile: (y, mean, rstd)."""
+    y, mean, rstd = layer_norm_forward(rows_view(x), weight, bias, eps)
+    return y.view(x.shape), mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("tigon::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias) out of place; empty where there is no weight or bias."""
+    dx, dweight, dbias = layer_norm_backward(rows_view(dy), rows_view(x), weight, bias, mean, rstd, in_place=False)
+    if dbias is not None:
+        dbias = dbias.clone()  # dweight and dbias share one buffer; an op's outputs may not alias
+    return dx.view(x.shape), *(g if g is not None else x.new_empty(0) for g in (dweight, dbias))
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd):
+    return torch.empty_like(x), *(t.new_empty(t.shape) if t is not None else x.new_empty(0) for t in (weight, bias))
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[1], output[2])
+
+
+def _layer_norm_grad(ctx, dy, *_):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = layer_norm_backward_op(dy, x, weight, bias, mean, rstd)
+    return dx, dweight if weight is not None else None, dbias if bias is not None else None, None
+
+
+layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -265,4 +314,6 @@ def layer_norm(
     check_layer_norm_inputs(x, weight, bias)
     if not use_triton("layer_norm", x):
         return reference.layer_norm(x, weight, bias, eps)
+    if torch.compiler.is_compiling():
+        return layer_norm_op(x, weight, bias, eps)[0]
     return LayerNormFunction.apply(x, weight, bias, eps, in_place_backward)

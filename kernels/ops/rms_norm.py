@@ -286,15 +286,30 @@ def _(x, weight, eps, offset, casting):
 
 @torch.library.custom_op("tigon::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, offset: float, casting: str
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    casting: str,
+    grad_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) out of place; dweight is empty without a weight."""
-    dx, dweight = rms_norm_backward(rows_view(dy), rows_view(x), weight, rstd, offset, casting, in_place=False)
+    """(dx, dweight) out of place (plus `grad_residual` for the fused add); dweight is empty without a weight."""
+    dx, dweight = rms_norm_backward(
+        rows_view(dy),
+        rows_view(x),
+        weight,
+        rstd,
+        offset,
+        casting,
+        in_place=False,
+        grad_residual2d=rows_view(grad_residual) if grad_residual is not None else None,
+    )
     return dx.view(x.shape), dweight if dweight is not None else x.new_empty(0)
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset, casting):
+def _(dy, x, weight, rstd, offset, casting, grad_residual=None):
     return torch.empty_like(x), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
 
 

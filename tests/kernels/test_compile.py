@@ -50,6 +50,19 @@ def test_rms_norm_compiles_without_graph_breaks():
     )
 
 
+def test_fused_add_rms_norm_and_layer_norm_compile_without_graph_breaks():
+    x, residual, w, b = torch.randn(3, 5, 24), torch.randn(3, 5, 24), torch.randn(24), torch.randn(24)
+
+    def ours(x, r, w):
+        return torch.cat([t.flatten() for t in F.fused_add_rms_norm(x, r, w)])
+
+    def theirs(x, r, w):
+        return torch.cat([t.flatten() for t in reference.fused_add_rms_norm(x, r, w)])
+
+    assert_compiled_matches(ours, theirs, (x, residual, w))
+    assert_compiled_matches(F.layer_norm, reference.layer_norm, (x, w, b))
+
+
 def test_rope_compiles_without_graph_breaks():
     q, k = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16)
     cos, sin = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
