@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tigon.kernels")
 
 
+def keep_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions HF's `logits_to_keep` selects: the last `keep` (all for 0), or the given indices."""
+    return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+
+
 @functools.cache
 def _warn_head(kind: str) -> None:
     logger.warning(
@@ -147,9 +152,7 @@ def fused_forward(original, family: Family):
         box.append(None)
         no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
         out = original(self, **kwargs, logits_to_keep=no_positions, return_dict=True)
-        from transformers.modeling_utils import slice_logits_to_keep
-
-        hidden = slice_logits_to_keep(box.pop(), keep)
+        hidden = keep_positions(box.pop(), keep)
         loss_of = functools.partial(
             causal_lm_loss,
             self,
