@@ -129,10 +129,7 @@ def main() -> None:
         "",
         table(main_rows),
         "",
-        "### Sweeps",
-        "",
-        table(sweep_rows),
-        "",
+        *(["### Sweeps", "", table(sweep_rows), ""] if sweep_rows else []),
         *[f"![{name}]({name})" for name in plots],
         "",
     ]
