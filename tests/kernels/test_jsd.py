@@ -270,4 +270,6 @@ def test_modules_call_the_functional_ops(device):
     )
     hidden, weight = torch.randn(5, 8, device=device), torch.randn(17, 8, device=device)
     fused = modules.FusedLinearJSDLoss(beta=0.0, chunk_size=2)(hidden, weight, hidden, weight * 2, label)
-    assert torch.equal(fused, functional.fused_linear_jsd(hidden, weight, hidden, weight * 2, label, beta=0.0))
+    assert torch.equal(
+        fused, functional.fused_linear_jsd(hidden, weight, hidden, weight * 2, label, beta=0.0, chunk_size=2)
+    )
