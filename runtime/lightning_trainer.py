@@ -31,7 +31,7 @@ from tigon.runtime.trainer import (
     build_optimizer,
     build_scheduler,
     collate,
-    label_tokens,
+    global_token_counts,
     plan_steps,
     token_loss_sum,
 )
@@ -104,20 +104,7 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
         def training_step(self, micro_batches, batch_index):
             checkpoints.restore(prepared.model, optimizer, scheduler)  # the first step of a resumed run
             started = time.perf_counter()
-            counts = torch.tensor(
-                [
-                    sum(label_tokens(batch["labels"]) for batch in micro_batches),
-                    sum(batch["input_ids"].numel() for batch in micro_batches),
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            all_reduce_sum(counts, env)
-            n_label, n_tokens = float(counts[0]), int(counts[1])
-            if n_label == 0:
-                raise ValueError(
-                    f"step {checkpoints.state.step + 1}: no token in the global batch carries a label (all -100)"
-                )
+            n_label, n_tokens = global_token_counts(micro_batches, env, device, checkpoints.state.step + 1)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for index, batch in enumerate(micro_batches):
                 last = index == len(micro_batches) - 1

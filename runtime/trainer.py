@@ -190,6 +190,26 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
+def global_token_counts(micro_batches: list[dict], env: DistEnv, device: torch.device, step: int) -> tuple[float, int]:
+    """(label tokens, all tokens) of the global batch, summed over ranks; an error if no token carries a label."""
+    counts = torch.tensor(
+        [
+            sum(label_tokens(batch["labels"]) for batch in micro_batches),
+            sum(batch["input_ids"].numel() for batch in micro_batches),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    all_reduce_sum(counts, env)
+    n_label, n_tokens = float(counts[0]), int(counts[1])
+    if n_label == 0:
+        raise ValueError(
+            f"step {step}: no token in the global batch carries a label (all -100); check data.format "
+            "and the prompt/response fields"
+        )
+    return n_label, n_tokens
+
+
 def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
     """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
     from tigon.runtime.data import model_inputs
@@ -604,21 +624,7 @@ def _optimizer_step(strategy, sampler, dataset, state, config, env, device):
     micro_batches = [
         collate([dataset[i] for i in indices]) for indices in sampler.micro_batches(state.epoch, state.batches_in_epoch)
     ]
-    counts = torch.tensor(
-        [
-            sum(label_tokens(batch["labels"]) for batch in micro_batches),
-            sum(b["input_ids"].numel() for b in micro_batches),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    all_reduce_sum(counts, env)
-    n_label, n_tokens = float(counts[0]), int(counts[1])
-    if n_label == 0:
-        raise ValueError(
-            f"step {state.step + 1}: no token in the global batch carries a label (all -100); check data.format "
-            "and the prompt/response fields"
-        )
+    n_label, n_tokens = global_token_counts(micro_batches, env, device, state.step + 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
         with strategy.accumulating(last=index == len(micro_batches) - 1):
