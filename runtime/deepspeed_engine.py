@@ -76,7 +76,22 @@ def import_deepspeed(device: torch.device):
         raise ConfigError(
             "parallelism.strategy: 'deepspeed' needs the deepspeed package; pip install 'tigon[deepspeed]'"
         ) from None
+    forget_destroyed_world_group()
     return deepspeed
+
+
+def forget_destroyed_world_group() -> None:
+    """Drop DeepSpeed's cached clone of the world group when its process group no longer exists.
+
+    DeepSpeed clones the world group once per process and keeps it in a module global. A second run in
+    the same process (a notebook, a test session) starts after the first run destroyed its process
+    group, and DeepSpeed's first broadcast then fails on the stale clone ("Group ... is not registered").
+    """
+    from deepspeed.utils import groups
+    from torch.distributed.distributed_c10d import _world
+
+    if groups._WORLD_GROUP is not None and groups._WORLD_GROUP not in _world.pg_group_ranks:
+        groups._WORLD_GROUP = None
 
 
 class DeepSpeedStrategy(ShardedExport, DDPStrategy):

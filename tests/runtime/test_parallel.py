@@ -239,16 +239,18 @@ def test_deepspeed_config_follows_the_run_config(tmp_path):
 
 def test_one_process_fsdp2_cpu_offload_and_zero1_match_ddp(tmp_path):
     """In one process (a process group of one, made by the runtime): FSDP2 with a CPUOffloadPolicy and DeepSpeed
-    ZeRO-1 reach the plain run's per-step losses within RELATIVE_TOLERANCE."""
+    ZeRO-1 reach the plain run's per-step losses within RELATIVE_TOLERANCE. A second DeepSpeed run in the same
+    process (ZeRO-2) works too: the first run's process group is gone, and DeepSpeed must not reuse its clone."""
     runs = {}
     for name, parallelism in [
         ("ddp", {}),
         ("fsdp-offload", {"strategy": "fsdp", "cpu_offload": True}),
         ("zero1", {"strategy": "deepspeed", "zero_stage": 1}),
+        ("zero2", {"strategy": "deepspeed", "zero_stage": 2}),
     ]:
         config = run_config(tmp_path, name, 3, False, parallelism=parallelism, training={"micro_batch_size": 4})
         runs[name] = train(config.model_copy(update={"eval": config.eval.model_copy(update={"metrics": []})}))
-    for name in ("fsdp-offload", "zero1"):
+    for name in ("fsdp-offload", "zero1", "zero2"):
         worst = max(abs(a - b) / abs(b) for a, b in zip(runs[name].losses, runs["ddp"].losses, strict=True))
         assert worst < RELATIVE_TOLERANCE, (name, runs[name].losses, runs["ddp"].losses)
         assert (tmp_path / name / "checkpoints" / "step-3").is_dir()
