@@ -11,6 +11,7 @@ are added through peft when `lora.enabled`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -51,9 +52,13 @@ def _special_token_ids(tokenizer) -> dict[str, int]:
     return ids
 
 
-def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
-    """`from_pretrained` on a local directory; the embeddings grow if the tokenizer is larger."""
-    from transformers import AutoModelForCausalLM
+def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights: bool = True) -> nn.Module:
+    """`from_pretrained` on a local directory; the embeddings grow if the tokenizer is larger.
+
+    `weights=False` builds the directory's model without reading its weights (the shapes, for a rank that
+    builds on the meta device and receives rank 0's weights).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(config.model.path)
     if not (path / "config.json").is_file():
@@ -62,13 +67,15 @@ def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Mo
             f"model.path: {path} {what}; point it at a local save_pretrained directory "
             "(tigon does not download from a model hub), or build from a config with model.config_name"
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation
-    )
+    options = dict(dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(path, **options)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **options)
     embeddings = model.get_input_embeddings().weight.shape[0]
     if vocab_size > embeddings:
         logger.info("resizing the embeddings from %d to the tokenizer's %d tokens", embeddings, vocab_size)
-        model.resize_token_embeddings(vocab_size)
+        model.resize_token_embeddings(vocab_size, mean_resizing=weights)  # the mean needs values
     return model
 
 
@@ -155,20 +162,25 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def build_model(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
-    """The model a run trains, on the CPU in `model.dtype`; move it to the device afterwards."""
+def build_model(config: RunConfig, vocab_size: int, tokenizer=None, meta: bool = False) -> nn.Module:
+    """The model a run trains, on the CPU in `model.dtype`; move it to the device afterwards.
+
+    `meta=True` builds it on the meta device: shapes without memory or initialization, for the FSDP2 ranks
+    that receive rank 0's weights once the model is sharded (`tigon.runtime.parallel.FSDPStrategy`).
+    """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     _check_attention(config)
-    if config.model.path is not None:
-        model = load_pretrained(config, vocab_size, tokenizer)
-    else:
-        model = build_from_config(config, vocab_size, tokenizer)
-    model.tigon_patch_report = apply_kernels(model, config)
-    if config.training.gradient_checkpointing:
-        enable_activation_checkpointing(model)
-    if config.lora.enabled:
-        model = add_lora(model, config)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if config.model.path is not None:
+            model = load_pretrained(config, vocab_size, tokenizer, weights=not meta)
+        else:
+            model = build_from_config(config, vocab_size, tokenizer)
+        model.tigon_patch_report = apply_kernels(model, config)
+        if config.training.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        if config.lora.enabled:
+            model = add_lora(model, config)
     return model
 
 

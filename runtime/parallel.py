@@ -154,15 +154,30 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         }
         if self.config.parallelism.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        full_state = module.state_dict() if self.env.is_main else {}  # rank 0's weights, for the other ranks
         layers = decoder_layers(module)
         if not layers:
             logger.warning("fsdp: no decoder layers found (no _no_split_modules); sharding the model as one unit")
         for layer in layers:
             fully_shard(layer, **options)
         fully_shard(module, **options)
+        if self.env.distributed:
+            self.receive_rank0_weights(module, full_state)
         if self.env.is_main:
             logger.info("fsdp: %d decoder layers and the root sharded over %d ranks", len(layers), self.env.world_size)
         return module
+
+    def receive_rank0_weights(self, module: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
+        """Every rank's shards and buffers from rank 0's model. The other ranks built theirs on the meta device
+        (`prepare`), so no rank but 0 spends the time or memory of building the whole model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
+            module.to_empty(device=self.device)  # FSDP2 moves the shards back to the CPU under cpu_offload
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(module, full_state, options=options)
+        for buffer in module.buffers():  # not in the state dict when non-persistent (RoPE's inverse frequencies)
+            torch.distributed.broadcast(buffer, src=0)
 
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step

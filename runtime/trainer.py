@@ -350,7 +350,7 @@ class Prepared:
     train_dataset: object
     eval_dataset: object
     data_summary: object
-    model: nn.Module  # unwrapped, on the device
+    model: nn.Module  # unwrapped, on the device (on the meta device for FSDP2's ranks but 0, until sharded)
     eval_examples: list[tuple[list[int], str]] | None = None  # tokenized eval prompts, when given pre-packed data
     data_manifest: dict | None = None  # the pre-packed data's manifest (fingerprint, tokenizer)
 
@@ -379,7 +379,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
         train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
     if env.is_main:
         logger.info("data: %s", data_summary)
-    model = build_model(config, len(tokenizer), tokenizer).to(device)
+    # FSDP2: only rank 0 builds (or loads) the whole model; the others build its shapes on the meta device and
+    # receive rank 0's weights once it is sharded (FSDPStrategy.receive_rank0_weights).
+    meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
+    model = build_model(config, len(tokenizer), tokenizer, meta=meta)
+    if not meta:
+        model = model.to(device)
     return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model, examples, manifest)
 
 

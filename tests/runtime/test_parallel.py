@@ -155,6 +155,28 @@ def test_deepspeed_zero3_matches_one_process_resumes_exactly_and_exports(tmp_pat
     assert (step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_model_states.pt").is_file()
 
 
+def test_fsdp2_rank1_builds_on_meta_and_receives_rank0_weights(tmp_path):
+    """FSDP2 ranks but 0 build the model on the meta device and get rank 0's weights once it is sharded. Here the
+    model is a from_pretrained directory with tied embeddings, smaller than the tokenizer (so it is resized on the
+    meta device too): 2 ranks match one process, which loads the directory itself."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tigon.runtime.tokenizer import build_char_tokenizer
+
+    overrides = tiny_config(tmp_path).model.config_overrides
+    vocab = len(build_char_tokenizer()) - 3
+    model_config = AutoConfig.for_model("llama", **overrides, vocab_size=vocab, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(model_config).save_pretrained(tmp_path / "pretrained")
+    model = {"path": str(tmp_path / "pretrained"), "tokenizer": "char", "config_name": None, "config_overrides": {}}
+    runs = launch(
+        tmp_path, {"meta": run_config(tmp_path, "meta", 3, False, model=model, parallelism={"strategy": "fsdp"})}
+    )
+    single = train(run_config(tmp_path, "single", 3, False, model=model, training={"micro_batch_size": 4}))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["meta"]["losses"], single.losses, strict=True))
+    assert worst < RELATIVE_TOLERANCE, (runs["meta"]["losses"], single.losses)
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
