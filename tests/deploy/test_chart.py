@@ -8,8 +8,10 @@ tigon.platform.templates and its PyTorchJobs pass tigon.platform.jobs.check_pyto
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
 
 import helm_python as helm
 import kubernetes_validate
@@ -32,6 +34,7 @@ from tests.deploy.helm import (
     rendered_file,
     values_schema_module,
 )
+from tests.deploy.test_docker import tool
 from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
 from tigon.runtime.config import parse_config
@@ -362,10 +365,45 @@ def test_notes_print_the_next_commands():
     assert "--host localhost:30081 --insecure" in notes
 
 
-def test_helm_test_pod_checks_the_crd_and_flyte():
+def helm_test_script() -> str:
     _, objs = rendered_file("values.yaml")
     (pod,) = [o for o in by_kind(objs, "Pod") if o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
-    script = pod["spec"]["containers"][0]["args"][0]
-    assert "/apis/kubeflow.org/v1" in script and '"name":"pytorchjobs"' in script
-    assert "http://flyte-binary-http.flyte.svc.cluster.local:8088/healthcheck" in script
     assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["/bin/sh", "-ec"]
+    return container["args"][0]
+
+
+def discovery_response(resources: list[tuple[str, str]], pretty: bool) -> str:
+    """GET /apis/kubeflow.org/v1 as the API server answers: indented for curl's user agent, else compact."""
+    listed = [{"name": name, "namespaced": True, "kind": kind, "verbs": ["get", "list"]} for name, kind in resources]
+    body = {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "kubeflow.org/v1", "resources": listed}
+    return json.dumps(body, indent=2) if pretty else json.dumps(body, separators=(",", ":"))
+
+
+def test_helm_test_pod_finds_pytorchjobs_in_the_api_servers_answer(tmp_path):
+    """The pod's own grep, run by sh on discovery answers for the CRD the chart installs, compact and pretty."""
+    script = helm_test_script()
+    assert "https://kubernetes.default.svc/apis/kubeflow.org/v1 > /tmp/kubeflow.json" in script
+    (check,) = re.findall(r"^\s*if ! (grep .+) /tmp/kubeflow\.json; then$", script, re.MULTILINE)
+    _, objs = rendered_file("values.yaml")
+    (crd,) = by_kind(objs, "CustomResourceDefinition")
+    plural, kind = crd["spec"]["names"]["plural"], crd["spec"]["names"]["kind"]
+    cases = {
+        "served": ([(plural, kind), (f"{plural}/status", kind)], True),
+        "other kinds only": ([("tfjobs", "TFJob"), ("mpijobs", "MPIJob")], False),
+        "subresource only": ([(f"{plural}/status", kind)], False),
+    }
+    answer = tmp_path / "kubeflow.json"
+    for case, (resources, served) in cases.items():
+        for pretty in (False, True):
+            answer.write_text(discovery_response(resources, pretty))
+            result = subprocess.run(["sh", "-c", f'{check} "$1"', "sh", str(answer)], capture_output=True)
+            assert (result.returncode == 0) is served, (case, f"pretty={pretty}", answer.read_text())
+
+
+def test_helm_test_script_is_valid_sh_and_checks_flyte():
+    script = helm_test_script()
+    result = subprocess.run([tool("shellcheck"), "--shell=sh", "-"], input=script, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "http://flyte-binary-http.flyte.svc.cluster.local:8088/healthcheck" in script
