@@ -9,25 +9,38 @@ Compared, with the bounds below:
 - final parameters: ||ours - theirs|| / ||theirs|| < 1e-4 for every tensor;
 - evaluation logits on held-out rows (eval mode, so the patched forward returns them): relative
   error < 1e-4;
-and the loss must fall by a third, so the test compares real training. On the CPU the kernels run
-through Triton's interpreter at tiny sizes; the GPU variant runs every family at real widths
-(hidden 1024, vocabulary 32,000) with the looser bounds stated there.
+and the loss must fall by a third, so the test compares real training. Before any step, every
+parameter's gradient agrees within 1e-4, so a kernel error shows at step 0, before the optimizer
+can amplify it. On the CPU the kernels run through Triton's interpreter at tiny sizes.
+
+The GPU variant runs every family at real widths (hidden 1024, vocabulary 32,000). There the two fp32
+trajectories drift apart after the first steps, by amounts that change from run to run (an H200
+measured per-step loss differences of 6e-3 in one run and 0.48 in the next): AdamW's first updates
+are lr * sign(gradient), so a gradient element within rounding of zero flips its whole update, and
+training on random tokens amplifies such differences. So the GPU variant judges both fp32 runs against
+the truth, a float64 run of the unpatched model: tigon's fp32 training must stay as close to it as
+transformers' own fp32 training does (within DRIFT_FACTOR), and step 0's gradients must match.
 """
 
+import contextlib
 import copy
+import importlib
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from tests.kernels.helpers import relative_error
 from tests.kernels.test_patching import FAMILY_CASES
-from tigon.kernels.patching import apply
+from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
 
 STEPS = 30
 LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND = 1e-4, 1e-4, 1e-4
-GPU_BOUNDS = (1e-2, 5e-2, 5e-2)  # why: see the GPU variant
+GRAD_BOUND = 1e-4  # step 0, the same weights: each parameter's gradient, relative
+DRIFT_FACTOR = 4.0  # GPU: tigon's distance from the float64 run, at most this times transformers' fp32 distance
+DRIFT_FLOOR = 1e-5  # ... plus this (relative), for runs where transformers' fp32 happens to land very close
 
 TINY = dict(
     hidden_size=64,
@@ -54,55 +67,98 @@ def build(model_type: str, size: dict, overrides: dict) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def train(model: torch.nn.Module, data: torch.Tensor, held_out: torch.Tensor, batch: int, device: str):
-    """(per-step losses, final parameters, eval logits) after STEPS AdamW steps cycling over `data`."""
+class Run(NamedTuple):
+    losses: list[float]
+    parameters: dict[str, torch.Tensor]  # after the last step
+    logits: torch.Tensor  # eval mode, on held-out rows
+    first_gradients: dict[str, torch.Tensor]  # step 0's, before any update
+
+
+def train(model: torch.nn.Module, data: torch.Tensor, held_out: torch.Tensor, batch: int, device: str) -> Run:
+    """STEPS AdamW steps cycling over `data`: per-step losses, final parameters, eval logits, step 0's gradients."""
     model = model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    losses = []
+    losses, first_gradients = [], {}
     for step in range(STEPS):
         rows = data[(step * batch) % len(data) :][:batch].to(device)
         loss = model(input_ids=rows, labels=rows).loss
         loss.backward()
+        if step == 0:
+            first_gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=held_out.to(device)).logits
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}, logits
+    return Run(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, logits, first_gradients)
 
 
-def assert_same_training(
+def distances(run: Run, truth: Run) -> tuple[float, float, float]:
+    """(worst per-step relative loss difference, worst parameter tensor's relative error, eval logits' error)."""
+    loss = max(abs(got - want) / want for got, want in zip(run.losses, truth.losses, strict=True))
+    parameters = max(relative_error(run.parameters[name], want) for name, want in truth.parameters.items())
+    return loss, parameters, relative_error(run.logits, truth.logits)
+
+
+def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
+    assert ours.first_gradients.keys() == theirs.first_gradients.keys()
+    for name, want in theirs.first_gradients.items():
+        error = relative_error(ours.first_gradients[name], want)
+        assert error < GRAD_BOUND, f"step 0 (same weights): the gradient of {name} differs by {error:.2e}"
+
+
+@contextlib.contextmanager
+def rope_function(model_type: str, function):
+    """The family's module-level `apply_rotary_pos_emb` set to `function` for the block. tigon's RoPE patch is
+    module-wide, so without this the unpatched baseline would run tigon's RoPE too."""
+    modeling = importlib.import_module(FAMILIES[model_type].modeling)
+    saved, modeling.apply_rotary_pos_emb = modeling.apply_rotary_pos_emb, function
+    try:
+        yield
+    finally:
+        modeling.apply_rotary_pos_emb = saved
+
+
+def train_all(
     model_type: str,
     size: dict,
     overrides: dict,
     shape: tuple[int, int, int],
     device: str,
-    bounds: tuple[float, float, float] = (LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND),
-    kernels: dict | None = None,
-):
+    kernels: dict | None,
+    float64: bool = False,
+) -> tuple[Run, Run, Run | None]:
+    """(tigon's run, transformers' fp32 run, and with `float64` transformers' float64 run) on the same weights and
+    data; checks step 0 (same weights: same loss and gradients)."""
     rows, length, batch = shape
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(1, size["vocab_size"], (rows, length), generator=generator)
     held_out = torch.randint(1, size["vocab_size"], (2, length), generator=generator)
     baseline = build(model_type, size, overrides)
+    exact = copy.deepcopy(baseline).double() if float64 else None
     patched = copy.deepcopy(baseline)
+    original_rope = importlib.import_module(FAMILIES[model_type].modeling).apply_rotary_pos_emb
     report = apply(patched, **(kernels or {}))
     assert report.applied["rms_norm"] > 0 and report.applied["fused_linear_cross_entropy"] == 1
 
-    theirs = train(baseline, data, held_out, batch, device)
     ours = train(patched, data, held_out, batch, device)
+    with rope_function(model_type, original_rope):
+        theirs = train(baseline, data, held_out, batch, device)
+        truth = train(exact, data, held_out, batch, device) if exact is not None else None
+    assert theirs.losses[-1] < theirs.losses[0] * 2 / 3, f"the loss did not fall: {theirs.losses}"
+    assert abs(ours.losses[0] - theirs.losses[0]) <= LOSS_BOUND * theirs.losses[0], "step 0: the losses differ"
+    assert_same_first_gradients(ours, theirs)
+    return ours, theirs, truth
 
-    assert theirs[0][-1] < theirs[0][0] * 2 / 3, f"the loss did not fall: {theirs[0]}"
-    assert abs(ours[0][0] - theirs[0][0]) <= LOSS_BOUND * theirs[0][0], "step 0 (same weights): the losses differ"
-    loss_error = max(abs(got - want) / want for got, want in zip(ours[0], theirs[0], strict=True))
-    param_error = max(relative_error(ours[1][name], want) for name, want in theirs[1].items())
-    logits_error = relative_error(ours[2], theirs[2])
+
+def assert_same_training(model_type: str, size: dict, overrides: dict, shape: tuple[int, int, int], kernels: dict):
+    ours, theirs, _ = train_all(model_type, size, overrides, shape, "cpu", kernels)
+    loss_error, param_error, logits_error = distances(ours, theirs)
     print(f"{model_type}: loss {loss_error:.2e}, parameters {param_error:.2e}, eval logits {logits_error:.2e}")
-    loss_bound, param_bound, logits_bound = bounds
-    assert loss_error <= loss_bound, f"per-step losses differ by {loss_error:.2e} (relative)"
-    assert param_error < param_bound, f"final parameters differ by {param_error:.2e} (relative)"
-    assert logits_error < logits_bound, f"eval logits differ by {logits_error:.2e} (relative)"
+    assert loss_error <= LOSS_BOUND, f"per-step losses differ by {loss_error:.2e} (relative)"
+    assert param_error < PARAM_BOUND, f"final parameters differ by {param_error:.2e} (relative)"
+    assert logits_error < LOGITS_BOUND, f"eval logits differ by {logits_error:.2e} (relative)"
 
 
 @pytest.mark.parametrize("model_type", list(CPU_FAMILIES))
@@ -110,7 +166,7 @@ def test_tiny_model_trains_the_same_with_kernels(model_type, restore_rope):
     # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others
     # leave it to the GPU variant (its exactness is in test_rope.py), which keeps the file near 60 s on one core.
     kernels = dict(rope=model_type == "llama")
-    assert_same_training(model_type, TINY, CPU_FAMILIES[model_type], shape=(4, 8, 1), device="cpu", kernels=kernels)
+    assert_same_training(model_type, TINY, CPU_FAMILIES[model_type], shape=(4, 8, 1), kernels=kernels)
 
 
 REAL_WIDTHS = dict(
@@ -132,8 +188,17 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
     overrides = FAMILY_CASES[model_type][0]
     if "moe_intermediate_size" in overrides:
         overrides = {**overrides, "moe_intermediate_size": 704}
-    # Open (issue 4): on an H200 step 0 (same weights) agrees within 1e-4 for every family, but the later
-    # steps drift apart by amounts that change from run to run (largest per-step loss difference 6e-3 in
-    # one run, 0.48 in the next), beyond these bounds for 11 of 12 families. Whether that is AdamW
-    # amplifying rounding at lr 3e-3 or a kernel difference at real widths is not settled yet.
-    assert_same_training(model_type, REAL_WIDTHS, overrides, shape=(8, 256, 4), device="cuda", bounds=GPU_BOUNDS)
+    ours, theirs, truth = train_all(
+        model_type, REAL_WIDTHS, overrides, shape=(8, 256, 4), device="cuda", kernels=None, float64=True
+    )
+    ours_distance, theirs_distance = distances(ours, truth), distances(theirs, truth)
+    print(
+        f"{model_type}: distance to float64 (loss, parameters, eval logits): tigon {ours_distance}, "
+        f"transformers {theirs_distance}"
+    )
+    for what, got, bound in zip(
+        ("per-step loss", "parameters", "eval logits"), ours_distance, theirs_distance, strict=True
+    ):
+        assert got <= DRIFT_FACTOR * bound + DRIFT_FLOOR, (
+            f"{what}: tigon {got:.2e} from float64, transformers {bound:.2e}"
+        )
