@@ -9,6 +9,7 @@ Two outputs of one mapping:
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -100,12 +101,13 @@ def pytorchjob_manifests(config: RunConfig, template: JobTemplate, namespace: st
         "pytorchReplicaSpecs": replicas,
     }
     if template.nnodes > 1:
-        replicas["Worker"] = {"replicas": template.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
+        # a copy: one object twice would print as a YAML anchor and alias
+        worker_pod = copy.deepcopy(pod)
+        replicas["Worker"] = {"replicas": template.nnodes - 1, "restartPolicy": "OnFailure", "template": worker_pod}
         spec["elasticPolicy"] = {
             "rdzvBackend": "c10d",
             "minReplicas": template.nnodes,
             "maxReplicas": template.nnodes,
-            "nProcPerNode": template.nproc_per_node,
             "maxRestarts": template.max_restarts,
         }
     job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
@@ -129,8 +131,14 @@ def check_pytorchjob(job: dict) -> None:
         pytorch = [c for c in containers if c.get("name") == "pytorch"]
         if not pytorch or not pytorch[0].get("image"):
             raise JobSpecError(f"{kind}: a container named 'pytorch' with an image is required")
-    if "elasticPolicy" in job["spec"] and "Worker" not in specs:
+    elastic = job["spec"].get("elasticPolicy")
+    if elastic is not None and "Worker" not in specs:
         raise JobSpecError("elasticPolicy needs a Worker replica spec")
+    if elastic and "nProcPerNode" in elastic and "nprocPerNode" in job["spec"]:
+        raise JobSpecError(
+            "elasticPolicy.nProcPerNode (deprecated) must not be used with spec.nprocPerNode: "
+            "drop elasticPolicy.nProcPerNode"
+        )
 
 
 def render_yaml(manifests: list[dict]) -> str:

@@ -12,7 +12,9 @@ DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
 
 def test_render_job_prints_config_map_and_pytorchjob(capsys):
     assert main(["render-job", DEMO, "--job-template", "h100x8x2", "--nodes", "3", "--namespace", "ml"]) == 0
-    config_map, job = yaml.safe_load_all(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "&id" not in out and "*id" not in out  # plain YAML: Master and Worker pods are written out, not aliased
+    config_map, job = yaml.safe_load_all(out)
     assert config_map["kind"] == "ConfigMap" and "config.yaml" in config_map["data"]
     check_pytorchjob(job)
     assert job["metadata"] == {"name": "demo-arithmetic", "namespace": "ml", "labels": job["metadata"]["labels"]}

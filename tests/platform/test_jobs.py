@@ -71,13 +71,9 @@ def test_multi_node_job_has_workers_and_elastic_policy():
     _, job = pytorchjob_manifests(run_config(), get_template("h100x8x2"))
     spec = job["spec"]
     assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
-    assert spec["elasticPolicy"] == {
-        "rdzvBackend": "c10d",
-        "minReplicas": 2,
-        "maxReplicas": 2,
-        "nProcPerNode": 8,
-        "maxRestarts": 3,
-    }
+    # processes per node only in spec.nprocPerNode: the operator's webhook rejects elasticPolicy.nProcPerNode with it
+    assert spec["nprocPerNode"] == "8"
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2, "maxRestarts": 3}
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
@@ -95,14 +91,19 @@ def test_single_node_job_has_only_a_master():
         (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief={}), "not allowed"),
         (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2), "exactly one Master"),
         (
-            lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].update(name="x"),
-            "named 'pytorch'",
+            lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0].update(name="x"),
+            "Worker: a container named 'pytorch'",
         ),
-        (lambda j: j["spec"].update(elasticPolicy={"rdzvBackend": "c10d"}), "needs a Worker"),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"].pop("Worker"), "needs a Worker"),
+        (
+            lambda j: j["spec"]["elasticPolicy"].update(nProcPerNode=8),
+            r"elasticPolicy.nProcPerNode \(deprecated\) must not be used with spec.nprocPerNode",
+        ),
     ],
 )
 def test_operator_rules_reject_bad_jobs(mutate, message):
-    _, job = pytorchjob_manifests(run_config(), get_template("cpu-small"))
+    _, job = pytorchjob_manifests(run_config(), get_template("h100x8x2"))
+    check_pytorchjob(job)
     broken = copy.deepcopy(job)
     mutate(broken)
     with pytest.raises(JobSpecError, match=message):
