@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tigon.runtime.config import format_errors
 
 TEMPLATES_ENV = "TIGON_JOB_TEMPLATES"
+#: the source of truth, in a checkout
 REPO_TEMPLATES = Path(__file__).resolve().parents[1] / "deploy" / "job-templates"
+#: its copy, installed with tigon (package data of tigon.platform): what an installed tigon, e.g. in a pod, reads
+PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "job-templates"
 
 
 class Toleration(BaseModel):
@@ -58,6 +61,8 @@ class JobTemplate(BaseModel):
             raise ValueError(f"nnodes {self.nnodes} is above max_nnodes {self.max_nnodes}")
         if self.gpus_per_node and self.nproc_per_node != self.gpus_per_node:
             raise ValueError(f"nproc_per_node {self.nproc_per_node} must equal gpus_per_node {self.gpus_per_node}")
+        if self.gpu_type and not self.gpus_per_node:
+            raise ValueError(f"gpu_type {self.gpu_type!r} needs gpus_per_node above 0; set both or neither")
         return self
 
     def with_nodes(self, nnodes: int | None) -> JobTemplate:
@@ -77,7 +82,10 @@ class TemplateError(ValueError):
 
 
 def templates_dir() -> Path:
-    return Path(os.environ.get(TEMPLATES_ENV, REPO_TEMPLATES))
+    """$TIGON_JOB_TEMPLATES if set, else the checkout's deploy/job-templates, else the copy installed with tigon."""
+    if os.environ.get(TEMPLATES_ENV):
+        return Path(os.environ[TEMPLATES_ENV])
+    return REPO_TEMPLATES if REPO_TEMPLATES.is_dir() else PACKAGED_TEMPLATES
 
 
 def load_templates(directory: Path | None = None) -> dict[str, JobTemplate]:

@@ -132,3 +132,9 @@ def test_malformed_template_names_the_key(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nimage: x\ngpus_per_node: many\n")
     with pytest.raises(TemplateError, match="gpus_per_node"):
         load_templates(tmp_path)
+
+
+def test_gpu_type_needs_gpus(tmp_path):
+    (tmp_path / "cpu.yaml").write_text("name: cpu\nimage: x\ngpu_type: nvidia-h100-80gb\n")
+    with pytest.raises(TemplateError, match="gpu_type 'nvidia-h100-80gb' needs gpus_per_node above 0"):
+        load_templates(tmp_path)
