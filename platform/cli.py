@@ -1,7 +1,8 @@
 """The `tigon` command: the platform's commands, then the runtime's (train, schema, demo-data).
 
     tigon render-job CONFIG --job-template NAME [--nodes N] [--namespace NS] [--set key=value ...]
-    tigon templates                      list the job templates (deploy/job-templates or $TIGON_JOB_TEMPLATES)
+    tigon templates                      list the job templates ($TIGON_JOB_TEMPLATES, else deploy/job-templates,
+                                         else the copy installed with tigon)
     tigon submit CONFIG --job-template NAME [--nodes N] [--steps N] [--set key=value ...] [--dry-run]
                                          check the run locally, then `pyflyte run --remote` the workflow
     tigon train CONFIG ...               see `tigon train --help`
@@ -28,7 +29,12 @@ def render_job(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="tigon render-job", description="print a PyTorchJob for a run config")
     parser.add_argument("config", help="YAML run config, e.g. examples/demo.yaml")
-    parser.add_argument("--job-template", required=True, help="job template name, e.g. h100x8 (see `tigon templates`)")
+    parser.add_argument(
+        "--job-template",
+        "--job_template",  # pyflyte's spelling of the workflow input, accepted too
+        required=True,
+        help="job template name, e.g. h100x8 (see `tigon templates`)",
+    )
     parser.add_argument("--nodes", type=int, default=None, help="nodes for this run, up to the template's max_nnodes")
     parser.add_argument("--namespace", default=None, help="namespace for the objects")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -2,9 +2,14 @@
 
     tigon submit my.yaml --job-template h100x8x2 --nodes 4 [--steps N] [--set key=value ...] [--dry-run]
 
+The pyflyte command it runs sends the validated config as text (`--config_yaml`: the pods cannot read
+the laptop's files) and the template's image as the default image (`--image`), so every task of the
+workflow runs in it.
+
 Everything that can be known on the laptop is checked there, before any container starts: the config
 (unknown keys, wrong types, with the overrides applied), the job template (it must exist), the node
-count (up to the template's `max_nnodes`), and settings that need GPUs on a template without them.
+count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, and
+data paths relative to the laptop's directories.
 The workflow's validate task runs the same `check_submission` again, for runs started another way.
 """
 
@@ -20,6 +25,7 @@ import yaml
 
 from tigon.platform.templates import JobTemplate, TemplateError, get_template
 from tigon.runtime.config import ConfigError, RunConfig, load_config
+from tigon.runtime.storage import is_local_url
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "finetune.py"
 EXIT_ERROR = 2
@@ -51,23 +57,61 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
     return template
 
 
+def relative_data_paths(config: RunConfig) -> list[str]:
+    """Data paths relative to this machine's directories: a pod cannot resolve them."""
+    paths = {"data.train": config.data.train, "data.eval": config.data.eval}
+    return [
+        f"{key}: {path}"
+        for key, path in paths.items()
+        if path and is_local_url(path) and "://" not in path and not Path(path).is_absolute()
+    ]
+
+
+def check_remote(config: RunConfig) -> None:
+    """What a run on the cluster needs beyond `check_submission`: the workflow file here, data the pods can read."""
+    if not WORKFLOW.is_file():
+        raise SubmissionError(
+            f"the workflow file {WORKFLOW} is missing: `tigon submit` runs from a tigon checkout "
+            "(git clone, then pip install -e '.[platform]')"
+        )
+    relative = relative_data_paths(config)
+    if relative:
+        raise SubmissionError(
+            f"data paths relative to this machine cannot be read in the pods: {'; '.join(relative)}. "
+            "Use s3:// or gs:// URLs, or absolute paths inside the training image."
+        )
+
+
 def submit(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tigon submit", description="check a run locally, then start the Flyte workflow on the cluster"
     )
     parser.add_argument("config", help="YAML run config; data paths must be readable from the pods (s3://, gs://)")
-    parser.add_argument("--job-template", required=True, help="job template name, e.g. h100x8 (see `tigon templates`)")
+    parser.add_argument(
+        "--job-template",
+        "--job_template",  # pyflyte's spelling of the workflow input, accepted too
+        required=True,
+        help="job template name, e.g. h100x8 (see `tigon templates`)",
+    )
     parser.add_argument("--nodes", type=int, default=0, help="nodes for this run, up to the template's max_nnodes")
     parser.add_argument("--steps", type=int, default=0, help="training.max_steps for this run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--dry-run", action="store_true", help="check and print the pyflyte command; submit nothing")
     args, pyflyte_options = parser.parse_known_args(argv)
+    if any(option in ("-i", "--image") or option.startswith("--image=") for option in pyflyte_options):
+        print(
+            "error: tigon submit runs every task in the job template's image; change `image` in the template "
+            "(see `tigon templates`) instead of passing --image",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     overrides = list(args.overrides)
     if args.steps:
         overrides += [f"training.max_steps={args.steps}", "training.epochs=null"]
     try:
         config = load_config(args.config, overrides)
         template = check_submission(config, get_template(args.job_template), args.nodes)
+        check_remote(config)
     except (ConfigError, TemplateError, SubmissionError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
@@ -77,6 +121,9 @@ def submit(argv: list[str]) -> int:
         "flytekit.clis.sdk_in_container.pyflyte",
         "run",
         "--remote",
+        # validate, prepare_data and report run in the default image: the template's, as the train task does
+        "--image",
+        template.image,
         *pyflyte_options,
         str(WORKFLOW),
         "finetune",

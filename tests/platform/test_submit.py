@@ -14,22 +14,29 @@ from tigon.platform.templates import get_template
 from tigon.runtime.config import load_config
 
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
+# The demo's data as the pods can read it: object-store URLs instead of paths relative to the config.
+ON_OBJECT_STORE = ["--set", "data.train=s3://tigon-data/train.jsonl", "--set", "data.eval=s3://tigon-data/eval.jsonl"]
 
 
 def test_dry_run_prints_the_remote_command_with_the_validated_config(capsys):
-    assert main(["submit", DEMO, "--job-template", "h100x8x2", "--nodes", "4", "--steps", "50", "--dry-run"]) == 0
+    argv = ["submit", DEMO, "--job-template", "h100x8x2", "--nodes", "4", "--steps", "50", *ON_OBJECT_STORE]
+    assert main([*argv, "--dry-run"]) == 0
     command = shlex.split(capsys.readouterr().out)
-    assert command[3:5] == ["run", "--remote"] and command[-7:-5] == ["finetune", "--config_yaml"]
+    # every task runs in the template's image: the train task names it, the others take pyflyte's default image
+    assert command[3:7] == ["run", "--remote", "--image", get_template("h100x8x2").image]
+    assert command[-7:-5] == ["finetune", "--config_yaml"]
     assert command[-4:] == ["--job_template", "h100x8x2", "--nodes", "4"]
-    sent = yaml.safe_load(command[-5])
+    sent = yaml.safe_load(command[-5])  # the config itself, not a path on this machine
     assert sent["training"]["max_steps"] == 50 and sent["name"] == "demo-arithmetic"
+    assert sent["data"]["train"] == "s3://tigon-data/train.jsonl"
 
 
-def test_pyflyte_options_pass_through(capsys):
-    argv = ["submit", DEMO, "--job-template", "h100x8", "--project", "ml", "--domain", "production", "--dry-run"]
-    assert main(argv) == 0
+def test_pyflyte_options_pass_through_and_job_template_takes_either_spelling(capsys):
+    argv = ["submit", DEMO, "--job_template", "h100x8", *ON_OBJECT_STORE, "--project", "ml", "--domain", "production"]
+    assert main([*argv, "--dry-run"]) == 0
     command = shlex.split(capsys.readouterr().out)
-    assert command[5:9] == ["--project", "ml", "--domain", "production"]
+    assert command[7:11] == ["--project", "ml", "--domain", "production"]
+    assert command[-4:-2] == ["--job_template", "h100x8"]
 
 
 @pytest.mark.parametrize(
@@ -39,12 +46,25 @@ def test_pyflyte_options_pass_through(capsys):
         (["--job-template", "h100x8", "--nodes", "2"], "at most 1 node"),
         (["--job-template", "cpu-small", "--set", "parallelism.backend=nccl"], "has no GPUs"),
         (["--job-template", "h100x8", "--set", "training.learnin_rate=0.1"], "did you mean 'learning_rate'"),
+        (["--job-template", "h100x8", "--image", "ghcr.io/me/mine:1"], "change `image` in the template"),
     ],
 )
 def test_submit_errors_exit_2_before_anything_runs(capsys, argv, message):
-    assert main(["submit", DEMO, *argv]) == 2
+    assert main(["submit", DEMO, *ON_OBJECT_STORE, *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and message in captured.err
+
+
+def test_data_paths_relative_to_this_machine_are_refused(capsys):
+    assert main(["submit", DEMO, "--job-template", "cpu-small", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "data.train: examples/data/arithmetic-train.jsonl; data.eval: examples/data/arithmetic-eval.jsonl" in (
+        captured.err
+    )
+    assert "Use s3:// or gs:// URLs, or absolute paths inside the training image" in captured.err
+    in_image = ["--set", "data.train=/data/train.jsonl", "--set", "data.eval=/data/eval.jsonl"]
+    assert main(["submit", DEMO, "--job-template", "cpu-small", *in_image, "--dry-run"]) == 0
 
 
 def test_gpu_settings_on_a_cpu_template():
@@ -61,3 +81,11 @@ def test_render_job_refuses_gpu_settings_on_a_cpu_template(capsys):
     assert main(["render-job", DEMO, "--job-template", "cpu-small", "--set", "parallelism.backend=nccl"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "parallelism.backend: nccl" in captured.err
+
+
+def test_submit_needs_the_workflow_file_of_a_checkout(capsys, monkeypatch, tmp_path):
+    from tigon.platform import submit
+
+    monkeypatch.setattr(submit, "WORKFLOW", tmp_path / "workflows" / "finetune.py")  # as in an installed tigon
+    assert main(["submit", DEMO, "--job-template", "h100x8", *ON_OBJECT_STORE, "--dry-run"]) == 2
+    assert "runs from a tigon checkout" in capsys.readouterr().err
