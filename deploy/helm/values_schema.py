@@ -127,7 +127,9 @@ class PriorityClass(Values):
 
 
 class PodTemplates(Values):
-    enabled: bool = Field(True, description="render each job template as a Flyte PodTemplate named <prefix><name>")
+    enabled: bool = Field(
+        True, description="also render each job template as a PodTemplate <prefix><name>, for other Flyte tasks"
+    )
     prefix: str = Field("tigon-", description="prefix of the PodTemplate names")
     default: str | None = Field(
         "cpu-small", description="job template rendered as Flyte's default PodTemplate; null renders none"
@@ -151,9 +153,10 @@ class TritonCache(Values):
 
 
 class ObjectStore(Values):
-    provider: Literal["minio", "s3", "gcs"] = Field("s3", description="where checkpoints and exports go")
-    bucket: str = Field("tigon", min_length=3, description="bucket for checkpoints and exports")
-    region: str = Field("", description="bucket region (S3)")
+    provider: Literal["minio", "s3", "gcs"] = Field(
+        "s3", description="the object store training pods reach: minio (kind), s3 or gcs"
+    )
+    region: str = Field("", description="bucket region (S3): AWS_REGION of the training pods")
     endpoint: str = Field("", description="S3-compatible endpoint URL (MinIO); empty for AWS S3 and GCS")
     credentialsSecret: str = Field(
         "", description="Secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; empty uses workload identity"

@@ -9,6 +9,7 @@ tigon.platform.templates and its PyTorchJobs pass tigon.platform.jobs.check_pyto
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
 from tigon.runtime.config import parse_config
 
-DEVICE_PLUGIN = "nvidia-device-plugin"  # runs as root to write the kubelet's socket: the one exception
+DEVICE_PLUGIN = "nvidia-device-plugin"
 OPERATOR = "training-operator"  # the app.kubernetes.io/component of the training-operator chart's objects
 CLUSTER_SCOPED = (
     "Namespace",
@@ -162,16 +163,33 @@ def test_optional_pieces_render_valid():
 # ---------------------------------------------------------------- policies
 
 
-@pytest.mark.parametrize("values_file", VALUES_FILES)
-def test_policy_non_root_unprivileged_pinned(values_file):
-    _, objs = rendered_file(values_file)
-    checked = 0
+# The policy renders: every values file, and the defaults with the NVIDIA device plugin on (off in all of them).
+POLICY_RENDERS = [*VALUES_FILES, "device-plugin"]
+# The one pod allowed to run as root and mount a host path: the device plugin writes the kubelet's socket.
+ROOT_EXCEPTION = ("DaemonSet", "tigon-nvidia-device-plugin")
+KUBELET_SOCKETS = {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
+
+
+def policy_objects(render_name: str) -> tuple[dict, ...]:
+    if render_name == "device-plugin":
+        return tuple(objects(render({"nvidiaDevicePlugin": {"enabled": True}})))
+    return rendered_file(render_name)[1]
+
+
+@pytest.mark.parametrize("render_name", POLICY_RENDERS)
+def test_policy_non_root_unprivileged_pinned(render_name):
+    objs = policy_objects(render_name)
+    checked, root = 0, []
     for obj in objs:
         for spec in pod_specs(obj):
             checked += 1
             name = f"{obj['kind']} {obj['metadata']['name']}"
             assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), name
-            if component(obj) != DEVICE_PLUGIN:
+            if (obj["kind"], obj["metadata"]["name"]) == ROOT_EXCEPTION:
+                root.append(name)
+                assert [v["hostPath"] for v in spec["volumes"] if "hostPath" in v] == [KUBELET_SOCKETS], name
+                assert spec["automountServiceAccountToken"] is False, name
+            else:
                 assert spec["securityContext"]["runAsNonRoot"] is True, name
                 assert spec["securityContext"].get("runAsUser", 1) != 0, name
                 assert not any("hostPath" in v for v in spec.get("volumes", [])), name
@@ -186,11 +204,12 @@ def test_policy_non_root_unprivileged_pinned(values_file):
                 assert not context.get("capabilities", {}).get("add"), name
                 assert container.get("resources", {}).get("requests"), f"{name}/{container['name']}: no requests"
     assert checked >= 5
+    assert root == ([" ".join(ROOT_EXCEPTION)] if render_name == "device-plugin" else []), root
 
 
-@pytest.mark.parametrize("values_file", VALUES_FILES)
-def test_policy_rbac_least_privilege(values_file):
-    _, objs = rendered_file(values_file)
+@pytest.mark.parametrize("render_name", POLICY_RENDERS)
+def test_policy_rbac_least_privilege(render_name):
+    objs = policy_objects(render_name)
     for obj in objs:
         if obj["kind"] in ("Role", "ClusterRole"):
             for rule in obj["rules"]:
@@ -343,6 +362,53 @@ def test_kind_values_point_flyte_at_the_charts_minio_and_postgres():
     assert {30002, 30080, 30081} <= host_ports
 
 
+def pod_environment(objs, pod_template: dict) -> dict[str, str]:
+    """A PodTemplate's container environment as the pod sees it: values, and Secret keys resolved."""
+    secrets = {
+        (s["metadata"]["namespace"], s["metadata"]["name"]): s.get("stringData", {}) for s in by_kind(objs, "Secret")
+    }
+    namespace = pod_template["metadata"]["namespace"]
+    env = {}
+    for var in pod_template["template"]["spec"]["containers"][0]["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = secrets[(namespace, ref["name"])][ref["key"]]
+    return env
+
+
+def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
+    """Every variable the chart sets is read by the client it is meant for: botocore (s3fs), fsspec, flytekit."""
+    import botocore.session
+    import fsspec.config
+    from flytekit.configuration import S3Config
+
+    values = load_values("values-kind.yaml")
+    _, objs = rendered_file("values-kind.yaml")
+    (pod_template,) = [p for p in by_kind(objs, "PodTemplate") if p["metadata"]["name"] == "tigon-default"]
+    env = pod_environment(objs, pod_template)
+    storage = ["AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FSSPEC_S3_ENDPOINT_URL"]
+    storage += ["FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"]
+    assert set(env) == {*storage, "TRITON_CACHE_DIR", "OMP_NUM_THREADS"}
+    minio = f"http://tigon-minio.{NAMESPACE}.svc.cluster.local:9000"
+    keys = ("minio", "miniostorage")
+    for name in list(os.environ):
+        if name.startswith(("AWS_", "FLYTE_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s3 = botocore.session.get_session().create_client("s3")
+    assert (s3.meta.endpoint_url, s3.meta.region_name) == (minio, values["objectStore"]["region"])
+    credentials = botocore.session.get_session().get_credentials()
+    assert (credentials.access_key, credentials.secret_key) == keys
+    conf = {}
+    fsspec.config.set_conf_env(conf, env)
+    assert conf == {"s3": {"endpoint_url": minio}}
+    flyte = S3Config.auto()
+    assert (flyte.endpoint, flyte.access_key_id, flyte.secret_access_key) == (minio, *keys)
+
+
 def test_flyte_values_enable_the_pytorch_plugin_and_default_pod_template():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     plugins = defaults["flyte-binary"]["enabled_plugins"]["tasks"]["task-plugins"]
@@ -361,7 +427,7 @@ def test_notes_print_the_next_commands():
     notes = rendered["tigon/templates/NOTES.txt"]
     assert f"helm test tigon -n {NAMESPACE}" in notes
     assert "pyflyte run --remote --project tigon --domain development" in notes
-    assert "workflows/finetune.py finetune --job-template cpu-small" in notes
+    assert "workflows/finetune.py finetune --job_template cpu-small" in notes
     assert "--host localhost:30081 --insecure" in notes
 
 

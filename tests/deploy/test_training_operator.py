@@ -378,8 +378,9 @@ def test_disabled_operator_renders_nothing_and_notes_say_so():
     assert kind.get("training-operator", {}).get("enabled", True) is True  # kind gets the operator
 
 
-def test_helm_test_pod_asks_for_the_crds_group_version_and_plural():
-    """The `helm test` pod still renders beside the operator and checks the API the CRD serves."""
+def test_helm_test_pod_asks_for_the_crds_group_version():
+    """The `helm test` pod still renders beside the operator and asks for the API the CRD serves (test_chart.py runs
+    its check on discovery answers naming the CRD's plural)."""
     _, objs = rendered_file("values.yaml")
     crd = _crd(objs)
     (pod,) = [o for o in objs if o["kind"] == "Pod" and o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
@@ -387,7 +388,6 @@ def test_helm_test_pod_asks_for_the_crds_group_version_and_plural():
     script = pod["spec"]["containers"][0]["args"][0]
     group_version = f"/apis/{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}"
     assert f"https://kubernetes.default.svc{group_version} " in script
-    assert f'"name":"{crd["spec"]["names"]["plural"]}"' in script
 
 
 def test_operator_chart_renders_on_its_own():

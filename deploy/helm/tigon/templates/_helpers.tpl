@@ -115,8 +115,6 @@ Defaults mirror tigon.platform.templates.JobTemplate for keys a template leaves 
 {{- if and $v.tritonCache.enabled (not (hasKey $env "TRITON_CACHE_DIR")) }}
 {{- $_ := set $env "TRITON_CACHE_DIR" $v.tritonCache.mountPath }}
 {{- end }}
-{{- $bucket := printf "%s://%s" (ternary "gs" "s3" (eq $v.objectStore.provider "gcs")) $v.objectStore.bucket }}
-{{- $_ := set $env "TIGON_OBJECT_STORE" $bucket }}
 {{- with $v.objectStore.region }}{{ $_ := set $env "AWS_REGION" . }}{{ end }}
 {{- with (include "tigon.objectStoreEndpoint" $root) }}
 {{- $_ := set $env "AWS_ENDPOINT_URL" . }}
