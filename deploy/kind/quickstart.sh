@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# tigon on kind: create the cluster, install the chart with the kind values, print the demo command.
+# tigon on kind: create the cluster, build the CPU training image and load it into kind, install the chart
+# with the kind values, run `helm test`, print the demo command.
 #
 #   deploy/kind/quickstart.sh                 # cluster "tigon", release "tigon" in namespace "flyte"
-#   BUILD_IMAGE=1 deploy/kind/quickstart.sh   # also build the training image and load it into kind
+#   BUILD_IMAGE=0 deploy/kind/quickstart.sh   # skip the image build (the image is in the kind node already)
 #   SKIP_TEST=1 deploy/kind/quickstart.sh     # skip `helm test`
 #
-# Needs: docker (or podman), kind >= 0.29, kubectl, helm >= 3.14, and network access to Flyte's chart
-# repository and the image registries (the training-operator chart is in the repository). See docs/deploy.md.
+# The training image (the cpu-small job template's, ghcr.io/tigon-ml/tigon:0.1.0-cpu) is not published in
+# any registry: this script builds it with docker from docker/Dockerfile and loads it into the kind node.
+# Needs: docker, kind >= 0.29, kubectl, helm >= 3.14, and network access: once to Flyte's chart repository
+# (https://flyteorg.github.io/flyte, for flyte-binary; the training-operator chart is in the repository),
+# and to the image registries. See docs/deploy.md.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -15,9 +19,15 @@ chart="$root/deploy/helm/tigon"
 cluster="${CLUSTER:-tigon}"
 release=tigon          # values-kind.yaml names tigon-minio / tigon-postgres in namespace flyte
 namespace=flyte
-image="${TIGON_IMAGE:-ghcr.io/tigon-ml/tigon:0.1.0-cpu}"
+# The image the demo's job template runs: tigon's workflow gives it to the task pods.
+image="$(sed -n 's/^image: *//p' "$root/deploy/job-templates/cpu-small.yaml")"
+build_image="${BUILD_IMAGE:-1}"
 
-for tool in kind kubectl helm; do
+tools=(kind kubectl helm)
+if [[ "$build_image" == "1" ]]; then
+  tools+=(docker)
+fi
+for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null || { echo "quickstart: $tool is not installed (see docs/deploy.md, step 1)" >&2; exit 1; }
 done
 
@@ -29,15 +39,26 @@ else
 fi
 kubectl config use-context "kind-$cluster" >/dev/null
 
-if [[ "${BUILD_IMAGE:-0}" == "1" ]]; then
+if [[ "$build_image" == "1" ]]; then
   echo "==> building $image (CPU variant: no flash-attn) and loading it into kind"
   docker build -f "$root/docker/Dockerfile" --build-arg INSTALL_FLASH_ATTN=0 -t "$image" "$root"
   kind load docker-image "$image" --name "$cluster"
+else
+  echo "==> BUILD_IMAGE=0: not building $image; the demo's pods need it in the kind node (kind load docker-image)"
 fi
 
-echo "==> fetching flyte-binary into the chart (training-operator is committed in its charts/)"
-helm repo add flyteorg https://flyteorg.github.io/flyte --force-update >/dev/null
-helm dependency build "$chart"
+# Helm refuses to install a chart while any dependency it declares is missing from charts/, even a disabled one.
+if [[ "$(helm dependency list "$chart" | awk '$1 == "flyte-binary" { print $NF }')" == "ok" ]]; then
+  echo "==> flyte-binary is in the chart's charts/ already"
+else
+  echo "==> downloading flyte-binary into the chart (training-operator is committed in its charts/)"
+  if ! { helm repo add flyteorg https://flyteorg.github.io/flyte --force-update >/dev/null &&
+         helm dependency build "$chart"; }; then
+    echo "quickstart: could not download flyte-binary from https://flyteorg.github.io/flyte;" \
+         "helm dependency build needs network access once (docs/deploy.md, step 2.3)" >&2
+    exit 1
+  fi
+fi
 
 echo "==> installing release $release into namespace $namespace"
 helm upgrade --install "$release" "$chart" \
@@ -66,7 +87,7 @@ Run the demo fine-tune on the cluster (CPU job template, two worker processes):
 
   export FLYTECTL_CONFIG=$config
   pyflyte run --remote --project tigon --domain development --service-account tigon-trainer \\
-    workflows/finetune.py finetune --job-template cpu-small
+    workflows/finetune.py finetune --job_template cpu-small
 
 Delete everything: kind delete cluster --name $cluster
 NEXT
