@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier, check_strategy
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
+    Evaluation,
     GlobalBatchSampler,
     Prepared,
     TrainResult,
@@ -37,8 +38,6 @@ from tigon.runtime.trainer import (
     build_scheduler,
     check_resumable,
     collate,
-    evaluate,
-    generation_examples,
     plan_steps,
     prepare,
 )
@@ -46,19 +45,11 @@ from tigon.runtime.trainer import (
 logger = logging.getLogger("tigon.runtime")
 
 
-def validate_for_adapter(config: RunConfig, name: str) -> None:
-    """What neither adapter honours (yet), named with the fix; the rest is checked as for the torch trainer."""
-    check_strategy(config)  # fsdp and deepspeed need trainer 'torch'
-    if config.eval.every_steps > 0:
-        raise ConfigError(
-            f"eval.every_steps: trainer {name!r} evaluates only at the end; set eval.every_steps: 0 or use 'torch'"
-        )
-
-
-def prepare_adapter(config: RunConfig, name: str) -> Prepared:
-    validate_for_adapter(config, name)
+def prepare_adapter(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
+    """`prepare` for an adapter (pre-packed `datasets` too); fsdp and deepspeed need trainer 'torch'."""
+    check_strategy(config)
     # `prepare` checks everything else the torch trainer checks; only the trainer name differs.
-    return prepare(config.model_copy(update={"trainer": "torch"}))
+    return prepare(config.model_copy(update={"trainer": "torch"}), datasets)
 
 
 def epoch_order(config: RunConfig, n_items: int, world_size: int = 1) -> GlobalBatchSampler:
@@ -107,7 +98,7 @@ class AdapterCheckpoints:
 
     Construct on every rank before training: it finds the newest checkpoint (or clears stale ones when not
     resuming). `restore` loads its model, optimizer, schedule and RNG states just before the first step;
-    `step_done` advances the position and writes a checkpoint when one is due (call on every rank).
+    `advance` records each optimizer step, and `save_if_due` writes a checkpoint when one is due (on every rank).
     """
 
     def __init__(self, config: RunConfig, env: DistEnv, per_epoch: int):
@@ -152,10 +143,8 @@ class AdapterCheckpoints:
             if self.env.is_main:
                 logger.info("resumed from %s (step %d, epoch %d)", self.latest, self.state.step, self.state.epoch)
 
-    def step_done(
-        self, loss: float, tokens: int, total_steps: int, model: nn.Module, optimizer, scheduler, scaler=None
-    ) -> None:
-        """Record an optimizer step; write `step-N` when `checkpoint.every_steps` (or the last step) says so."""
+    def advance(self, loss: float, tokens: int) -> None:
+        """Record an optimizer step: the position, the tokens and the loss."""
         state = self.state
         if state.batches_in_epoch >= self.per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
@@ -163,6 +152,10 @@ class AdapterCheckpoints:
         state.batches_in_epoch += 1
         state.tokens_seen += tokens
         state.losses.append(loss)
+
+    def save_if_due(self, total_steps: int, model: nn.Module, optimizer, scheduler, scaler=None) -> None:
+        """Write `step-N` when `checkpoint.every_steps` (or the last step) says so; call on every rank."""
+        state = self.state
         every, keep = self.config.checkpoint.every_steps, self.config.checkpoint.keep_last
         if every > 0 and (state.step % every == 0 or state.step == total_steps):
             saved = ckpt.save_checkpoint(
@@ -180,15 +173,10 @@ def finish_adapter_run(
     train_seconds: float,
     tokens: int,
 ) -> TrainResult:
-    """Evaluate once at the end, export, and write the loss curve and summary as the torch trainer does."""
+    """Export, and write the loss curve and summary as the torch trainer does (after `Evaluation.finish`)."""
     run_dir = Path(config.logging.run_dir)
     model, device, state = prepared.model, prepared.device, checkpoints.state
-    losses = state.losses
-    eval_history = []
-    if prepared.eval_dataset is not None and config.eval.metrics:
-        examples = generation_examples(config, prepared.tokenizer) if "exact_match" in config.eval.metrics else None
-        metrics = evaluate(model, prepared.eval_dataset, prepared.tokenizer, config, prepared.env, device, examples)
-        eval_history.append({"step": state.step, **metrics})
+    losses, eval_history = state.losses, state.eval_history
     export_dir = export_url = None
     if config.checkpoint.export:
         if prepared.env.is_main:
@@ -220,6 +208,7 @@ def finish_adapter_run(
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
         export_url=export_url,
+        data_manifest=prepared.data_manifest,
     )
     if prepared.env.is_main:
         reporter.plot(result.losses, result.eval_history)
@@ -243,13 +232,14 @@ def make_reporter(
     )
 
 
-def train_with_hf(config: RunConfig) -> TrainResult:
-    """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would."""
+def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
+    """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would.
+    `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from tigon.runtime.data import model_inputs
 
-    prepared = prepare_adapter(config, "hf")
+    prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
@@ -280,6 +270,7 @@ def train_with_hf(config: RunConfig) -> TrainResult:
             return loss
 
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
+    evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
 
     def scaler():
@@ -299,7 +290,7 @@ def train_with_hf(config: RunConfig) -> TrainResult:
             loss, trainer.step_loss, trainer.step_tokens = float(totals[0]) / env.world_size, 0.0, 0
             clock["tokens"] += int(totals[1])
             lr = scheduler.get_last_lr()[0]
-            checkpoints.step_done(loss, int(totals[1]), total_steps, prepared.model, optimizer, scheduler, scaler())
+            checkpoints.advance(loss, int(totals[1]))
             reporter.step(
                 checkpoints.state.step,
                 {
@@ -310,6 +301,8 @@ def train_with_hf(config: RunConfig) -> TrainResult:
                     "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
+            evaluation.step_done(total_steps)
+            checkpoints.save_if_due(total_steps, prepared.model, optimizer, scheduler, scaler())
 
     args = TrainingArguments(
         output_dir=str(Path(config.logging.run_dir) / "hf"),
@@ -338,9 +331,11 @@ def train_with_hf(config: RunConfig) -> TrainResult:
         callbacks=[RecordLosses()],
     )
     try:
+        evaluation.start()
         if steps:  # a run resumed from its last checkpoint has nothing left to train
             trainer.train()
+        checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
+        evaluation.finish()
     finally:
         reporter.close()
-    checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
     return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])

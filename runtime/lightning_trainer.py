@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, make_reporter, prepare_adapter
 from tigon.runtime.reporting import memory_bytes
 from tigon.runtime.trainer import (
+    Evaluation,
     GlobalBatchSampler,
     TrainResult,
     build_optimizer,
@@ -62,9 +64,9 @@ def lightning_devices(env: DistEnv) -> tuple[int, int]:
     return per_node, env.world_size // per_node
 
 
-def train_with_lightning(config: RunConfig) -> TrainResult:
+def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     """Train (or resume) as configured with a Lightning `Trainer` (DDP under torchrun); returns what the torch
-    trainer would."""
+    trainer would. `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -73,7 +75,7 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
             "training.precision: fp16 needs a gradient scaler, which trainer 'lightning' does not run in manual "
             "optimization here; use bf16 or fp32, or trainer 'torch'"
         )
-    prepared = prepare_adapter(config, "lightning")
+    prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
@@ -88,6 +90,7 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
         training.seed,
     )
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
+    evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     optimizer = build_optimizer(prepared.model, training)
     scheduler = build_scheduler(optimizer, training, total_steps)
     clock = {"seconds": 0.0, "tokens": 0}
@@ -128,7 +131,7 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
             loss = float(loss_sum) / n_label
             clock["seconds"] += time.perf_counter() - started
             clock["tokens"] += n_tokens
-            checkpoints.step_done(loss, n_tokens, total_steps, prepared.model, optimizer, scheduler)
+            checkpoints.advance(loss, n_tokens)
             reporter.step(
                 checkpoints.state.step,
                 {
@@ -139,6 +142,8 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
                     "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
+            evaluation.step_done(total_steps)
+            checkpoints.save_if_due(total_steps, prepared.model, optimizer, scheduler)
 
     loader = torch.utils.data.DataLoader(
         dataset,
@@ -164,9 +169,11 @@ def train_with_lightning(config: RunConfig) -> TrainResult:
         deterministic=False,
     )
     try:
+        evaluation.start()
         if steps:  # a run resumed from its last checkpoint has nothing left to train
             trainer.fit(TigonModule(), train_dataloaders=loader)
+        checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
+        evaluation.finish()
     finally:
         reporter.close()
-    checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
     return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])

@@ -337,6 +337,49 @@ def evaluate(
     return metrics
 
 
+class Evaluation:
+    """The run's evaluation schedule, shared by the three trainers: at step 0 (when `eval.every_steps` is set, so
+    the summary shows the metric move), every `eval.every_steps`, and at the last step. Each result goes to the
+    run's `TrainState.eval_history` (so a checkpoint keeps it) and to the reporter."""
+
+    def __init__(self, config: RunConfig, prepared: Prepared, state: ckpt.TrainState, reporter: Reporter):
+        self.config, self.prepared, self.state, self.reporter = config, prepared, state, reporter
+        self.enabled = prepared.eval_dataset is not None and bool(config.eval.metrics)
+        self.examples = None
+        if self.enabled and "exact_match" in config.eval.metrics:
+            self.examples = prepared.eval_examples
+            if self.examples is None:  # tokenized here, unless pre-packed data brought them
+                self.examples = generation_examples(config, prepared.tokenizer)
+
+    def run(self) -> None:
+        if not self.enabled:
+            return
+        prepared = self.prepared
+        metrics = evaluate(
+            prepared.model, prepared.eval_dataset, prepared.tokenizer, self.config, prepared.env, prepared.device,
+            self.examples,
+        )  # fmt: skip
+        self.state.eval_history.append({"step": self.state.step, **metrics})
+        self.reporter.evaluation(self.state.step, metrics)
+
+    def start(self) -> None:
+        """Before the first step of a run that starts from scratch."""
+        if self.state.step == 0 and self.config.eval.every_steps > 0:
+            self.run()
+
+    def step_done(self, total_steps: int) -> None:
+        """After each optimizer step (`state.step` already advanced), before its checkpoint is written."""
+        every = self.config.eval.every_steps
+        if every > 0 and self.state.step % every == 0 and self.state.step != total_steps:
+            self.run()
+
+    def finish(self) -> None:
+        """At the end: the last step's metrics, unless they were just taken."""
+        history = self.state.eval_history
+        if not history or history[-1]["step"] != self.state.step:
+            self.run()
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -426,11 +469,6 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
 
     `datasets`: pre-packed data (`tigon.runtime.packed`) to train on instead of tokenizing `config.data`.
     """
-    if datasets is not None and config.trainer != "torch":
-        raise ConfigError(
-            f"trainer: {config.trainer!r} tokenizes its own data and cannot take pre-packed datasets yet; "
-            "use trainer: torch, or call train without datasets"
-        )
     from tigon.runtime import planner
 
     if config.training.plan == "auto":
@@ -441,7 +479,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
                 from tigon.runtime.hf_trainer import train_with_hf as adapter
             else:
                 from tigon.runtime.lightning_trainer import train_with_lightning as adapter
-            return adapter(config)
+            return adapter(config, datasets)
         return _train(config, prepare(config, datasets))
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
         raise planner.out_of_memory_error(config, error) from error
@@ -517,22 +555,9 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
         initial_step=state.step,
         device=device,
     )
-    examples = None
-    if prepared.eval_dataset is not None and "exact_match" in config.eval.metrics:
-        examples = prepared.eval_examples
-        if examples is None:
-            examples = generation_examples(config, tokenizer)
-
-    def run_eval() -> None:
-        if prepared.eval_dataset is None or not config.eval.metrics:
-            return
-        metrics = evaluate(prepared.model, prepared.eval_dataset, tokenizer, config, env, device, examples)
-        state.eval_history.append({"step": state.step, **metrics})
-        reporter.evaluation(state.step, metrics)
-
-    every_eval, every_ckpt = config.eval.every_steps, config.checkpoint.every_steps
-    if state.step == 0 and every_eval > 0:
-        run_eval()  # the starting point, so the summary shows the metric move
+    evaluation = Evaluation(config, prepared, state, reporter)
+    evaluation.start()
+    every_ckpt = config.checkpoint.every_steps
 
     train_seconds, tokens_this_run = 0.0, 0
     strategy.model.train()
@@ -570,15 +595,12 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
                     "tokens_seen": state.tokens_seen,
                 },
             )
-            last = state.step == total_steps
-            if every_eval > 0 and state.step % every_eval == 0 and not last:
-                run_eval()
-            if every_ckpt > 0 and (state.step % every_ckpt == 0 or last):
+            evaluation.step_done(total_steps)
+            if every_ckpt > 0 and (state.step % every_ckpt == 0 or state.step == total_steps):
                 saved = strategy.save_checkpoint(run_dir, state, config.checkpoint.keep_last, config_json)
                 if env.is_main and remote is not None:
                     remote.upload_checkpoint(saved, config.checkpoint.keep_last)
-        if not state.eval_history or state.eval_history[-1]["step"] != state.step:
-            run_eval()
+        evaluation.finish()
     finally:
         reporter.close()
 

@@ -35,8 +35,11 @@ def test_saved_arrays_load_back_identically(tmp_path):
     assert len(loaded.eval_examples) == 24 and all(ids and reference for ids, reference in loaded.eval_examples)
 
 
-def test_training_on_packed_data_matches_tokenizing_and_records_the_manifest(tmp_path):
-    config = tiny_config(tmp_path, training={"max_steps": 3}, eval={"metrics": ["loss", "exact_match"]})
+@pytest.mark.parametrize("trainer", ["torch", "hf", "lightning"])
+def test_training_on_packed_data_matches_tokenizing_and_records_the_manifest(tmp_path, trainer):
+    config = tiny_config(
+        tmp_path, trainer=trainer, training={"max_steps": 3}, eval={"metrics": ["loss", "exact_match"]}
+    )
     save_packed(pack(config, load_tokenizer(config.model), "a" * 64), tmp_path / "packed")
     tokenized = train(config)
     packed_run = train(config, datasets=tmp_path / "packed")
@@ -58,9 +61,3 @@ def test_packed_data_of_another_tokenizer_or_unfinished_is_refused(tmp_path):
     (tmp_path / "packed" / MANIFEST).unlink()
     with pytest.raises(DataError, match="no manifest.json"):
         load_packed(tmp_path / "packed", load_tokenizer(config.model))
-
-
-def test_adapters_refuse_packed_data(tmp_path):
-    config = tiny_config(tmp_path, trainer="hf")
-    with pytest.raises(ValueError, match="cannot take pre-packed datasets"):
-        train(config, datasets=tmp_path / "packed")

@@ -61,7 +61,10 @@ def adapter_config(tmp_path, trainer: str, **sections):
 
 
 def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
-    results = {name: train(adapter_config(tmp_path, name)) for name in ("torch", "hf", "lightning")}
+    """Also the same evaluations: at step 0, every 2 steps and at the end, in the metrics file too."""
+    results = {
+        name: train(adapter_config(tmp_path, name, eval={"every_steps": 2})) for name in ("torch", "hf", "lightning")
+    }
     reference = results["torch"].losses
     assert len(reference) == 6 and reference[-1] < reference[0], reference
     for name in ("hf", "lightning"):
@@ -70,15 +73,19 @@ def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
         print(f"{name}: worst relative loss difference to torch {worst:.2e}")
         assert worst < RELATIVE_TOLERANCE, (name, worst, losses, reference)
-        eval_loss, eval_reference = results[name].eval_metrics["loss"], results["torch"].eval_metrics["loss"]
-        assert abs(eval_loss - eval_reference) < RELATIVE_TOLERANCE * eval_reference, (name, eval_loss)
+        history, reference_history = results[name].eval_history, results["torch"].eval_history
+        assert [e["step"] for e in history] == [e["step"] for e in reference_history] == [0, 2, 4, 6], history
+        for got, want in zip(history, reference_history, strict=True):
+            assert abs(got["loss"] - want["loss"]) < RELATIVE_TOLERANCE * want["loss"], (name, got, want)
+        assert results[name].eval_metrics == {k: v for k, v in history[-1].items() if k != "step"}, name
+        metrics = [json.loads(line) for line in (tmp_path / f"run-{name}" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics if "eval_loss" in m] == [0, 2, 4, 6], name
 
 
 @pytest.mark.parametrize(
     ("trainer", "sections", "message"),
     [
         ("lightning", {"training": {"precision": "fp16"}}, "gradient scaler"),
-        ("lightning", {"eval": {"every_steps": 2}}, "eval.every_steps"),
     ],
 )
 def test_options_an_adapter_cannot_honour_fail_clearly(tmp_path, trainer, sections, message):
