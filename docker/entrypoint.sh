@@ -4,7 +4,7 @@
 #
 #   TIGON_WARMUP=0               skip the warm-up
 #   TIGON_WARMUP_ARGS="..."      arguments of `python -m tigon.kernels.warmup`, the job's sizes, e.g.
-#                                "--hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8"
+#                                "--hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256"
 #                                or "--model-config /models/llama/config.json"
 #   TIGON_WARMUP_STRICT=1        fail the container when the warm-up fails; by default it logs the
 #                                failure and goes on (the kernels then compile on first use)

@@ -5,9 +5,11 @@ derived from the hidden size, integer arguments divisible by 16, the GPU's archi
 the binary in TRITON_CACHE_DIR. The training image's entrypoint runs this module first, with the
 cache on a persistent volume: the first pod on a GPU type pays the compile time, later pods and
 restarts load the binaries. Each op runs forward and backward once at the job's sizes, its output
-is compared with the pure-PyTorch reference, and the time it took is logged.
+is compared with the pure-PyTorch reference, and the time it took is logged. By default these are the
+ops tigon.kernels.patching swaps into the model family, and the fused linear cross entropy loss (the
+runtime's default) at the model's hidden size and vocabulary.
 
-    python -m tigon.kernels.warmup --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --head-dim 128
+    python -m tigon.kernels.warmup --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256
     python -m tigon.kernels.warmup --model-config /models/llama-3-8b/config.json --json /tmp/warmup.json
 
 Without a GPU it runs Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes instead: nothing is
@@ -28,12 +30,24 @@ from typing import Any
 
 logger = logging.getLogger("tigon.kernels.warmup")
 
-OPS = ("rms_norm", "fused_add_rms_norm", "layer_norm", "rope", "swiglu", "geglu")
+OPS = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "layer_norm",
+    "rope",
+    "swiglu",
+    "geglu",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+)
 DTYPES = ("float32", "bfloat16", "float16")
 # Relative error ||out - ref|| / ||ref|| allowed per dtype (DESIGN.md: fp32 1e-5, bf16 1e-2).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 # On the CPU the interpreter runs each program in Python: shapes are clamped to these.
-TINY = {"tokens": 8, "hidden": 64, "intermediate": 96, "heads": 2, "kv_heads": 1, "head_dim": 16}
+TINY = {"tokens": 8, "hidden": 64, "intermediate": 96, "heads": 2, "kv_heads": 1, "head_dim": 16, "vocab": 37}
+# The final logit softcap the loss runs with in families that softcap (Gemma 2/3's value): only whether there
+# is one changes the compiled kernel, not its value.
+SOFTCAP = 30.0
 MAX_HIDDEN = 65536
 
 
@@ -51,6 +65,7 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tokens: int
+    vocab: int = 128256  # Llama 3's vocabulary
 
     def check(self) -> None:
         for name, value in asdict(self).items():
@@ -137,7 +152,15 @@ def family_settings(family: str) -> dict[str, Any]:
         "casting": "gemma" if spec.gemma_norm else "llama",
         "offset": 1.0 if spec.gemma_norm else 0.0,
         "in_place_backward": spec.in_place_norm_backward,
-        "ops": ("rms_norm", "fused_add_rms_norm", "rope", "geglu" if spec.gemma_norm else "swiglu"),
+        "softcap": SOFTCAP if spec.final_logit_softcapping else None,
+        # The loss: the runtime's kernels.fused_linear_cross_entropy is on by default.
+        "ops": (
+            "rms_norm",
+            "fused_add_rms_norm",
+            "rope",
+            "geglu" if spec.gemma_norm else "swiglu",
+            "fused_linear_cross_entropy",
+        ),
     }
 
 
@@ -191,6 +214,18 @@ def _run_op(op: str, shapes: Shapes, dtype, device, settings: dict[str, Any]):
         out = (getattr(functional, op)(gate, up),)
         ref = (getattr(reference, op)(gate.detach(), up.detach()),)
         inputs = (gate, up)
+    elif op == "cross_entropy":
+        logits, target = rand(t, shapes.vocab), _targets(t, shapes.vocab, g, device)
+        # First the reference: the kernel writes the gradient over the logits.
+        ref = (reference.cross_entropy(logits.detach().clone(), target, softcap=settings["softcap"]),)
+        out = (functional.cross_entropy(logits, target, softcap=settings["softcap"]),)
+        inputs = (logits,)
+    elif op == "fused_linear_cross_entropy":
+        x, w, target = rand(t, h), rand(shapes.vocab, h), _targets(t, shapes.vocab, g, device)
+        loss = {"softcap": settings["softcap"]}
+        out = (functional.fused_linear_cross_entropy(x, w, target, **loss),)
+        ref = (reference.fused_linear_cross_entropy(x.detach(), w.detach(), target, **loss),)
+        inputs = (x, w)
     else:
         raise WarmupError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
     grads = [torch.ones_like(o) for o in out]
@@ -198,9 +233,22 @@ def _run_op(op: str, shapes: Shapes, dtype, device, settings: dict[str, Any]):
     return out, ref
 
 
+def _targets(tokens: int, vocab: int, g, device):
+    """Class indices for the losses, the last token ignored (-100) as the shifted labels' last one is."""
+    import torch
+
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[-1] = -100
+    return target.to(device)
+
+
 def _describe(op: str, shapes: Shapes) -> str:
     if op == "rope":
         return f"heads={shapes.heads}/{shapes.kv_heads} head_dim={shapes.head_dim} seq={shapes.tokens}"
+    if op == "cross_entropy":
+        return f"tokens={shapes.tokens} vocab={shapes.vocab}"
+    if op == "fused_linear_cross_entropy":
+        return f"tokens={shapes.tokens} hidden={shapes.hidden} vocab={shapes.vocab}"
     size = shapes.intermediate if op in ("swiglu", "geglu") else shapes.hidden
     return f"tokens={shapes.tokens} width={size}"
 
@@ -307,8 +355,18 @@ def shapes_from_model_config(path: str | os.PathLike) -> tuple[dict[str, int], s
         "kv_heads": config.get("num_key_value_heads") or heads,
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
     }
-    family = "gemma" if str(config.get("model_type", "")).startswith("gemma") else "llama"
-    return sizes, family
+    if config.get("vocab_size"):
+        sizes["vocab"] = config["vocab_size"]
+    return sizes, _family_of(str(config.get("model_type", "")))
+
+
+def _family_of(model_type: str) -> str:
+    """The patching family of a config's model_type (gemma2 softcaps its logits, gemma does not); llama otherwise."""
+    from tigon.kernels.patching import FAMILIES
+
+    if model_type in FAMILIES:
+        return model_type
+    return "gemma" if model_type.startswith("gemma") else "llama"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -322,8 +380,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     parser.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (batch x sequence length)")
+    parser.add_argument("--vocab", type=int, default=Shapes.vocab, help=f"vocabulary size (default {Shapes.vocab})")
     parser.add_argument("--model-config", help="a Hugging Face config.json (or its directory) to take the sizes from")
-    parser.add_argument("--family", help="model family: llama (default), mistral, qwen2, qwen3, gemma")
+    parser.add_argument("--family", help="tigon.kernels.patching family: llama (default), qwen3, gemma, gemma2, ...")
     parser.add_argument("--ops", help=f"comma-separated ops (default: the family's); from {','.join(OPS)}")
     parser.add_argument("--dtype", choices=DTYPES, help="default bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
@@ -337,6 +396,7 @@ def _build_shapes(args: argparse.Namespace) -> tuple[list[Shapes], str]:
     if args.model_config:
         sizes, config_family = shapes_from_model_config(args.model_config)
         family = family or config_family
+        sizes.setdefault("vocab", args.vocab)  # a config without vocab_size
         return [Shapes(tokens=args.tokens, **sizes)], family
     if not args.hidden:
         raise WarmupError("give --hidden (e.g. --hidden 4096) or --model-config path/to/config.json")
@@ -351,6 +411,7 @@ def _build_shapes(args: argparse.Namespace) -> tuple[list[Shapes], str]:
                 kv_heads=args.kv_heads or heads,
                 head_dim=args.head_dim,
                 tokens=args.tokens,
+                vocab=args.vocab,
             )
         )
     return shapes, family or "llama"
