@@ -148,8 +148,9 @@ def render_yaml(manifests: list[dict]) -> str:
 def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     """Keyword arguments for flytekit's `@task` that run the train task as this template says."""
     from flytekit import PodTemplate, Resources
+    from flytekit.extras.accelerators import GPUAccelerator
     from flytekitplugins.kfpytorch import Elastic
-    from kubernetes.client import V1Container, V1PodSpec, V1Toleration
+    from kubernetes.client import V1Container, V1LocalObjectReference, V1PodSpec, V1Toleration
 
     resources = Resources(
         cpu=template.cpu, mem=template.memory, gpu=str(template.gpus_per_node) if template.gpus_per_node else None
@@ -160,6 +161,7 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         tolerations=[V1Toleration(**t.model_dump(exclude_none=True)) for t in template.tolerations] or None,
         priority_class_name=template.priority_class,
         service_account_name=template.service_account,
+        image_pull_secrets=[V1LocalObjectReference(name=name) for name in template.image_pull_secrets] or None,
     )
     options: dict[str, Any] = {
         "task_config": Elastic(
@@ -178,4 +180,6 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     }
     if template.shared_memory:
         options["shared_memory"] = template.shared_memory
+    if template.gpu_type:  # Flyte turns the accelerator into a node selector for that GPU type
+        options["accelerator"] = GPUAccelerator(template.gpu_type)
     return options

@@ -3,6 +3,7 @@
     pyflyte run workflows/finetune.py finetune                          # the demo, locally on the CPU
     pyflyte run workflows/finetune.py finetune --config my.yaml --steps 200
     tigon submit my.yaml --job-template h100x8x2 --nodes 4              # checked locally, then pyflyte run --remote
+    pyflyte run --remote -i IMAGE workflows/finetune.py finetune --config_yaml "$(cat my.yaml)" --job_template h100x8
 
 Locally, the train task runs 2 worker processes over gloo through torch elastic (the kfpytorch
 `Elastic` config of the `cpu-small` job template). On a cluster the same task becomes a single
@@ -37,7 +38,7 @@ from tigon.platform.jobs import flyte_task_options, job_name
 from tigon.platform.submit import check_submission
 from tigon.platform.templates import JobTemplate, load_templates
 from tigon.runtime.checkpoint import atomic_write_text
-from tigon.runtime.config import RunConfig, apply_override, load_config, parse_config
+from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config
 from tigon.runtime.storage import default_remote_dir, is_local_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +61,11 @@ def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "")
         for override in overrides:
             apply_override(raw, override)
         loaded, data_root = parse_config(raw, "--config_yaml"), Path.cwd()
+    elif not Path(config).is_file():
+        raise ConfigError(
+            f"config file {config} does not exist here (a pod cannot read your machine's files): submit with "
+            '`tigon submit CONFIG --job-template NAME`, or pass the config\'s text with --config_yaml "$(cat CONFIG)"'
+        )
     else:
         loaded, data_root = load_config(config, overrides), Path(config).resolve().parent
     data = loaded.data.model_copy(

@@ -1,0 +1,246 @@
+"""What a cluster gets, checked without one: the workflow serialized by flytekit with the image and inputs that
+`tigon submit` sends, the train task the dynamic step compiles for each job template and node count, the
+documented pyflyte commands, and how the train task's failures reach Flyte's retries."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("flytekit")
+
+import torch.distributed as dist  # noqa: E402
+from flytekit import dynamic  # noqa: E402
+from flytekit.configuration import ImageConfig, SerializationSettings  # noqa: E402
+from flytekit.core.context_manager import ExecutionState, FlyteContextManager  # noqa: E402
+from flytekit.core.type_engine import TypeEngine  # noqa: E402
+from flytekit.exceptions.user import FlyteRecoverableException  # noqa: E402
+from flytekit.models.task import TaskSpec  # noqa: E402
+from flytekit.tools.translator import get_serializable  # noqa: E402
+from flytekit.types.directory import FlyteDirectory  # noqa: E402
+
+from tigon.platform.cli import main  # noqa: E402
+from tigon.runtime.config import ConfigError, apply_override  # noqa: E402
+from tigon.runtime.data import DataError  # noqa: E402
+from workflows import finetune as wf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "examples" / "demo.yaml")
+ON_OBJECT_STORE = ["--set", "data.train=s3://tigon-data/train.jsonl", "--set", "data.eval=s3://tigon-data/eval.jsonl"]
+NODE_COUNTS = sorted({(name, n) for name, t in wf.TEMPLATES.items() for n in (t.nnodes, t.max_nnodes)})
+
+
+def submitted(template: str, nodes: int = 0) -> tuple[SerializationSettings, dict[str, str]]:
+    """What `tigon submit --dry-run` would run: the serialization settings pyflyte makes of its `--image`, and the
+    workflow inputs it passes."""
+    out = io.StringIO()
+    argv = ["submit", DEMO, "--job-template", template, "--nodes", str(nodes), *ON_OBJECT_STORE, "--dry-run"]
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    command = shlex.split(out.getvalue())
+    image = command[command.index("--image") + 1]
+    image_config = ImageConfig.validate_image(None, "image", (image,))  # pyflyte run's own --image callback
+    settings = SerializationSettings(image_config=image_config, project="ml", domain="development", version="v1")
+    options = command[command.index("finetune") + 1 :]
+    return settings, {key.removeprefix("--"): value for key, value in zip(options[::2], options[1::2], strict=True)}
+
+
+@pytest.mark.parametrize("template", sorted(wf.TEMPLATES))
+def test_submitted_workflow_serializes_with_every_task_in_the_templates_image(template):
+    settings, _ = submitted(template)
+    entities = OrderedDict()
+    get_serializable(entities, settings, wf.finetune)
+    (workflow,) = [spec for entity, spec in entities.items() if entity is wf.finetune]
+    nodes = {node.id: node for node in workflow.template.nodes}
+    assert {i: n.task_node.reference_id.name.rsplit(".", 1)[-1] for i, n in nodes.items()} == {
+        "n0": "validate",
+        "n1": "prepare_data",
+        "n2": "train_with_template",
+        "n3": "report",
+    }
+    assert [sorted(nodes[i].upstream_node_ids) for i in ("n0", "n1", "n2", "n3")] == [
+        [],
+        ["n0"],
+        ["n0", "n1"],
+        ["n0", "n2"],
+    ]
+    tasks = [spec.template for spec in entities.values() if isinstance(spec, TaskSpec)]
+    assert len(tasks) == 4
+    assert {t.id.name.rsplit(".", 1)[-1]: t.container.image for t in tasks} == dict.fromkeys(
+        ["validate", "prepare_data", "train_with_template", "report"], wf.TEMPLATES[template].image
+    )
+
+
+def compile_train_step(settings: SerializationSettings, inputs: dict[str, str]):
+    """The dynamic train step as its pod compiles it: the node and the train task it hands to Flyte."""
+    ctx = FlyteContextManager.current_context().with_serialization_settings(settings)
+    with FlyteContextManager.with_context(ctx) as ctx:
+        state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
+        with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
+            values = {
+                "config_yaml": inputs["config_yaml"],
+                "packed": FlyteDirectory("s3://tigon-data/packed"),
+                "job_template": wf.JobTemplateName(inputs["job_template"]),
+                "nodes": int(inputs["nodes"]),
+            }
+            hints = {"config_yaml": str, "packed": FlyteDirectory, "job_template": wf.JobTemplateName, "nodes": int}
+            literals = TypeEngine.dict_to_literal_map(ctx, values, type_hints=hints)
+            # flytekit compiles a dynamic's body once per task object (a pod runs one step), so each case takes
+            # a fresh task of the same function
+            return dynamic(wf.train_with_template.task_function).dispatch_execute(ctx, literals)
+
+
+@pytest.mark.parametrize("template, nodes", NODE_COUNTS)
+def test_train_step_compiles_the_templates_train_task(template, nodes):
+    settings, inputs = submitted(template, nodes)
+    job = compile_train_step(settings, inputs)
+    expected = wf.TEMPLATES[template].with_nodes(nodes)
+    (node,) = job.nodes
+    (task,) = job.tasks
+    assert node.task_node.reference_id == task.id
+    assert task.id.name == f"workflows.finetune.{wf.train_task_name(template, nodes)}"
+    if expected.nnodes == 1:  # a single elastic pod: torch elastic runs inside it, no PyTorchJob
+        assert task.type == "python-task" and task.custom is None
+    else:  # a PyTorchJob of nnodes workers with an elastic policy
+        assert task.type == "pytorch"
+        assert task.custom == {
+            "workerReplicas": {"replicas": expected.nnodes},
+            "elasticConfig": {
+                "rdzvBackend": "c10d",
+                "minReplicas": expected.nnodes,
+                "maxReplicas": expected.nnodes,
+                "nprocPerNode": expected.nproc_per_node,
+                "maxRestarts": expected.max_restarts,
+            },
+        }
+    pod = task.k8s_pod.pod_spec
+    (container,) = pod["containers"]
+    assert container["image"] == expected.image
+    gpus = {"gpu": str(expected.gpus_per_node)} if expected.gpus_per_node else {}
+    amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
+    assert container["resources"] == {"requests": amounts, "limits": amounts}
+    assert {e["name"]: e["value"] for e in container.get("env", [])} == expected.env
+    assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
+    assert pod.get("nodeSelector", {}) == expected.node_selector
+    assert pod.get("priorityClassName") == expected.priority_class
+    assert pod["serviceAccountName"] == expected.service_account
+    resources = task.extended_resources
+    assert resources.shared_memory.size_limit == expected.shared_memory  # Flyte mounts it at /dev/shm
+    assert resources.shared_memory.mount_path == "/dev/shm"
+    # the GPU type as Flyte's accelerator (a node selector on the cluster); CPU templates name none
+    assert (resources.gpu_accelerator.device if resources.HasField("gpu_accelerator") else None) == expected.gpu_type
+    assert task.metadata.retries.retries == expected.max_restarts  # Flyte retries of recoverable faults
+
+
+def test_image_pull_secrets_reach_the_train_tasks_pod():
+    template = wf.TEMPLATES["h100x8"].model_copy(update={"image_pull_secrets": ["ghcr-pull", "ecr-pull"]})
+    train = wf._train_task(template, "train_with_pull_secrets")
+    settings, _ = submitted("h100x8")
+    pod = get_serializable(OrderedDict(), settings, train).template.k8s_pod.pod_spec
+    assert pod["imagePullSecrets"] == [{"name": "ghcr-pull"}, {"name": "ecr-pull"}]
+    shipped = get_serializable(OrderedDict(), settings, wf.TRAIN_TASKS["train_h100x8"]).template
+    assert "imagePullSecrets" not in shipped.k8s_pod.pod_spec  # the shipped templates name none
+
+
+def test_train_task_names_by_node_count():
+    assert wf.train_task_name("h100x8x2") == wf.train_task_name("h100x8x2", 2) == "train_h100x8x2"
+    assert wf.train_task_name("h100x8x2", 4) == "train_h100x8x2_4nodes"
+    assert set(wf.TRAIN_TASKS) >= {"train_cpu_small", "train_h100x8x2_1nodes", "train_h100x8x2_4nodes"}
+
+
+def help_options(*args: str) -> set[str]:
+    """The option names pyflyte's own help lists."""
+    command = [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte", "run", *args, "--help"]
+    env = {**os.environ, "COLUMNS": "200"}  # one option a line, unwrapped
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return set(re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", result.stdout))
+
+
+def documented_pyflyte_commands() -> list[str]:
+    """Each `pyflyte run ...` in docs/platform.md and the README: code lines and inline code, comments cut off."""
+    commands = []
+    for doc in (ROOT / "docs" / "platform.md", ROOT / "README.md"):
+        text = doc.read_text()
+        blocks = re.findall(r"```\w*\n(.*?)```", text, flags=re.S)
+        pieces = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        pieces += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " "))
+        commands += [p[p.index("pyflyte run") :].split("#")[0] for p in pieces if "pyflyte run" in p]
+    return commands
+
+
+def test_documented_pyflyte_commands_use_the_option_names_pyflyte_accepts():
+    """The workflow's inputs keep their underscores as pyflyte options (`--job_template`, never `--job-template`)."""
+    workflow = help_options("workflows/finetune.py", "finetune")
+    assert {"--config", "--steps", "--job_template", "--run_dir", "--nodes", "--config_yaml"} <= workflow
+    accepted = workflow | help_options()
+    commands = documented_pyflyte_commands()
+    remote_runs = [c for c in commands if "--remote" in c and "--job_template" in c]
+    assert remote_runs and all("--image " in c for c in remote_runs), remote_runs  # the template's image
+    unknown = {c: sorted(set(re.findall(r"(?<![\w-])--?[a-zA-Z][\w-]*", c)) - accepted) for c in commands}
+    assert {c: u for c, u in unknown.items() if u} == {}
+    _, inputs = submitted("h100x8")  # and what `tigon submit` passes
+    assert {f"--{name}" for name in inputs} <= workflow
+
+
+def test_a_config_file_the_task_cannot_read_says_how_to_send_it():
+    with pytest.raises(ConfigError, match="does not exist here") as error:
+        wf.resolve_config("/home/me/my.yaml", 0, "")
+    assert "tigon submit CONFIG --job-template NAME" in str(error.value) and "--config_yaml" in str(error.value)
+
+
+def demo_config_yaml(*overrides: str) -> str:
+    raw = yaml.safe_load(Path(DEMO).read_text())
+    raw["data"].update(train=str(ROOT / raw["data"]["train"]), eval=str(ROOT / raw["data"]["eval"]))
+    for override in overrides:
+        apply_override(raw, override)
+    return yaml.safe_dump(raw)
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_train_worker_raises_a_network_fault_as_recoverable(tmp_path, monkeypatch, single_process):
+    """Rank 0 of 2 cannot serve the rendezvous store: its port is taken. A real DistNetworkError becomes
+    FlyteRecoverableException, so Flyte retries the task (and the retry resumes from the latest checkpoint)."""
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 and IPv6, as the store listens
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(FlyteRecoverableException, match="a retry resumes from the latest checkpoint") as error:
+            wf.train_worker(demo_config_yaml(), FlyteDirectory(str(tmp_path)))
+    assert isinstance(error.value.__cause__, dist.DistNetworkError)
+    assert "EADDRINUSE" in str(error.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "overrides, raised, message",
+    [
+        (["training.precision=fp16", "model.dtype=float16"], ConfigError, "precision fp16 with model.dtype float16"),
+        ([], DataError, "has no manifest.json"),
+    ],
+)
+def test_train_worker_lets_the_runs_own_errors_through(tmp_path, single_process, overrides, raised, message):
+    """A config error (fp16 training of fp16 weights) or a data error (packed data without its manifest) is raised
+    as it is: Flyte does not retry it, since a retry would fail the same way."""
+    with pytest.raises(raised, match=message) as error:
+        wf.train_worker(demo_config_yaml(*overrides), FlyteDirectory(str(tmp_path)))
+    assert not isinstance(error.value, FlyteRecoverableException)
