@@ -11,7 +11,7 @@ from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
 from tigon.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.kernels.ops.fused_linear_jsd import fused_linear_jsd
 from tigon.kernels.ops.fused_linear_preference import sequence_logps
-from tigon.kernels.ops.gated_activation import geglu, swiglu
+from tigon.kernels.ops.gated_activation import geglu, geglu_packed, swiglu, swiglu_packed
 from tigon.kernels.ops.jsd import jsd
 from tigon.kernels.ops.kl_divergence import kl_divergence
 from tigon.kernels.ops.kto import fused_linear_kto
@@ -33,6 +33,7 @@ __all__ = [
     "fused_linear_orpo",
     "fused_linear_simpo",
     "geglu",
+    "geglu_packed",
     "jsd",
     "kl_divergence",
     "layer_norm",
@@ -40,6 +41,7 @@ __all__ = [
     "rope",
     "sequence_logps",
     "swiglu",
+    "swiglu_packed",
 ]
 
 

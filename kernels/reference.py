@@ -87,6 +87,18 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     return F.gelu(gate, approximate=approximate) * up
 
 
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` with `gate, up = gate_up.chunk(2, -1)`, as Phi-3's and GLM-4's MLPs and the MoE experts do."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up)
+
+
+def geglu_packed(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """`gelu(gate) * up` with `gate, up = gate_up.chunk(2, -1)`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return geglu(gate, up, approximate)
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise if a target that is not `ignore_index` lies outside [0, n_classes): one device sync."""
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))

@@ -85,6 +85,15 @@ def test_gated_activation_compiles_without_graph_breaks(activation):
     )  # the in-place backward is an eager-mode saving; compiled code stays out of place
 
 
+@pytest.mark.parametrize("activation", ["swiglu_packed", "geglu_packed"])
+def test_packed_gated_activation_compiles_without_graph_breaks(activation):
+    gate_up = torch.randn(3, 2, 2 * 25)
+    ours = getattr(F, activation)
+    assert_compiled_matches(lambda x: ours(x, in_place_backward=True), getattr(reference, activation), (gate_up,))
+    wide = torch.randn(4, 2 * 25 + 3)  # a row-strided slice, as the compiled graph may hand the op
+    assert_compiled_matches(lambda x: ours(x[:, 3:]), lambda x: getattr(reference, activation)(x[:, 3:]), (wide,))
+
+
 @pytest.mark.parametrize(
     "options",
     [

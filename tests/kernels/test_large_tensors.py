@@ -44,6 +44,16 @@ def test_swiglu_past_2_31_elements():
     assert_close(tail(up.grad), u.grad, torch.bfloat16, "swiglu dup")
 
 
+def test_swiglu_packed_past_2_31_elements():
+    gate_up = torch.randn(BIG // 4096, 2 * 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = F.swiglu_packed(gate_up)
+    assert_close(tail(out), reference.swiglu_packed(tail(gate_up.detach())), torch.bfloat16, "swiglu_packed")
+    out.backward(torch.ones_like(out))
+    x = tail(gate_up.detach()).requires_grad_(True)
+    reference.swiglu_packed(x).sum().backward()
+    assert_close(tail(gate_up.grad), x.grad, torch.bfloat16, "swiglu_packed d(gate_up)")
+
+
 def test_rope_past_2_31_elements():
     heads, dim = 32, 128
     seq = BIG // (heads * dim)
