@@ -1,7 +1,9 @@
 """The Flyte workflow, executed for real by flytekit's local engine (2 elastic workers over gloo)."""
 
+import html
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +19,9 @@ import yaml
 pytest.importorskip("flytekit")
 
 from flytekit import task  # noqa: E402
-from flytekit.configuration import Image, ImageConfig, SerializationSettings  # noqa: E402
+from flytekit.core.context_manager import FlyteContextManager  # noqa: E402
+from flytekit.core.data_persistence import FileAccessProvider  # noqa: E402
 from flytekit.exceptions.user import FlyteRecoverableException  # noqa: E402
-from flytekit.tools.translator import get_serializable  # noqa: E402
 
 from workflows import finetune as wf  # noqa: E402
 
@@ -57,13 +59,31 @@ def test_local_workflow_end_to_end(tmp_path):
 
     run_dir = tmp_path / "run"
     config = write_config(tmp_path, logging={"every_steps": 1})
-    exported = wf.finetune(config=config, steps=8, run_dir=str(run_dir))
+    # flytekit's local engine writes each task's Deck as deck.html under its file access's sandbox: give it ours
+    sandbox = FileAccessProvider(local_sandbox_dir=str(tmp_path / "flyte"), raw_output_prefix=str(tmp_path / "raw"))
+    context = FlyteContextManager.current_context().with_file_access(sandbox)
+    with FlyteContextManager.with_context(context):
+        exported = wf.finetune(config=config, steps=8, run_dir=str(run_dir))
     model = AutoModelForCausalLM.from_pretrained(exported.path)
     assert model.config.num_hidden_layers == 2
     curve = losses(run_dir)
     assert len(curve) >= 8 and curve[-1] < curve[0], curve
     report = (run_dir / "report.html").read_text()
     assert "<h2>Training</h2>" in report and "data:image/png;base64" in report and "learning_rate" in report
+
+    decks = [path.read_text() for path in (tmp_path / "flyte").rglob("deck.html")]
+    (deck,) = [page for page in decks if "<h2>Training</h2>" in page]  # the report task's, once
+    summary = json.loads((run_dir / "summary.json").read_text())
+    training = deck[deck.index("<h2>Training</h2>") : deck.index("<h2>Config</h2>")]
+    assert '<img src="data:image/png;base64,' in training  # the loss curve
+    first, last = summary["losses"][0], summary["losses"][-1]
+    assert f"<tr><th>steps</th><td>{len(summary['losses'])}</td></tr>" in training
+    assert f"<tr><th>loss</th><td>{first:.4f} -&gt; {last:.4f}</td></tr>" in training
+    assert "<th>tokens/s</th>" in training and "<th>peak memory</th>" in training
+    config_section = deck[deck.index("<h2>Config</h2>") :]
+    effective = yaml.safe_load(html.unescape(re.search(r"<pre>(.*?)</pre>", config_section, re.S).group(1)))
+    assert effective["training"]["max_steps"] == 8 and effective["logging"]["run_dir"] == str(run_dir)
+    assert f"Model exported to {summary['export_dir']}" in deck
 
 
 def test_killed_worker_resumes_from_checkpoint_with_the_same_final_loss(tmp_path):
@@ -92,42 +112,6 @@ def test_killed_worker_resumes_from_checkpoint_with_the_same_final_loss(tmp_path
     clean, resumed = losses(uninterrupted), losses(interrupted)
     assert len(resumed) == len(clean) == 9
     assert resumed[-1] == pytest.approx(clean[-1], rel=1e-5), (clean, resumed)
-
-
-NODE_COUNTS = sorted({(name, n) for name, t in wf.TEMPLATES.items() for n in (t.nnodes, t.max_nnodes)})
-
-
-@pytest.mark.parametrize("template, nodes", NODE_COUNTS)
-def test_train_task_serializes_per_job_template_and_node_count(template, nodes):
-    settings = SerializationSettings(
-        image_config=ImageConfig(default_image=Image(name="d", fqn="ghcr.io/x/y", tag="1"))
-    )
-    train_task = wf.TRAIN_TASKS[wf.train_task_name(template, nodes)]
-    spec = get_serializable({}, settings, train_task)
-    expected = wf.TEMPLATES[template].with_nodes(nodes)
-    task_template = spec.template
-    task_config = train_task.task_config
-    assert (task_config.nnodes, task_config.nproc_per_node) == (expected.nnodes, expected.nproc_per_node)
-    if expected.nnodes == 1:  # a single elastic pod: torch elastic runs inside it, no PyTorchJob
-        assert task_template.type == "python-task" and task_template.custom is None
-    else:  # a PyTorchJob of nnodes workers with an elastic policy
-        assert task_template.type == "pytorch"
-        elastic = task_template.custom["elasticConfig"]
-        assert elastic["nprocPerNode"] == expected.nproc_per_node and elastic["maxRestarts"] == expected.max_restarts
-        assert elastic["minReplicas"] == elastic["maxReplicas"] == expected.nnodes
-        assert task_template.custom["workerReplicas"]["replicas"] == expected.nnodes
-    container = task_template.k8s_pod.pod_spec["containers"][0]
-    assert container["image"] == expected.image
-    limits = container["resources"]["limits"]
-    assert (limits["cpu"], limits["memory"]) == (expected.cpu, expected.memory)
-    assert limits.get("gpu") == (str(expected.gpus_per_node) if expected.gpus_per_node else None)
-    assert {e["name"]: e["value"] for e in container.get("env", [])} == expected.env
-    pod = task_template.k8s_pod.pod_spec
-    assert [t["key"] for t in pod.get("tolerations", [])] == [t.key for t in expected.tolerations]
-    assert pod.get("nodeSelector", {}) == expected.node_selector
-    shared_memory = task_template.extended_resources.shared_memory  # Flyte mounts it at /dev/shm
-    assert shared_memory.size_limit == expected.shared_memory
-    assert task_template.metadata.retries.retries == expected.max_restarts  # Flyte retries of recoverable faults
 
 
 def test_unknown_job_template_is_rejected_before_running():
@@ -164,12 +148,6 @@ def test_a_worker_lost_after_the_last_restart_makes_flyte_retry():
     assert isinstance(lost, wf.TrainElasticTask)
     with pytest.raises(FlyteRecoverableException, match="was ended by SIGKILL"):
         lost()
-
-
-def test_train_task_names_by_node_count():
-    assert wf.train_task_name("h100x8x2") == wf.train_task_name("h100x8x2", 2) == "train_h100x8x2"
-    assert wf.train_task_name("h100x8x2", 4) == "train_h100x8x2_4nodes"
-    assert set(wf.TRAIN_TASKS) >= {"train_cpu_small", "train_h100x8x2_1nodes", "train_h100x8x2_4nodes"}
 
 
 def test_packed_once_cached_and_never_tokenized_in_the_train_task(tmp_path):
