@@ -4,12 +4,14 @@
 
 The pyflyte command it runs sends the validated config as text (`--config_yaml`: the pods cannot read
 the laptop's files) and the template's image as the default image (`--image`), so every task of the
-workflow runs in it.
+workflow runs in it. Data files and `datasets` directories on the laptop are copied into one staging
+directory, passed as the workflow's `--data_dir` (pyflyte uploads it to the object store), and the config
+names them relative to it; s3:// and gs:// URLs, and absolute paths inside the image, are used as they are.
 
 Everything that can be known on the laptop is checked there, before any container starts: the config
 (unknown keys, wrong types, with the overrides applied), the job template (it must exist), the node
 count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, and
-data paths relative to the laptop's directories.
+relative data paths that do not exist.
 The workflow's validate task runs the same `check_submission` again, for runs started another way.
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -57,36 +61,59 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
     return template
 
 
-def relative_data_paths(config: RunConfig) -> list[str]:
-    """Data paths relative to this machine's directories: a pod cannot resolve them."""
-    paths = {"data.train": config.data.train, "data.eval": config.data.eval}
-    return [
-        f"{key}: {path}"
-        for key, path in paths.items()
-        if path and is_local_url(path) and "://" not in path and not Path(path).is_absolute()
-    ]
+DATA_KEYS = ("train", "eval")
+
+
+def local_data(config: RunConfig) -> dict[str, Path]:
+    """The config's data files and `datasets` directories on this machine, which the pods cannot read: they are
+    uploaded. A relative path that does not exist here is an error; an absolute one is taken to be in the image."""
+    found, missing = {}, []
+    for key in DATA_KEYS:
+        path = getattr(config.data, key)
+        if not path or not is_local_url(path) or "://" in path:
+            continue
+        if Path(path).exists():
+            found[key] = Path(path).resolve()
+        elif not Path(path).is_absolute():
+            missing.append(f"data.{key}: {path}")
+    if missing:
+        raise SubmissionError(
+            f"data not found on this machine: {'; '.join(missing)} (relative to {Path.cwd()}). Fix the path, or "
+            "use s3:// or gs:// URLs, or absolute paths inside the training image."
+        )
+    return found
+
+
+def stage_data(config: RunConfig, staging: Path) -> RunConfig:
+    """Copy the run's local data into `staging` (`train/<name>`, `eval/<name>`) and point the config at those
+    relative paths: `staging` becomes the workflow's `data_dir`, which pyflyte uploads to the object store."""
+    moved = {}
+    for key, source in local_data(config).items():
+        target = staging / key / source.name
+        target.parent.mkdir(parents=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copy2(source, target)
+        moved[key] = f"{key}/{source.name}"
+    return config.model_copy(update={"data": config.data.model_copy(update=moved)})
 
 
 def check_remote(config: RunConfig) -> None:
-    """What a run on the cluster needs beyond `check_submission`: the workflow file here, data the pods can read."""
+    """What a run on the cluster needs beyond `check_submission`: the workflow file here, data that exists."""
     if not WORKFLOW.is_file():
         raise SubmissionError(
             f"the workflow file {WORKFLOW} is missing: `tigon submit` runs from a tigon checkout "
             "(git clone, then pip install -e '.[platform]')"
         )
-    relative = relative_data_paths(config)
-    if relative:
-        raise SubmissionError(
-            f"data paths relative to this machine cannot be read in the pods: {'; '.join(relative)}. "
-            "Use s3:// or gs:// URLs, or absolute paths inside the training image."
-        )
+    local_data(config)
 
 
 def submit(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tigon submit", description="check a run locally, then start the Flyte workflow on the cluster"
     )
-    parser.add_argument("config", help="YAML run config; data paths must be readable from the pods (s3://, gs://)")
+    parser.add_argument("config", help="YAML run config; local data files are uploaded with the run")
     parser.add_argument(
         "--job-template",
         "--job_template",  # pyflyte's spelling of the workflow input, accepted too
@@ -115,6 +142,9 @@ def submit(argv: list[str]) -> int:
     except (ConfigError, TemplateError, SubmissionError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
+    staging = Path(tempfile.mkdtemp(prefix="tigon-data-"))
+    config = stage_data(config, staging)
+    data_options = ["--data_dir", str(staging)] if any(staging.iterdir()) else []
     command = [
         sys.executable,
         "-m",
@@ -133,8 +163,16 @@ def submit(argv: list[str]) -> int:
         template.name,
         "--nodes",
         str(template.nnodes),
+        *data_options,
     ]
     if args.dry_run:
         print(shlex.join(command))
+        if data_options:
+            print(f"(the run's data is staged in {staging} for this command; remove it when done)", file=sys.stderr)
+        else:
+            shutil.rmtree(staging)
         return 0
-    return subprocess.run(command, check=False).returncode
+    try:
+        return subprocess.run(command, check=False).returncode  # pyflyte uploads data_dir before it returns
+    finally:
+        shutil.rmtree(staging)

@@ -3,7 +3,8 @@
     pyflyte run workflows/finetune.py finetune                          # the demo, locally on the CPU
     pyflyte run workflows/finetune.py finetune --config my.yaml --steps 200
     tigon submit my.yaml --job-template h100x8x2 --nodes 4              # checked locally, then pyflyte run --remote
-    pyflyte run --remote -i IMAGE workflows/finetune.py finetune --config_yaml "$(cat my.yaml)" --job_template h100x8
+    pyflyte run --remote -i IMAGE workflows/finetune.py finetune --config_yaml "$(cat my.yaml)" --job_template h100x8 \
+        --data_dir ./data                                               # relative data paths are in ./data
 
 Locally, the train task runs 2 worker processes over gloo through torch elastic (the kfpytorch
 `Elastic` config of the `cpu-small` job template). On a cluster the same task becomes a single
@@ -49,8 +50,12 @@ JobTemplateName = enum.Enum("JobTemplateName", {name.replace("-", "_"): name for
 LOCAL_TEMPLATE = JobTemplateName("cpu-small")
 
 
-def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "") -> RunConfig:
-    """The config (a file, or its YAML text from `tigon submit`) with the command line's overrides applied."""
+def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "", data_root: str = "") -> RunConfig:
+    """The config (a file, or its YAML text from `tigon submit`) with the command line's overrides applied.
+
+    `data_root`: where relative data paths point (the uploaded `data_dir`: a URL on a cluster, a directory
+    locally); without it they are relative to the config file, or to the current directory.
+    """
     overrides = []
     if steps:
         overrides += [f"training.max_steps={steps}", "training.epochs=null"]
@@ -60,31 +65,40 @@ def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "")
         raw = yaml.safe_load(config_yaml) or {}
         for override in overrides:
             apply_override(raw, override)
-        loaded, data_root = parse_config(raw, "--config_yaml"), Path.cwd()
+        loaded, config_dir = parse_config(raw, "--config_yaml"), Path.cwd()
     elif not Path(config).is_file():
         raise ConfigError(
             f"config file {config} does not exist here (a pod cannot read your machine's files): submit with "
             '`tigon submit CONFIG --job-template NAME`, or pass the config\'s text with --config_yaml "$(cat CONFIG)"'
         )
     else:
-        loaded, data_root = load_config(config, overrides), Path(config).resolve().parent
+        loaded, config_dir = load_config(config, overrides), Path(config).resolve().parent
     data = loaded.data.model_copy(
         update={
-            "train": _absolute(loaded.data.train, data_root),
-            "eval": _absolute(loaded.data.eval, data_root) if loaded.data.eval else None,
+            "train": _absolute(loaded.data.train, data_root or config_dir),
+            "eval": _absolute(loaded.data.eval, data_root or config_dir) if loaded.data.eval else None,
         }
     )
     return loaded.model_copy(update={"data": data})
 
 
-def _absolute(path: str, root: Path) -> str:
-    """Relative data paths in a config are relative to the config file, wherever the task runs; URLs stay."""
-    if not is_local_url(path):
+def _absolute(path: str, root: str | Path) -> str:
+    """A relative data path under `root` (a URL, or a directory wherever the task runs); URLs and absolute
+    paths stay. Under a config file's directory, a path that exists from the current directory is taken as is."""
+    if not is_local_url(path) or Path(path).is_absolute():
         return path
-    candidate = Path(path)
-    if candidate.is_absolute() or candidate.exists():
-        return str(candidate.resolve())
-    return str((root / candidate).resolve())
+    if not is_local_url(str(root)):
+        return f"{str(root).rstrip('/')}/{path}"
+    if isinstance(root, Path) and Path(path).exists():
+        return str(Path(path).resolve())
+    return str((Path(root) / path).resolve())
+
+
+def data_root(data_dir: FlyteDirectory | None) -> str:
+    """Where the uploaded `data_dir` input is: its object-store URL on a cluster, its local path otherwise."""
+    if data_dir is None:
+        return ""
+    return data_dir.remote_source or str(data_dir.path)
 
 
 def _data_bytes(path: str):
@@ -113,11 +127,17 @@ class Validated(NamedTuple):
 
 @task
 def validate(
-    config: str, config_yaml: str, steps: int, run_dir: str, job_template: JobTemplateName, nodes: int
+    config: str,
+    config_yaml: str,
+    steps: int,
+    run_dir: str,
+    job_template: JobTemplateName,
+    nodes: int,
+    data_dir: FlyteDirectory | None = None,
 ) -> Validated:
     """Load and check the config against the job template before any training task starts; on a cluster,
     point checkpoints and the export at the run's object-store prefix."""
-    resolved = resolve_config(config, steps, run_dir, config_yaml)
+    resolved = resolve_config(config, steps, run_dir, config_yaml, data_root(data_dir))
     check_submission(resolved, TEMPLATES[job_template.value], nodes)
     if resolved.checkpoint.remote_dir is None:
         remote = default_remote_dir(current_context().raw_output_prefix, job_name(resolved.name))
@@ -269,14 +289,22 @@ def finetune(
     run_dir: str = "",
     nodes: int = 0,
     config_yaml: str = "",
+    data_dir: FlyteDirectory | None = None,
 ) -> FlyteDirectory:
     """Fine-tune a model from a tigon config; returns the exported `save_pretrained` directory.
 
     `nodes`: the run's node count, up to the job template's max_nnodes (0: the template's own).
     `config_yaml`: the config's text instead of a file (what `tigon submit` sends to a cluster).
+    `data_dir`: a directory the config's relative data paths are in; pyflyte uploads a local one with the run.
     """
     checked = validate(
-        config=config, config_yaml=config_yaml, steps=steps, run_dir=run_dir, job_template=job_template, nodes=nodes
+        config=config,
+        config_yaml=config_yaml,
+        steps=steps,
+        run_dir=run_dir,
+        job_template=job_template,
+        nodes=nodes,
+        data_dir=data_dir,
     )
     packed = prepare_data(config_yaml=checked.config_yaml, fingerprint=checked.fingerprint)
     outcome = train_with_template(

@@ -86,8 +86,11 @@ tigon is running on kind. Flyte console: http://localhost:30080/console
 Run the demo fine-tune on the cluster (CPU job template, two worker processes):
 
   export FLYTECTL_CONFIG=$config
-  pyflyte run --remote --project tigon --domain development --service-account tigon-trainer \\
-    workflows/finetune.py finetune --job_template cpu-small
+  tigon submit examples/demo.yaml --job-template cpu-small \\
+    --project tigon --domain development --service-account tigon-trainer
+
+This checks the run here, uploads the demo's data with it and runs every task in the cpu-small
+template's image; add --dry-run to see the pyflyte command it runs.
 
 Delete everything: kind delete cluster --name $cluster
 NEXT

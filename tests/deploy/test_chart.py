@@ -426,8 +426,8 @@ def test_notes_print_the_next_commands():
     rendered, _ = rendered_file("values-kind.yaml")
     notes = rendered["tigon/templates/NOTES.txt"]
     assert f"helm test tigon -n {NAMESPACE}" in notes
-    assert "pyflyte run --remote --project tigon --domain development" in notes
-    assert "workflows/finetune.py finetune --job_template cpu-small" in notes
+    assert "tigon submit examples/demo.yaml --job-template cpu-small" in notes
+    assert "--project tigon --domain development" in notes
     assert "--host localhost:30081 --insecure" in notes
 
 

@@ -1,10 +1,13 @@
-"""The commands users are told to run: the kind quickstart builds the image the demo's job template names,
-and every `pyflyte run ... finetune` command (NOTES.txt, quickstart.sh, docs/deploy.md) passes only inputs
-the workflow has (pyflyte names options after the inputs: --job_template, not --job-template)."""
+"""The commands users are told to run: the kind quickstart builds the image the demo's job template names;
+every `tigon submit` of the demo (NOTES.txt, quickstart.sh, docs/deploy.md) runs, and every pyflyte command of
+the finetune workflow, shown or made by tigon submit, passes only inputs the workflow has (pyflyte names
+options after the inputs: --job_template, not --job-template)."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
 import subprocess
 
 import pytest
@@ -43,15 +46,39 @@ def workflow_inputs() -> set[str]:
     return set(finetune.python_interface.inputs)
 
 
-@pytest.mark.parametrize("source", ["NOTES.txt (kind)", "NOTES.txt (defaults)", "quickstart.sh", "docs/deploy.md"])
-def test_pyflyte_commands_pass_workflow_inputs(source, workflow_inputs):
+def shown_text(source: str) -> str:
     if source.startswith("NOTES.txt"):
         rendered, _ = rendered_file("values-kind.yaml" if "kind" in source else "values.yaml")
-        text = rendered["tigon/templates/NOTES.txt"]
-    else:
-        text = (QUICKSTART if source == "quickstart.sh" else DOCS).read_text()
+        return rendered["tigon/templates/NOTES.txt"]
+    return (QUICKSTART if source == "quickstart.sh" else DOCS).read_text()
+
+
+def submit_commands(text: str) -> list[list[str]]:
+    """The arguments of each `tigon submit` command in `text`."""
+    joined = re.sub(r"\\+\n\s*", " ", text)
+    return [shlex.split(arguments) for arguments in re.findall(r"tigon submit (.*)", joined)]
+
+
+@pytest.mark.parametrize("source", ["NOTES.txt (kind)", "NOTES.txt (defaults)", "quickstart.sh", "docs/deploy.md"])
+def test_shown_commands_run_and_pass_workflow_inputs(source, workflow_inputs, monkeypatch, capsys):
+    """Each `tigon submit` of a config in this repository runs as shown (with --dry-run, from the repository root),
+    and the pyflyte command it makes, like each `pyflyte run ... finetune` shown, passes only workflow inputs."""
+    from tigon.platform.cli import main
+
+    text = shown_text(source)
+    monkeypatch.chdir(ROOT)
     commands = workflow_options(text)
-    assert commands, f"{source}: no pyflyte run command of the finetune workflow"
+    for arguments in submit_commands(text):
+        assert {"--job-template", "--job_template"} & set(arguments), arguments
+        if not (ROOT / arguments[0]).is_file():
+            continue  # a user's own config (my.yaml)
+        assert main(["submit", *arguments, "--dry-run"]) == 0, capsys.readouterr().err
+        made = shlex.split(capsys.readouterr().out)
+        options = made[made.index("finetune") + 1 :]
+        commands.append([option[2:] for option in options if option.startswith("--")])
+        if "--data_dir" in options:
+            shutil.rmtree(options[options.index("--data_dir") + 1])
+    assert commands, f"{source}: no command that runs the finetune workflow"
     for options in commands:
         assert "job_template" in options, options
         assert set(options) <= workflow_inputs, f"{source}: {sorted(set(options) - workflow_inputs)} are no inputs"

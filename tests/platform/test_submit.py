@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from tigon.platform.submit import SubmissionError, check_submission, gpu_setting
 from tigon.platform.templates import get_template
 from tigon.runtime.config import load_config
 
-DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "examples" / "demo.yaml")
 # The demo's data as the pods can read it: object-store URLs instead of paths relative to the config.
 ON_OBJECT_STORE = ["--set", "data.train=s3://tigon-data/train.jsonl", "--set", "data.eval=s3://tigon-data/eval.jsonl"]
 
@@ -55,16 +57,38 @@ def test_submit_errors_exit_2_before_anything_runs(capsys, argv, message):
     assert captured.out == "" and message in captured.err
 
 
-def test_data_paths_relative_to_this_machine_are_refused(capsys):
-    assert main(["submit", DEMO, "--job-template", "cpu-small", "--dry-run"]) == 2
+def test_local_data_is_staged_and_sent_as_the_workflows_data_dir(capsys, monkeypatch):
+    """The demo's data files (paths relative to the repository) are copied into one directory that pyflyte uploads
+    (`--data_dir`), and the config sent names them relative to it."""
+    monkeypatch.chdir(ROOT)
+    assert main(["submit", DEMO, "--job-template", "cpu-small", "--dry-run"]) == 0
     captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "data.train: examples/data/arithmetic-train.jsonl; data.eval: examples/data/arithmetic-eval.jsonl" in (
-        captured.err
-    )
-    assert "Use s3:// or gs:// URLs, or absolute paths inside the training image" in captured.err
-    in_image = ["--set", "data.train=/data/train.jsonl", "--set", "data.eval=/data/eval.jsonl"]
-    assert main(["submit", DEMO, "--job-template", "cpu-small", *in_image, "--dry-run"]) == 0
+    command = shlex.split(captured.out)
+    assert command[-2] == "--data_dir"
+    staged = Path(command[-1])
+    try:
+        assert f"staged in {staged}" in captured.err
+        sent = yaml.safe_load(command[command.index("--config_yaml") + 1])
+        assert sent["data"]["train"] == "train/arithmetic-train.jsonl"
+        assert sent["data"]["eval"] == "eval/arithmetic-eval.jsonl"
+        for key in ("train", "eval"):
+            original = ROOT / "examples" / "data" / f"arithmetic-{key}.jsonl"
+            assert (staged / sent["data"][key]).read_bytes() == original.read_bytes()
+    finally:
+        shutil.rmtree(staged)
+
+
+def test_missing_local_data_is_refused_and_data_in_the_image_or_a_bucket_is_sent_as_it_is(capsys, tmp_path):
+    missing = ["--set", "data.train=nowhere/train.jsonl"]
+    assert main(["submit", DEMO, "--job-template", "cpu-small", *missing, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "data not found on this machine: data.train: nowhere/train.jsonl" in captured.err
+    elsewhere = ["--set", "data.train=/data/train.jsonl", "--set", "data.eval=s3://tigon-data/eval.jsonl"]
+    assert main(["submit", DEMO, "--job-template", "cpu-small", *elsewhere, "--dry-run"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert "--data_dir" not in command
+    sent = yaml.safe_load(command[command.index("--config_yaml") + 1])
+    assert (sent["data"]["train"], sent["data"]["eval"]) == ("/data/train.jsonl", "s3://tigon-data/eval.jsonl")
 
 
 def test_gpu_settings_on_a_cpu_template():

@@ -9,6 +9,7 @@ import io
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -198,6 +199,35 @@ def test_a_config_file_the_task_cannot_read_says_how_to_send_it():
     with pytest.raises(ConfigError, match="does not exist here") as error:
         wf.resolve_config("/home/me/my.yaml", 0, "")
     assert "tigon submit CONFIG --job-template NAME" in str(error.value) and "--config_yaml" in str(error.value)
+
+
+def test_submitted_data_dir_is_where_the_configs_data_is(monkeypatch):
+    """`tigon submit` on the demo as it is: its data files go in the `data_dir` input, and the validate task reads
+    the config's relative paths there. The copy hashes like the original, so the packed data's cache still hits."""
+    monkeypatch.chdir(ROOT)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["submit", DEMO, "--job-template", "cpu-small", "--steps", "2", "--dry-run"]) == 0
+    command = shlex.split(out.getvalue())
+    staged = command[command.index("--data_dir") + 1]
+    try:
+        checked = wf.validate(
+            config="",
+            config_yaml=command[command.index("--config_yaml") + 1],
+            steps=0,
+            run_dir="",
+            job_template=wf.LOCAL_TEMPLATE,
+            nodes=0,
+            data_dir=FlyteDirectory(staged),
+        )
+        data = yaml.safe_load(checked.config_yaml)["data"]
+        assert data["train"] == str(Path(staged, "train", "arithmetic-train.jsonl"))
+        assert data["eval"] == str(Path(staged, "eval", "arithmetic-eval.jsonl"))
+        assert checked.fingerprint == wf.data_fingerprint(wf.resolve_config(DEMO, 2, ""))
+    finally:
+        shutil.rmtree(staged)
+    on_cluster = wf.resolve_config(DEMO, 2, "", data_root="s3://runs/abc/data")  # an uploaded data_dir's URL
+    assert on_cluster.data.train == "s3://runs/abc/data/examples/data/arithmetic-train.jsonl"
 
 
 def demo_config_yaml(*overrides: str) -> str:
