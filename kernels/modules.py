@@ -139,6 +139,154 @@ class GatedMLP(nn.Module):
         return self.down_proj(hidden)
 
 
+def _gated_packed(gate_up: torch.Tensor, activation: str, approximate: str | None, in_place: bool) -> torch.Tensor:
+    if activation == "swiglu":
+        return F.swiglu_packed(gate_up, in_place_backward=in_place)
+    return F.geglu_packed(gate_up, approximate=approximate, in_place_backward=in_place)
+
+
+class PackedGatedMLP(nn.Module):
+    """`down_proj(act(gate) * up)` with `gate, up = gate_up_proj(x).chunk(2, -1)`: drop-in for Phi3MLP and Glm4MLP.
+
+    The packed kernel reads the fused projection's output once; its backward writes d(gate_up) over
+    that output, which only it reads, as the one tensor the fused Linear's backward takes.
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.activation, self.approximate = gated_activation_for(config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> PackedGatedMLP:
+        """Wrap an HF MLP, keeping its two Linear layers (and any adapters on them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
+        new.activation, new.approximate = gated_activation_for(config)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = _gated_packed(self.gate_up_proj(x), self.activation, self.approximate, in_place=True)
+        return self.down_proj(hidden)
+
+
+def _transformers_experts_function(implementation: str):
+    """transformers' experts forward registered under `implementation` (only models it built name one)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    try:
+        return ALL_EXPERTS_FUNCTIONS[implementation]
+    except KeyError:
+        raise ValueError(
+            f"config._experts_implementation={implementation!r} is not an experts implementation transformers "
+            f"has registered ({', '.join(ALL_EXPERTS_FUNCTIONS)}, or 'eager')"
+        ) from None
+
+
+class GatedExperts(nn.Module):
+    """Drop-in for the transformers 5.x MoE experts with 3-D parameters (MixtralExperts, Qwen2MoeExperts,
+    Qwen3MoeExperts): `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I], called as
+    `forward(hidden_states, top_k_index, top_k_weights)` on (tokens, H) states and (tokens, top-k) routing.
+
+    It computes what transformers computes, with tigon's packed activation in place of `act(gate) * up`.
+    Under the "eager" experts implementation it runs transformers' loop over the hit experts (same
+    routing, each expert's weighted output `index_add_`ed into an output of the input's dtype, expert by
+    expert). Under any other (`config._experts_implementation`: "grouped_mm", transformers' default where
+    it can run, "batched_mm", ...) it calls transformers' own function for it, which applies this module's
+    `_apply_gate` to the gate/up projection's output. The activation's backward writes over that output
+    under "eager", "grouped_mm" and "batched_mm", where only the activation reads it.
+    """
+
+    # The layout flags transformers' experts functions read (its `use_experts_implementation` decorator's).
+    has_gate, has_bias, is_transposed, is_concatenated, has_post_expert_norm = True, False, False, True, False
+    IN_PLACE_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
+
+    def __init__(self, config, num_experts: int | None = None, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.num_experts = num_experts or config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = (
+            intermediate_size or getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        )
+        experts, hidden, inner = self.num_experts, self.hidden_dim, self.intermediate_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.activation, self.approximate = gated_activation_for(config)
+        self._is_expert_parallel = False
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> GatedExperts:
+        """Wrap a transformers experts module, sharing its two Parameters and its config (so a later
+        `model.set_experts_implementation(...)` reaches this module too)."""
+        layout = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        fits = (
+            all(getattr(module, flag, getattr(cls, flag)) == getattr(cls, flag) for flag in layout)
+            and isinstance(gate_up, torch.Tensor)
+            and isinstance(down, torch.Tensor)
+            and gate_up.dim() == 3
+            and down.dim() == 3
+            and gate_up.shape == (down.shape[0], 2 * down.shape[2], down.shape[1])
+        )
+        if not fits:
+            shapes = [tuple(p.shape) if isinstance(p, torch.Tensor) else None for p in (gate_up, down)]
+            flags = {flag: getattr(module, flag) for flag in layout if hasattr(module, flag)}
+            raise ValueError(
+                f"{type(module).__name__} does not have the layout GatedExperts replaces: gate_up_proj [E, 2I, H] "
+                f"(gate first) and down_proj [E, H, I], no bias, not transposed, no post-expert norm; it has "
+                f"gate_up_proj {shapes[0]}, down_proj {shapes[1]}, {flags}"
+            )
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.config = getattr(module, "config", config)
+        new.num_experts = getattr(module, "num_experts", down.shape[0])
+        new.hidden_dim, new.intermediate_dim = down.shape[1], down.shape[2]
+        new.gate_up_proj, new.down_proj = gate_up, down
+        new.activation, new.approximate = gated_activation_for(new.config)
+        new._is_expert_parallel = getattr(module, "_is_expert_parallel", False)
+        return new
+
+    def _implementation(self) -> str | None:
+        return getattr(self.config, "_experts_implementation", None)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`act(gate) * up` of a (tokens, 2I) projection output: what transformers' experts functions call."""
+        in_place = self._implementation() in self.IN_PLACE_IMPLEMENTATIONS
+        return _gated_packed(gate_up, self.activation, self.approximate, in_place)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        implementation = self._implementation()
+        if implementation not in (None, "eager"):
+            return _transformers_experts_function(implementation)(self, hidden_states, top_k_index, top_k_weights)
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:  # expert-parallel sentinel: a token routed to another rank
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate_up = nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx])
+            current_hidden_states = nn.functional.linear(self._apply_gate(gate_up), self.down_proj[expert_idx])
+            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
+            f"activation={self.activation}"
+        )
+
+
 class _PreferenceLoss(nn.Module):
     """A fused linear preference loss as a module: options at construction, tensors at call time."""
 

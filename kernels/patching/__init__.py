@@ -1,12 +1,13 @@
 """Swap tigon's kernels into Hugging Face models, driven by one table keyed on `model_type`.
 
-Norms and MLPs are replaced per instance (sharing parameters and Linear layers); RoPE is the
-module-level `apply_rotary_pos_emb` of the family's modeling file, so it applies to every model
+Norms, MLPs and MoE experts are replaced per instance (sharing parameters and Linear layers); RoPE is
+the module-level `apply_rotary_pos_emb` of the family's modeling file, so it applies to every model
 of that family in the process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tigon.kernels import functional
-from tigon.kernels.modules import GatedMLP, GemmaRMSNorm, RMSNorm
+from tigon.kernels.modules import GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
 from tigon.kernels.patching.causal_lm import fused_class, fused_forward, keep_last_hidden_state
 
 logger = logging.getLogger("tigon.kernels")
@@ -28,6 +29,11 @@ class PatchTargetMissing(RuntimeError):
 class Family:
     """What tigon swaps in one model family: the modeling module and the classes to replace.
 
+    The gated MLPs come in three layouts, one field each (`MLP_SWAPS` says what replaces them):
+    `mlp` has separate gate_proj/up_proj/down_proj Linear layers (GatedMLP), `packed_mlp` one fused
+    gate_up_proj Linear (PackedGatedMLP; Phi-3, GLM-4), `experts` the transformers 5.x MoE experts'
+    3-D gate_up_proj/down_proj parameters (GatedExperts).
+
     `in_place_norm_backward` lets the norms write their input gradient over the incoming one.
     That is safe when every norm opens a branch (pre-norm blocks: the gradient reaching it is
     a fresh sum from the projections); a family with norms whose output joins the residual
@@ -38,6 +44,8 @@ class Family:
     `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
+    `transformers4` lists `(field, value)` pairs that replace this row's fields on the transformers 4.x
+    line, for classes that line lays out differently (see `Family.installed`).
     The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`);
     `final_logit_softcapping` and `logits_scaling` name the family's head quirks, read from the
     config (Gemma 2/3 softcap the logits, Granite divides them).
@@ -46,6 +54,8 @@ class Family:
     modeling: str
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...] = ()
+    packed_mlp: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
     gemma_norm: bool = False
     in_place_norm_backward: bool = True
     norm_casting: str = "llama"
@@ -55,14 +65,35 @@ class Family:
     causal_lm: str = field(kw_only=True)
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
+    transformers4: tuple[tuple[str, object], ...] = ()
+
+    def installed(self) -> Family:
+        """This row for the installed transformers: with the `transformers4` fields on the 4.x line."""
+        if not self.transformers4 or _transformers_major() != 4:
+            return self
+        return dataclasses.replace(self, transformers4=(), **dict(self.transformers4))
+
+
+# Table field -> the tigon module that replaces its classes (`from_module(module, config)`, and the HF
+# constructor for `apply_to`) and the report's name for the swap.
+MLP_SWAPS: dict[str, tuple[type, str]] = {
+    "mlp": (GatedMLP, "gated_mlp"),
+    "packed_mlp": (PackedGatedMLP, "gated_mlp"),
+    "experts": (GatedExperts, "gated_experts"),
+}
 
 
 def _models(name: str) -> str:
     return f"transformers.models.{name}.modeling_{name}"
 
 
-_FUSED_EXPERTS = "experts keep every expert's gate/up projections in one 3-D parameter; GatedMLP needs Linear layers"
-_FUSED_GATE_UP = "MLP has one fused gate_up_proj Linear; GatedMLP needs separate gate_proj/up_proj"
+# transformers 4.x keeps MoE experts as one MLP module per expert: the Qwen MoE ones are the family's `mlp`
+# class (patched), Mixtral's names its projections w1/w3/w2, which GatedMLP does not take.
+_EXPERTS_4X = (("experts", ()),)
+_MIXTRAL_4X = (
+    "MixtralBlockSparseTop2MLP: transformers 4.x names each expert's projections w1/w3/w2; GatedMLP takes "
+    "gate_proj/up_proj/down_proj (transformers 5.x's MixtralExperts is patched)"
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
@@ -70,23 +101,26 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         _models("mixtral"),
         ("MixtralRMSNorm",),
-        unfit=(("swiglu", f"MixtralExperts: {_FUSED_EXPERTS}"),),
+        experts=("MixtralExperts",),
+        transformers4=(*_EXPERTS_4X, ("unfit", (("swiglu", _MIXTRAL_4X),))),
         causal_lm="MixtralForCausalLM",
     ),
     "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),
     "qwen2_moe": Family(
         _models("qwen2_moe"),
         ("Qwen2MoeRMSNorm",),
-        ("Qwen2MoeMLP",),  # the shared expert and dense (mlp_only) layers
-        unfit=(("swiglu", f"Qwen2MoeExperts: {_FUSED_EXPERTS}"),),
+        ("Qwen2MoeMLP",),  # the shared expert and dense (mlp_only) layers; on transformers 4.x every expert
+        experts=("Qwen2MoeExperts",),
+        transformers4=_EXPERTS_4X,
         causal_lm="Qwen2MoeForCausalLM",
     ),
     "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",), causal_lm="Qwen3ForCausalLM"),
     "qwen3_moe": Family(
         _models("qwen3_moe"),
         ("Qwen3MoeRMSNorm",),
-        ("Qwen3MoeMLP",),  # dense (mlp_only) layers
-        unfit=(("swiglu", f"Qwen3MoeExperts: {_FUSED_EXPERTS}"),),
+        ("Qwen3MoeMLP",),  # dense (mlp_only) layers; on transformers 4.x every expert
+        experts=("Qwen3MoeExperts",),
+        transformers4=_EXPERTS_4X,
         causal_lm="Qwen3MoeForCausalLM",
     ),
     "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True, causal_lm="GemmaForCausalLM"),
@@ -111,8 +145,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(
         _models("phi3"),
         ("Phi3RMSNorm",),
+        packed_mlp=("Phi3MLP",),
         partial_rope=True,
-        unfit=(("swiglu", f"Phi3MLP: {_FUSED_GATE_UP}"),),
         causal_lm="Phi3ForCausalLM",
     ),
     "olmo2": Family(
@@ -126,12 +160,10 @@ FAMILIES: dict[str, Family] = {
     "glm4": Family(
         _models("glm4"),
         ("Glm4RMSNorm",),
+        packed_mlp=("Glm4MLP",),
         in_place_norm_backward=False,
         rope=False,
-        unfit=(
-            ("swiglu", f"Glm4MLP: {_FUSED_GATE_UP}"),
-            ("rope", "Glm4 apply_rotary_pos_emb is interleaved and partial; tigon's RoPE is rotate-half"),
-        ),
+        unfit=(("rope", "Glm4 apply_rotary_pos_emb is interleaved and partial; tigon's RoPE is rotate-half"),),
         causal_lm="Glm4ForCausalLM",
     ),
     "granite": Family(
@@ -163,6 +195,16 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+def _transformers_major() -> int | None:
+    major = _transformers_version().split(".")[0]
+    return int(major) if major.isdigit() else None
+
+
+def _swapped_classes(family: Family) -> dict[str, tuple[type, str]]:
+    """Class name -> (tigon module, report name) for every MLP-like class the row swaps."""
+    return {name: swap for field_name, swap in MLP_SWAPS.items() for name in getattr(family, field_name)}
+
+
 def modeling_module(model_type: str, family: Family | None = None):
     """Import the family's modeling module and check every name the table swaps still exists there.
 
@@ -170,14 +212,15 @@ def modeling_module(model_type: str, family: Family | None = None):
     when the installed transformers renamed or removed one: a patch that no longer fits fails
     loudly instead of silently leaving the model unpatched.
     """
-    family = family or FAMILIES[model_type]
+    family = (family or FAMILIES[model_type]).installed()
     try:
         module = importlib.import_module(family.modeling)
     except ImportError as error:
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *family.mlp, family.causal_lm] + (["apply_rotary_pos_emb"] if family.rope else [])
+    targets = [*family.rms_norm, *_swapped_classes(family), family.causal_lm]
+    targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
     if missing:
         raise PatchTargetMissing(
@@ -241,8 +284,10 @@ def apply(
     }
     if family is None:
         return _unsupported(report, wanted)
+    family = family.installed()
     module = modeling_module(model_type, family)
 
+    mlp_swaps = _swapped_classes(family)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
     norm_options = {"in_place_backward": family.in_place_norm_backward}
@@ -254,9 +299,10 @@ def apply(
             if rms_norm and kind in family.rms_norm:
                 setattr(parent, name, norm_class.from_module(child, **norm_options))
                 report.applied["rms_norm"] = report.applied.get("rms_norm", 0) + 1
-            elif swiglu and kind in family.mlp:
-                setattr(parent, name, GatedMLP.from_module(child, text_config))
-                report.applied["gated_mlp"] = report.applied.get("gated_mlp", 0) + 1
+            elif swiglu and kind in mlp_swaps:
+                replacement, swap = mlp_swaps[kind]
+                setattr(parent, name, replacement.from_module(child, text_config))
+                report.applied[swap] = report.applied.get(swap, 0) + 1
     if fused_linear_cross_entropy:
         for causal_lm in model.modules():
             if type(causal_lm).__name__ == family.causal_lm:
@@ -287,9 +333,9 @@ def _norm_class(family: Family, original: type) -> type:
     )
 
 
-def _mlp_class(original: type) -> type:
-    """GatedMLP with the HF constructor `(config, intermediate_size=None)` and the HF class name."""
-    return type(original.__name__, (GatedMLP,), {"__module__": __name__, "__tigon_original__": original})
+def _mlp_class(base: type, original: type) -> type:
+    """A tigon MLP or experts module with the HF constructor (`config`, optional sizes) and the HF class name."""
+    return type(original.__name__, (base,), {"__module__": __name__, "__tigon_original__": original})
 
 
 def apply_to(
@@ -316,12 +362,14 @@ def apply_to(
     }
     if family is None:
         return _unsupported(report, wanted)
+    family = family.installed()
     module = modeling_module(model_type, family)
     swaps = []
     if rms_norm:
         swaps += [(name, "rms_norm", _norm_class) for name in family.rms_norm]
     if swiglu:
-        swaps += [(name, "gated_mlp", lambda _, original: _mlp_class(original)) for name in family.mlp]
+        for name, (base, swap) in _swapped_classes(family).items():
+            swaps.append((name, swap, lambda _, original, base=base: _mlp_class(base, original)))
     for name, kernel, make in swaps:
         current = getattr(module, name)
         original = getattr(current, "__tigon_original__", current)

@@ -1,6 +1,7 @@
 """The nn.Module and functional wrappers against the Hugging Face modules they replace."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ def compare_modules(theirs: nn.Module, ours: nn.Module, x: torch.Tensor) -> None
     assert_close(got, expected, torch.float32, "output")
     assert_close(x_ours.grad, x_theirs.grad, torch.float32, "input grad")
     for (name, p_theirs), (_, p_ours) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
-        assert_close(p_ours.grad, p_theirs.grad, torch.float32, f"grad of {name}")
+        if p_theirs.requires_grad:  # frozen under LoRA
+            assert_close(p_ours.grad, p_theirs.grad, torch.float32, f"grad of {name}")
 
 
 def test_rms_norm_module_matches_llama(device):
@@ -117,3 +119,97 @@ def test_apply_rotary_pos_emb_matches_transformers(unsqueeze_dim, device):
     assert_close(got[1], expected[1], torch.float32, "k")
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         functional.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+
+
+@pytest.mark.parametrize(("family", "activation"), [("phi3", "silu"), ("glm4", "gelu_pytorch_tanh"), ("phi3", "gelu")])
+def test_packed_gated_mlp_matches_phi3_and_glm4_mlps(family, activation, device):
+    torch.manual_seed(6)
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = transformers.AutoConfig.for_model(family, hidden_size=48, intermediate_size=67, hidden_act=activation)
+    theirs = getattr(modeling, f"{family.capitalize()}MLP")(config).to(device)
+    ours = modules.PackedGatedMLP.from_module(copy.deepcopy(theirs), config)
+    compare_modules(theirs, ours, torch.randn(2, 9, 48, device=device))
+    fresh = modules.PackedGatedMLP(config)
+    assert fresh.state_dict().keys() == theirs.state_dict().keys()
+    assert fresh.gate_up_proj.weight.shape == (2 * 67, 48) and fresh(torch.randn(3, 48)).shape == (3, 48)
+
+
+def test_packed_gated_mlp_keeps_lora_adapters(device):
+    peft = pytest.importorskip("peft")
+    from transformers.models.phi3 import modeling_phi3
+
+    torch.manual_seed(7)
+    config = transformers.Phi3Config(hidden_size=48, intermediate_size=40)
+    lora = peft.LoraConfig(r=4, target_modules=["gate_up_proj", "down_proj"], init_lora_weights=False)
+    theirs = peft.get_peft_model(nn.Sequential(modeling_phi3.Phi3MLP(config)), lora).to(device)
+    ours = copy.deepcopy(theirs)
+    ours.base_model.model[0] = modules.PackedGatedMLP.from_module(ours.base_model.model[0], config)
+    assert type(ours.base_model.model[0].gate_up_proj).__module__.startswith("peft")
+    compare_modules(theirs, ours, torch.randn(2, 5, 48, device=device))
+    assert ours.base_model.model[0].gate_up_proj.lora_A["default"].weight.grad is not None
+
+
+def moe_experts(family: str, implementation: str):
+    """A transformers 5.x experts module (3-D gate_up_proj/down_proj) with random weights, and its config."""
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    name = {"mixtral": "MixtralExperts", "qwen2_moe": "Qwen2MoeExperts", "qwen3_moe": "Qwen3MoeExperts"}[family]
+    if not hasattr(modeling, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (3-D experts are 5.x)")
+    sizes = dict(hidden_size=48, intermediate_size=40, moe_intermediate_size=40, num_experts_per_tok=2)
+    config = transformers.AutoConfig.for_model(family, num_experts=5, **sizes)
+    config._experts_implementation = implementation
+    experts = getattr(modeling, name)(config)
+    nn.init.normal_(experts.gate_up_proj, std=0.2)
+    nn.init.normal_(experts.down_proj, std=0.2)
+    return experts, config
+
+
+def compare_experts(theirs: nn.Module, ours: nn.Module, device: str, tokens: int = 13) -> None:
+    """Same output and gradients (hidden states, routing weights, both parameters) on random routing."""
+    hidden = torch.randn(tokens, theirs.hidden_dim, device=device)
+    index = torch.randint(0, theirs.num_experts, (tokens, 2), device=device)
+    index[0] = torch.tensor([1, 3])  # expert 0 and 4 may get no token; 1 and 3 always get one
+    weights = torch.rand(tokens, 2, device=device)
+    inputs = [(hidden.clone().requires_grad_(True), weights.clone().requires_grad_(True)) for _ in range(2)]
+    expected = theirs(inputs[0][0], index, inputs[0][1])
+    got = ours(inputs[1][0], index, inputs[1][1])
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    got.backward(grad)
+    assert_close(got, expected, torch.float32, "output")
+    assert_close(inputs[1][0].grad, inputs[0][0].grad, torch.float32, "hidden states grad")
+    assert_close(inputs[1][1].grad, inputs[0][1].grad, torch.float32, "routing weights grad")
+    for name in ("gate_up_proj", "down_proj"):
+        assert_close(getattr(ours, name).grad, getattr(theirs, name).grad, torch.float32, f"grad of {name}")
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_gated_experts_match_transformers_experts(family, implementation, device):
+    torch.manual_seed(8)
+    theirs, config = moe_experts(family, implementation)
+    copied = copy.deepcopy(theirs).to(device)
+    ours = modules.GatedExperts.from_module(copied, config)
+    assert ours.config is copied.config and ours.num_experts == 5 and ours.intermediate_dim == 40
+    assert ours.gate_up_proj is copied.gate_up_proj and ours.down_proj is copied.down_proj
+    compare_experts(theirs.to(device), ours, device)
+
+
+def test_gated_experts_built_fresh_have_the_transformers_layout():
+    theirs, config = moe_experts("qwen3_moe", "eager")
+    fresh = modules.GatedExperts(config)
+    assert {name: p.shape for name, p in fresh.named_parameters()} == {
+        name: p.shape for name, p in theirs.named_parameters()
+    }
+    fresh.load_state_dict(theirs.state_dict())
+    compare_experts(theirs, fresh, "cpu", tokens=4)
+
+
+def test_gated_experts_refuse_another_layout():
+    theirs, config = moe_experts("mixtral", "eager")
+    theirs.has_bias = True  # e.g. GPT-OSS's experts: biases, transposed, interleaved gate/up
+    with pytest.raises(ValueError, match=r"MixtralExperts does not have the layout GatedExperts replaces.*has_bias"):
+        modules.GatedExperts.from_module(theirs, config)
+    config._experts_implementation = "no_such_kernel"
+    with pytest.raises(ValueError, match="'no_such_kernel' is not an experts implementation"):
+        modules.GatedExperts(config)(torch.randn(2, 48), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))

@@ -35,25 +35,38 @@ def tiny(model_type: str, **overrides):
 
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-# model_type -> (config overrides, GatedMLP swaps in the 2-layer model, RoPE swapped, what the report must skip)
+# model_type -> (config overrides, gated MLPs swapped in the 2-layer model (GatedMLP or PackedGatedMLP),
+# MoE experts modules swapped (GatedExperts), RoPE swapped, what the report must skip)
 FAMILY_CASES = {
-    "llama": ({}, 2, True, []),
-    "qwen3": ({}, 2, True, []),
-    "gemma": ({}, 2, True, []),
-    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 0, True, ["swiglu (MixtralExperts"]),
-    "qwen2_moe": (dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, True, ["swiglu (Qwen2MoeExperts"]),
-    "qwen3_moe": (dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, True, ["swiglu (Qwen3MoeExperts"]),
-    "gemma2": ({}, 2, True, []),
-    "gemma3_text": ({}, 2, True, []),
-    "phi3": ({}, 0, True, ["swiglu (Phi3MLP"]),
-    "olmo2": ({}, 2, True, []),
-    "glm4": ({}, 0, False, ["swiglu (Glm4MLP", "rope (Glm4"]),
-    "granite": ({}, 2, True, []),
+    "llama": ({}, 2, 0, True, []),
+    "qwen3": ({}, 2, 0, True, []),
+    "gemma": ({}, 2, 0, True, []),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 0, 2, True, []),
+    "qwen2_moe": (dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, 2, True, []),
+    "qwen3_moe": (dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
+    "gemma2": ({}, 2, 0, True, []),
+    "gemma3_text": ({}, 2, 0, True, []),
+    "phi3": ({}, 2, 0, True, []),
+    "olmo2": ({}, 2, 0, True, []),
+    "glm4": ({}, 2, 0, False, ["rope (Glm4"]),
+    "granite": ({}, 2, 0, True, []),
 }
-# transformers 4.x keeps each Qwen MoE expert as its own gate/up/down MLP, so every expert (and the shared
-# one) is patched; 5.x stores the experts in 3-D parameters (the counts above). The report's note on the
-# experts is the 5.x one either way.
-EXPERT_MLPS_4X = {"qwen2_moe": 2 * (4 + 1), "qwen3_moe": 1 + 4}
+# transformers 4.x has no 3-D experts: each Qwen MoE expert is its own gate/up/down MLP, so every expert (and
+# the shared one) is a GatedMLP; Mixtral's experts (w1/w3/w2) are left as they are, and the report says so.
+CASES_4X = {
+    "mixtral": (0, 0, ["swiglu (MixtralBlockSparseTop2MLP"]),
+    "qwen2_moe": (2 * (4 + 1), 0, []),
+    "qwen3_moe": (1 + 4, 0, []),
+}
+MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP)
+
+
+def expected_swaps(model_type: str) -> tuple[int, int, list[str]]:
+    """(gated MLPs, experts modules, skipped prefixes) for the installed transformers line."""
+    _, mlps, experts, _, skipped = FAMILY_CASES[model_type]
+    if transformers.__version__.startswith("4.") and model_type in CASES_4X:
+        return CASES_4X[model_type]
+    return mlps, experts, skipped
 
 
 def assert_same_training_step(baseline, patched, batch):
@@ -70,16 +83,16 @@ def assert_same_training_step(baseline, patched, batch):
 
 @pytest.mark.parametrize("model_type", list(FAMILY_CASES))
 def test_patched_model_matches_eager(model_type, restore_rope):
-    overrides, mlps, rope, skipped = FAMILY_CASES[model_type]
+    overrides, _, _, rope, _ = FAMILY_CASES[model_type]
+    mlps, experts, skipped = expected_swaps(model_type)
     baseline = tiny(model_type, **overrides)
     patched = copy.deepcopy(baseline)
     report = apply(patched)
     assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 19)))
 
     layers = baseline.config.num_hidden_layers
-    if transformers.__version__.startswith("4.") and model_type in EXPERT_MLPS_4X:
-        mlps = EXPERT_MLPS_4X[model_type]
     assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
+    assert report.applied.get("gated_experts", 0) == experts
     assert report.applied["rms_norm"] >= 2 * layers + 1 and report.applied["fused_linear_cross_entropy"] == 1
     assert len(report.skipped) == len(skipped)
     for prefix, entry in zip(skipped, report.skipped, strict=True):
@@ -88,7 +101,63 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     assert isinstance(norm, modules.RMSNorm)
     in_place = model_type not in ("gemma2", "gemma3_text", "olmo2", "glm4")
     assert norm.in_place_backward is in_place
-    assert sum(isinstance(module, modules.GatedMLP) for module in patched.modules()) == mlps
+    assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
+    assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
+    assert patched.state_dict().keys() == baseline.state_dict().keys()
+
+
+TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+needs_3d_experts = pytest.mark.skipif(TRANSFORMERS_4, reason="transformers 4.x has no 3-D experts modules")
+
+
+@needs_3d_experts
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_experts_follow_the_models_experts_implementation(implementation, restore_rope):
+    """GatedExperts runs transformers' loop ("eager") or its function for the implementation, with tigon's
+    activation; a later `set_experts_implementation` reaches the swapped module (it shares the config)."""
+    baseline = tiny("qwen3_moe", **FAMILY_CASES["qwen3_moe"][0])
+    baseline.set_experts_implementation(implementation)
+    patched = copy.deepcopy(baseline)
+    assert apply(patched).applied["gated_experts"] == 1
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 9)))
+    for model in (baseline, patched):
+        model.zero_grad()
+        model.set_experts_implementation("grouped_mm")
+    assert patched.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 9)))
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
+def test_lora_adapters_stay_on_swapped_mlps_and_experts(model_type, restore_rope):
+    """PEFT LoRA on the fused gate_up_proj Linear (Phi-3) and on the experts' 3-D parameters (Mixtral,
+    `target_parameters`): the swapped modules keep the adapters, and training gives the same gradients."""
+    peft = pytest.importorskip("peft")
+    if model_type == "mixtral":
+        if TRANSFORMERS_4:
+            pytest.skip("transformers 4.x has no 3-D experts modules")
+        targets = dict(
+            target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        )
+    else:
+        targets = dict(target_modules=["gate_up_proj", "down_proj"])
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, init_lora_weights=False, **targets)
+    wrapped = peft.get_peft_model(tiny(model_type, **FAMILY_CASES[model_type][0]), config)
+    patched = copy.deepcopy(wrapped)
+    applied = apply(patched).applied
+    assert applied.get("gated_mlp" if model_type == "phi3" else "gated_experts") == 2
+    batch = torch.randint(0, 131, (2, 9))
+    expected, got = wrapped(input_ids=batch, labels=batch), patched(input_ids=batch, labels=batch)
+    expected.loss.backward()
+    got.loss.backward()
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-5
+    trained = [
+        (name, p, q) for (name, p), (_, q) in zip(wrapped.named_parameters(), patched.named_parameters(), strict=True)
+    ]
+    trained = [entry for entry in trained if entry[1].requires_grad]
+    assert any(".mlp." in name for name, _, _ in trained)
+    for name, theirs, ours in trained:
+        assert relative_error(ours.grad, theirs.grad) < 1e-4, name
 
 
 def test_partial_rotary_calls_fall_back_to_the_original(restore_rope):
@@ -129,8 +198,10 @@ def restore_modeling(restore_rope):
     """apply_to swaps module-level classes; put the originals back after the test."""
     saved = {}
     for family in patching.FAMILIES.values():
+        family = family.installed()
         module = importlib.import_module(family.modeling)
-        saved[module] = {name: getattr(module, name) for name in (*family.rms_norm, *family.mlp)}
+        names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts)
+        saved[module] = {name: getattr(module, name) for name in names}
         causal_lm = getattr(module, family.causal_lm)
         saved[causal_lm] = {"forward": causal_lm.forward}
     yield
@@ -158,10 +229,29 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
     assert again.applied == report.applied
 
 
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
+def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
+    """The fused gate_up MLP and the 3-D experts keep the HF constructor, class name and parameter names."""
+    overrides = FAMILY_CASES[model_type][0]
+    baseline = tiny(model_type, **overrides)
+    report = tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
+    mlps, experts, _ = expected_swaps(model_type)
+    patched = tiny(model_type, **overrides)
+    assert patched.state_dict().keys() == baseline.state_dict().keys()
+    patched.load_state_dict(baseline.state_dict())
+    assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
+    assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
+    assert report.applied == ({"gated_mlp": 1} if mlps else {"gated_experts": 1} if experts else {})
+    if experts:
+        swapped = patched.model.layers[0].mlp.experts
+        assert type(swapped).__name__ == "MixtralExperts" and swapped.config is patched.config
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+
+
 def test_apply_to_reports_unfit_parts_and_unknown_types(restore_modeling, caplog):
     report = tigon.kernels.apply_to("glm4")
-    assert report.applied == {"rms_norm": 1, "fused_linear_cross_entropy": 1}
-    assert [entry.split(" ")[0] for entry in report.skipped] == ["swiglu", "rope"]
+    assert report.applied == {"rms_norm": 1, "gated_mlp": 1, "fused_linear_cross_entropy": 1}
+    assert [entry.split(" ")[0] for entry in report.skipped] == ["rope"]
     with caplog.at_level(logging.WARNING, logger="tigon.kernels"):
         assert tigon.kernels.apply_to("gpt2").skipped == ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]
     assert "'gpt2' has no kernel table entry" in caplog.text
