@@ -50,7 +50,11 @@ def gpu_settings(config: RunConfig) -> list[str]:
 
 
 def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -> JobTemplate:
-    """The template as this run will use it (with its node count), or SubmissionError/TemplateError saying why not."""
+    """The template as this run will use it (with its node count), or SubmissionError/TemplateError/ConfigError
+    saying why not (settings that cannot run together fail here, not in the train pod)."""
+    from tigon.runtime.trainer import check_config
+
+    check_config(config)
     template = template.with_nodes(nodes or None)
     needs = gpu_settings(config)
     if needs and not template.gpus_per_node:

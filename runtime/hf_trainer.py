@@ -27,7 +27,7 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier, check_strategy
+from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     Evaluation,
@@ -36,6 +36,7 @@ from tigon.runtime.trainer import (
     TrainResult,
     build_optimizer,
     build_scheduler,
+    check_config,
     check_resumable,
     collate,
     plan_steps,
@@ -46,9 +47,8 @@ logger = logging.getLogger("tigon.runtime")
 
 
 def prepare_adapter(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
-    """`prepare` for an adapter (pre-packed `datasets` too); fsdp and deepspeed need trainer 'torch'."""
-    check_strategy(config)
-    # `prepare` checks everything else the torch trainer checks; only the trainer name differs.
+    """`prepare` for an adapter (pre-packed `datasets` too), after the checks for this adapter's config."""
+    check_config(config)
     return prepare(config.model_copy(update={"trainer": "torch"}), datasets)
 
 

@@ -70,11 +70,6 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    if config.training.precision == "fp16":
-        raise ConfigError(
-            "training.precision: fp16 needs a gradient scaler, which trainer 'lightning' does not run in manual "
-            "optimization here; use bf16 or fp32, or trainer 'torch'"
-        )
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)

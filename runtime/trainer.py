@@ -37,6 +37,7 @@ from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
     barrier,
+    check_strategy,
     init_distributed,
     shutdown,
     unwrap,
@@ -82,6 +83,18 @@ def validate_for_torch_trainer(config: RunConfig) -> None:
     """Settings the plain PyTorch trainer cannot honour, named with the fix."""
     if config.trainer != "torch":
         raise ConfigError(f"trainer: {config.trainer!r} is not yet available in this build; use 'torch'")
+    check_config(config)
+
+
+def check_config(config: RunConfig) -> None:
+    """Settings that cannot run together, named with the fix: checked before anything is built, by every trainer
+    and by `tigon submit` on the laptop (through `check_submission`)."""
+    check_strategy(config)
+    if config.trainer == "lightning" and config.training.precision == "fp16":
+        raise ConfigError(
+            "training.precision: fp16 needs a gradient scaler, which trainer 'lightning' does not run in manual "
+            "optimization here; use bf16 or fp32, or trainer 'torch'"
+        )
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
