@@ -300,7 +300,22 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
     for namespace in training:
         here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
         assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
-        assert here["tigon-default"]["template"]["spec"] == here["tigon-cpu-small"]["template"]["spec"]
+        # every task pod's base: the cpu-small template without /dev/shm (Flyte mounts the train tasks' shared
+        # memory itself, from their shared_memory setting, and refuses a second mount at the same path)
+        base, small = here["tigon-default"]["template"]["spec"], here["tigon-cpu-small"]["template"]["spec"]
+        assert [v for v in base["volumes"] if v["name"] != "dshm"] == base["volumes"]
+        assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0]["volumeMounts"]}
+        without_shm = {
+            **small,
+            "volumes": [v for v in small["volumes"] if v["name"] != "dshm"],
+            "containers": [
+                {
+                    **small["containers"][0],
+                    "volumeMounts": [m for m in small["containers"][0]["volumeMounts"] if m["name"] != "dshm"],
+                }
+            ],
+        }
+        assert base == without_shm
         for name, template in templates.items():
             spec = here[f"tigon-{name}"]["template"]["spec"]
             (container,) = spec["containers"]

@@ -98,7 +98,7 @@ The job template rules are those of tigon.platform.templates.JobTemplate.
 The pod a job template gives a training task: a PodTemplateSpec for Flyte's PodTemplate.
 Flyte merges the container named "default" into every container of the task pod; the task's own
 resources (set by tigon.platform from the same template) take precedence over these.
-Arguments: dict "root" $ "template" <job template>.
+Arguments: dict "root" $ "template" <job template> ["sharedMemory" false: no /dev/shm volume].
 Defaults mirror tigon.platform.templates.JobTemplate for keys a template leaves out.
 */}}
 {{- define "tigon.trainingPodTemplateSpec" -}}
@@ -108,6 +108,7 @@ Defaults mirror tigon.platform.templates.JobTemplate for keys a template leaves 
 {{- $gpus := int (default 0 $t.gpus_per_node) }}
 {{- $shm := "1Gi" }}
 {{- if hasKey $t "shared_memory" }}{{ $shm = $t.shared_memory }}{{ end }}
+{{- if and (hasKey . "sharedMemory") (not .sharedMemory) }}{{ $shm = "" }}{{ end }}
 {{- $sa := "tigon-trainer" }}
 {{- if hasKey $t "service_account" }}{{ $sa = $t.service_account }}{{ end }}
 {{- $env := dict }}
