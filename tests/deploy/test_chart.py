@@ -301,7 +301,7 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
         here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
         assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
         # every task pod's base: the cpu-small template without /dev/shm (Flyte mounts the train tasks' shared
-        # memory itself, from their shared_memory setting, and refuses a second mount at the same path)
+        # memory itself, from their shared_memory setting; Kubernetes rejects two mounts at one path)
         base, small = here["tigon-default"]["template"]["spec"], here["tigon-cpu-small"]["template"]["spec"]
         assert [v for v in base["volumes"] if v["name"] != "dshm"] == base["volumes"]
         assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0]["volumeMounts"]}
