@@ -173,6 +173,36 @@ class PackedGatedMLP(nn.Module):
         return self.down_proj(hidden)
 
 
+class GatedExpertMLP(nn.Module):
+    """`w2(act(w1(x)) * w3(x))`: drop-in for one expert of transformers 4.x's Mixtral
+    (`MixtralBlockSparseTop2MLP`), GatedMLP with Mixtral's projection names (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+        self.activation, self.approximate = gated_activation_for(config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> GatedExpertMLP:
+        """Wrap an HF expert MLP, keeping its three Linear layers (and any adapters on them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.w1, new.w2, new.w3 = module.w1, module.w2, module.w3
+        new.activation, new.approximate = gated_activation_for(config)
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(hidden_states), self.w3(hidden_states)
+        if self.activation == "swiglu":
+            hidden = F.swiglu(gate, up, in_place_backward=True)
+        else:
+            hidden = F.geglu(gate, up, approximate=self.approximate, in_place_backward=True)
+        return self.w2(hidden)
+
+
 def _transformers_experts_function(implementation: str):
     """transformers' experts forward registered under `implementation` (only models it built name one)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

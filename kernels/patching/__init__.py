@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tigon.kernels import functional
-from tigon.kernels.modules import GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
+from tigon.kernels.modules import GatedExpertMLP, GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
 from tigon.kernels.patching.causal_lm import fused_class, fused_forward, keep_last_hidden_state
 
 logger = logging.getLogger("tigon.kernels")
@@ -29,10 +29,11 @@ class PatchTargetMissing(RuntimeError):
 class Family:
     """What tigon swaps in one model family: the modeling module and the classes to replace.
 
-    The gated MLPs come in three layouts, one field each (`MLP_SWAPS` says what replaces them):
+    The gated MLPs come in four layouts, one field each (`MLP_SWAPS` says what replaces them):
     `mlp` has separate gate_proj/up_proj/down_proj Linear layers (GatedMLP), `packed_mlp` one fused
     gate_up_proj Linear (PackedGatedMLP; Phi-3, GLM-4), `experts` the transformers 5.x MoE experts'
-    3-D gate_up_proj/down_proj parameters (GatedExperts).
+    3-D gate_up_proj/down_proj parameters (GatedExperts), `expert_mlp` one expert with Mixtral's w1/w3/w2
+    Linear layers (GatedExpertMLP; transformers 4.x).
 
     `in_place_norm_backward` lets the norms write their input gradient over the incoming one.
     That is safe when every norm opens a branch (pre-norm blocks: the gradient reaching it is
@@ -56,6 +57,7 @@ class Family:
     mlp: tuple[str, ...] = ()
     packed_mlp: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
+    expert_mlp: tuple[str, ...] = ()
     gemma_norm: bool = False
     in_place_norm_backward: bool = True
     norm_casting: str = "llama"
@@ -80,6 +82,7 @@ MLP_SWAPS: dict[str, tuple[type, str]] = {
     "mlp": (GatedMLP, "gated_mlp"),
     "packed_mlp": (PackedGatedMLP, "gated_mlp"),
     "experts": (GatedExperts, "gated_experts"),
+    "expert_mlp": (GatedExpertMLP, "gated_mlp"),
 }
 
 
@@ -88,12 +91,8 @@ def _models(name: str) -> str:
 
 
 # transformers 4.x keeps MoE experts as one MLP module per expert: the Qwen MoE ones are the family's `mlp`
-# class (patched), Mixtral's names its projections w1/w3/w2, which GatedMLP does not take.
+# class, Mixtral's is MixtralBlockSparseTop2MLP (w1/w3/w2).
 _EXPERTS_4X = (("experts", ()),)
-_MIXTRAL_4X = (
-    "MixtralBlockSparseTop2MLP: transformers 4.x names each expert's projections w1/w3/w2; GatedMLP takes "
-    "gate_proj/up_proj/down_proj (transformers 5.x's MixtralExperts is patched)"
-)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
@@ -102,7 +101,7 @@ FAMILIES: dict[str, Family] = {
         _models("mixtral"),
         ("MixtralRMSNorm",),
         experts=("MixtralExperts",),
-        transformers4=(*_EXPERTS_4X, ("unfit", (("swiglu", _MIXTRAL_4X),))),
+        transformers4=(*_EXPERTS_4X, ("expert_mlp", ("MixtralBlockSparseTop2MLP",))),
         causal_lm="MixtralForCausalLM",
     ),
     "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),

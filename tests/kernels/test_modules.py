@@ -213,3 +213,17 @@ def test_gated_experts_refuse_another_layout():
     config._experts_implementation = "no_such_kernel"
     with pytest.raises(ValueError, match="'no_such_kernel' is not an experts implementation"):
         modules.GatedExperts(config)(torch.randn(2, 48), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+
+
+def test_gated_expert_mlp_has_mixtral_4x_expert_names_and_math(device):
+    """transformers 4.x's MixtralBlockSparseTop2MLP: `w2(act(w1(x)) * w3(x))` (tests/compat compares whole
+    4.x Mixtral models; this checks the module against that formula)."""
+    torch.manual_seed(9)
+    config = transformers.MixtralConfig(hidden_size=48, intermediate_size=40)
+    ours = modules.GatedExpertMLP(config).to(device)
+    assert [name for name, _ in ours.named_parameters()] == ["w1.weight", "w2.weight", "w3.weight"]
+    theirs = copy.deepcopy(ours)
+    theirs.forward = lambda x: theirs.w2(nn.functional.silu(theirs.w1(x)) * theirs.w3(x))
+    compare_modules(theirs, ours, torch.randn(7, 48, device=device))
+    shared = modules.GatedExpertMLP.from_module(theirs, config)
+    assert shared.w1 is theirs.w1 and shared.w2 is theirs.w2 and shared.w3 is theirs.w3

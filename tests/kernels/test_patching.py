@@ -51,14 +51,14 @@ FAMILY_CASES = {
     "glm4": ({}, 2, 0, False, ["rope (Glm4"]),
     "granite": ({}, 2, 0, True, []),
 }
-# transformers 4.x has no 3-D experts: each Qwen MoE expert is its own gate/up/down MLP, so every expert (and
-# the shared one) is a GatedMLP; Mixtral's experts (w1/w3/w2) are left as they are, and the report says so.
+# transformers 4.x has no 3-D experts: each expert is its own MLP, so every expert (and Qwen2-MoE's shared
+# one) is a GatedMLP, or for Mixtral (w1/w3/w2) a GatedExpertMLP.
 CASES_4X = {
-    "mixtral": (0, 0, ["swiglu (MixtralBlockSparseTop2MLP"]),
+    "mixtral": (2 * 4, 0, []),
     "qwen2_moe": (2 * (4 + 1), 0, []),
     "qwen3_moe": (1 + 4, 0, []),
 }
-MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP)
+MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
 
 def expected_swaps(model_type: str) -> tuple[int, int, list[str]]:
@@ -200,7 +200,7 @@ def restore_modeling(restore_rope):
     for family in patching.FAMILIES.values():
         family = family.installed()
         module = importlib.import_module(family.modeling)
-        names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts)
+        names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts, *family.expert_mlp)
         saved[module] = {name: getattr(module, name) for name in names}
         causal_lm = getattr(module, family.causal_lm)
         saved[causal_lm] = {"forward": causal_lm.forward}
@@ -231,7 +231,8 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
 
 @pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
 def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
-    """The fused gate_up MLP and the 3-D experts keep the HF constructor, class name and parameter names."""
+    """The fused gate_up MLP and the experts (3-D on transformers 5.x, per-expert w1/w3/w2 MLPs on 4.x) keep
+    the HF constructor, class name and parameter names."""
     overrides = FAMILY_CASES[model_type][0]
     baseline = tiny(model_type, **overrides)
     report = tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
@@ -242,9 +243,12 @@ def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
     assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
     assert report.applied == ({"gated_mlp": 1} if mlps else {"gated_experts": 1} if experts else {})
+    swapped = next(module for module in patched.modules() if isinstance(module, (*MLP_MODULES, modules.GatedExperts)))
+    assert type(swapped).__name__ == {"phi3": "Phi3MLP", "mixtral": "MixtralExperts"}[model_type] or (
+        TRANSFORMERS_4 and type(swapped).__name__ == "MixtralBlockSparseTop2MLP"
+    )
     if experts:
-        swapped = patched.model.layers[0].mlp.experts
-        assert type(swapped).__name__ == "MixtralExperts" and swapped.config is patched.config
+        assert swapped.config is patched.config
     assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
 
 
@@ -285,6 +289,22 @@ def test_missing_patch_target_fails_loudly(monkeypatch):
     monkeypatch.setitem(patching.FAMILIES, "llama", gone)
     with pytest.raises(patching.PatchTargetMissing, match="cannot import transformers.models.llama.modeling_gone"):
         apply(model)
+
+
+@pytest.mark.parametrize("field", ["packed_mlp", "experts"])
+def test_missing_mlp_or_experts_class_fails_loudly_on_the_line_that_needs_it(field, monkeypatch):
+    """A renamed class in the new table fields fails loudly, except where the row's `transformers4`
+    replaces that field on the 4.x line (the 3-D experts classes exist from transformers 5 on)."""
+    model_type = "phi3" if field == "packed_mlp" else "qwen3_moe"
+    family = patching.FAMILIES[model_type]
+    renamed = dataclasses.replace(family, **{field: ("RenamedClass",)})
+    monkeypatch.setitem(patching.FAMILIES, model_type, renamed)
+    if TRANSFORMERS_4 and field in dict(family.transformers4):
+        assert patching.modeling_module(model_type) is not None
+        assert getattr(renamed.installed(), field) == dict(family.transformers4)[field]
+    else:
+        with pytest.raises(patching.PatchTargetMissing, match="has no RenamedClass in transformers"):
+            patching.modeling_module(model_type)
 
 
 def test_import_tigon_kernels_stays_light():
