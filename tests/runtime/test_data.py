@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -212,16 +213,18 @@ def test_directory_that_is_not_a_saved_dataset(tmp_path):
 
 
 def test_saved_dataset_directory(tmp_path):
-    try:
-        import datasets
-    except ImportError:
-        (tmp_path / "state.json").write_text("{}")
-        with pytest.raises(DataError, match="pip install datasets"):
-            read_records(tmp_path)
-    else:
-        rows = [{"text": "a"}, {"text": "b"}]
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-        assert read_records(tmp_path / "saved") == (rows, 0)
+    import datasets
+
+    rows = [{"text": "a"}, {"text": "b"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert read_records(tmp_path / "saved") == (rows, 0)
+
+
+def test_saved_dataset_directory_without_the_datasets_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    (tmp_path / "state.json").write_text("{}")
+    with pytest.raises(DataError, match="pip install datasets"):
+        read_records(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------- packing
