@@ -391,7 +391,7 @@ def check_packed_input(gate_up: torch.Tensor, in_place_backward: bool) -> None:
     if width // 2 > MAX_PACKED_COLUMNS:
         raise ValueError(
             f"gate_up's last dimension, {width}, is wider than 2 * {MAX_PACKED_COLUMNS} (the kernel's grid "
-            "limit); split it and call the op on each half of gate and up, or use swiglu(gate, up)"
+            "limit); call swiglu(gate, up) / geglu(gate, up) on its two halves instead"
         )
     if in_place_backward and gate_up.numel() > 0 and not torch.compiler.is_compiling():
         if _writable_rows(gate_up) is None:
