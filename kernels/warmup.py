@@ -37,6 +37,7 @@ OPS = (
     "rope",
     "swiglu",
     "geglu",
+    "swiglu_packed",
     "cross_entropy",
     "fused_linear_cross_entropy",
 )
@@ -158,7 +159,10 @@ def family_settings(family: str) -> dict[str, Any]:
             "rms_norm",
             "fused_add_rms_norm",
             "rope",
-            "geglu" if spec.gemma_norm else "swiglu",
+            # separate gate/up projections run the activation; a fused gate_up_proj (Phi-3, GLM-4) and MoE experts
+            # run the packed one
+            *((("geglu" if spec.gemma_norm else "swiglu"),) if spec.mlp else ()),
+            *(("swiglu_packed",) if spec.packed_mlp or spec.experts else ()),
             "fused_linear_cross_entropy",
         ),
     }
@@ -214,6 +218,11 @@ def _run_op(op: str, shapes: Shapes, dtype, device, settings: dict[str, Any]):
         out = (getattr(functional, op)(gate, up),)
         ref = (getattr(reference, op)(gate.detach(), up.detach()),)
         inputs = (gate, up)
+    elif op == "swiglu_packed":
+        gate_up = rand(t, 2 * shapes.intermediate)
+        out = (functional.swiglu_packed(gate_up),)
+        ref = (reference.swiglu_packed(gate_up.detach()),)
+        inputs = (gate_up,)
     elif op == "cross_entropy":
         logits, target = rand(t, shapes.vocab), _targets(t, shapes.vocab, g, device)
         # First the reference: the kernel writes the gradient over the logits.
@@ -249,7 +258,7 @@ def _describe(op: str, shapes: Shapes) -> str:
         return f"tokens={shapes.tokens} vocab={shapes.vocab}"
     if op == "fused_linear_cross_entropy":
         return f"tokens={shapes.tokens} hidden={shapes.hidden} vocab={shapes.vocab}"
-    size = shapes.intermediate if op in ("swiglu", "geglu") else shapes.hidden
+    size = shapes.intermediate if op in ("swiglu", "geglu", "swiglu_packed") else shapes.hidden
     return f"tokens={shapes.tokens} width={size}"
 
 

@@ -51,10 +51,14 @@ def test_every_op_runs_on_tiny_shapes_through_the_interpreter(tmp_path):
 def test_family_picks_the_patched_ops():
     llama = warm_up([LLAMA_8B])
     gemma = warm_up([LLAMA_8B], family="gemma")
+    phi3 = warm_up([LLAMA_8B], family="phi3")  # one fused gate_up_proj: the packed activation
     loss = "fused_linear_cross_entropy"  # the runtime's default loss
     assert [r.op for r in llama.results] == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu", loss]
     assert [r.op for r in gemma.results] == ["rms_norm", "fused_add_rms_norm", "rope", "geglu", loss]
-    assert llama.ok and gemma.ok
+    qwen2_moe = warm_up([LLAMA_8B], family="qwen2_moe")  # a shared expert MLP and the experts
+    assert [r.op for r in phi3.results] == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu_packed", loss]
+    assert [r.op for r in qwen2_moe.results][3:] == ["swiglu", "swiglu_packed", loss]
+    assert llama.ok and gemma.ok and phi3.ok and qwen2_moe.ok
 
 
 @cpu_only
