@@ -313,6 +313,11 @@ def apply(
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
     report.skipped = _unfit(family, wanted)
+    if fused_linear_cross_entropy and "fused_linear_cross_entropy" not in report.applied:
+        report.skipped.append(
+            f"fused_linear_cross_entropy ({type(model).__name__} has no {family.causal_lm}: the fused loss replaces "
+            "a causal LM head's loss over the vocabulary; other heads keep their own)"
+        )
     logger.info("%s", report)
     return report
 
