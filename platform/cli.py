@@ -23,21 +23,14 @@ EXIT_ERROR = 2
 
 def render_job(argv: list[str]) -> int:
     from tigon.platform.jobs import JobSpecError, pytorchjob_manifests, render_yaml
-    from tigon.platform.submit import SubmissionError, check_submission
+    from tigon.platform.submit import SubmissionError, add_run_arguments, check_submission
     from tigon.platform.templates import TemplateError, get_template
     from tigon.runtime.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(prog="tigon render-job", description="print a PyTorchJob for a run config")
-    parser.add_argument("config", help="YAML run config, e.g. examples/demo.yaml")
-    parser.add_argument(
-        "--job-template",
-        "--job_template",  # pyflyte's spelling of the workflow input, accepted too
-        required=True,
-        help="job template name, e.g. h100x8 (see `tigon templates`)",
-    )
+    add_run_arguments(parser, "YAML run config, e.g. examples/demo.yaml")
     parser.add_argument("--nodes", type=int, default=None, help="nodes for this run, up to the template's max_nnodes")
     parser.add_argument("--namespace", default=None, help="namespace for the objects")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)

@@ -113,20 +113,25 @@ def check_remote(config: RunConfig) -> None:
     local_data(config)
 
 
-def submit(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tigon submit", description="check a run locally, then start the Flyte workflow on the cluster"
-    )
-    parser.add_argument("config", help="YAML run config; local data files are uploaded with the run")
+def add_run_arguments(parser: argparse.ArgumentParser, config_help: str) -> None:
+    """What `tigon submit` and `tigon render-job` both take: the run config, its job template and overrides."""
+    parser.add_argument("config", help=config_help)
     parser.add_argument(
         "--job-template",
         "--job_template",  # pyflyte's spelling of the workflow input, accepted too
         required=True,
         help="job template name, e.g. h100x8 (see `tigon templates`)",
     )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
+def submit(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tigon submit", description="check a run locally, then start the Flyte workflow on the cluster"
+    )
+    add_run_arguments(parser, "YAML run config; local data files are uploaded with the run")
     parser.add_argument("--nodes", type=int, default=0, help="nodes for this run, up to the template's max_nnodes")
     parser.add_argument("--steps", type=int, default=0, help="training.max_steps for this run")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--dry-run", action="store_true", help="check and print the pyflyte command; submit nothing")
     args, pyflyte_options = parser.parse_known_args(argv)
     if any(option in ("-i", "--image") or option.startswith("--image=") for option in pyflyte_options):
