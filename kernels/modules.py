@@ -131,12 +131,14 @@ class GatedMLP(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.activation == "swiglu":
-            hidden = F.swiglu(gate, up, in_place_backward=True)
-        else:
-            hidden = F.geglu(gate, up, approximate=self.approximate, in_place_backward=True)
-        return self.down_proj(hidden)
+        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), self.activation, self.approximate))
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, approximate: str | None) -> torch.Tensor:
+    """act(gate) * up with the in-place backward: the two projections' outputs are read by nothing else."""
+    if activation == "swiglu":
+        return F.swiglu(gate, up, in_place_backward=True)
+    return F.geglu(gate, up, approximate=approximate, in_place_backward=True)
 
 
 def _gated_packed(gate_up: torch.Tensor, activation: str, approximate: str | None, in_place: bool) -> torch.Tensor:
@@ -195,12 +197,7 @@ class GatedExpertMLP(nn.Module):
         return new
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(hidden_states), self.w3(hidden_states)
-        if self.activation == "swiglu":
-            hidden = F.swiglu(gate, up, in_place_backward=True)
-        else:
-            hidden = F.geglu(gate, up, approximate=self.approximate, in_place_backward=True)
-        return self.w2(hidden)
+        return self.w2(_gated(self.w1(hidden_states), self.w3(hidden_states), self.activation, self.approximate))
 
 
 def _transformers_experts_function(implementation: str):
