@@ -148,7 +148,7 @@ def family_settings(family: str) -> dict[str, Any]:
 
     if family not in FAMILIES:
         raise WarmupError(f"unknown model family {family!r}; tigon patches: {', '.join(sorted(FAMILIES))}")
-    spec = FAMILIES[family]
+    spec = FAMILIES[family].installed()
     return {
         "casting": "gemma" if spec.gemma_norm else "llama",
         "offset": 1.0 if spec.gemma_norm else 0.0,
@@ -161,7 +161,7 @@ def family_settings(family: str) -> dict[str, Any]:
             "rope",
             # separate gate/up projections run the activation; a fused gate_up_proj (Phi-3, GLM-4) and MoE experts
             # run the packed one
-            *((("geglu" if spec.gemma_norm else "swiglu"),) if spec.mlp else ()),
+            *((("geglu" if spec.gemma_norm else "swiglu"),) if spec.mlp or spec.expert_mlp else ()),
             *(("swiglu_packed",) if spec.packed_mlp or spec.experts else ()),
             "fused_linear_cross_entropy",
         ),
