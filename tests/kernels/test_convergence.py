@@ -137,6 +137,8 @@ def train_all(
     held_out = torch.randint(1, size["vocab_size"], (2, length), generator=generator)
     baseline = build(model_type, size, overrides)
     exact = copy.deepcopy(baseline).double() if float64 else None
+    if exact is not None and FAMILIES[model_type].installed().experts:
+        exact.set_experts_implementation("eager")  # the same function as transformers' plain loop, in any dtype
     patched = copy.deepcopy(baseline)
     original_rope = importlib.import_module(FAMILIES[model_type].modeling).apply_rotary_pos_emb
     report = apply(patched, **(kernels or {}))
