@@ -326,7 +326,7 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"trainer": "hf", "eval": {"every_steps": 2}}, "eval.every_steps: trainer 'hf'"),
+        ({"trainer": "hf", "eval": {"every_steps": 2}, "data": {"eval": None}}, "data.eval is not"),
         ({"training": {"micro_batch_size": 64}}, "fill no global batch"),
         ({"data": {"max_seq_len": 128}}, "max_position_embeddings"),
         ({"eval": {"metrics": ["exact_match"]}, "data": {"format": "text", "text_field": "instruction"}}, "'chat'"),
