@@ -38,6 +38,7 @@ from tigon.runtime.distributed import (
     all_reduce_sum,
     barrier,
     check_strategy,
+    drain,
     init_distributed,
     shutdown,
     unwrap,
@@ -492,8 +493,11 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
                 from tigon.runtime.hf_trainer import train_with_hf as adapter
             else:
                 from tigon.runtime.lightning_trainer import train_with_lightning as adapter
-            return adapter(config, datasets)
-        return _train(config, prepare(config, datasets))
+            result = adapter(config, datasets)
+        else:
+            result = _train(config, prepare(config, datasets))
+        drain()
+        return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
         raise planner.out_of_memory_error(config, error) from error
     finally:

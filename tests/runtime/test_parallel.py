@@ -54,6 +54,7 @@ for path in sys.argv[2:]:
               "export_dir": result.export_dir, "eval": result.eval_metrics}
     with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
         json.dump(record, file)
+dist.barrier()  # as tigon.runtime.distributed.drain: the gloo threads go idle before the process exits
 dist.destroy_process_group()
 """
 

@@ -219,6 +219,7 @@ def main(out_dir: str, case: str) -> None:
             print(f"{case} {variant}: {time.perf_counter() - started:.1f} s", flush=True)
             if rank == 0:
                 torch.save({"losses": losses, "state": state}, f"{out_dir}/{case}-{variant}.pt")
+    dist.barrier()  # as tigon.runtime.distributed.drain: the gloo threads go idle before the process exits
     dist.destroy_process_group()
 
 
