@@ -1,24 +1,32 @@
-"""End-to-end training benchmark (issue 5): tokens/s and peak memory through the runtime's own step.
+"""End-to-end training benchmark (issues 4 and 5): tokens/s and peak memory through the runtime's own step.
 
-    python -m benchmarks.end_to_end --out e2e.json                    # GPU: seq 4096 and 8192, every variant
+    python -m benchmarks.end_to_end --out e2e.json                    # GPU: Llama, seq 4096 and 8192, every variant
+    python -m benchmarks.end_to_end --family all --seqs 4096 --out families.json   # GPU: every model family
     python -m benchmarks.end_to_end --longest --out longest.json      # GPU: the longest sequence each fits
-    python -m benchmarks.end_to_end --tiny --variants eager,tigon --out /tmp/e2e.json   # CPU smoke run
+    python -m benchmarks.end_to_end --tiny --family all --variants eager,tigon --out /tmp/e2e.json   # CPU smoke run
 
-A Llama-3.2-1B-shaped model (random init from its config: hidden 2048, intermediate 8192, 16 layers,
-32 heads, 8 KV heads, vocab 128256, tied embeddings, rope_theta 500000 with llama3 scaling) in
-bf16 with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens by the torch
-trainer's own `_optimizer_step` and strategy (its loss, clipping and AdamW step). Variants:
+One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
+randomly initialized from the config of a named public member (`PRESETS`): a ~1B-4B member as it is, or
+for families with only larger members their real widths, heads and vocabulary with fewer layers. In bf16
+with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens by the torch trainer's own
+`_optimizer_step` and strategy (its loss, clipping and AdamW step). Variants:
 
 - eager:   Hugging Face modules (kernels.enabled: false)
-- liger:   HF + Liger-Kernel (`apply_liger_kernel_to_llama` on the built model; GPU machine only)
+- liger:   HF + Liger-Kernel (the family's `apply_liger_kernel_to_*` on the built model; GPU machine only;
+           "not available" for a family Liger-Kernel has no function for, or without liger-kernel)
 - tigon:   tigon's kernels (kernels.enabled: true)
 - planner: the memory planner's choice for this GPU (`training.plan: auto`), same global batch
 
 Every variant runs in a fresh subprocess so peaks do not mix; warm-up steps are not timed. The
 planner's estimate is recorded next to each measured peak (the planner models eager and tigon;
-Liger's rows have none). The trainer's loss is the model's own, called with labels: HF eager computes
+Liger's rows have none, nor have models whose parameters the planner's dense-decoder shape does not
+count, such as MoE experts). The trainer's loss is the model's own, called with labels: HF eager computes
 `ForCausalLMLoss` from the full logits; Liger's and tigon's patched forwards use their fused linear
-cross entropy, so neither materializes the (tokens x vocab) logits.
+cross entropy, so neither materializes the (tokens x vocab) logits (Liger's Granite patch has none: it
+keeps the logits and swaps in its cross entropy).
+`--tiny` shrinks every family's widths, layers and vocabulary but keeps its model_type and quirks
+(softcapping, logit scaling, sliding windows, partial rotary, MoE routing, tied or untied head).
+`--time-budget` stops starting runs once the next one would not finish in time; those rows say so.
 Results: JSON to --out, a markdown table to --md (default: --out with .md).
 """
 
@@ -30,42 +38,415 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
-LLAMA_32_1B = {
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "vocab_size": 128256,
-    "tie_word_embeddings": True,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "max_position_embeddings": 131072,
+
+@dataclass(frozen=True)
+class Preset:
+    """One family's benchmark model: the config.json values of a named public member, and how it is run.
+
+    `config` holds the values that set shapes and the family's quirks, at the member's real depth;
+    `layers` shortens it (real widths, heads and vocabulary) where the family has no member of 1B-4B.
+    `params` is the member's published parameter count (the preset test counts `config` against it).
+    `liger` names the Liger-Kernel function for the family, None where Liger-Kernel has none.
+    `tiny` holds family-specific `--tiny` values on top of `tiny_shape`'s generic shrink.
+    `attention` is the run's `model.attn_implementation`.
+    """
+
+    family: str  # tigon's kernel table key, which is also the transformers model_type
+    source: str  # the Hugging Face model whose config.json the values are from
+    config: dict
+    params: float
+    liger: str | None
+    layers: int | None = None
+    tiny: dict = field(default_factory=dict)
+    attention: str = "sdpa"
+
+    def shape(self) -> dict:
+        """The benchmark's `model.config_overrides`: `config`, shortened to `layers`."""
+        return {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
+
+    def tiny_shape(self) -> dict:
+        """Small widths, 2 layers, vocabulary 512, no special tokens; the model_type and `config`'s quirks kept."""
+        config, shape = self.config, dict(self.config)
+        heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+        shape |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+        shape |= {"vocab_size": 512, "max_position_embeddings": 8192}  # Llama 3's RoPE scaling starts at 8192
+        shape |= {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # the members' are past 512
+        if kv_heads is not None:  # multi-head, multi-query or grouped, as the member
+            shape["num_key_value_heads"] = 4 if kv_heads == heads else 1 if kv_heads == 1 else 2
+        shrink = {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,  # the members scale by head_dim
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 8,  # 8 x 32 wide: the experts' parameters are not the dense MLP's 128
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        }
+        shape |= {key: value for key, value in shrink.items() if key in config}
+        if config.get("sliding_window"):
+            shape["sliding_window"] = 16  # so the window acts at the smoke run's sequence lengths
+        return shape | self.tiny
+
+    def describe(self, tiny: bool = False) -> str:
+        if tiny:
+            return f"tiny {self.family} (2 layers, hidden 64, vocab 512; {self.source}'s quirks)"
+        depth = self.config["num_hidden_layers"]
+        if self.layers and self.layers < depth:
+            return f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers (random init)"
+        return f"{self.source} (random init from its config)"
+
+
+# Each preset's values are those of its source's config.json (keys as config.json spells them, which the
+# transformers 4.x and 5.x configs both take). Where a value was read from a copy that quoted only part of
+# the file, or is transformers' default, the comment says so.
+PRESETS: dict[str, Preset] = {
+    "llama": Preset(
+        "llama",
+        "meta-llama/Llama-3.2-1B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "max_position_embeddings": 131072,
+        },
+        params=1.24e9,
+        liger="apply_liger_kernel_to_llama",
+    ),
+    "mistral": Preset(
+        "mistral",
+        "mistralai/Mistral-7B-v0.3",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,  # head_dim 128 = 4096 / 32 (config.json has no head_dim)
+            "vocab_size": 32768,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "max_position_embeddings": 32768,
+        },
+        params=7.25e9,
+        liger="apply_liger_kernel_to_mistral",
+        layers=8,  # no Mistral of 1B-4B: 8 of 32 layers, 2.0B parameters
+    ),
+    "mixtral": Preset(
+        "mixtral",
+        "mistralai/Mixtral-8x7B-v0.1",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,  # each expert's
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "max_position_embeddings": 32768,
+        },
+        params=46.7e9,
+        liger="apply_liger_kernel_to_mixtral",
+        layers=2,  # 1.45B parameters a layer (8 experts of 3 x 4096 x 14336): 2 of 32 layers, 3.2B parameters
+    ),
+    "qwen2": Preset(
+        "qwen2",
+        "Qwen/Qwen2.5-1.5B",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 131072,  # Qwen2.5's 128K context; not in the copies checked
+        },
+        params=1.54e9,
+        liger="apply_liger_kernel_to_qwen2",
+    ),
+    "qwen2_moe": Preset(
+        "qwen2_moe",
+        "Qwen/Qwen1.5-MoE-A2.7B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "router_aux_loss_coef": 0.001,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 32768,
+        },
+        params=14.3e9,
+        liger=None,  # Liger-Kernel has no apply_liger_kernel_to_qwen2_moe
+        layers=4,  # 0.57B parameters a layer (60 experts and a shared one): 4 of 24 layers, 2.9B parameters
+    ),
+    "qwen3": Preset(
+        "qwen3",
+        "Qwen/Qwen3-1.7B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+        },
+        params=1.7e9,
+        liger="apply_liger_kernel_to_qwen3",
+    ),
+    "qwen3_moe": Preset(
+        "qwen3_moe",
+        "Qwen/Qwen3-30B-A3B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,  # the dense MLP of mlp_only_layers (none here)
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+        },
+        params=30.5e9,
+        liger="apply_liger_kernel_to_qwen3_moe",
+        layers=4,  # 0.62B parameters a layer (128 experts of 3 x 2048 x 768): 4 of 48 layers, 3.1B parameters
+    ),
+    "gemma": Preset(
+        "gemma",
+        "google/gemma-2b",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 16384,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,  # transformers' GemmaConfig default; not in the copies checked
+            "max_position_embeddings": 8192,
+            # hidden_activation: transformers' default gelu_pytorch_tanh (the 2B's config.json says "gelu")
+        },
+        params=2.51e9,
+        liger="apply_liger_kernel_to_gemma",
+    ),
+    "gemma2": Preset(
+        "gemma2",
+        "google/gemma-2-2b",
+        {
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "sliding_window": 4096,  # every other layer
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        params=2.61e9,
+        liger="apply_liger_kernel_to_gemma2",
+        attention="eager",  # transformers refuses SDPA for Gemma 2 (its attention logits are softcapped)
+    ),
+    "gemma3_text": Preset(
+        "gemma3_text",
+        "google/gemma-3-1b-pt",
+        {
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "vocab_size": 262144,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,  # five sliding-window layers, then a global one
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": None,
+            "max_position_embeddings": 32768,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        params=1.0e9,
+        liger="apply_liger_kernel_to_gemma3_text",
+        tiny={"sliding_window_pattern": 2},  # one sliding-window layer and one global of the two
+    ),
+    "phi3": Preset(
+        "phi3",
+        "microsoft/Phi-3-mini-4k-instruct",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32064,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+            "sliding_window": 2047,
+            "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096,
+        },
+        params=3.82e9,
+        liger="apply_liger_kernel_to_phi3",
+    ),
+    "olmo2": Preset(
+        "olmo2",
+        "allenai/OLMo-2-0425-1B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 100352,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 4096,  # OLMo 2's 4096-token context; not in the copy checked
+        },
+        params=1.48e9,
+        liger="apply_liger_kernel_to_olmo2",
+    ),
+    "glm4": Preset(
+        "glm4",
+        "THUDM/GLM-4-9B-0414",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 13696,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "vocab_size": 151552,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 32768,
+        },
+        params=9.4e9,
+        liger="apply_liger_kernel_to_glm4",
+        layers=8,  # no GLM-4 (glm4 model_type) of 1B-4B: 8 of 40 layers, 2.9B parameters
+    ),
+    "granite": Preset(
+        "granite",
+        "ibm-granite/granite-3.1-2b-base",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 49155,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 5000000.0,
+            "max_position_embeddings": 131072,
+            # The µP multipliers of IBM's 2B Granite configs, read from a copy of a later 2B's config, not
+            # from granite-3.1-2b-base's own (attention_multiplier is 1 / head_dim 64).
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.015625,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+        },
+        params=2.53e9,
+        liger="apply_liger_kernel_to_granite",  # has no fused linear cross entropy: Liger's cross entropy on logits
+    ),
 }
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 4096,
-}
+LLAMA_32_1B = PRESETS["llama"].shape()
+TINY = PRESETS["llama"].tiny_shape()
 VARIANTS = ("eager", "liger", "tigon", "planner")
+
+
+def count_text(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def parse_families(value: str) -> list[str]:
+    """`all`, or a comma-separated list of `PRESETS` keys."""
+    if value.strip() == "all":
+        return list(PRESETS)
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRESETS]
+    if unknown or not names:
+        raise ValueError(f"unknown families {unknown}; choose from all, {', '.join(PRESETS)}")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -76,15 +457,15 @@ def bench_config(spec: dict, cuda: bool):
     from tigon.runtime.config import parse_config
 
     shape = dict(spec["shape"])
-    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0), spec["seq"])
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings") or 0, spec["seq"])
     raw = {
-        "name": f"e2e-{spec['variant']}",
+        "name": f"e2e-{spec.get('family', 'llama')}-{spec['variant']}",
         "model": {
-            "config_name": "llama",
+            "config_name": spec.get("family", "llama"),
             "config_overrides": shape,
             "tokenizer": "char",
             "dtype": "bfloat16" if cuda else "float32",
-            "attn_implementation": "sdpa",
+            "attn_implementation": spec.get("attention", "sdpa"),
         },
         "data": {"train": "random-tokens", "max_seq_len": spec["seq"], "packing": False},
         "training": {
@@ -101,7 +482,7 @@ def bench_config(spec: dict, cuda: bool):
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": "runs/e2e", "tensorboard": False, "progress_bar": False},
     }
-    return parse_config(raw, f"end_to_end {spec['variant']}")
+    return parse_config(raw, f"end_to_end {spec.get('family', 'llama')} {spec['variant']}")
 
 
 def random_dataset(n_items: int, seq: int, vocab: int, seed: int) -> list[dict]:
@@ -114,8 +495,31 @@ def random_dataset(n_items: int, seq: int, vocab: int, seed: int) -> list[dict]:
     return [{"input_ids": row, "labels": row.clone(), "position_ids": positions} for row in ids]
 
 
-def run_steps(config, steps: int, warmup: int, liger: bool = False) -> dict:
-    """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step."""
+def liger_function(family: str, cuda: bool):
+    """(the family's `apply_liger_kernel_to_*`, None) or (None, why the Liger variant is not available)."""
+    name = PRESETS[family].liger
+    if name is None:
+        return None, f"Liger-Kernel has no apply_liger_kernel_to_* function for {family}"
+    if not cuda:
+        return None, "Liger-Kernel needs a CUDA GPU"
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as error:  # not installed here (the GPU machine carries its wheel)
+        return None, f"liger-kernel is not installed ({error})"
+    try:
+        function = getattr(liger, name, None)
+    except ImportError as error:  # its monkey_patch module refuses this transformers
+        return None, f"liger-kernel cannot patch this transformers ({error})"
+    if function is None:
+        return None, f"the installed liger-kernel has no {name}"
+    return function, None
+
+
+def run_steps(config, steps: int, warmup: int, liger=None) -> dict:
+    """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step.
+
+    `liger`: an `apply_liger_kernel_to_*` function, applied to the built model.
+    """
     import torch
 
     from tigon.runtime import checkpoint as ckpt
@@ -134,10 +538,8 @@ def run_steps(config, steps: int, warmup: int, liger: bool = False) -> dict:
     trainer.seed_everything(training.seed)
     with device:
         model = build_model(config, vocab)
-    if liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(model=model)
+    if liger is not None:
+        liger(model=model)
     env = DistEnv()
     strategy = build_strategy(model, config, env, device, steps + warmup)  # one process: the model, AdamW
     strategy.model.train()
@@ -167,6 +569,14 @@ def run_steps(config, steps: int, warmup: int, liger: bool = False) -> dict:
     }
 
 
+def count_parameters(config) -> int:
+    """The run's model's parameters (tied ones once), built on the meta device."""
+    from tigon.runtime.model import build_model
+
+    model = build_model(config, config.model.config_overrides["vocab_size"], meta=True)
+    return sum(p.numel() for p in model.parameters())
+
+
 def worker(spec: dict) -> dict:
     """One variant at one shape, in this (fresh) process; returns what it measured, or that it ran out of memory."""
     import torch
@@ -174,29 +584,44 @@ def worker(spec: dict) -> dict:
     from tigon.runtime import planner
 
     cuda = torch.cuda.is_available()
-    if spec["variant"] == "liger" and not cuda:
-        raise SystemExit("the liger variant needs a CUDA GPU and liger-kernel; leave it out with --variants")
+    family = spec.get("family", "llama")
+    head = {"family": family, "variant": spec["variant"], "seq": spec["seq"]}
+    liger = None
+    if spec["variant"] == "liger":
+        liger, missing = liger_function(family, cuda)
+        if missing:
+            return {**head, "oom": False, "unavailable": missing}
     config = bench_config(spec, cuda)
     work = planner.workload(config, world_size=1)
+    params = count_parameters(config)
+    # The planner counts a dense decoder (attention + one gated MLP a layer); where that is not this model's
+    # parameter count (MoE experts), its estimate is not this model's and is left out.
+    modeled = abs(work.shape.params - params) <= 0.02 * params
     if spec["variant"] == "planner":
         memory = planner.parse_memory(spec["gpu_memory"]) if spec.get("gpu_memory") else None
         try:
             plan = planner.make_plan(config, memory, 1, work)
         except planner.PlanError as error:  # nothing fits: reported like an out-of-memory run
-            return {"variant": "planner", "seq": spec["seq"], "oom": True, "plan_error": str(error)}
+            return {**head, "oom": True, "plan_error": str(error)}
         print(plan.table(), file=sys.stderr, flush=True)
         config = planner.apply_plan(config, plan)
     setting = planner.setting_of(config)
     result = {
-        **{key: spec[key] for key in ("variant", "seq")},
+        **head,
+        "params": params,
         "micro_batch": setting.micro_batch,
         "accumulation": setting.accumulation,
         "checkpointing": setting.checkpointing,
         "kernels": setting.kernels,
-        "estimate_bytes": None if spec["variant"] == "liger" else planner.estimate(work, setting).peak,
+        "estimate_bytes": None if spec["variant"] == "liger" or not modeled else planner.estimate(work, setting).peak,
     }
+    if not modeled:
+        result["estimate_note"] = (
+            f"the planner's dense-decoder shape counts {count_text(work.shape.params)} parameters, "
+            f"the model has {count_text(params)}"
+        )
     try:
-        measured = run_steps(config, spec["steps"], spec["warmup"], liger=spec["variant"] == "liger")
+        measured = run_steps(config, spec["steps"], spec["warmup"], liger=liger)
     except torch.OutOfMemoryError:
         return {**result, "oom": True}
     return {**result, "oom": False, **measured}
@@ -205,18 +630,30 @@ def worker(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def run_in_subprocess(spec: dict, timeout: int) -> dict:
+def run_in_subprocess(spec: dict, timeout: float) -> dict:
     """`worker(spec)` in a fresh interpreter; its JSON is the last line of its stdout."""
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", json.dumps(spec)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    head = {"family": spec.get("family", "llama"), "variant": spec["variant"], "seq": spec["seq"], "oom": False}
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{head['family']} {spec['variant']} at seq {spec['seq']} timed out after {timeout:.0f} s")
+        return {**head, "error": f"timed out after {timeout:.0f} s", "wall_seconds": time.monotonic() - started}
+    wall = time.monotonic() - started
     if done.returncode != 0 or not done.stdout.strip():  # recorded, so one broken variant does not stop the rest
-        print(f"{spec['variant']} at seq {spec['seq']} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        print(f"{head['family']} {spec['variant']} at seq {spec['seq']} failed (exit {done.returncode}):")
+        print(done.stderr[-3000:])
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return {"variant": spec["variant"], "seq": spec["seq"], "oom": False, "error": last}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {**head, "error": last, "wall_seconds": wall}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_seconds": wall}
 
 
 def describe(result: dict) -> str:
+    if "unavailable" in result:
+        return f"not available: {result['unavailable']}"
+    if "skipped" in result:
+        return f"not run: {result['skipped']}"
     if "error" in result:
         return f"failed: {result['error']}"
     if result["oom"]:
@@ -230,7 +667,8 @@ def describe(result: dict) -> str:
 
 
 def predicted_longest(base: dict, limit: int, step: int) -> int | None:
-    """The longest multiple of `step` the planner expects this variant to fit; None without a memory figure.
+    """The longest multiple of `step` the planner expects this variant to fit; None without a memory figure,
+    or for a model the planner's dense-decoder shape does not count.
 
     Eager and tigon are compared with the GPU's memory less the CUDA context; the planner variant with the
     planner's own budget; Liger (not modeled) is predicted as tigon.
@@ -247,7 +685,11 @@ def predicted_longest(base: dict, limit: int, step: int) -> int | None:
     else:
         return None
     variant = "tigon" if base["variant"] == "liger" else base["variant"]
-    shape = planner.model_shape(bench_config({**base, "variant": variant, "seq": step}, cuda))
+    first = bench_config({**base, "variant": variant, "seq": step}, cuda)
+    shape = planner.model_shape(first)
+    params = count_parameters(first)
+    if abs(shape.params - params) > 0.02 * params:  # a shape the planner does not model (MoE experts)
+        return None
     usable = memory - planner.CUDA_CONTEXT
     if variant == "planner":
         usable = int(usable * planner.FIT_FRACTION)
@@ -272,8 +714,8 @@ def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int
     def fits(seq: int) -> bool:
         result = run_in_subprocess({**base, "seq": seq}, timeout)
         probes.append(result)
-        print(f"  {base['variant']} seq {seq}: {describe(result)}", flush=True)
-        if "error" in result:
+        print(f"  {base.get('family', 'llama')} {base['variant']} seq {seq}: {describe(result)}", flush=True)
+        if "error" in result or "unavailable" in result:
             raise Failed
         return not result["oom"]
 
@@ -326,21 +768,31 @@ def environment() -> dict:
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
-        f"End-to-end training, {report['model']}: {env.get('gpu') or 'CPU'}, torch {env['torch']}, "
-        f"transformers {env['transformers']}"
+        f"End-to-end training: {env.get('gpu') or 'CPU'}, torch {env['torch']}, transformers {env['transformers']}"
         + (f", triton {env['triton']}" if env.get("triton") else "")
         + (f", liger-kernel {env['liger_kernel']}" if env.get("liger_kernel") else ""),
         "",
-        "| variant | seq | micro x accum | checkpointing | kernels | tokens/s | peak GiB | planner estimate GiB |"
-        " estimate / peak |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | model | parameters | Liger-Kernel |",
+        "|---|---|---|---|",
+    ]
+    for name, family in report["families"].items():
+        params = next((r["params"] for r in report["runs"] if r.get("family") == name and r.get("params")), None)
+        cells = [name, family["model"], count_text(params) if params else "-", family["liger"] or "none"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| family | variant | seq | micro x accum | checkpointing | kernels | tokens/s | peak GiB |"
+        " planner estimate GiB | estimate / peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
-        if "error" in r or "micro_batch" not in r:  # failed, or the planner found nothing that fits
-            lines.append(f"| {r['variant']} | {r['seq']} | | | | {describe(r)} | | | |")
+        family = r.get("family", "llama")
+        if "micro_batch" not in r:  # not available, not run, failed, or the planner found nothing that fits
+            lines.append(f"| {family} | {r['variant']} | {r['seq']} | | | | {describe(r)} | | | |")
             continue
         peak, estimate = r.get("peak_bytes"), r.get("estimate_bytes")
         cells = [
+            family,
             r["variant"],
             r["seq"],
             f"{r['micro_batch']} x {r['accumulation']}",
@@ -348,17 +800,20 @@ def markdown(report: dict) -> str:
             "on" if r["kernels"] else "off",
             "out of memory" if r["oom"] else f"{r['tokens_per_second']:,.0f}",
             f"{peak / GiB:.2f}" if peak else "-",
-            f"{estimate / GiB:.2f}" if estimate else "-",
+            f"{estimate / GiB:.2f}" if estimate else "not modeled" if r.get("estimate_note") else "-",
             f"{estimate / peak:.2f}" if estimate and peak else "-",
         ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     if report.get("longest"):
         micro = report["settings"]["micro_batch"]
-        lines += ["", f"| variant | longest sequence that fits (global batch {micro}) |", "|---|---|"]
-        lines += [f"| {name} | {seq if seq else 'none'} |" for name, seq in report["longest"].items()]
+        lines += ["", f"| family | variant | longest sequence that fits (global batch {micro}) |", "|---|---|---|"]
+        for family, variants in report["longest"].items():
+            lines += [f"| {family} | {name} | {seq if seq else 'none'} |" for name, seq in variants.items()]
     lines += [
         "",
-        "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy).",
+        "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy,"
+        ' except Liger\'s Granite patch, which keeps the logits). Planner estimate "not modeled": the planner'
+        " counts a dense decoder, not this model's parameters (MoE experts).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -370,10 +825,30 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+class Budget:
+    """`--time-budget`: a run starts only if it should end in time, judged by the longest run so far."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.started, self.longest = seconds, time.monotonic(), 0.0
+
+    def left(self) -> float:
+        return float("inf") if self.seconds is None else self.seconds - (time.monotonic() - self.started)
+
+    def allows_another(self) -> bool:
+        return self.left() > self.longest
+
+    def record(self, result: dict) -> None:
+        self.longest = max(self.longest, result.get("wall_seconds", 0.0))
+
+    def skipped(self) -> str:
+        return f"time budget ({self.seconds:.0f} s) spent"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=False, help="JSON results file")
     parser.add_argument("--md", help="markdown table file (default: --out with .md)")
+    parser.add_argument("--family", default="llama", help=f"all, or comma-separated, of {', '.join(PRESETS)}")
     parser.add_argument("--variants", default="eager,liger,tigon,planner", help=f"comma-separated, of {VARIANTS}")
     parser.add_argument("--seqs", default=None, help="sequence lengths (default 4096,8192; --tiny: 64,128)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8; --tiny 2)")
@@ -385,6 +860,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default: none)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -397,51 +873,96 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    try:
+        families = parse_families(args.family)
+    except ValueError as error:
+        parser.error(str(error))
     tiny = args.tiny
     seqs = [int(s) for s in (args.seqs or ("64,128" if tiny else "4096,8192")).split(",")]
-    base = {
-        "shape": TINY if tiny else LLAMA_32_1B,
+    settings = {
         "micro_batch": args.micro_batch or (2 if tiny else 8),
         "checkpointing": not args.no_checkpointing,
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
         "gpu_memory": args.gpu_memory,
     }
+    environment_info = environment()
+    cuda = environment_info["gpu"] is not None
     report = {
-        "model": "tiny Llama" if tiny else "Llama-3.2-1B shape (random init)",
-        "shape": base["shape"],
-        "environment": environment(),
-        "settings": {k: v for k, v in base.items() if k != "shape"},
+        "families": {
+            name: {
+                "model": PRESETS[name].describe(tiny),
+                "source": PRESETS[name].source,
+                "liger": PRESETS[name].liger,
+                "attention": PRESETS[name].attention,
+                "shape": PRESETS[name].tiny_shape() if tiny else PRESETS[name].shape(),
+            }
+            for name in families
+        },
+        "environment": environment_info,
+        "settings": settings | ({"time_budget_seconds": args.time_budget} if args.time_budget else {}),
         "runs": [],
     }
     out = Path(args.out)
     md = Path(args.md) if args.md else out.with_suffix(".md")
+    budget = Budget(args.time_budget)
 
     def save() -> None:
         write_atomic(out, json.dumps(report, indent=2) + "\n")
         write_atomic(md, markdown(report))
 
-    total = len(seqs) * len(variants)
-    for index, (seq, variant) in enumerate(((s, v) for s in seqs for v in variants), start=1):
-        print(f"[{index}/{total}] {variant} at seq {seq} x micro-batch {base['micro_batch']} ...", flush=True)
-        result = run_in_subprocess({**base, "variant": variant, "seq": seq}, args.timeout)
+    def base_of(family: str) -> dict:
+        return {
+            "family": family,
+            "shape": report["families"][family]["shape"],
+            "attention": PRESETS[family].attention,
+            **settings,
+        }
+
+    total = len(families) * len(seqs) * len(variants)
+    jobs = ((f, s, v) for f in families for s in seqs for v in variants)  # family by family: partial runs compare
+    for index, (family, seq, variant) in enumerate(jobs, start=1):
+        head = {"family": family, "variant": variant, "seq": seq, "oom": False}
+        print(f"[{index}/{total}] {family} {variant} at seq {seq} x micro-batch {settings['micro_batch']} ...")
+        if variant == "liger" and (PRESETS[family].liger is None or not cuda):
+            result = {**head, "unavailable": liger_function(family, cuda)[1]}  # no process needed to know
+        elif not budget.allows_another():
+            result = {**head, "skipped": budget.skipped()}
+        else:
+            result = run_in_subprocess(
+                {**base_of(family), "variant": variant, "seq": seq}, min(args.timeout, budget.left())
+            )
+            budget.record(result)
         report["runs"].append(result)
         print(f"    {describe(result)}", flush=True)
         save()
     if args.longest:
         report["longest"], report["longest_probes"] = {}, []
         step = 16 if tiny else 1024
-        for variant in variants:
-            print(f"longest sequence for {variant}:", flush=True)
-            limit = args.longest_max or (256 if tiny else 131072)
-            probe = {**base, "variant": variant, "steps": 1, "warmup": 1}
-            seq, probes = longest_sequence(probe, seqs[0], limit, step, args.timeout)
-            failed = seq is None and probes and "error" in probes[-1]
-            report["longest"][variant] = "failed (see longest_probes)" if failed else seq
-            report["longest_probes"] += probes
-            save()
+        limit = args.longest_max or (256 if tiny else 131072)
+        for family in families:
+            report["longest"][family] = {}
+            for variant in variants:
+                print(f"longest sequence for {family} {variant}:", flush=True)
+                if variant == "liger" and (PRESETS[family].liger is None or not cuda):
+                    report["longest"][family][variant] = f"not available: {liger_function(family, cuda)[1]}"
+                    continue
+                if not budget.allows_another():
+                    report["longest"][family][variant] = f"not run: {budget.skipped()}"
+                    continue
+                probe = {**base_of(family), "variant": variant, "steps": 1, "warmup": 1}
+                seq, probes = longest_sequence(probe, seqs[0], limit, step, min(args.timeout, budget.left()))
+                for result in probes:
+                    budget.record(result)
+                failed = seq is None and probes and ("error" in probes[-1] or "unavailable" in probes[-1])
+                report["longest"][family][variant] = "failed (see longest_probes)" if failed else seq
+                report["longest_probes"] += probes
+                save()
     save()
     print(f"\n{markdown(report)}\nwrote {out} and {md}")
+    not_run = sorted({r["family"] for r in report["runs"] if "skipped" in r}, key=families.index)
+    if not_run:
+        print(f"not run within the time budget: --family {','.join(not_run)}")
 
 
 if __name__ == "__main__":

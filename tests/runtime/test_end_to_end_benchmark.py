@@ -1,4 +1,9 @@
-"""benchmarks/end_to_end.py cannot rot: its --tiny smoke run on the CPU, eager and tigon, each in a subprocess."""
+"""benchmarks/end_to_end.py cannot rot: its --tiny smoke run on the CPU, every family's preset and code path.
+
+The CLI run (each variant in its own subprocess, as on the GPU) covers a few families, since every
+subprocess pays the imports; one more subprocess trains every family, eager then tigon, through the same
+`worker`, and the presets' real configs are counted against their models' published sizes.
+"""
 
 from __future__ import annotations
 
@@ -9,31 +14,130 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from benchmarks.end_to_end import PRESETS, parse_families
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
-    out = tmp_path / "e2e.json"
+def _env() -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path; the interpreter would be slow
-    command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--variants", "eager,tigon"]
-    command += ["--seqs", "32", "--steps", "1", "--warmup", "1", "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
+    """Families with different paths: Llama, Gemma 2 (eager attention, softcapping), Qwen3-MoE (experts)."""
+    out = tmp_path / "e2e.json"
+    families = ["llama", "gemma2", "qwen3_moe"]
+    command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
+    command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[1/2] eager at seq 32 x micro-batch 2" in done.stdout
+    assert "[1/9] llama eager at seq 32 x micro-batch 2" in done.stdout
 
     report = json.loads(out.read_text())
-    runs = {run["variant"]: run for run in report["runs"]}
-    assert set(runs) == {"eager", "tigon"}
-    for name, run in runs.items():
-        assert not run["oom"] and run["seq"] == 32 and run["micro_batch"] == 2 and run["checkpointing"]
-        assert run["kernels"] == (name == "tigon")
-        assert run["tokens_per_second"] > 0 and len(run["losses"]) == 2
-        assert all(math.isfinite(loss) for loss in run["losses"])
-        assert run["estimate_bytes"] > 0 and run["peak_bytes"] is None  # no CUDA peak on the CPU
-    # same seed, same data, same initial weights: the kernels compute the same first loss
-    assert abs(runs["eager"]["losses"][0] - runs["tigon"]["losses"][0]) < 1e-4
-    assert math.isclose(runs["eager"]["losses"][0], math.log(512), rel_tol=0.05)  # random init over 512 tokens
+    assert list(report["families"]) == families
+    assert report["families"]["gemma2"]["attention"] == "eager"
+    runs = {(run["family"], run["variant"]): run for run in report["runs"]}
+    assert set(runs) == {(family, variant) for family in families for variant in ("eager", "liger", "tigon")}
+    for family in families:
+        assert "needs a CUDA GPU" in runs[family, "liger"]["unavailable"]  # reported, not an error
+        for variant in ("eager", "tigon"):
+            run = runs[family, variant]
+            assert not run["oom"] and run["seq"] == 32 and run["micro_batch"] == 2 and run["checkpointing"]
+            assert run["kernels"] == (variant == "tigon")
+            assert run["tokens_per_second"] > 0 and len(run["losses"]) == 2
+            assert all(math.isfinite(loss) for loss in run["losses"])
+            assert run["peak_bytes"] is None  # no CUDA peak on the CPU
+        # same seed, same data, same initial weights: the kernels compute the same first loss
+        assert abs(runs[family, "eager"]["losses"][0] - runs[family, "tigon"]["losses"][0]) < 1e-4
+        assert math.isclose(runs[family, "eager"]["losses"][0], math.log(512), rel_tol=0.05)  # random init
+    assert runs["llama", "tigon"]["estimate_bytes"] > 0
+    # the planner counts a dense decoder: an MoE model's estimate is left out, and says why
+    assert runs["qwen3_moe", "eager"]["estimate_bytes"] is None
+    assert "dense-decoder shape" in runs["qwen3_moe", "eager"]["estimate_note"]
 
     table = out.with_suffix(".md").read_text()
-    assert "| eager | 32 | 2 x 1 | on | off |" in table and "| tigon | 32 | 2 x 1 | on | on |" in table
+    assert "| llama | eager | 32 | 2 x 1 | on | off |" in table and "| llama | tigon | 32 | 2 x 1 | on | on |" in table
+    assert "| qwen3_moe | tigon | 32 | 2 x 1 | on | on |" in table and "not modeled" in table
+    assert "| gemma2 | liger | 32 | | | | not available: Liger-Kernel needs a CUDA GPU |" in table
+
+
+_EVERY_FAMILY = """
+import json
+from benchmarks.end_to_end import PRESETS, worker
+
+rows = []
+for family, preset in PRESETS.items():
+    for variant in ("eager", "tigon"):  # eager first: tigon's RoPE patch is module-wide for the family
+        spec = {"family": family, "shape": preset.tiny_shape(), "attention": preset.attention, "variant": variant,
+                "seq": 32, "micro_batch": 2, "checkpointing": True, "steps": 1, "warmup": 1}
+        rows.append(worker(spec))
+print(json.dumps(rows))
+"""
+
+
+def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
+    """Every family's tiny model through the benchmark's worker, in one process (the imports once)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {(run["family"], run["variant"]): run for run in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert set(runs) == {(family, variant) for family in PRESETS for variant in ("eager", "tigon")}
+    for family in PRESETS:
+        eager, tigon = runs[family, "eager"], runs[family, "tigon"]
+        assert eager["tokens_per_second"] > 0 and tigon["tokens_per_second"] > 0
+        assert abs(eager["losses"][0] - tigon["losses"][0]) < 1e-4, family
+        assert math.isclose(eager["losses"][0], math.log(512), rel_tol=0.05), family
+
+
+def test_presets_cover_tigons_families_and_parse():
+    from tigon.kernels.patching import FAMILIES
+
+    assert set(PRESETS) == set(FAMILIES)
+    assert parse_families("all") == list(PRESETS)
+    assert parse_families("qwen3, gemma2") == ["qwen3", "gemma2"]
+    with pytest.raises(ValueError, match="unknown families"):
+        parse_families("llama,gpt2")
+    for family, preset in PRESETS.items():
+        assert preset.family == family
+        assert preset.liger is None or preset.liger.startswith("apply_liger_kernel_to_")
+    assert PRESETS["qwen2_moe"].liger is None  # Liger-Kernel has no Qwen2-MoE function
+
+
+def _count(model_type: str, config: dict) -> tuple[int, object]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters()), hf_config
+
+
+@pytest.mark.parametrize("family", list(PRESETS))
+def test_preset_is_its_source_models_shape(family):
+    """The real config, at its real depth, has the named model's published parameter count (within 2%)."""
+    preset = PRESETS[family]
+    params, hf_config = _count(family, preset.config)
+    assert hf_config.model_type == family
+    assert abs(params - preset.params) <= 0.02 * preset.params, f"{preset.source}: {params:,} vs {preset.params:,.0f}"
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        assert getattr(hf_config, key) == preset.config[key]  # nothing renamed or dropped by the config class
+
+    bench, bench_config = _count(family, preset.shape())  # shortened: fewer layers, the same widths
+    assert bench_config.num_hidden_layers == (preset.layers or preset.config["num_hidden_layers"])
+    assert 0.9e9 <= bench <= 4e9  # ~1B-4B: AdamW in bf16 and the activations fit one 80 GB GPU
+
+    tiny, tiny_config = _count(family, preset.tiny_shape())
+    assert tiny_config.model_type == family and tiny < 2e6 and tiny_config.vocab_size == 512
+
+
+def test_published_sizes_match_the_exact_counts_where_known():
+    """Exact totals published for three members (KerasHub presets), beyond the 2% of the test above."""
+    exact = {"gemma": 2_506_172_416, "gemma2": 2_614_341_888, "gemma3_text": 999_885_952}
+    for family, total in exact.items():
+        assert _count(family, PRESETS[family].config)[0] == total, family
