@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
-#   [planner-tests] [e2e] [e2e-8k] [e2e-longest]   (end-to-end: benchmarks/end_to_end.py, one step per device call;
-#   E2E_VARIANTS=eager,liger picks the variants of e2e-longest, to keep each call under the device's 10 minutes)
+#   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families]   (end-to-end: benchmarks/end_to_end.py, one step per
+#   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
+#   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
+#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -32,6 +34,7 @@ for step in "$@"; do
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
+    e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget 520 --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     *) echo "unknown step $step" ;;
   esac
