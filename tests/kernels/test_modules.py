@@ -153,8 +153,7 @@ def moe_experts(family: str, implementation: str):
     """A transformers 5.x experts module (3-D gate_up_proj/down_proj) with random weights, and its config."""
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     name = {"mixtral": "MixtralExperts", "qwen2_moe": "Qwen2MoeExperts", "qwen3_moe": "Qwen3MoeExperts"}[family]
-    if not hasattr(modeling, name):
-        pytest.skip(f"transformers {transformers.__version__} has no {name} (3-D experts are 5.x)")
+    assert hasattr(modeling, name), f"transformers {transformers.__version__} has no {name} (3-D experts are 5.x)"
     sizes = dict(hidden_size=48, intermediate_size=40, moe_intermediate_size=40, num_experts_per_tok=2)
     config = transformers.AutoConfig.for_model(family, num_experts=5, **sizes)
     config._experts_implementation = implementation

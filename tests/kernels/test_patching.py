@@ -107,39 +107,11 @@ def test_patched_model_matches_eager(model_type, restore_rope):
 
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
-needs_3d_experts = pytest.mark.skipif(TRANSFORMERS_4, reason="transformers 4.x has no 3-D experts modules")
 
 
-@needs_3d_experts
-@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
-def test_experts_follow_the_models_experts_implementation(implementation, restore_rope):
-    """GatedExperts runs transformers' loop ("eager") or its function for the implementation, with tigon's
-    activation; a later `set_experts_implementation` reaches the swapped module (it shares the config)."""
-    baseline = tiny("qwen3_moe", **FAMILY_CASES["qwen3_moe"][0])
-    baseline.set_experts_implementation(implementation)
-    patched = copy.deepcopy(baseline)
-    assert apply(patched).applied["gated_experts"] == 1
-    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 9)))
-    for model in (baseline, patched):
-        model.zero_grad()
-        model.set_experts_implementation("grouped_mm")
-    assert patched.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
-    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 9)))
-
-
-@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
-def test_lora_adapters_stay_on_swapped_mlps_and_experts(model_type, restore_rope):
-    """PEFT LoRA on the fused gate_up_proj Linear (Phi-3) and on the experts' 3-D parameters (Mixtral,
-    `target_parameters`): the swapped modules keep the adapters, and training gives the same gradients."""
+def assert_lora_adapters_kept(model_type: str, targets: dict) -> None:
+    """PEFT LoRA on a swapped module's parameters: the swapped module keeps the adapters, same gradients."""
     peft = pytest.importorskip("peft")
-    if model_type == "mixtral":
-        if TRANSFORMERS_4:
-            pytest.skip("transformers 4.x has no 3-D experts modules")
-        targets = dict(
-            target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        )
-    else:
-        targets = dict(target_modules=["gate_up_proj", "down_proj"])
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, init_lora_weights=False, **targets)
     wrapped = peft.get_peft_model(tiny(model_type, **FAMILY_CASES[model_type][0]), config)
@@ -158,6 +130,11 @@ def test_lora_adapters_stay_on_swapped_mlps_and_experts(model_type, restore_rope
     assert any(".mlp." in name for name, _, _ in trained)
     for name, theirs, ours in trained:
         assert relative_error(ours.grad, theirs.grad) < 1e-4, name
+
+
+def test_lora_adapters_stay_on_the_fused_gate_up_mlp(restore_rope):
+    """PEFT LoRA on Phi-3's fused gate_up_proj Linear survives the swap to PackedGatedMLP."""
+    assert_lora_adapters_kept("phi3", dict(target_modules=["gate_up_proj", "down_proj"]))
 
 
 def test_partial_rotary_calls_fall_back_to_the_original(restore_rope):
