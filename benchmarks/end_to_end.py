@@ -75,7 +75,7 @@ class Preset:
         config, shape = self.config, dict(self.config)
         heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
         shape |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-        shape |= {"vocab_size": 512, "max_position_embeddings": 8192}  # Llama 3's RoPE scaling starts at 8192
+        shape |= {"vocab_size": 512, "max_position_embeddings": 16384}  # past Llama 3 RoPE scaling's 8192
         shape |= {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # the members' are past 512
         if kv_heads is not None:  # multi-head, multi-query or grouped, as the member
             shape["num_key_value_heads"] = 4 if kv_heads == heads else 1 if kv_heads == 1 else 2

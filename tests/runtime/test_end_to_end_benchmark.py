@@ -29,18 +29,18 @@ def _env() -> dict:
 
 
 def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
-    """Families with different paths: Llama, Gemma 2 (eager attention, softcapping), Qwen3-MoE (experts)."""
+    """A dense family and an MoE one (the test below trains every family, in one process)."""
     out = tmp_path / "e2e.json"
-    families = ["llama", "gemma2", "qwen3_moe"]
+    families = ["llama", "qwen3_moe"]
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
     command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[1/9] llama eager at seq 32 x micro-batch 2" in done.stdout
+    assert "[1/6] llama eager at seq 32 x micro-batch 2" in done.stdout
 
     report = json.loads(out.read_text())
     assert list(report["families"]) == families
-    assert report["families"]["gemma2"]["attention"] == "eager"
+    assert report["families"]["qwen3_moe"]["source"] == "Qwen/Qwen3-30B-A3B"
     runs = {(run["family"], run["variant"]): run for run in report["runs"]}
     assert set(runs) == {(family, variant) for family in families for variant in ("eager", "liger", "tigon")}
     for family in families:
@@ -63,7 +63,7 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     table = out.with_suffix(".md").read_text()
     assert "| llama | eager | 32 | 2 x 1 | on | off |" in table and "| llama | tigon | 32 | 2 x 1 | on | on |" in table
     assert "| qwen3_moe | tigon | 32 | 2 x 1 | on | on |" in table and "not modeled" in table
-    assert "| gemma2 | liger | 32 | | | | not available: Liger-Kernel needs a CUDA GPU |" in table
+    assert "| qwen3_moe | liger | 32 | | | | not available: Liger-Kernel needs a CUDA GPU |" in table
 
 
 _EVERY_FAMILY = """
@@ -81,7 +81,10 @@ print(json.dumps(rows))
 
 
 def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
-    """Every family's tiny model through the benchmark's worker, in one process (the imports once)."""
+    """Every family's tiny model through the benchmark's worker, in one process (the imports once).
+
+    Gemma 2 trains at all only with its preset's eager attention (transformers refuses SDPA for it).
+    """
     done = subprocess.run(
         [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
     )
