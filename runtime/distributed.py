@@ -157,16 +157,28 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
 
 
 def drain() -> None:
-    """Wait, at the end of a run that finished on every rank, until the process group's threads are idle.
+    """At the end of a run that finished on every rank, wait until the process groups' threads are idle
+    (`wait_for_idle_process_groups`); only for a group `init_distributed` created."""
+    if _owns_process_group:
+        wait_for_idle_process_groups()
+
+
+def wait_for_idle_process_groups() -> None:
+    """A barrier on every process group of this process (the default one and those FSDP2 or DeepSpeed made).
 
     A gloo worker thread releases a finished collective's tensors after the caller has moved on, and that
     release takes the GIL. If the process exits meanwhile, the thread meets an interpreter that is finalizing
     and the process aborts (std::terminate), so torchrun reports a finished run as failed (seen in 1 of 5
-    two-rank CPU runs). A barrier waits for all earlier work with the GIL released and holds no tensor itself.
-    Not for a failed run: a lost peer would never reach the barrier.
+    two-rank CPU runs). A group's barrier waits for all its earlier work with the GIL released and holds no
+    tensor itself; each group has its own threads. Call on every rank, never after a failure: a lost peer
+    would never reach the barrier.
     """
-    if _owns_process_group and dist.is_initialized():
-        dist.barrier()
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):  # in creation order, the same on every rank
+        dist.barrier(group=group)
 
 
 def shutdown() -> None:

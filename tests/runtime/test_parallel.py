@@ -40,6 +40,7 @@ import json, os, sys, time
 started = time.perf_counter()
 import torch.distributed as dist
 from tigon.runtime.config import load_config
+from tigon.runtime.distributed import wait_for_idle_process_groups
 from tigon.runtime.trainer import train
 
 dist.init_process_group("gloo")  # once for all runs; the trainer leaves a caller's group alone
@@ -54,7 +55,7 @@ for path in sys.argv[2:]:
               "export_dir": result.export_dir, "eval": result.eval_metrics}
     with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
         json.dump(record, file)
-dist.barrier()  # as tigon.runtime.distributed.drain: the gloo threads go idle before the process exits
+wait_for_idle_process_groups()  # the gloo threads go idle before the process exits (see its docstring)
 dist.destroy_process_group()
 """
 

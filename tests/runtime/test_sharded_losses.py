@@ -207,6 +207,8 @@ def main(out_dir: str, case: str) -> None:
     """The worker: run `case` (fsdp, deepspeed or dtensor) and save rank-local results under `out_dir`."""
     import torch.distributed as dist
 
+    from tigon.runtime.distributed import wait_for_idle_process_groups
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if case == "dtensor":
@@ -219,7 +221,7 @@ def main(out_dir: str, case: str) -> None:
             print(f"{case} {variant}: {time.perf_counter() - started:.1f} s", flush=True)
             if rank == 0:
                 torch.save({"losses": losses, "state": state}, f"{out_dir}/{case}-{variant}.pt")
-    dist.barrier()  # as tigon.runtime.distributed.drain: the gloo threads go idle before the process exits
+    wait_for_idle_process_groups()  # the gloo threads go idle before the process exits (see its docstring)
     dist.destroy_process_group()
 
 
