@@ -68,31 +68,47 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
 DATA_KEYS = ("train", "eval")
 
 
-def local_data(config: RunConfig) -> dict[str, Path]:
-    """The config's data files and `datasets` directories on this machine, which the pods cannot read: they are
-    uploaded. A relative path that does not exist here is an error; an absolute one is taken to be in the image."""
+def resolve_data_path(path: str, root: str | Path, from_cwd: bool = False) -> str:
+    """A config's data path: a relative one under `root` (a URL, or a directory wherever the code runs); URLs and
+    absolute paths as they are. With `from_cwd` (`root` is the config file's directory), a relative path that
+    exists from the current directory is taken from there, as configs are often written for the repository root."""
+    if not is_local_url(path) or Path(path).is_absolute():
+        return path
+    if not is_local_url(str(root)):
+        return f"{str(root).rstrip('/')}/{path}"
+    if from_cwd and Path(path).exists():
+        return str(Path(path).resolve())
+    return str((Path(root) / path).resolve())
+
+
+def local_data(config: RunConfig, config_dir: Path) -> dict[str, Path]:
+    """The config's data files and `datasets` directories on this machine (relative paths resolved as the workflow
+    resolves them), which the pods cannot read: they are uploaded. A relative path that does not exist here is an
+    error; an absolute one is taken to be in the image."""
     found, missing = {}, []
     for key in DATA_KEYS:
         path = getattr(config.data, key)
         if not path or not is_local_url(path) or "://" in path:
             continue
-        if Path(path).exists():
-            found[key] = Path(path).resolve()
+        location = Path(resolve_data_path(path, config_dir, from_cwd=True))
+        if location.exists():
+            found[key] = location
         elif not Path(path).is_absolute():
             missing.append(f"data.{key}: {path}")
     if missing:
         raise SubmissionError(
-            f"data not found on this machine: {'; '.join(missing)} (relative to {Path.cwd()}). Fix the path, or "
-            "use s3:// or gs:// URLs, or absolute paths inside the training image."
+            f"data not found on this machine: {'; '.join(missing)} (relative to {Path.cwd()} or to the config's "
+            f"directory {config_dir}). Fix the path, or use s3:// or gs:// URLs, or absolute paths inside the "
+            "training image."
         )
     return found
 
 
-def stage_data(config: RunConfig, staging: Path) -> RunConfig:
+def stage_data(config: RunConfig, config_dir: Path, staging: Path) -> RunConfig:
     """Copy the run's local data into `staging` (`train/<name>`, `eval/<name>`) and point the config at those
     relative paths: `staging` becomes the workflow's `data_dir`, which pyflyte uploads to the object store."""
     moved = {}
-    for key, source in local_data(config).items():
+    for key, source in local_data(config, config_dir).items():
         target = staging / key / source.name
         target.parent.mkdir(parents=True)
         if source.is_dir():
@@ -103,14 +119,14 @@ def stage_data(config: RunConfig, staging: Path) -> RunConfig:
     return config.model_copy(update={"data": config.data.model_copy(update=moved)})
 
 
-def check_remote(config: RunConfig) -> None:
+def check_remote(config: RunConfig, config_dir: Path) -> None:
     """What a run on the cluster needs beyond `check_submission`: the workflow file here, data that exists."""
     if not WORKFLOW.is_file():
         raise SubmissionError(
             f"the workflow file {WORKFLOW} is missing: `tigon submit` runs from a tigon checkout "
             "(git clone, then pip install -e '.[platform]')"
         )
-    local_data(config)
+    local_data(config, config_dir)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, config_help: str) -> None:
@@ -147,12 +163,13 @@ def submit(argv: list[str]) -> int:
     try:
         config = load_config(args.config, overrides)
         template = check_submission(config, get_template(args.job_template), args.nodes)
-        check_remote(config)
+        config_dir = Path(args.config).resolve().parent
+        check_remote(config, config_dir)
     except (ConfigError, TemplateError, SubmissionError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR
     staging = Path(tempfile.mkdtemp(prefix="tigon-data-"))
-    config = stage_data(config, staging)
+    config = stage_data(config, config_dir, staging)
     data_options = ["--data_dir", str(staging)] if any(staging.iterdir()) else []
     command = [
         sys.executable,

@@ -36,7 +36,7 @@ from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
 from tigon.platform.faults import is_retryable, lost_worker
 from tigon.platform.jobs import flyte_task_options, job_name
-from tigon.platform.submit import check_submission
+from tigon.platform.submit import check_submission, resolve_data_path
 from tigon.platform.templates import JobTemplate, load_templates
 from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config
@@ -73,25 +73,14 @@ def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "",
         )
     else:
         loaded, config_dir = load_config(config, overrides), Path(config).resolve().parent
+    root, from_cwd = (data_root, False) if data_root else (config_dir, True)
     data = loaded.data.model_copy(
         update={
-            "train": _absolute(loaded.data.train, data_root or config_dir),
-            "eval": _absolute(loaded.data.eval, data_root or config_dir) if loaded.data.eval else None,
+            "train": resolve_data_path(loaded.data.train, root, from_cwd),
+            "eval": resolve_data_path(loaded.data.eval, root, from_cwd) if loaded.data.eval else None,
         }
     )
     return loaded.model_copy(update={"data": data})
-
-
-def _absolute(path: str, root: str | Path) -> str:
-    """A relative data path under `root` (a URL, or a directory wherever the task runs); URLs and absolute
-    paths stay. Under a config file's directory, a path that exists from the current directory is taken as is."""
-    if not is_local_url(path) or Path(path).is_absolute():
-        return path
-    if not is_local_url(str(root)):
-        return f"{str(root).rstrip('/')}/{path}"
-    if isinstance(root, Path) and Path(path).exists():
-        return str(Path(path).resolve())
-    return str((Path(root) / path).resolve())
 
 
 def data_root(data_dir: FlyteDirectory | None) -> str:

@@ -80,6 +80,28 @@ def test_local_data_is_staged_and_sent_as_the_workflows_data_dir(capsys, monkeyp
         shutil.rmtree(staged)
 
 
+def test_data_relative_to_the_config_file_is_staged_as_the_workflow_reads_it(capsys, tmp_path, monkeypatch):
+    """A config in another directory naming its data relative to itself: `tigon submit` finds the files where the
+    workflow's validate task would (the config's directory), not only from the current directory."""
+    config_dir = tmp_path / "configs"
+    (config_dir / "data").mkdir(parents=True)
+    raw = yaml.safe_load(Path(DEMO).read_text())
+    for key in ("train", "eval"):
+        (config_dir / "data" / f"{key}.jsonl").write_bytes((ROOT / raw["data"][key]).read_bytes())
+    raw["data"].update(train="data/train.jsonl", eval="data/eval.jsonl")
+    (config_dir / "run.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "configs/run.yaml", "--job-template", "cpu-small", "--dry-run"]) == 0, capsys.readouterr()
+    command = shlex.split(capsys.readouterr().out)
+    staged = Path(command[command.index("--data_dir") + 1])
+    try:
+        sent = yaml.safe_load(command[command.index("--config_yaml") + 1])
+        assert sent["data"]["train"] == "train/train.jsonl"
+        assert (staged / "train" / "train.jsonl").read_bytes() == (config_dir / "data" / "train.jsonl").read_bytes()
+    finally:
+        shutil.rmtree(staged)
+
+
 def test_missing_local_data_is_refused_and_data_in_the_image_or_a_bucket_is_sent_as_it_is(capsys, tmp_path):
     missing = ["--set", "data.train=nowhere/train.jsonl"]
     assert main(["submit", DEMO, "--job-template", "cpu-small", *missing, "--dry-run"]) == 2
