@@ -7,13 +7,16 @@ accumulation from `training`, clipping from `training.max_grad_norm`, bf16 or fp
 stage and CPU offload come from `parallelism`. The loop keeps its loss normalization: each
 micro-batch's loss already carries the global-batch token count, so `engine.backward` does not
 divide by the accumulation steps again. On a CPU machine `DS_ACCELERATOR=cpu` is set before
-DeepSpeed is imported; DeepSpeed then JIT-builds a small communication op with g++ and ninja
-(cached under ~/.cache/torch_extensions).
+DeepSpeed is imported; DeepSpeed then JIT-builds a small communication op (and CPU Adam for
+ZeRO-Offload) with g++ and ninja (cached under ~/.cache/torch_extensions).
 
 Checkpoints are DeepSpeed's own (`engine.save_checkpoint`, every rank writes its partition)
-inside the runtime's atomic `step-N` directory, under `deepspeed/`. Export gathers the weights
-to rank 0: ZeRO-3 through `_zero3_consolidated_16bit_state_dict` (the parameters in their training
-dtype; `stage3_gather_16bit_weights_on_model_save` is on), stages 1 and 2 from the module.
+inside the runtime's atomic `step-N` directory, under `deepspeed/`. The learning-rate schedule is
+kept in DeepSpeed's client state, since an engine that the HF Trainer creates does not own it (HF
+steps the schedule itself); so the torch trainer's engine loads the adapters' checkpoints too.
+Export gathers the weights to rank 0: ZeRO-3 through `_zero3_consolidated_16bit_state_dict` (the
+parameters in their training dtype; `stage3_gather_16bit_weights_on_model_save` is on), stages 1 and
+2 from the module.
 """
 
 from __future__ import annotations
@@ -30,12 +33,17 @@ from tigon.runtime.distributed import DistEnv
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
 
 TAG = "deepspeed"  # the sub-directory of a step-N checkpoint that holds DeepSpeed's files
+SCHEDULE = "tigon_schedule"  # the client-state key of the learning-rate schedule's state
 ADAMW_BETAS = (0.9, 0.95)  # as trainer.build_optimizer
 ADAMW_EPS = 1e-8
 
 
-def deepspeed_config(config: RunConfig, world_size: int) -> dict:
-    """The DeepSpeed JSON config equivalent to the run's training and parallelism sections."""
+def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool = True) -> dict:
+    """The DeepSpeed JSON config equivalent to the run's training and parallelism sections.
+
+    `optimizer_section=False` leaves the optimizer out, for a caller that hands DeepSpeed its own: the HF
+    adapter gives the Trainer `trainer.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
+    over the same groups under ZeRO-Offload, as this config's optimizer section does."""
     training, parallelism = config.training, config.parallelism
     stage = parallelism.zero_stage
     zero: dict = {"stage": stage}
@@ -53,7 +61,7 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
             zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     else:
         optimizer["torch_adam"] = True  # torch's AdamW (FusedAdam would need a CUDA build); offload uses CPU Adam
-    return {
+    built = {
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
         "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * world_size,
@@ -64,6 +72,9 @@ def deepspeed_config(config: RunConfig, world_size: int) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if not optimizer_section:
+        del built["optimizer"]
+    return built
 
 
 def import_deepspeed(device: torch.device):
@@ -95,25 +106,31 @@ def forget_destroyed_world_group() -> None:
 
 
 class DeepSpeedStrategy(ShardedExport, DDPStrategy):
-    """A DeepSpeed engine (ZeRO `parallelism.zero_stage`) around the model, its optimizer and schedule."""
+    """A DeepSpeed engine (ZeRO `parallelism.zero_stage`) around the model, its optimizer and schedule; `model` is
+    the engine."""
 
-    def __init__(self, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+    @classmethod
+    def build(cls, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+        """`deepspeed.initialize` with the run's DeepSpeed config, AdamW over `trainer.param_groups`, the schedule."""
         from tigon.runtime.trainer import build_scheduler, param_groups
 
         deepspeed = import_deepspeed(device)
-        self.module, self.config, self.env, self.device = module, config, env, device
         training = config.training
         groups = param_groups(module, training.weight_decay)
         if not groups:
             raise ConfigError("the model has no trainable parameters (check lora.target_modules)")
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+        engine, optimizer, _, scheduler = deepspeed.initialize(
             model=module,
             model_parameters=groups,
             config=deepspeed_config(config, env.world_size),
             lr_scheduler=lambda optimizer: build_scheduler(optimizer, training, total_steps),
             dist_init_required=False,
         )
-        self.model = self.engine
+        return cls(module, engine, optimizer, scheduler, config, env, device)
+
+    @property
+    def engine(self):
+        return self.model
 
     def accumulating(self, last: bool):
         self.engine.set_gradient_accumulation_boundary(last)
@@ -132,7 +149,8 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         return self.engine.get_lr()[0]
 
     def write_state(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+        schedule = {SCHEDULE: self.scheduler.state_dict()}
+        self.engine.save_checkpoint(str(directory), tag=TAG, client_state=schedule, save_latest=False)
 
     def read_state(self, directory: Path) -> None:
         if not (directory / TAG).is_dir():
@@ -140,9 +158,15 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
                 f"{directory} has no {TAG}/ directory: it was not written with parallelism.strategy 'deepspeed'; "
                 "resume with the strategy that wrote it, or set checkpoint.resume: false to start over"
             )
-        loaded, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        loaded, client_state = self.engine.load_checkpoint(str(directory), tag=TAG, load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory / TAG}")
+        if SCHEDULE not in client_state:
+            raise RuntimeError(
+                f"{directory / TAG} holds no learning-rate schedule (written by an older tigon); set "
+                "checkpoint.resume: false to start over"
+            )
+        self.scheduler.load_state_dict(client_state[SCHEDULE])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.config.parallelism.zero_stage == 3:
@@ -153,14 +177,16 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
 
 
 def build_cpu_ops() -> None:
-    """JIT-build the communication op DeepSpeed's CPU accelerator loads at start (once; cached on disk)."""
+    """JIT-build the ops DeepSpeed's CPU accelerator loads (once; cached on disk): the communication op it loads at
+    start, and CPU Adam, which ZeRO-Offload steps with."""
     if torch.cuda.is_available():
         return
     import_deepspeed(torch.device("cpu"))
     from deepspeed.accelerator import get_accelerator
 
-    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    for builder in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+        get_accelerator().create_op_builder(builder).load()
 
 
-if __name__ == "__main__":  # scripts/setup-venv.sh: build the op before the tests need it
+if __name__ == "__main__":  # scripts/setup-venv.sh: build the ops before the tests need them
     build_cpu_ops()

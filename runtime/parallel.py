@@ -17,6 +17,11 @@ Every strategy writes into the runtime's `step-N` checkpoint directory (`checkpo
 temporary name, barrier, rank 0 renames, last K kept), and exports the whole model as a
 `save_pretrained` directory: a sharded strategy gathers the full state dict to rank 0, which loads
 it into a plain copy of the model and exports that (LoRA merged when asked).
+
+`build` makes a strategy for the torch trainer: it wraps the model and creates the optimizer and
+schedule. The HF Trainer and Lightning adapters let their framework run the parallelism and construct
+the strategy around what the framework built (`Strategy(module, model, optimizer, scheduler, ...)`), so
+that the three trainers share the sharding (`shard_model`), the checkpoints and the export.
 """
 
 from __future__ import annotations
@@ -38,20 +43,42 @@ FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16}  # MixedPrecisionPolicy.param_dtype
 
 
 class DDPStrategy:
-    """The replicated model: DDP across processes, the model itself in one process."""
+    """The replicated model: DDP across processes, the model itself in one process.
 
-    def __init__(self, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
-        from tigon.runtime.trainer import build_optimizer, build_scheduler
+    `module` is the plain model, `model` what the forward runs through (DDP, the sharded module, the
+    DeepSpeed engine); `scaler` is the fp16 gradient scaler (a disabled one when None).
+    """
 
-        self.module, self.config, self.env, self.device = module, config, env, device
-        self.model = self.wrap(module)
-        self.optimizer = build_optimizer(module, config.training)
-        self.scheduler = build_scheduler(self.optimizer, config.training, total_steps)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=config.training.precision == "fp16")
+    def __init__(
+        self,
+        module: nn.Module,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        config: RunConfig,
+        env: DistEnv,
+        device: torch.device,
+        scaler: torch.amp.GradScaler | None = None,
+    ):
+        self.module, self.model, self.optimizer, self.scheduler = module, model, optimizer, scheduler
+        self.config, self.env, self.device = config, env, device
+        enabled = config.training.precision == "fp16"
+        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=enabled)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        return wrap_model(module, self.config, self.env, self.device)
+    @classmethod
+    def build(cls, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+        """The torch trainer's strategy: the model wrapped, then its optimizer and schedule."""
+        from tigon.runtime.trainer import build_optimizer, build_scheduler
+
+        model = cls.wrap(module, config, env, device)
+        optimizer = build_optimizer(module, config.training)
+        scheduler = build_scheduler(optimizer, config.training, total_steps)
+        return cls(module, model, optimizer, scheduler, config, env, device)
+
+    @staticmethod
+    def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+        return wrap_model(module, config, env, device)
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's forward and backward; gradients are synchronized on the last."""
@@ -141,43 +168,55 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
+def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+    """FSDP2 in place: each decoder layer, then the root, `fully_shard`ed over all ranks; returns `module`.
+
+    The MixedPrecisionPolicy keeps parameters in bf16 for the forward and backward with `training.precision:
+    bf16` and reduces gradients in fp32; `parallelism.cpu_offload` adds a CPUOffloadPolicy. Ranks but 0 may
+    hold the model on the meta device (`trainer.prepare`): they receive rank 0's weights once it is sharded.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options: dict = {
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=FSDP_PARAM_DTYPES.get(config.training.precision), reduce_dtype=torch.float32
+        )
+    }
+    if config.parallelism.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    full_state = module.state_dict() if env.is_main else {}  # rank 0's weights, for the other ranks
+    layers = decoder_layers(module)
+    if not layers:
+        logger.warning("fsdp: no decoder layers found (no _no_split_modules); sharding the model as one unit")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(module, **options)
+    if env.distributed:
+        receive_rank0_weights(module, full_state, device)
+    if env.is_main:
+        logger.info("fsdp: %d decoder layers and the root sharded over %d ranks", len(layers), env.world_size)
+    return module
+
+
+def receive_rank0_weights(module: nn.Module, full_state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Every rank's shards and buffers from rank 0's model. The other ranks built theirs on the meta device
+    (`prepare`), so no rank but 0 spends the time or memory of building the whole model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
+        module.to_empty(device=device)  # FSDP2 moves the shards back to the CPU under cpu_offload
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full_state, options=options)
+    for buffer in module.buffers():  # not in the state dict when non-persistent (RoPE's inverse frequencies)
+        torch.distributed.broadcast(buffer, src=0)
+
+
 class FSDPStrategy(ShardedExport, DDPStrategy):
-    """FSDP2: every decoder layer and then the root `fully_shard`ed over all ranks."""
+    """FSDP2: every decoder layer and then the root `fully_shard`ed over all ranks (`shard_model`)."""
 
-    def wrap(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        options: dict = {
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=FSDP_PARAM_DTYPES.get(self.config.training.precision), reduce_dtype=torch.float32
-            )
-        }
-        if self.config.parallelism.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        full_state = module.state_dict() if self.env.is_main else {}  # rank 0's weights, for the other ranks
-        layers = decoder_layers(module)
-        if not layers:
-            logger.warning("fsdp: no decoder layers found (no _no_split_modules); sharding the model as one unit")
-        for layer in layers:
-            fully_shard(layer, **options)
-        fully_shard(module, **options)
-        if self.env.distributed:
-            self.receive_rank0_weights(module, full_state)
-        if self.env.is_main:
-            logger.info("fsdp: %d decoder layers and the root sharded over %d ranks", len(layers), self.env.world_size)
-        return module
-
-    def receive_rank0_weights(self, module: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-        """Every rank's shards and buffers from rank 0's model. The other ranks built theirs on the meta device
-        (`prepare`), so no rank but 0 spends the time or memory of building the whole model."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        if any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()]):
-            module.to_empty(device=self.device)  # FSDP2 moves the shards back to the CPU under cpu_offload
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(module, full_state, options=options)
-        for buffer in module.buffers():  # not in the state dict when non-persistent (RoPE's inverse frequencies)
-            torch.distributed.broadcast(buffer, src=0)
+    @staticmethod
+    def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+        return shard_model(module, config, env, device)
 
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
@@ -226,13 +265,18 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         return state if self.env.is_main else None
 
 
-def build_strategy(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
-    """The configured strategy around `module` (already on its device), with its optimizer and schedule."""
+def strategy_class(config: RunConfig) -> type[DDPStrategy]:
+    """The class of the configured strategy (DeepSpeed's imported only when chosen)."""
     strategy = config.parallelism.strategy
     if strategy == "fsdp":
-        return FSDPStrategy(module, config, env, device, total_steps)
+        return FSDPStrategy
     if strategy == "deepspeed":
         from tigon.runtime.deepspeed_engine import DeepSpeedStrategy
 
-        return DeepSpeedStrategy(module, config, env, device, total_steps)
-    return DDPStrategy(module, config, env, device, total_steps)
+        return DeepSpeedStrategy
+    return DDPStrategy
+
+
+def build_strategy(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
+    """The configured strategy around `module` (already on its device), with its optimizer and schedule."""
+    return strategy_class(config).build(module, config, env, device, total_steps)

@@ -437,7 +437,7 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     if env.is_main:
         logger.info("data: %s", data_summary)
     # FSDP2: only rank 0 builds (or loads) the whole model; the others build its shapes on the meta device and
-    # receive rank 0's weights once it is sharded (FSDPStrategy.receive_rank0_weights).
+    # receive rank 0's weights once it is sharded (parallel.receive_rank0_weights).
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
     model = build_model(config, len(tokenizer), tokenizer, meta=meta)
     if not meta:
@@ -495,7 +495,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
                 from tigon.runtime.lightning_trainer import train_with_lightning as adapter
             result = adapter(config, datasets)
         else:
-            result = _train(config, prepare(config, datasets))
+            result = train_prepared(config, prepare(config, datasets))
         drain()
         return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
@@ -504,7 +504,9 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
         shutdown()
 
 
-def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
+def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
+    """The torch trainer's run on what `prepare` built. The adapters finish a run that has no step left to train
+    (resumed at its last step) here too: it loads the checkpoint they wrote, evaluates and exports."""
     env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
     training = config.training
     run_dir = Path(config.logging.run_dir)
@@ -660,15 +662,24 @@ def _train(config: RunConfig, prepared: Prepared) -> TrainResult:
 
 
 def _optimizer_step(strategy, sampler, dataset, state, config, env, device):
-    """Forward and backward over this rank's micro-batches of one global batch, then the update (`strategy.step`).
+    """One optimizer step over this rank's micro-batches of the global batch at the run's position (`state`).
 
     Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens processed).
     """
-    training = config.training
     micro_batches = [
         collate([dataset[i] for i in indices]) for indices in sampler.micro_batches(state.epoch, state.batches_in_epoch)
     ]
-    n_label, n_tokens = global_token_counts(micro_batches, env, device, state.step + 1)
+    return run_global_batch(strategy, micro_batches, config, env, device, state.step + 1)
+
+
+def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
+    """Forward and backward over this rank's micro-batches of one global batch, then the update (`strategy.step`).
+
+    Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
+    before clipping, tokens processed); `step` (1-based) names the step in errors.
+    """
+    training = config.training
+    n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
         with strategy.accumulating(last=index == len(micro_batches) - 1):

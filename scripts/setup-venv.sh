@@ -11,8 +11,8 @@ fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -U pip
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2> >(grep -v "is ignored" >&2)
-# The deepspeed extra: DeepSpeed JIT-builds a small CPU communication op (g++, ninja) on first use. Build it here, once
-# (cached in ~/.cache/torch_extensions), so the first DeepSpeed run or test does not pay for the compile.
+# The deepspeed extra: DeepSpeed JIT-builds a small CPU communication op and CPU Adam (ZeRO-Offload) with g++ and ninja
+# on first use. Build them here, once (cached in ~/.cache/torch_extensions), so no DeepSpeed run or test pays for it.
 if "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('deepspeed') is None)"; then
   "$venv/bin/python" -m tigon.runtime.deepspeed_engine
 fi

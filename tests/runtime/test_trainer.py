@@ -270,7 +270,7 @@ def test_lora_trains_only_adapters(tmp_path):
 
     prepared = trainer.prepare(config)
     before = {n: p.detach().clone() for n, p in prepared.model.named_parameters()}
-    trainer._train(config, prepared)
+    trainer.train_prepared(config, prepared)
     changed = {n for n, p in prepared.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in name for name in changed)
 
