@@ -82,11 +82,6 @@ def check_strategy(config: RunConfig) -> None:
     strategy = config.parallelism.strategy
     if strategy == "ddp":
         return
-    if config.trainer != "torch":
-        raise ConfigError(
-            f"parallelism.strategy: {strategy!r} runs with trainer 'torch' only; set trainer: torch, "
-            "or strategy: ddp for the hf and lightning adapters"
-        )
     if config.training.precision == "fp16":
         raise ConfigError(
             f"training.precision: fp16 is not supported with parallelism.strategy {strategy!r} (it needs a sharded "

@@ -3,21 +3,32 @@
     result = train(config)  # with config.trainer == "hf"
 
 Shared with the torch trainer: `prepare` (model, tokenizer, packed data), `build_optimizer` and
-`build_scheduler` (passed as `optimizers=`), the data order (`GlobalBatchSampler`), `evaluate`.
-The loss is the model's own causal-LM loss, which transformers (5.x) sums over label tokens and
-divides by `num_items_in_batch`: the label tokens (after the shift) of all micro-batches of the
-step, exactly the torch trainer's normalization. HF's own checkpointing and reporting stay off:
-`AdapterCheckpoints` writes the torch trainer's checkpoints (every N steps, last K kept, atomic) from a
-callback and resumes from them exactly, and the per-step losses go through tigon's Reporter. Under
-torchrun the HF adapter runs DDP (accelerate wraps the model): `epoch_order` deals the micro-batches
-of each global batch to the ranks as the torch trainer does, and each step's loss is summed over the
-ranks. `AdapterCheckpoints`, `OrderSampler` and `finish_adapter_run` are shared with the Lightning one.
+`build_scheduler` (the Trainer's `create_optimizer` / `create_scheduler`), the data order
+(`GlobalBatchSampler`), `evaluate`, and the parallelism's checkpoints and export (a strategy of
+`tigon.runtime.parallel` constructed around what the Trainer built). The loss is the model's own
+causal-LM loss, which transformers (5.x) sums over label tokens and divides by `num_items_in_batch`:
+the label tokens (after the shift) of all micro-batches of the step, exactly the torch trainer's
+normalization. HF's own checkpointing and reporting stay off: `AdapterCheckpoints` writes the torch
+trainer's checkpoints (every N steps, last K kept, atomic) from a callback and resumes from them
+exactly, and the per-step losses go through tigon's Reporter.
+
+Parallelism under torchrun: `ddp`, accelerate wraps the model in DDP; `deepspeed`,
+`TrainingArguments(deepspeed=...)` with the config `deepspeed_engine.deepspeed_config` builds from the
+run, so accelerate creates the engine around tigon's optimizer and HF steps tigon's schedule; `fsdp`,
+tigon shards the model itself (`parallel.shard_model`: the torch trainer's decoder-layer units, fp32
+gradient reduction, rank 0's weights) and hands it to the Trainer as already wrapped (`ShardedModel`),
+so accelerate neither wraps it in DDP nor shards it again. In every case `epoch_order` deals the
+micro-batches of each global batch to the ranks as the torch trainer does, and each step's loss is
+summed over the ranks. `AdapterCheckpoints`, `OrderSampler` and `finish_adapter_run` are shared with
+the Lightning adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -28,12 +39,14 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
+from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
 from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     Evaluation,
     GlobalBatchSampler,
     Prepared,
     TrainResult,
+    autocast,
     build_optimizer,
     build_scheduler,
     check_config,
@@ -134,12 +147,12 @@ class AdapterCheckpoints:
     def remaining(self, total_steps: int) -> list[tuple[int, int]]:
         return positions(self.state, self.per_epoch, max(0, total_steps - self.state.step))
 
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler=None) -> None:
-        """Load the checkpoint's states once; call right before the first step (after any data loader started,
-        which draws from the RNG)."""
+    def restore(self, strategy: DDPStrategy) -> None:
+        """Load the checkpoint's states into `strategy` (the parallelism's model, optimizer, schedule) once; call
+        right before the first step (after any data loader started, which draws from the RNG)."""
         if self.pending:
             self.pending = False
-            ckpt.load_checkpoint(self.latest, model, optimizer, scheduler, self.env, scaler)
+            strategy.load_checkpoint(self.latest)
             if self.env.is_main:
                 logger.info("resumed from %s (step %d, epoch %d)", self.latest, self.state.step, self.state.epoch)
 
@@ -153,14 +166,13 @@ class AdapterCheckpoints:
         state.tokens_seen += tokens
         state.losses.append(loss)
 
-    def save_if_due(self, total_steps: int, model: nn.Module, optimizer, scheduler, scaler=None) -> None:
-        """Write `step-N` when `checkpoint.every_steps` (or the last step) says so; call on every rank."""
+    def save_if_due(self, total_steps: int, strategy: DDPStrategy) -> None:
+        """Write `step-N` (in `strategy`'s format) when `checkpoint.every_steps` or the last step says so; call on
+        every rank."""
         state = self.state
         every, keep = self.config.checkpoint.every_steps, self.config.checkpoint.keep_last
         if every > 0 and (state.step % every == 0 or state.step == total_steps):
-            saved = ckpt.save_checkpoint(
-                self.run_dir, state, model, optimizer, scheduler, self.env, keep, scaler, self.config_json
-            )
+            saved = strategy.save_checkpoint(self.run_dir, state, keep, self.config_json)
             if self.env.is_main and self.remote is not None:
                 self.remote.upload_checkpoint(saved, keep)
 
@@ -172,19 +184,18 @@ def finish_adapter_run(
     reporter: Reporter,
     train_seconds: float,
     tokens: int,
+    strategy: DDPStrategy,
 ) -> TrainResult:
-    """Export, and write the loss curve and summary as the torch trainer does (after `Evaluation.finish`)."""
+    """Export through `strategy` (a sharded one gathers the weights to rank 0), and write the loss curve and summary
+    as the torch trainer does (after `Evaluation.finish`); call on every rank."""
     run_dir = Path(config.logging.run_dir)
     model, device, state = prepared.model, prepared.device, checkpoints.state
     losses, eval_history = state.losses, state.eval_history
     export_dir = export_url = None
     if config.checkpoint.export:
+        exported = strategy.export(prepared.tokenizer, run_dir / ckpt.EXPORT, config.checkpoint.merge_lora)
         if prepared.env.is_main:
-            export_dir = str(
-                ckpt.export_model(
-                    model, prepared.tokenizer, run_dir / ckpt.EXPORT, merge_lora=config.checkpoint.merge_lora
-                )
-            )
+            export_dir = str(exported)
             if checkpoints.remote is not None:
                 export_url = checkpoints.remote.upload_export(export_dir)
         barrier(prepared.env)
@@ -232,20 +243,119 @@ def make_reporter(
     )
 
 
+class ShardedModel(nn.Module):
+    """A model `shard_model` sharded with FSDP2, as the Trainer's wrapped model.
+
+    The Trainer asks accelerate to prepare only a model it has not wrapped itself, so accelerate neither wraps
+    this one in DDP nor shards it again (accelerate's own FSDP2 runs on GPUs only, with other units and bf16
+    gradient reduction). Between the micro-batches of a step accelerate enters the wrapped model's `no_sync`,
+    DDP's name for deferring the gradient reduction: here FSDP2's reduce-scatter waits for the last micro-batch.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+
+def deepspeed_arguments(config: RunConfig, env: DistEnv, device: torch.device) -> dict:
+    """`TrainingArguments(deepspeed=...)`: the config `deepspeed_config` builds from the run, without its optimizer
+    section (the Trainer hands DeepSpeed tigon's optimizer); none unless the strategy is deepspeed."""
+    if config.parallelism.strategy != "deepspeed":
+        return {}
+    from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed
+
+    import_deepspeed(device)  # on DeepSpeed's CPU accelerator on a CPU machine, before transformers imports it
+    return {"deepspeed": deepspeed_config(config, env.world_size, optimizer_section=False)}
+
+
+@contextlib.contextmanager
+def trainer_process_state():
+    """Leave behind none of the process-wide state a Trainer sets: accelerate's shared state and the ACCELERATE_*
+    variables it adds (the next Trainer in this process would inherit this one's parallelism, e.g. DeepSpeed), and
+    transformers' ZeRO-3 flag (every model built under it is partitioned with `deepspeed.zero.Init`, a collective:
+    the export's plain copy on rank 0 too, so it is cleared before the export)."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    saved = {name: value for name, value in os.environ.items() if name.startswith("ACCELERATE_")}
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        unset_hf_deepspeed_config()
+        for name in [name for name in os.environ if name.startswith("ACCELERATE_") and name not in saved]:
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int):
+    """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints,
+    evaluation and logging off (tigon's run instead)."""
+    from transformers import TrainingArguments
+
+    training = config.training
+    return TrainingArguments(
+        output_dir=str(Path(config.logging.run_dir) / "hf"),
+        per_device_train_batch_size=training.micro_batch_size,
+        gradient_accumulation_steps=training.gradient_accumulation_steps,
+        max_steps=max_steps,
+        max_grad_norm=training.max_grad_norm or 0.0,  # 0 turns HF's clipping off
+        seed=training.seed,
+        bf16=training.precision == "bf16",
+        fp16=training.precision == "fp16",
+        use_cpu=device.type == "cpu",
+        report_to="none",
+        save_strategy="no",  # tigon's checkpoints (AdapterCheckpoints) instead
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        **deepspeed_arguments(config, env, device),
+    )
+
+
+def attached_strategy(trainer, prepared: Prepared, config: RunConfig) -> DDPStrategy:
+    """The run's strategy around what the Trainer prepared (once `train` has wrapped the model), for the checkpoints
+    and the export: the model (sharded in place, or inside DeepSpeed's engine), tigon's optimizer and schedule."""
+    module, env, device = prepared.model, prepared.env, prepared.device
+    optimizer, scheduler = trainer.tigon_optimizer, trainer.lr_scheduler
+    if config.parallelism.strategy == "deepspeed":
+        engine = trainer.model_wrapped
+        return strategy_class(config)(module, engine, engine.optimizer, scheduler, config, env, device)
+    scaler = getattr(trainer.accelerator, "scaler", None)  # fp16 on a GPU: its loss scale is checkpointed too
+    return strategy_class(config)(module, module, optimizer, scheduler, config, env, device, scaler)
+
+
 def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would.
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from tigon.runtime.data import model_inputs
+    from tigon.runtime.trainer import train_prepared
 
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
     steps = checkpoints.remaining(total_steps)
-    optimizer = build_optimizer(prepared.model, training)
-    scheduler = build_scheduler(optimizer, training, total_steps)
+    if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does
+        return train_prepared(config, prepared)
+    sharded = config.parallelism.strategy == "fsdp"
+    if sharded:
+        shard_model(prepared.model, config, env, device)  # the torch trainer's FSDP2 units and mixed precision
     order = OrderSampler(epoch_order(config, len(prepared.train_dataset), env.world_size), steps)
     attn = config.model.attn_implementation
 
@@ -255,9 +365,34 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     class TigonHFTrainer(Trainer):
         step_loss = 0.0
         step_tokens = 0
+        tigon_optimizer = None  # the optimizer tigon built (the Trainer's may be accelerate's wrapper of it)
 
         def _get_train_sampler(self, train_dataset=None):
             return order
+
+        def _wrap_model(self, model, training=True, dataloader=None):
+            if sharded and training and not isinstance(model, ShardedModel):
+                return ShardedModel(model)
+            return super()._wrap_model(model, training, dataloader)
+
+        def _move_model_to_device(self, model, device):
+            if not sharded:  # the shards are in place already (on the CPU under cpu_offload: `.to` would move them)
+                super()._move_model_to_device(model, device)
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = self.tigon_optimizer = build_optimizer(self.model, training)
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps: int, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = build_scheduler(self.tigon_optimizer, training, total_steps)
+            return self.lr_scheduler
+
+        def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+            # The torch trainer's autocast around each forward, whatever wraps the model (accelerate adds its own
+            # under DDP only; an FSDP2 or DeepSpeed model would otherwise run without it).
+            return autocast(device, training.precision)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             # `num_items_in_batch` makes each micro-batch's loss sum / (label tokens of the whole step), so
@@ -272,24 +407,25 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
-
-    def scaler():
-        return getattr(trainer.accelerator, "scaler", None)  # fp16 on a GPU: its loss scale is resumed too
+    attached: dict[str, DDPStrategy] = {}
 
     class RecordLosses(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            attached["strategy"] = attached_strategy(trainer, prepared, config)
+
         def on_step_begin(self, args, state, control, **kwargs):
-            checkpoints.restore(prepared.model, optimizer, scheduler, scaler())  # the first step of a resumed run
+            checkpoints.restore(attached["strategy"])  # the first step of a resumed run
             clock["started"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             clock["seconds"] += time.perf_counter() - clock["started"]
-            # Under DDP each rank's share is (its token loss sum / the step's label tokens on all ranks) x world
-            # size (HF scales it so that DDP's gradient mean comes out right): the step's loss is the sum / W.
+            # Each rank's share is (its token loss sum / the step's label tokens on all ranks) x world size (HF
+            # scales it so that the gradient mean over the ranks comes out right): the step's loss is the sum / W.
             totals = torch.tensor([trainer.step_loss, trainer.step_tokens], dtype=torch.float64, device=device)
             all_reduce_sum(totals, env)
             loss, trainer.step_loss, trainer.step_tokens = float(totals[0]) / env.world_size, 0.0, 0
             clock["tokens"] += int(totals[1])
-            lr = scheduler.get_last_lr()[0]
+            lr = trainer.lr_scheduler.get_last_lr()[0]
             checkpoints.advance(loss, int(totals[1]))
             reporter.step(
                 checkpoints.state.step,
@@ -302,40 +438,22 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
                 },
             )
             evaluation.step_done(total_steps)
-            checkpoints.save_if_due(total_steps, prepared.model, optimizer, scheduler, scaler())
+            checkpoints.save_if_due(total_steps, attached["strategy"])
 
-    args = TrainingArguments(
-        output_dir=str(Path(config.logging.run_dir) / "hf"),
-        per_device_train_batch_size=training.micro_batch_size,
-        gradient_accumulation_steps=training.gradient_accumulation_steps,
-        max_steps=len(steps),
-        max_grad_norm=training.max_grad_norm or 0.0,  # 0 turns HF's clipping off
-        seed=training.seed,
-        bf16=training.precision == "bf16",
-        fp16=training.precision == "fp16",
-        use_cpu=device.type == "cpu",
-        report_to="none",
-        save_strategy="no",  # tigon's checkpoints (AdapterCheckpoints) instead
-        eval_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-    )
-    trainer = TigonHFTrainer(
-        model=prepared.model,
-        args=args,
-        train_dataset=prepared.train_dataset,
-        data_collator=collator,
-        optimizers=(optimizer, scheduler),
-        callbacks=[RecordLosses()],
-    )
-    try:
-        evaluation.start()
-        if steps:  # a run resumed from its last checkpoint has nothing left to train
+    with trainer_process_state():
+        args = training_arguments(config, env, device, len(steps))
+        trainer = TigonHFTrainer(
+            model=prepared.model,
+            args=args,
+            train_dataset=prepared.train_dataset,
+            data_collator=collator,
+            callbacks=[RecordLosses()],
+        )
+        try:
+            evaluation.start()
             trainer.train()
-        checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
-        evaluation.finish()
-    finally:
-        reporter.close()
-    return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])
+            evaluation.finish()
+        finally:
+            reporter.close()
+    seconds, tokens = clock["seconds"], clock["tokens"]
+    return finish_adapter_run(config, prepared, checkpoints, reporter, seconds, tokens, attached["strategy"])

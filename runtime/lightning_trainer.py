@@ -3,14 +3,24 @@
     result = train(config)  # with config.trainer == "lightning"
 
 Shared with the torch trainer: `prepare`, `build_optimizer`, `build_scheduler`, the data order
-(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization, and its checkpoints
+(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization, one global batch's forward,
+backward and update (`run_global_batch`), the parallelism strategies, and its checkpoints
 (`AdapterCheckpoints`: every N steps, last K kept, atomic; resume continues exactly). Optimization is
 manual: Lightning's automatic accumulation divides each micro-batch's loss by the number of
 micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
 micro-batches hold different numbers of label tokens. So one Lightning batch is one rank's share of a
 global batch (a list of micro-batches), and `training_step` runs the accumulation, clipping and update
-itself. Under torchrun Lightning's DDP strategy runs over the process group `prepare` created; each
-rank takes the torch trainer's micro-batches for its rank.
+through a strategy.
+
+Parallelism under torchrun (`lightning_strategy`):
+- `ddp`: Lightning's DDPStrategy over the process group `prepare` created (`LightningDDP`: backward
+  through `manual_backward`, gradients all-reduced on the last micro-batch only).
+- `fsdp` and `deepspeed`: Lightning's ModelParallelStrategy, the strategy for a module that applies its
+  own parallelism. The torch trainer's strategy does it (`parallel.build_strategy`: FSDP2 through
+  `shard_model`, or tigon's DeepSpeed engine) before `fit`, because the evaluation at step 0 runs on the
+  sharded model then. Lightning's FSDPStrategy is FSDP1, and its DeepSpeedStrategy runs on CUDA only
+  (it refuses a CPU accelerator) and wraps the LightningModule, whose name then prefixes every weight
+  in the engine's checkpoints and 16-bit state dict.
 """
 
 from __future__ import annotations
@@ -23,19 +33,21 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.distributed import DistEnv, all_reduce_sum
+from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, make_reporter, prepare_adapter
+from tigon.runtime.parallel import DDPStrategy, build_strategy
 from tigon.runtime.reporting import memory_bytes
 from tigon.runtime.trainer import (
     Evaluation,
     GlobalBatchSampler,
+    Prepared,
     TrainResult,
     build_optimizer,
     build_scheduler,
     collate,
-    global_token_counts,
     plan_steps,
-    token_loss_sum,
+    run_global_batch,
+    train_prepared,
 )
 
 
@@ -53,6 +65,31 @@ class GlobalBatches(torch.utils.data.Sampler):
         return len(self.steps)
 
 
+class LightningDDP(DDPStrategy):
+    """DDP run by Lightning's DDPStrategy, which wraps the LightningModule `lightning`: backward through
+    `manual_backward` (Lightning prepares DDP's reducer there), gradients all-reduced on the last micro-batch only,
+    and the update through the LightningOptimizer (Lightning counts the steps)."""
+
+    def __init__(self, lightning, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lightning = lightning
+
+    def accumulating(self, last: bool):
+        if last or not self.env.distributed:
+            return contextlib.nullcontext()
+        return self.lightning.trainer.strategy.block_backward_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.lightning.manual_backward(loss)
+
+    def step(self) -> float:
+        grad_norm = self.clip()
+        self.lightning.optimizers().step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
+
+
 def lightning_devices(env: DistEnv) -> tuple[int, int]:
     """(devices per node, nodes) of a torchrun / PyTorchJob launch, as Lightning's DDP strategy wants them."""
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
@@ -64,17 +101,48 @@ def lightning_devices(env: DistEnv) -> tuple[int, int]:
     return per_node, env.world_size // per_node
 
 
+def tigon_strategy(config: RunConfig, prepared: Prepared, total_steps: int, lightning) -> DDPStrategy:
+    """The strategy `training_step` drives: `LightningDDP` for ddp, else the torch trainer's (the model sharded, or
+    inside DeepSpeed's engine, with its optimizer and schedule)."""
+    module, env, device = prepared.model, prepared.env, prepared.device
+    if config.parallelism.strategy != "ddp":
+        return build_strategy(module, config, env, device, total_steps)
+    optimizer = build_optimizer(module, config.training)
+    scheduler = build_scheduler(optimizer, config.training, total_steps)
+    return LightningDDP(lightning, module, module, optimizer, scheduler, config, env, device)
+
+
+def lightning_strategy(config: RunConfig, env: DistEnv):
+    """Lightning's strategy for the run: DDP across processes ("auto" in one), or ModelParallelStrategy when the
+    tigon strategy shards the model itself (fsdp, deepspeed)."""
+    from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class PlacedModelParallelStrategy(ModelParallelStrategy):
+        def model_to_device(self) -> None:
+            """The tigon strategy placed the model; `.to(root_device)` would take FSDP2's CPU-offloaded parameters
+            off the CPU (FSDP2 then refuses to run)."""
+
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    if config.parallelism.strategy != "ddp":
+        return PlacedModelParallelStrategy(
+            data_parallel_size=env.world_size, tensor_parallel_size=1, process_group_backend=backend
+        )
+    return LightningDDPStrategy(process_group_backend=backend) if env.distributed else "auto"
+
+
 def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
-    """Train (or resume) as configured with a Lightning `Trainer` (DDP under torchrun); returns what the torch
-    trainer would. `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
+    """Train (or resume) as configured with a Lightning `Trainer`; returns what the torch trainer would.
+    `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
     import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
 
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
     steps = checkpoints.remaining(total_steps)
+    if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does
+        return train_prepared(config, prepared)
     dataset = prepared.train_dataset
     order = GlobalBatchSampler(
         len(dataset),
@@ -86,8 +154,6 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     )
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
-    optimizer = build_optimizer(prepared.model, training)
-    scheduler = build_scheduler(optimizer, training, total_steps)
     clock = {"seconds": 0.0, "tokens": 0}
 
     class TigonModule(L.LightningModule):
@@ -96,34 +162,22 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
             self.automatic_optimization = False
             self.model = prepared.model
 
+        def configure_model(self):
+            """Nothing to apply: `tigon_strategy` sharded the model (or made the DeepSpeed engine) before `fit`.
+            ModelParallelStrategy requires this hook."""
+
         def configure_optimizers(self):
-            return [optimizer], [scheduler]
+            if isinstance(strategy, LightningDDP):
+                return [strategy.optimizer], [strategy.scheduler]
+            return []  # the tigon strategy owns and steps the optimizer; Lightning is given none
 
         def training_step(self, micro_batches, batch_index):
-            checkpoints.restore(prepared.model, optimizer, scheduler)  # the first step of a resumed run
+            checkpoints.restore(strategy)  # the first step of a resumed run
             started = time.perf_counter()
-            n_label, n_tokens = global_token_counts(micro_batches, env, device, checkpoints.state.step + 1)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for index, batch in enumerate(micro_batches):
-                last = index == len(micro_batches) - 1
-                strategy = self.trainer.strategy
-                # DDP averages gradients over the ranks: all-reduce once, on the last micro-batch
-                sync = strategy.block_backward_sync() if env.distributed and not last else contextlib.nullcontext()
-                with sync:
-                    summed = token_loss_sum(
-                        self.model, batch, config.model.attn_implementation, self.device, training.precision
-                    )
-                    self.manual_backward(summed * (env.world_size / n_label))
-                loss_sum += summed.detach()
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            max_norm = training.max_grad_norm if training.max_grad_norm is not None else float("inf")
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-            lr = optimizer.param_groups[0]["lr"]
-            self.optimizers().step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            all_reduce_sum(loss_sum, env)
-            loss = float(loss_sum) / n_label
+            lr = strategy.lr()
+            loss, grad_norm, n_tokens = run_global_batch(
+                strategy, micro_batches, config, env, device, checkpoints.state.step + 1
+            )
             clock["seconds"] += time.perf_counter() - started
             clock["tokens"] += n_tokens
             checkpoints.advance(loss, n_tokens)
@@ -132,14 +186,17 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
                 {
                     "loss": loss,
                     "lr": lr,
+                    "grad_norm": grad_norm,
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
                     "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
             evaluation.step_done(total_steps)
-            checkpoints.save_if_due(total_steps, prepared.model, optimizer, scheduler)
+            checkpoints.save_if_due(total_steps, strategy)
 
+    module = TigonModule()
+    strategy = tigon_strategy(config, prepared, total_steps, module)  # sharded now: the step-0 evaluation needs it
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=GlobalBatches(order, steps),
@@ -150,11 +207,10 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     devices, nodes = lightning_devices(env) if env.distributed else (1, 1)
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
-        strategy=DDPStrategy(process_group_backend=torch.distributed.get_backend()) if env.distributed else "auto",
+        strategy=lightning_strategy(config, env),
         devices=devices,
         num_nodes=nodes,
-        max_steps=len(steps),
-        max_epochs=-1,
+        max_epochs=1,  # the loader holds exactly the steps left (Lightning counts no step it does not optimize)
         logger=False,
         enable_checkpointing=False,  # tigon's checkpoints (AdapterCheckpoints) instead
         enable_progress_bar=False,
@@ -165,10 +221,10 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     )
     try:
         evaluation.start()
-        if steps:  # a run resumed from its last checkpoint has nothing left to train
-            trainer.fit(TigonModule(), train_dataloaders=loader)
-        checkpoints.restore(prepared.model, optimizer, scheduler)  # the final evaluation and export use its weights
+        trainer.fit(module, train_dataloaders=loader)
+        if isinstance(strategy, LightningDDP):
+            prepared.model.to(device)  # Lightning's teardown moved the module to the CPU; evaluate and export here
         evaluation.finish()
     finally:
         reporter.close()
-    return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"])
+    return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"], strategy)

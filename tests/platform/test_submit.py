@@ -50,7 +50,11 @@ def test_pyflyte_options_pass_through_and_job_template_takes_either_spelling(cap
         (["--job-template", "h100x8", "--set", "training.learnin_rate=0.1"], "did you mean 'learning_rate'"),
         (["--job-template", "h100x8", "--image", "ghcr.io/me/mine:1"], "change `image` in the template"),
         (["--job-template", "h100x8", "--set", "eval.every_steps=5", "--set", "data.eval=null"], "data.eval is not"),
-        (["--job-template", "h100x8", "--set", "trainer=hf", "--set", "parallelism.strategy=fsdp"], "'torch' only"),
+        (
+            ["--job-template", "h100x8", "--set", "trainer=hf", "--set", "parallelism.strategy=fsdp"]
+            + ["--set", "training.precision=fp16"],
+            "fp16 is not supported",
+        ),
     ],
 )
 def test_submit_errors_exit_2_before_anything_runs(capsys, argv, message):

@@ -183,9 +183,15 @@ def test_fsdp2_rank1_builds_on_meta_and_receives_rank0_weights(tmp_path):
     ("sections", "message"),
     [
         ({"parallelism": {"cpu_offload": True}}, "parallelism.cpu_offload needs strategy 'fsdp' or 'deepspeed'"),
-        ({"parallelism": {"strategy": "deepspeed"}, "trainer": "hf"}, "runs with trainer 'torch' only"),
-        ({"parallelism": {"strategy": "fsdp"}, "trainer": "lightning"}, "runs with trainer 'torch' only"),
         ({"parallelism": {"strategy": "fsdp"}, "training": {"precision": "fp16"}}, "fp16 is not supported"),
+        (
+            {"parallelism": {"strategy": "deepspeed"}, "trainer": "hf", "training": {"precision": "fp16"}},
+            "fp16 is not supported",
+        ),
+        (
+            {"parallelism": {"strategy": "fsdp"}, "trainer": "lightning", "training": {"precision": "fp16"}},
+            "fp16 is not supported",
+        ),
     ],
 )
 def test_parallelism_settings_that_cannot_run_fail_clearly(tmp_path, sections, message):

@@ -1,0 +1,43 @@
+"""The adapters' parallelism on one GPU (marker `gpu`): what the CPU tests cannot show.
+
+On a GPU, Lightning's strategies move the module between devices: `ModelParallelStrategy` moves it to the GPU
+in its setup (which would take FSDP2's CPU-offloaded parameters off the CPU), and the DDP and one-device
+strategies move it to the CPU in their teardown, before the adapter's final evaluation and export. The HF
+Trainer would move a model to the GPU at construction too. In one process, bf16, each adapter's run gives the
+torch trainer's per-step losses under the same strategy within RELATIVE_TOLERANCE (one GPU: the same kernels
+on the same data, measured under 3e-8), and the run started again at its last step finishes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.test_trainer_adapters import adapter_config
+from tigon.runtime.trainer import train
+
+RELATIVE_TOLERANCE = 1e-4
+PARALLELISM = {"fsdp-offload": {"strategy": "fsdp", "cpu_offload": True}, "ddp": {}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", list(PARALLELISM))
+def test_adapters_on_one_gpu_match_the_torch_trainer_and_finish_a_run_resumed_at_its_end(tmp_path, strategy):
+    def config(trainer: str):
+        return adapter_config(
+            tmp_path,
+            trainer,
+            training={"max_steps": 4, "precision": "bf16"},
+            parallelism=PARALLELISM[strategy],
+            checkpoint={"every_steps": 2, "keep_last": 1, "resume": True, "export": True},
+            logging={"run_dir": str(tmp_path / trainer)},
+        )
+
+    reference = train(config("torch"))
+    assert reference.device.startswith("cuda") and reference.losses[-1] < reference.losses[0]
+    for trainer in ("hf", "lightning"):
+        result = train(config(trainer))
+        worst = max(abs(a - b) / abs(b) for a, b in zip(result.losses, reference.losses, strict=True))
+        print(f"{trainer} {strategy}: worst relative loss difference to the torch trainer {worst:.2e}")
+        assert worst < RELATIVE_TOLERANCE, (trainer, result.losses, reference.losses)
+        again = train(config(trainer))
+        assert again.resumed_from_step == 4 and again.losses == result.losses and again.export_dir, trainer
