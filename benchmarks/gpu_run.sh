@@ -4,7 +4,7 @@
 #   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
-#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call)
+#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -15,6 +15,8 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+python3 -c "import pydantic, yaml" 2> /dev/null \
+  || echo "the runtime needs pydantic and pyyaml here: carry their wheels in .whl (see the device tool's README)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 for step in "$@"; do
@@ -31,11 +33,12 @@ for step in "$@"; do
     bench-distill) python3 -m benchmarks.kernels --no-sweeps --only kl_divergence,jsd,fused_linear_jsd --out "$out/distill.json" 2>&1 | tee "$out/distill.log" ;;
     bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo,fused_linear_orpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
+    convergence) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_convergence.py > "$out/convergence.log" 2>&1; tail -n 60 "$out/convergence.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
-    e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget 520 --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
-    e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
+    e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
+    e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
