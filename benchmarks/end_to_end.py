@@ -4,6 +4,7 @@
     python -m benchmarks.end_to_end --family all --seqs 4096 --out families.json   # GPU: every model family
     python -m benchmarks.end_to_end --longest --out longest.json      # GPU: the longest sequence each fits
     python -m benchmarks.end_to_end --tiny --family all --variants eager,tigon --out /tmp/e2e.json   # CPU smoke run
+    python -m benchmarks.end_to_end --merge part1.json part2.json --out families.json   # one table and a plot
 
 One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
 randomly initialized from the config of a named public member (`PRESETS`): a ~1B-4B member as it is, or
@@ -27,7 +28,9 @@ keeps the logits and swaps in its cross entropy).
 `--tiny` shrinks every family's widths, layers and vocabulary but keeps its model_type and quirks
 (softcapping, logit scaling, sliding windows, partial rotary, MoE routing, tied or untied head).
 `--time-budget` stops starting runs once the next one would not finish in time; those rows say so.
-Results: JSON to --out, a markdown table to --md (default: --out with .md).
+Results: JSON to --out, a markdown table to --md (default: --out with .md). `--merge` joins reports of
+several device calls (the last measured run of each family, variant and sequence wins) and also draws
+tokens/s and peak memory against HF eager per family (--out with .png).
 """
 
 from __future__ import annotations
@@ -825,6 +828,64 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several: families in PRESETS order; per (family, variant, seq) the last measured run, else
+    the last outcome (not available, failed), else the record that it was not run."""
+    families = {name: family for report in reports for name, family in report["families"].items()}
+
+    def rank(run: dict) -> int:
+        return 2 if "micro_batch" in run else 0 if "skipped" in run else 1
+
+    runs: dict[tuple, dict] = {}
+    for run in (run for report in reports for run in report["runs"]):
+        key = (run.get("family", "llama"), run["variant"], run["seq"])
+        if key not in runs or rank(run) >= rank(runs[key]):
+            runs[key] = run
+    order = list(PRESETS)
+    return {
+        "families": {name: families[name] for name in sorted(families, key=order.index)},
+        "environment": reports[0]["environment"],
+        "settings": reports[0]["settings"],
+        "runs": sorted(runs.values(), key=lambda r: (order.index(r.get("family", "llama")), r["seq"])),
+    }
+
+
+def plot_families(report: dict, path: Path) -> None:
+    """Per family: tokens/s and peak memory of Liger-Kernel and tigon as multiples of HF eager's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = {(r["family"], r["variant"]): r for r in report["runs"] if r.get("tokens_per_second")}
+    families = [f for f in report["families"] if (f, "eager") in measured]
+    figure, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for offset, variant in ((-0.2, "liger"), (0.2, "tigon")):
+        for axis, key in zip(axes, ("tokens_per_second", "peak_bytes"), strict=True):
+            values = [
+                measured[(f, variant)][key] / measured[(f, "eager")][key]
+                if (f, variant) in measured and measured[(f, variant)][key]  # CPU runs have no peak
+                else 0.0
+                for f in families
+            ]
+            axis.bar([i + offset for i in range(len(families))], values, width=0.4, label=variant)
+    axes[0].set_ylabel("tokens/s / HF eager's\n(higher is better)")
+    axes[1].set_ylabel("peak memory / HF eager's\n(lower is better)")
+    for axis in axes:
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend()
+    axes[1].set_xticks(range(len(families)), families, rotation=30, fontsize=9)
+    settings, env = report["settings"], report["environment"]
+    axes[0].set_title(
+        f"One training step per family, bf16, AdamW, seq {report['runs'][0]['seq']} x micro-batch "
+        f"{settings['micro_batch']}, checkpointing on, {env.get('gpu') or 'CPU'} (no bar: not measured)"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 class Budget:
     """`--time-budget`: a run starts only if it should end in time, judged by the longest run so far."""
 
@@ -861,6 +922,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default: none)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join these reports into --out, with a plot")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -869,6 +931,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.out:
         parser.error("--out is required")
+    if args.merge:
+        report = merge_reports([json.loads(Path(name).read_text()) for name in args.merge])
+        out = Path(args.out)
+        write_atomic(out, json.dumps(report, indent=2) + "\n")
+        write_atomic(Path(args.md) if args.md else out.with_suffix(".md"), markdown(report))
+        plot_families(report, out.with_suffix(".png"))
+        print(f"{markdown(report)}\nwrote {out}, its .md and .png")
+        return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -64,6 +64,33 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     assert "| llama | eager | 32 | 2 x 1 | on | off |" in table and "| llama | tigon | 32 | 2 x 1 | on | on |" in table
     assert "| qwen3_moe | tigon | 32 | 2 x 1 | on | on |" in table and "not modeled" in table
     assert "| qwen3_moe | liger | 32 | | | | not available: Liger-Kernel needs a CUDA GPU |" in table
+    check_merge(report, tmp_path)
+
+
+def check_merge(report: dict, folder: Path) -> None:
+    """Two device calls' reports, the first with a family skipped for time, join into one table and a plot."""
+    skipped = {"seq": 32, "oom": False, "skipped": "time budget (1 s) spent"}
+    first = {
+        **report,
+        "runs": [
+            {"family": "qwen3_moe", "variant": run["variant"], **skipped} if run["family"] == "qwen3_moe" else run
+            for run in report["runs"]
+        ],
+    }
+    second = {**report, "families": {"qwen3_moe": report["families"]["qwen3_moe"]}}
+    second["runs"] = [run for run in report["runs"] if run["family"] == "qwen3_moe"]
+    paths = [folder / "first.json", folder / "second.json"]
+    for path, part in zip(paths, (second, first), strict=True):  # the later call first: order must not matter
+        path.write_text(json.dumps(part))
+    merged_path = folder / "merged.json"
+    command = [sys.executable, "-m", "benchmarks.end_to_end", "--merge", *map(str, paths), "--out", str(merged_path)]
+    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads(merged_path.read_text())
+    assert list(merged["families"]) == ["llama", "qwen3_moe"]  # PRESETS order
+    assert merged["runs"] == report["runs"]  # every measured run back, none of the skipped records
+    assert merged_path.with_suffix(".png").stat().st_size > 10_000
+    assert "| qwen3_moe | tigon | 32 | 2 x 1 | on | on |" in merged_path.with_suffix(".md").read_text()
 
 
 _EVERY_FAMILY = """
