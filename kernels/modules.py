@@ -104,13 +104,31 @@ class LayerNorm(nn.Module):
         return F.layer_norm(hidden_states, self.weight, self.bias, self.eps)
 
 
-class GatedMLP(nn.Module):
+class _GatedLinears(nn.Module):
+    """A gated MLP made of the Linear layers named in `LINEARS` and an activation read from the config."""
+
+    LINEARS: tuple[str, ...] = ()
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> _GatedLinears:
+        """Wrap an HF MLP, keeping its Linear layers (and any adapters on them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for name in cls.LINEARS:
+            setattr(new, name, getattr(module, name))
+        new.activation, new.approximate = gated_activation_for(config)
+        return new
+
+
+class GatedMLP(_GatedLinears):
     """`down_proj(act(gate_proj(x)) * up_proj(x))`: drop-in for the Llama, Mistral, Qwen and Gemma MLPs.
 
     The activation comes from `config.hidden_activation` or `config.hidden_act`. Its backward
     recomputes the activation and writes its gradients over the two projections' outputs,
     which only it reads, so the MLP holds no extra activation-sized buffer.
     """
+
+    LINEARS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -120,15 +138,6 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.activation, self.approximate = gated_activation_for(config)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, config) -> GatedMLP:
-        """Wrap an HF MLP, keeping its three Linear layers (and any adapters on them)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.gate_proj, new.up_proj, new.down_proj = module.gate_proj, module.up_proj, module.down_proj
-        new.activation, new.approximate = gated_activation_for(config)
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), self.activation, self.approximate))
@@ -147,12 +156,14 @@ def _gated_packed(gate_up: torch.Tensor, activation: str, approximate: str | Non
     return F.geglu_packed(gate_up, approximate=approximate, in_place_backward=in_place)
 
 
-class PackedGatedMLP(nn.Module):
+class PackedGatedMLP(_GatedLinears):
     """`down_proj(act(gate) * up)` with `gate, up = gate_up_proj(x).chunk(2, -1)`: drop-in for Phi3MLP and Glm4MLP.
 
     The packed kernel reads the fused projection's output once; its backward writes d(gate_up) over
     that output, which only it reads, as the one tensor the fused Linear's backward takes.
     """
+
+    LINEARS = ("gate_up_proj", "down_proj")
 
     def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -161,23 +172,16 @@ class PackedGatedMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.activation, self.approximate = gated_activation_for(config)
 
-    @classmethod
-    def from_module(cls, module: nn.Module, config) -> PackedGatedMLP:
-        """Wrap an HF MLP, keeping its two Linear layers (and any adapters on them)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.gate_up_proj, new.down_proj = module.gate_up_proj, module.down_proj
-        new.activation, new.approximate = gated_activation_for(config)
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = _gated_packed(self.gate_up_proj(x), self.activation, self.approximate, in_place=True)
         return self.down_proj(hidden)
 
 
-class GatedExpertMLP(nn.Module):
+class GatedExpertMLP(_GatedLinears):
     """`w2(act(w1(x)) * w3(x))`: drop-in for one expert of transformers 4.x's Mixtral
     (`MixtralBlockSparseTop2MLP`), GatedMLP with Mixtral's projection names (w1 gate, w3 up, w2 down)."""
+
+    LINEARS = ("w1", "w2", "w3")
 
     def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -186,15 +190,6 @@ class GatedExpertMLP(nn.Module):
         self.w2 = nn.Linear(inner, hidden, bias=False)
         self.w3 = nn.Linear(hidden, inner, bias=False)
         self.activation, self.approximate = gated_activation_for(config)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, config) -> GatedExpertMLP:
-        """Wrap an HF expert MLP, keeping its three Linear layers (and any adapters on them)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.w1, new.w2, new.w3 = module.w1, module.w2, module.w3
-        new.activation, new.approximate = gated_activation_for(config)
-        return new
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.w2(_gated(self.w1(hidden_states), self.w3(hidden_states), self.activation, self.approximate))
