@@ -162,16 +162,27 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def build_model(config: RunConfig, vocab_size: int, tokenizer=None, meta: bool = False) -> nn.Module:
-    """The model a run trains, on the CPU in `model.dtype`; move it to the device afterwards.
+def build_model(
+    config: RunConfig, vocab_size: int, tokenizer=None, meta: bool = False, device: torch.device | None = None
+) -> nn.Module:
+    """The model a run trains, in `model.dtype`, on the CPU unless `device` or `meta` say otherwise.
 
-    `meta=True` builds it on the meta device: shapes without memory or initialization, for the FSDP2 ranks
-    that receive rank 0's weights once the model is sharded (`tigon.runtime.parallel.FSDPStrategy`).
+    `device`: where a randomly initialized model is built and initialized (a pretrained one is still loaded
+    on the CPU); on a GPU this takes a second where the CPU's one thread under `torchrun` takes minutes for
+    billions of parameters. `meta=True` builds it on the meta device: shapes without memory or
+    initialization, for the FSDP2 ranks that receive rank 0's weights once the model is sharded
+    (`tigon.runtime.parallel.FSDPStrategy`).
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
     _check_attention(config)
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    if meta:
+        where = torch.device("meta")
+    elif device is not None and config.model.path is None:
+        where = torch.device(device)
+    else:
+        where = contextlib.nullcontext()
+    with where:
         if config.model.path is not None:
             model = load_pretrained(config, vocab_size, tokenizer, weights=not meta)
         else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -184,6 +185,7 @@ def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torc
     }
     if config.parallelism.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    started = time.perf_counter()
     full_state = module.state_dict() if env.is_main else {}  # rank 0's weights, for the other ranks
     layers = decoder_layers(module)
     if not layers:
@@ -194,7 +196,12 @@ def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torc
     if env.distributed:
         receive_rank0_weights(module, full_state, device)
     if env.is_main:
-        logger.info("fsdp: %d decoder layers and the root sharded over %d ranks", len(layers), env.world_size)
+        logger.info(
+            "fsdp: %d decoder layers and the root sharded over %d ranks in %.1f s",
+            len(layers),
+            env.world_size,
+            time.perf_counter() - started,
+        )
     return module
 
 

@@ -439,9 +439,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     # FSDP2: only rank 0 builds (or loads) the whole model; the others build its shapes on the meta device and
     # receive rank 0's weights once it is sharded (parallel.receive_rank0_weights).
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
-    model = build_model(config, len(tokenizer), tokenizer, meta=meta)
+    started = time.perf_counter()
+    model = build_model(config, len(tokenizer), tokenizer, meta=meta, device=device)
     if not meta:
         model = model.to(device)
+    if env.is_main:
+        logger.info("model: built on %s in %.1f s", device, time.perf_counter() - started)
     return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model, examples, manifest)
 
 
