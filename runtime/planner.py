@@ -26,7 +26,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
   flash_attention_2, and SDPA without packing (one document per row, so no mask: plain causal attention
   with k and v unrepeated): q (c q), k and v (2 c kv), the output once (c q), the log-sum-exp.
-  eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T.
+  eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T, and with Gemma 2's
+  attention softcapping tanh's output (c x heads x T).
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
   (3 c i). tigon's SwiGLU saves gate and up only and recomputes SiLU (2 c i).
 - RoPE saves only cos and sin, shared by the layers (either implementation).
@@ -38,13 +39,16 @@ Once per micro-batch: the final norm, the ids, labels and positions (24 per toke
 (2 r head_dim). The loss (`token_loss_sum`: the model's own loss with labels): Hugging Face's
 `ForCausalLMLoss` keeps lm_head's input (c h) and makes the logits (c V per token), their float32
 copy and log-softmax (4 V each); log-softmax's output stays for the backward, whose buffers peak at
-12 V per token. With the kernels on, tigon's fused linear cross entropy replaces it
-(`Workload.fused_loss`): the logits never exist; its forward already computes the hidden states'
-gradient (c h per token) and lm_head's weight gradient (V h in the weight's dtype), the per-token
-losses (4) and one chunk of logits (hidden/4 tokens x V) at a time.
+12 V per token; Gemma 2's logit softcapping saves one more (tanh's output, c V). With the kernels on,
+tigon's fused linear cross entropy replaces it (`Workload.fused_loss`): the logits never exist; its
+forward already computes the hidden states' gradient (c h per token) and lm_head's weight gradient
+(V h in the weight's dtype), the per-token losses (4) and one chunk of logits (hidden/4 tokens x V)
+at a time.
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
-and up's), c i with tigon's in-place SwiGLU backward; attention's are 3 c q + 4 q; the larger counts.
+and up's), c i with tigon's in-place SwiGLU backward; attention's are 3 c q + 4 q, and for eager
+attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); the
+larger counts.
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2
 shards weights, gradients and states over the world size and gathers two layers (and the embedding
@@ -109,6 +113,8 @@ class ModelShape:
     tied: bool
     params: int  # all parameters, tied ones once
     layer_params: int  # one decoder layer
+    attention_softcap: bool = False  # Gemma 2: cap * tanh(scores / cap), one more (heads, T, T) tensor saved
+    logit_softcap: bool = False  # Gemma 2: the same on the logits, one more logits tensor saved
     linear_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     @classmethod
@@ -125,7 +131,21 @@ class ModelShape:
         bias = hidden + 2 * kv + hidden if getattr(text, "attention_bias", False) else 0
         layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden + bias
         params = vocab * hidden * (1 if tied else 2) + layers * layer + hidden
-        return cls(text.model_type, hidden, inter, layers, heads, kv_heads, head_dim, vocab, tied, params, layer)
+        return cls(
+            text.model_type,
+            hidden,
+            inter,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab,
+            tied,
+            params,
+            layer,
+            attention_softcap=getattr(text, "attn_logit_softcapping", None) is not None,
+            logit_softcap=getattr(text, "final_logit_softcapping", None) is not None,
+        )
 
     def linear_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of a decoder layer's projection."""
@@ -297,8 +317,15 @@ def attention_bytes(work: Workload) -> float:
         # the log-sum-exp, and the packed mask as an additive bias
         total += c * 4 * q + 4 * s.heads + c * work.seq_len
         if work.attention == "eager":
-            total += (4 + c) * s.heads * work.seq_len
+            total += eager_scores_bytes(work)
     return total + _adapter_bytes(work, ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def eager_scores_bytes(work: Workload) -> float:
+    """Bytes per token eager attention saves of its (heads, T, T) scores: the float32 softmax, its copy in the
+    compute dtype, and with softcapping (Gemma 2) tanh's output."""
+    c = work.compute_bytes
+    return (4 + c + (c if work.shape.attention_softcap else 0)) * work.shape.heads * work.seq_len
 
 
 def mlp_bytes(work: Workload, kernels: bool) -> float:
@@ -321,6 +348,8 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
     q = s.heads * s.head_dim
     mlp = c * s.intermediate * (1 if kernels else 3)
     attention = 3 * c * q + 4 * q
+    if work.attention == "eager":  # the scores' gradient in float32, and the softmax's input gradient
+        attention += 8 * s.heads * work.seq_len
     return max(mlp, attention)
 
 
@@ -332,7 +361,8 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
         chunk = max(1, s.hidden // 4) * s.vocab * c
         head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden  # a frozen head has none
         return c * tokens * s.hidden + head_grad + 4 * tokens + chunk
-    return 12 * tokens * s.vocab  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
+    softcap = c * tokens * s.vocab if s.logit_softcap else 0  # tanh's output, saved for its backward
+    return 12 * tokens * s.vocab + softcap  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 
 
 def estimate(work: Workload, setting: Setting) -> Estimate:

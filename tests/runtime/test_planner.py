@@ -348,3 +348,39 @@ def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_ro
     )
     work = dataclasses.replace(bf16_work(ModelShape.from_hf_config(config), 16), attention="sdpa_causal")
     assert measured == planner.layer_bytes(work, False) * 3 * 16
+
+
+@pytest.mark.parametrize("softcap", [None, 50.0])
+def test_eager_attention_scores_formula_matches_what_autograd_saves(softcap):
+    """Gemma 2's eager attention (bf16): beyond q and k, v repeated to every head, it saves the float32 softmax,
+    its bf16 copy and, with softcapping, tanh's output: eager_scores_bytes per token."""
+    import torch
+    from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    config = Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=1,
+        vocab_size=32,
+        attn_logit_softcapping=softcap,
+    )
+    shape = ModelShape.from_hf_config(config)
+    assert shape.attention_softcap == (softcap is not None) and shape.logit_softcap
+    batch, seq, heads, groups, head_dim = 3, 16, 4, 2, 16
+    attention = torch.nn.Module().train()
+    attention.num_key_value_groups, attention.head_dim = groups, head_dim
+    q = torch.randn(batch, heads, seq, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, heads // groups, seq, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    mask = torch.zeros(batch, 1, seq, seq, dtype=torch.bfloat16)
+
+    def scores(q):
+        return eager_attention_forward(attention, q, k, v, mask, scaling=head_dim**-0.5, softcap=softcap)[0]
+
+    per_token = saved_bytes(scores, q, [mask]) / (batch * seq)
+    qkv = 2 * 3 * heads * head_dim  # q, and k and v repeated to every head
+    work = dataclasses.replace(bf16_work(shape, seq), attention="eager")
+    assert per_token - qkv == planner.eager_scores_bytes(work) == (8 if softcap else 6) * heads * seq
