@@ -708,7 +708,8 @@ def predicted_longest(base: dict, limit: int, step: int) -> int | None:
 
 
 def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int) -> tuple[int | None, list[dict]]:
-    """Probe from the planner's prediction (or `start`): up by `step` while it fits, else down until it does."""
+    """The longest multiple of `step` up to `limit` that fits, searched from the planner's prediction (or
+    `start`); each probe a fresh process, so no probe inherits another's fragmented memory."""
     probes: list[dict] = []
 
     class Failed(Exception):
@@ -723,26 +724,44 @@ def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int
         return not result["oom"]
 
     try:
-        return _search(fits, predicted_longest(base, limit, step) or start, base["variant"], limit, step), probes
+        guess = min(predicted_longest(base, limit, step) or start, limit)
+        return _search(fits, guess, base["variant"], limit, step), probes
     except Failed:
         return None, probes
 
 
 def _search(fits, guess: int, variant: str, limit: int, step: int) -> int | None:
-    """From `guess`: up by `step` while it fits, else down until it does."""
+    """The longest multiple of `step` up to `limit` that fits, from `guess`: away from it in doubling strides
+    until the answer is bracketed, then bisected; about log2 of the distance in probes, not the distance."""
     print(f"  {variant}: the planner predicts {guess}", flush=True)
-
+    good, bad, stride = None, None, step
     if fits(guess):
-        good, seq = guess, guess + step
-        while seq <= limit and fits(seq):
-            good, seq = seq, seq + step
-        return good
-    seq = guess - step
-    while seq >= step:
+        good = guess
+        while bad is None and good < limit:
+            seq = min(good + stride, limit)
+            if fits(seq):
+                good = seq
+            else:
+                bad = seq
+            stride *= 2
+    else:
+        bad = guess
+        while good is None and bad > step:
+            seq = max(bad - stride, step)
+            if fits(seq):
+                good = seq
+            else:
+                bad = seq
+            stride *= 2
+    if good is None:
+        return None
+    while bad is not None and bad - good > step:
+        seq = (good + bad) // 2 // step * step
         if fits(seq):
-            return seq
-        seq -= step
-    return None
+            good = seq
+        else:
+            bad = seq
+    return good
 
 
 def environment() -> dict:
@@ -782,12 +801,13 @@ def markdown(report: dict) -> str:
         params = next((r["params"] for r in report["runs"] if r.get("family") == name and r.get("params")), None)
         cells = [name, family["model"], count_text(params) if params else "-", family["liger"] or "none"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "| family | variant | seq | micro x accum | checkpointing | kernels | tokens/s | peak GiB |"
-        " planner estimate GiB | estimate / peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    if report["runs"]:
+        lines += [
+            "",
+            "| family | variant | seq | micro x accum | checkpointing | kernels | tokens/s | peak GiB |"
+            " planner estimate GiB | estimate / peak |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     for r in report["runs"]:
         family = r.get("family", "llama")
         if "micro_batch" not in r:  # not available, not run, failed, or the planner found nothing that fits
@@ -809,9 +829,21 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     if report.get("longest"):
         micro = report["settings"]["micro_batch"]
-        lines += ["", f"| family | variant | longest sequence that fits (global batch {micro}) |", "|---|---|---|"]
+        lines += [
+            "",
+            f"| family | variant | longest sequence that fits (micro-batch {micro}) | context length |"
+            " tokens/s there | peak GiB there | probes |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for family, variants in report["longest"].items():
-            lines += [f"| {family} | {name} | {seq if seq else 'none'} |" for name, seq in variants.items()]
+            context = report["families"][family]["shape"].get("max_position_embeddings", "-")
+            for name, seq in variants.items():
+                probes = [p for p in report.get("longest_probes", []) if (p["family"], p["variant"]) == (family, name)]
+                there = next((p for p in probes if p["seq"] == seq and not p["oom"] and "error" not in p), {})
+                speed = f"{there['tokens_per_second']:,.0f}" if "tokens_per_second" in there else "-"
+                peak = f"{there['peak_bytes'] / GiB:.2f}" if there.get("peak_bytes") else "-"
+                cells = [family, name, seq if seq else "none", context, speed, peak, len(probes)]
+                lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     lines += [
         "",
         "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy,"
@@ -917,7 +949,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence each variant fits")
-    parser.add_argument("--longest-max", type=int, default=None, help="longest sequence probed (131072; --tiny 256)")
+    parser.add_argument(
+        "--longest-only", action="store_true", help="the longest-sequence search alone, no timed runs first"
+    )
+    parser.add_argument(
+        "--longest-max",
+        type=int,
+        default=None,
+        help="longest sequence probed (default: each model's context length; --tiny 256)",
+    )
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
@@ -989,8 +1029,9 @@ def main(argv: list[str] | None = None) -> None:
             **settings,
         }
 
-    total = len(families) * len(seqs) * len(variants)
-    jobs = ((f, s, v) for f in families for s in seqs for v in variants)  # family by family: partial runs compare
+    timed_seqs = [] if args.longest_only else seqs
+    total = len(families) * len(timed_seqs) * len(variants)
+    jobs = ((f, s, v) for f in families for s in timed_seqs for v in variants)  # family by family: partials compare
     for index, (family, seq, variant) in enumerate(jobs, start=1):
         head = {"family": family, "variant": variant, "seq": seq, "oom": False}
         print(f"[{index}/{total}] {family} {variant} at seq {seq} x micro-batch {settings['micro_batch']} ...")
@@ -1006,12 +1047,12 @@ def main(argv: list[str] | None = None) -> None:
         report["runs"].append(result)
         print(f"    {describe(result)}", flush=True)
         save()
-    if args.longest:
+    if args.longest or args.longest_only:
         report["longest"], report["longest_probes"] = {}, []
         step = 16 if tiny else 1024
-        limit = args.longest_max or (256 if tiny else 131072)
         for family in families:
             report["longest"][family] = {}
+            limit = args.longest_max or (256 if tiny else PRESETS[family].config["max_position_embeddings"])
             for variant in variants:
                 print(f"longest sequence for {family} {variant}:", flush=True)
                 if variant == "liger" and (PRESETS[family].liger is None or not cuda):

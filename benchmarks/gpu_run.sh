@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
-#   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families]   (end-to-end: benchmarks/end_to_end.py, one step per
+#   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
-#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8)
+#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
+#   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
+#   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -39,6 +41,7 @@ for step in "$@"; do
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
+    e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

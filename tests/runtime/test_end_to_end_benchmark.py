@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.end_to_end import PRESETS, parse_families
+from benchmarks.end_to_end import PRESETS, _search, parse_families
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,3 +171,19 @@ def test_published_sizes_match_the_exact_counts_where_known():
     exact = {"gemma": 2_506_172_416, "gemma2": 2_614_341_888, "gemma3_text": 999_885_952}
     for family, total in exact.items():
         assert _count(family, PRESETS[family].config)[0] == total, family
+
+
+@pytest.mark.parametrize("answer", [None, 1024, 3072, 7168, 8192, 15360, 16384])
+@pytest.mark.parametrize("guess", [1024, 8192, 16384])
+def test_longest_search_finds_the_longest_fit_in_few_probes(guess, answer):
+    """The search's answer is the longest multiple of the step that fits, from any guess, in O(log) probes."""
+    probes: list[int] = []
+
+    def fits(seq: int) -> bool:
+        assert seq % 1024 == 0 and 1024 <= seq <= 16384, seq
+        probes.append(seq)
+        return answer is not None and seq <= answer
+
+    assert _search(fits, guess, "tigon", limit=16384, step=1024) == answer
+    assert len(probes) <= 2 * math.ceil(math.log2(16)) + 1, probes
+    assert len(set(probes)) == len(probes), f"a length probed twice: {probes}"
