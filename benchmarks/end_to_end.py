@@ -707,9 +707,9 @@ def predicted_longest(base: dict, limit: int, step: int) -> int | None:
     return best
 
 
-def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int) -> tuple[int | None, list[dict]]:
+def longest_sequence(base: dict, limit: int, step: int, timeout: int) -> tuple[int | None, list[dict]]:
     """The longest multiple of `step` up to `limit` that fits, searched from the planner's prediction (or
-    `start`); each probe a fresh process, so no probe inherits another's fragmented memory."""
+    `limit`, where the planner has none); each probe a fresh process, so none inherits another's fragments."""
     probes: list[dict] = []
 
     class Failed(Exception):
@@ -724,7 +724,7 @@ def longest_sequence(base: dict, start: int, limit: int, step: int, timeout: int
         return not result["oom"]
 
     try:
-        guess = min(predicted_longest(base, limit, step) or start, limit)
+        guess = min(predicted_longest(base, limit, step) or limit, limit)
         return _search(fits, guess, base["variant"], limit, step), probes
     except Failed:
         return None, probes
@@ -1062,7 +1062,7 @@ def main(argv: list[str] | None = None) -> None:
                     report["longest"][family][variant] = f"not run: {budget.skipped()}"
                     continue
                 probe = {**base_of(family), "variant": variant, "steps": 1, "warmup": 1}
-                seq, probes = longest_sequence(probe, seqs[0], limit, step, min(args.timeout, budget.left()))
+                seq, probes = longest_sequence(probe, limit, step, min(args.timeout, budget.left()))
                 for result in probes:
                     budget.record(result)
                 failed = seq is None and probes and ("error" in probes[-1] or "unavailable" in probes[-1])
