@@ -24,8 +24,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
   repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
-  flash_attention_2, and SDPA without packing (one document per row, so no mask: plain causal attention
-  with k and v unrepeated): q (c q), k and v (2 c kv), the output once (c q), the log-sum-exp.
+  flash_attention_2, and SDPA without packing (one document per row, so no mask unless a sliding window is
+  shorter than the sequence: plain causal attention with k and v unrepeated): q (c q), k and v (2 c kv), the output once (c q), the log-sum-exp.
   eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T, and with Gemma 2's
   attention softcapping tanh's output (c x heads x T).
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
@@ -115,6 +115,7 @@ class ModelShape:
     layer_params: int  # one decoder layer
     attention_softcap: bool = False  # Gemma 2: cap * tanh(scores / cap), one more (heads, T, T) tensor saved
     logit_softcap: bool = False  # Gemma 2: the same on the logits, one more logits tensor saved
+    sliding_window: int | None = None  # layers that attend to this many tokens back (Gemma 3, Phi-3)
     linear_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     @classmethod
@@ -145,6 +146,7 @@ class ModelShape:
             layer,
             attention_softcap=getattr(text, "attn_logit_softcapping", None) is not None,
             logit_softcap=getattr(text, "final_logit_softcapping", None) is not None,
+            sliding_window=getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None,
         )
 
     def linear_shape(self, name: str) -> tuple[int, int]:
@@ -243,7 +245,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         weight_bytes=weight_bytes,
         compute_bytes=2 if narrow else weight_bytes,
         autocast=narrow and weight_bytes == 4,
-        attention=attention_path(config),
+        attention=attention_path(config, shape),
         lora_rank=lora.r if lora.enabled else 0,
         lora_targets=tuple(lora.target_modules) if lora.enabled else (),
         strategy=config.parallelism.strategy,
@@ -299,10 +301,14 @@ def _adapter_bytes(work: Workload, names: tuple[str, ...]) -> float:
 UNMASKED = ("flash_attention_2", "sdpa_causal")
 
 
-def attention_path(config: RunConfig) -> str:
-    """The attention the run takes: unpacked SDPA rows are one document each, so they need no mask."""
+def attention_path(config: RunConfig, shape: ModelShape) -> str:
+    """The attention the run takes: unpacked SDPA rows are one document each, so they need no mask, unless the
+    model's sliding window is shorter than the sequence (then transformers builds a (B, 1, T, T) mask)."""
     attention = config.model.attn_implementation
-    return "sdpa_causal" if attention == "sdpa" and not config.data.packing else attention
+    window = shape.sliding_window
+    if attention == "sdpa" and not config.data.packing and (window is None or window >= config.data.max_seq_len):
+        return "sdpa_causal"
+    return attention
 
 
 def attention_bytes(work: Workload) -> float:

@@ -384,3 +384,19 @@ def test_eager_attention_scores_formula_matches_what_autograd_saves(softcap):
     qkv = 2 * 3 * heads * head_dim  # q, and k and v repeated to every head
     work = dataclasses.replace(bf16_work(shape, seq), attention="eager")
     assert per_token - qkv == planner.eager_scores_bytes(work) == (8 if softcap else 6) * heads * seq
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_planned_as_masked_sdpa(tmp_path):
+    """transformers masks sliding-window layers when the window is shorter than the sequence, even for one
+    document per row; a window that is off (Qwen2's use_sliding_window: false) or longer masks nothing."""
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    config = plan_config(tmp_path, seq_len=1024)
+    unpacked = config.model_copy(update={"data": config.data.model_copy(update={"packing": False})})
+    gemma3 = ModelShape.from_hf_config(Gemma3TextConfig(sliding_window=512))
+    assert gemma3.sliding_window == 512
+    assert planner.attention_path(unpacked, gemma3) == "sdpa"
+    assert planner.attention_path(unpacked, dataclasses.replace(gemma3, sliding_window=1024)) == "sdpa_causal"
+    qwen2 = ModelShape.from_hf_config(Qwen2Config(sliding_window=256, use_sliding_window=False))
+    assert qwen2.sliding_window is None and planner.attention_path(unpacked, qwen2) == "sdpa_causal"
+    assert planner.attention_path(config, qwen2) == "sdpa"  # packed rows carry their documents' mask
