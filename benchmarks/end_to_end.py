@@ -874,12 +874,27 @@ def merge_reports(reports: list[dict]) -> dict:
         if key not in runs or rank(run) >= rank(runs[key]):
             runs[key] = run
     order = list(PRESETS)
-    return {
+    merged = {
         "families": {name: families[name] for name in sorted(families, key=order.index)},
         "environment": reports[0]["environment"],
         "settings": reports[0]["settings"],
         "runs": sorted(runs.values(), key=lambda r: (order.index(r.get("family", "llama")), r["seq"])),
     }
+
+    def found(outcome) -> int:  # a length (or None: nothing fits) beats not available / failed beats not run
+        return 2 if outcome is None or isinstance(outcome, int) else 0 if outcome.startswith("not run") else 1
+
+    longest: dict[str, dict] = {}
+    for report in reports:
+        for family, variants in report.get("longest", {}).items():
+            for variant, outcome in variants.items():
+                known = longest.setdefault(family, {})
+                if variant not in known or found(outcome) >= found(known[variant]):
+                    known[variant] = outcome
+    if longest:
+        merged["longest"] = {name: longest[name] for name in sorted(longest, key=order.index)}
+        merged["longest_probes"] = [probe for report in reports for probe in report.get("longest_probes", [])]
+    return merged
 
 
 def plot_families(report: dict, path: Path) -> None:
@@ -912,6 +927,42 @@ def plot_families(report: dict, path: Path) -> None:
     axes[0].set_title(
         f"One training step per family, bf16, AdamW, seq {report['runs'][0]['seq']} x micro-batch "
         f"{settings['micro_batch']}, checkpointing on, {env.get('gpu') or 'CPU'} (no bar: not measured)"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_longest(report: dict, path: Path) -> None:
+    """Per family and variant: the peak memory at the longest sequence that fit, that length written on the bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in VARIANTS if any(v in found for found in report["longest"].values())]
+    families = list(report["longest"])
+    probes = {(p["family"], p["variant"], p["seq"]): p for p in report.get("longest_probes", []) if not p["oom"]}
+    figure, axis = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(variants)
+    for index, variant in enumerate(variants):
+        for position, family in enumerate(families):
+            seq = report["longest"][family].get(variant)
+            probe = probes.get((family, variant, seq), {}) if isinstance(seq, int) else {}
+            if not probe.get("peak_bytes"):
+                continue
+            x = position - 0.4 + width * (index + 0.5)
+            axis.bar(x, probe["peak_bytes"] / GiB, width=width, color=f"C{index}", label=variant if position else None)
+            axis.text(x, probe["peak_bytes"] / GiB, f"{seq / 1024:g}K", ha="center", va="bottom", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(variants))]
+    axis.legend(handles, variants)
+    axis.set_xticks(range(len(families)), families, rotation=30, fontsize=9)
+    axis.set_ylabel("peak GiB at that length")
+    axis.grid(axis="y", alpha=0.3)
+    axis.set_title(
+        f"Longest sequence that fits (on the bar, up to the model's context length) and its peak memory, micro-batch "
+        f"{report['settings']['micro_batch']}, {report['environment'].get('gpu') or 'CPU'}",
+        fontsize=10,
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -976,8 +1027,11 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         write_atomic(out, json.dumps(report, indent=2) + "\n")
         write_atomic(Path(args.md) if args.md else out.with_suffix(".md"), markdown(report))
-        plot_families(report, out.with_suffix(".png"))
-        print(f"{markdown(report)}\nwrote {out}, its .md and .png")
+        if any("tokens_per_second" in run for run in report["runs"]):
+            plot_families(report, out.with_suffix(".png"))
+        if report.get("longest"):
+            plot_longest(report, out.with_name(out.stem + "-longest.png"))
+        print(f"{markdown(report)}\nwrote {out}, its .md and the plots")
         return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]

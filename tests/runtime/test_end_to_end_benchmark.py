@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.end_to_end import PRESETS, _search, parse_families
+from benchmarks.end_to_end import PRESETS, _search, merge_reports, parse_families
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -187,3 +187,25 @@ def test_longest_search_finds_the_longest_fit_in_few_probes(guess, answer):
     assert _search(fits, guess, "tigon", limit=16384, step=1024) == answer
     assert len(probes) <= 2 * math.ceil(math.log2(16)) + 1, probes
     assert len(set(probes)) == len(probes), f"a length probed twice: {probes}"
+
+
+def test_merge_keeps_each_variants_found_longest_over_not_run():
+    """Two calls' longest searches: a found length (or None, nothing fits) beats an outcome beats 'not run'."""
+    family = {"model": "m", "source": "s", "liger": None, "attention": "sdpa", "shape": {}}
+    base = {"environment": {"gpu": None}, "settings": {"micro_batch": 1}, "runs": []}
+    probe = {"family": "gemma", "variant": "tigon", "seq": 8192, "oom": False}
+    first = {
+        **base,
+        "families": {"gemma": family, "llama": family},
+        "longest": {"gemma": {"eager": 8192, "tigon": "not run: time budget (9 s) spent"}, "llama": {"eager": None}},
+    }
+    second = {
+        **base,
+        "families": {"gemma": family},
+        "longest": {"gemma": {"eager": "not run: time budget (9 s) spent", "tigon": 8192, "liger": "not available"}},
+        "longest_probes": [probe],
+    }
+    merged = merge_reports([first, second])
+    assert list(merged["longest"]) == ["llama", "gemma"]  # PRESETS order
+    assert merged["longest"]["gemma"] == {"eager": 8192, "tigon": 8192, "liger": "not available"}
+    assert merged["longest"]["llama"] == {"eager": None} and merged["longest_probes"] == [probe]
