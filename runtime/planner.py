@@ -25,7 +25,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
   repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
   flash_attention_2, and SDPA without packing (one document per row, so no mask unless a sliding window is
-  shorter than the sequence: plain causal attention with k and v unrepeated): q (c q), k and v (2 c kv), the output once (c q), the log-sum-exp.
+  shorter than the sequence: plain causal attention with k and v unrepeated): q (c q), k and v (2 c kv),
+  the output once (c q), the log-sum-exp.
   eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T, and with Gemma 2's
   attention softcapping tanh's output (c x heads x T).
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
