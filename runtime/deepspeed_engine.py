@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO 1, 2 and 3 as a strategy of the torch trainer (imported only when chosen).
 
 The DeepSpeed config is built from the run's config (`deepspeed_config`): micro-batch and
-accumulation from `training`, clipping from `training.max_grad_norm`, bf16 or fp32 from
-`training.precision`, AdamW with the runtime's betas, eps and weight decay (matrices only, as
-`trainer.param_groups`), and the runtime's learning-rate schedule as the engine's scheduler. ZeRO
-stage and CPU offload come from `parallelism`. The loop keeps its loss normalization: each
+accumulation from `training`, clipping from `training.max_grad_norm`, bf16, fp16 (DeepSpeed's
+dynamic loss scaling, from 2^16 as torch's GradScaler) or fp32 from `training.precision`, AdamW
+with the runtime's betas, eps and weight decay (matrices only, as `trainer.param_groups`), and the
+runtime's learning-rate schedule as the engine's scheduler. ZeRO stage and CPU offload come from
+`parallelism`. The loop keeps its loss normalization: each
 micro-batch's loss already carries the global-batch token count, so `engine.backward` does not
 divide by the accumulation steps again. On a CPU machine `DS_ACCELERATOR=cpu` is set before
 DeepSpeed is imported; DeepSpeed then JIT-builds a small communication op (and CPU Adam for
@@ -67,6 +68,7 @@ def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool
         "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * world_size,
         "gradient_clipping": training.max_grad_norm or 0.0,
         "bf16": {"enabled": training.precision == "bf16"},
+        "fp16": {"enabled": training.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "optimizer": {"type": "AdamW", "params": optimizer},
         "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,

@@ -79,13 +79,11 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 def check_strategy(config: RunConfig) -> None:
     """Fail early, with the fix, on a parallelism setting this trainer and precision cannot run."""
-    strategy = config.parallelism.strategy
-    if strategy == "ddp":
-        return
-    if config.training.precision == "fp16":
+    if config.training.precision == "fp16" and config.parallelism.strategy == "fsdp" and config.trainer == "hf":
         raise ConfigError(
-            f"training.precision: fp16 is not supported with parallelism.strategy {strategy!r} (it needs a sharded "
-            "gradient scaler); use bf16, or strategy: ddp"
+            "training.precision: fp16 with trainer 'hf' and parallelism.strategy 'fsdp' is not supported: "
+            "accelerate's gradient scaler would let the ranks disagree on which steps overflowed; use bf16, "
+            "trainer 'torch' or 'lightning', or strategy 'deepspeed'"
         )
 
 

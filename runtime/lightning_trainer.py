@@ -80,11 +80,16 @@ class LightningDDP(DDPStrategy):
         return self.lightning.trainer.strategy.block_backward_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.lightning.manual_backward(loss)
+        self.lightning.manual_backward(self.scaler.scale(loss))
 
     def step(self) -> float:
+        """As DDPStrategy.step, through the LightningOptimizer: the scaler unscales and steps that one object (it
+        shares the optimizer's parameter groups), and skips the update when fp16 gradients overflowed."""
+        optimizer = self.lightning.optimizers()
+        self.scaler.unscale_(optimizer)
         grad_norm = self.clip()
-        self.lightning.optimizers().step()
+        self.scaler.step(optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm

@@ -8,8 +8,8 @@
 - `ddp` (`DDPStrategy`): DistributedDataParallel over WORLD_SIZE > 1 processes (the model itself in
   one), torch AdamW, fp16 through a GradScaler; checkpoints are torch files written by rank 0.
 - `fsdp` (`FSDPStrategy`): FSDP2 `fully_shard` on each decoder layer, then on the root; a
-  MixedPrecisionPolicy (parameters in bf16 with `training.precision: bf16`, gradients reduced in
-  fp32); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Checkpoints are sharded
+  MixedPrecisionPolicy (parameters in bf16 or fp16 per `training.precision`, gradients reduced in
+  fp32; fp16 through a ShardedGradScaler); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Checkpoints are sharded
   torch.distributed.checkpoint directories (model and optimizer through get/set_state_dict).
 - `deepspeed` (`tigon.runtime.deepspeed_engine.DeepSpeedStrategy`): ZeRO stage 1, 2 or 3.
 
@@ -40,7 +40,7 @@ from tigon.runtime.distributed import DistEnv, barrier, wrap_model
 
 logger = logging.getLogger("tigon.runtime")
 
-FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16}  # MixedPrecisionPolicy.param_dtype per training.precision
+FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # MixedPrecisionPolicy.param_dtype
 
 
 class DDPStrategy:
@@ -64,7 +64,7 @@ class DDPStrategy:
         self.module, self.model, self.optimizer, self.scheduler = module, model, optimizer, scheduler
         self.config, self.env, self.device = config, env, device
         enabled = config.training.precision == "fp16"
-        self.scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=enabled)
+        self.scaler = scaler if scaler is not None else self.new_scaler(device, enabled)
         self.params = [p for p in module.parameters() if p.requires_grad]
 
     @classmethod
@@ -80,6 +80,11 @@ class DDPStrategy:
     @staticmethod
     def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
         return wrap_model(module, config, env, device)
+
+    @staticmethod
+    def new_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+        """fp16's loss scaler; DDP's gradients are whole on every rank, so each rank finds the same overflow."""
+        return torch.amp.GradScaler(device.type, enabled=enabled)
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's forward and backward; gradients are synchronized on the last."""
@@ -225,6 +230,14 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
     def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
         return shard_model(module, config, env, device)
 
+    @staticmethod
+    def new_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
+        """Each rank holds a shard of the gradients: the sharded scaler all-reduces whether any shard overflowed,
+        so every rank skips the same steps."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, enabled=enabled)
+
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
         return contextlib.nullcontext()
@@ -246,8 +259,11 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(), checkpoint_id=directory / "dcp")
-        if self.env.is_main:
-            torch.save({"scheduler": self.scheduler.state_dict()}, directory / "scheduler.pt")
+        if self.env.is_main:  # the scaler's state is the same on every rank: it all-reduces its overflow checks
+            schedule = {"scheduler": self.scheduler.state_dict()}
+            if self.scaler.is_enabled():
+                schedule["scaler"] = self.scaler.state_dict()
+            torch.save(schedule, directory / "scheduler.pt")
 
     def read_state(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -263,6 +279,8 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         schedule = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(schedule["scheduler"])
+        if self.scaler.is_enabled() and "scaler" in schedule:
+            self.scaler.load_state_dict(schedule["scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -91,11 +91,6 @@ def check_config(config: RunConfig) -> None:
     """Settings that cannot run together, named with the fix: checked before anything is built, by every trainer
     and by `tigon submit` on the laptop (through `check_submission`)."""
     check_strategy(config)
-    if config.trainer == "lightning" and config.training.precision == "fp16":
-        raise ConfigError(
-            "training.precision: fp16 needs a gradient scaler, which trainer 'lightning' does not run in manual "
-            "optimization here; use bf16 or fp32, or trainer 'torch'"
-        )
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "

@@ -53,7 +53,7 @@ def test_pyflyte_options_pass_through_and_job_template_takes_either_spelling(cap
         (
             ["--job-template", "h100x8", "--set", "trainer=hf", "--set", "parallelism.strategy=fsdp"]
             + ["--set", "training.precision=fp16"],
-            "fp16 is not supported",
+            "fp16 with trainer 'hf' and parallelism.strategy 'fsdp' is not supported",
         ),
     ],
 )

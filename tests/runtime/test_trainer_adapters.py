@@ -85,7 +85,7 @@ def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
 @pytest.mark.parametrize(
     ("trainer", "sections", "message"),
     [
-        ("lightning", {"training": {"precision": "fp16"}}, "gradient scaler"),
+        ("hf", {"training": {"precision": "fp16"}, "parallelism": {"strategy": "fsdp"}}, "gradient scaler"),
     ],
 )
 def test_options_an_adapter_cannot_honour_fail_clearly(tmp_path, trainer, sections, message):
