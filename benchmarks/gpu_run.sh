@@ -6,7 +6,8 @@
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
 #   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
-#   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET)
+#   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
+#   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -42,6 +43,12 @@ for step in "$@"; do
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;
+    fp16-smoke) for run in torch:ddp torch:fsdp lightning:ddp lightning:fsdp hf:ddp; do
+        python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps=150 --set training.precision=fp16 \
+          --set trainer="${run%%:*}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
+          --set checkpoint.export=false --set logging.tensorboard=false --set logging.run_dir="$out/fp16-${run/:/-}" \
+          > "$out/fp16-${run/:/-}.log" 2>&1; echo "fp16 $run: exit $?"; grep -h "loss" "$out/fp16-${run/:/-}.log" | tail -n 3
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done
