@@ -16,6 +16,7 @@ from tigon.kernels.ops.jsd import jsd
 from tigon.kernels.ops.kl_divergence import kl_divergence
 from tigon.kernels.ops.kto import fused_linear_kto
 from tigon.kernels.ops.layer_norm import layer_norm
+from tigon.kernels.ops.moe_experts import moe_experts
 from tigon.kernels.ops.orpo import fused_linear_orpo
 from tigon.kernels.ops.rms_norm import rms_norm
 from tigon.kernels.ops.rope import rope
@@ -37,6 +38,7 @@ __all__ = [
     "jsd",
     "kl_divergence",
     "layer_norm",
+    "moe_experts",
     "rms_norm",
     "rope",
     "sequence_logps",

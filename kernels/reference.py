@@ -99,6 +99,32 @@ def geglu_packed(gate_up: torch.Tensor, approximate: str = "tanh") -> torch.Tens
     return geglu(gate, up, approximate)
 
 
+def moe_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """transformers' eager experts loop: each expert's tokens through `down_proj[e] @ (act(gate) * up)`, scaled
+    by their routing weight and added into an output of hidden_states' dtype, expert by expert. `activation`:
+    "silu", "gelu_tanh" or "gelu_erf"."""
+    out = torch.zeros_like(hidden_states)
+    for expert in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(hidden_states[token], gate_up_proj[expert]).chunk(2, dim=-1)
+        if activation == "silu":
+            act = swiglu(gate, up)
+        else:
+            act = geglu(gate, up, "tanh" if activation == "gelu_tanh" else "none")
+        expert_out = F.linear(act, down_proj[expert]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, expert_out.to(out.dtype))
+    return out
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise if a target that is not `ignore_index` lies outside [0, n_classes): one device sync."""
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
