@@ -43,7 +43,7 @@ for step in "$@"; do
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;
-    fp16-smoke) for run in torch:ddp torch:fsdp lightning:ddp lightning:fsdp hf:ddp; do
+    fp16-smoke) for run in ${FP16_RUNS:-torch:ddp torch:fsdp lightning:ddp lightning:fsdp hf:ddp}; do
         python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps=150 --set training.precision=fp16 \
           --set trainer="${run%%:*}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
           --set checkpoint.export=false --set logging.tensorboard=false --set logging.run_dir="$out/fp16-${run/:/-}" \

@@ -73,7 +73,7 @@ class DDPStrategy:
         from tigon.runtime.trainer import build_optimizer, build_scheduler
 
         model = cls.wrap(module, config, env, device)
-        optimizer = build_optimizer(module, config.training)
+        optimizer = build_optimizer(module, config.training, fused=cls.fused_optimizer(config))
         scheduler = build_scheduler(optimizer, config.training, total_steps)
         return cls(module, model, optimizer, scheduler, config, env, device)
 
@@ -85,6 +85,11 @@ class DDPStrategy:
     def new_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
         """fp16's loss scaler; DDP's gradients are whole on every rank, so each rank finds the same overflow."""
         return torch.amp.GradScaler(device.type, enabled=enabled)
+
+    @staticmethod
+    def fused_optimizer(config: RunConfig) -> bool:
+        """Whether AdamW may take torch's fused kernel on the GPU."""
+        return True
 
     def accumulating(self, last: bool):
         """The context of one micro-batch's forward and backward; gradients are synchronized on the last."""
@@ -237,6 +242,12 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, enabled=enabled)
+
+    @staticmethod
+    def fused_optimizer(config: RunConfig) -> bool:
+        """Not under fp16: the sharded scaler hands the fused step an overflow flag of shape [1] where it wants a
+        scalar (torch 2.11-2.13: "output with shape [] doesn't match the broadcast shape [1]")."""
+        return config.training.precision != "fp16"
 
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step

@@ -127,12 +127,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, training: TrainingConfig, fused: bool = True) -> torch.optim.Optimizer:
+    """AdamW over `param_groups`; torch's fused kernel when every parameter is on the GPU, unless `fused` is False
+    (FSDP2's fp16 scaler cannot drive the fused step: see FSDPStrategy.fused_optimizer)."""
     groups = param_groups(model, training.weight_decay)
     if not groups:
         raise ConfigError("the model has no trainable parameters (check lora.target_modules)")
     on_gpu = all(p.is_cuda for group in groups for p in group["params"])
-    return torch.optim.AdamW(groups, lr=training.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=on_gpu or None)
+    return torch.optim.AdamW(
+        groups, lr=training.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=(fused and on_gpu) or None
+    )
 
 
 def lr_factor(step: int, training: TrainingConfig, total_steps: int) -> float:
