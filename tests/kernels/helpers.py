@@ -29,3 +29,19 @@ def leaf(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def as_float64(tensor: torch.Tensor) -> torch.Tensor:
     """A float64 leaf copy of a low-precision input, for the reference."""
     return tensor.detach().double().requires_grad_(True)
+
+
+def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
+    """Bytes autograd keeps for the backward of `run()`: each saved storage once, those of `exclude` left out."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())

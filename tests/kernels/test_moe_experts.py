@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
+from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf, saved_bytes
 from tests.kernels.test_modules import moe_experts as transformers_experts
 from tests.kernels.test_patching import FAMILY_CASES, assert_lora_adapters_kept, assert_same_training_step, tiny
 from tigon.kernels import modules, reference
@@ -108,22 +108,6 @@ def test_moe_experts_skip_the_gradients_nobody_needs(frozen, device):
         assert (got is None) == (expected is None), name
         if expected is not None:
             assert_close(got, expected, torch.float32, f"grad of {name}")
-
-
-def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
-    """Bytes autograd keeps for the backward of `run()`: each saved storage once, those of `exclude` left out."""
-    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
 
 
 def test_moe_experts_keep_only_gate_up_for_backward(device):

@@ -8,6 +8,7 @@ import logging
 import pytest
 from transformers import LlamaConfig
 
+from tests.kernels.helpers import saved_bytes
 from tests.runtime.test_trainer import tiny_config
 from tigon.runtime import cli, planner
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
@@ -244,25 +245,6 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
 
 
-def saved_bytes(forward, x, exclude) -> int:
-    """Bytes autograd keeps for the backward of `forward(x)`: every saved tensor's storage once, those of the
-    `exclude` tensors (parameters, inputs shared by all layers) left out."""
-    import torch
-
-    excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward(x)
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_norm_and_mlp_formulas_match_what_autograd_saves(kernels, frozen):
@@ -283,8 +265,8 @@ def test_norm_and_mlp_formulas_match_what_autograd_saves(kernels, frozen):
     work = bf16_work(shape, 16, **lora)
     tokens = 3 * 16
     x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
-    assert saved_bytes(norm, x, norm.parameters()) == planner.norm_bytes(work, kernels) * tokens
-    assert saved_bytes(mlp, x, mlp.parameters()) == planner.mlp_bytes(work, kernels) * tokens
+    assert saved_bytes(lambda: norm(x), norm.parameters()) == planner.norm_bytes(work, kernels) * tokens
+    assert saved_bytes(lambda: mlp(x), mlp.parameters()) == planner.mlp_bytes(work, kernels) * tokens
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -318,7 +300,7 @@ def test_decoder_layer_formula_matches_what_autograd_saves(kernels, restore_rope
         return holder.layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions)
 
     shared = [cos, sin, mask, positions]  # the micro-batch's, shared by every layer
-    measured = saved_bytes(layer, x, [*holder.layer.parameters(), *shared])
+    measured = saved_bytes(lambda: layer(x), [*holder.layer.parameters(), *shared])
     work = bf16_work(ModelShape.from_hf_config(config), 16)
     assert measured == planner.layer_bytes(work, kernels) * 3 * 16
 
@@ -342,8 +324,7 @@ def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_ro
     positions = torch.arange(16).repeat(3, 1)
     cos, sin = LlamaRotaryEmbedding(config)(x, positions)
     measured = saved_bytes(
-        lambda x: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=positions),
-        x,
+        lambda: layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=positions),
         [*layer.parameters(), cos, sin, positions],
     )
     work = dataclasses.replace(bf16_work(ModelShape.from_hf_config(config), 16), attention="sdpa_causal")
@@ -380,7 +361,7 @@ def test_eager_attention_scores_formula_matches_what_autograd_saves(softcap):
     def scores(q):
         return eager_attention_forward(attention, q, k, v, mask, scaling=head_dim**-0.5, softcap=softcap)[0]
 
-    per_token = saved_bytes(scores, q, [mask]) / (batch * seq)
+    per_token = saved_bytes(lambda: scores(q), [mask]) / (batch * seq)
     qkv = 2 * 3 * heads * head_dim  # q, and k and v repeated to every head
     work = dataclasses.replace(bf16_work(shape, seq), attention="eager")
     assert per_token - qkv == planner.eager_scores_bytes(work) == (8 if softcap else 6) * heads * seq
