@@ -20,11 +20,12 @@ with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens b
 
 Every variant runs in a fresh subprocess so peaks do not mix; warm-up steps are not timed. The
 planner's estimate is recorded next to each measured peak (the planner models eager and tigon;
-Liger's rows have none, nor have models whose parameters the planner's dense-decoder shape does not
-count, such as MoE experts). The trainer's loss is the model's own, called with labels: HF eager computes
-`ForCausalLMLoss` from the full logits; Liger's and tigon's patched forwards use their fused linear
-cross entropy, so neither materializes the (tokens x vocab) logits (Liger's Granite patch has none: it
-keeps the logits and swaps in its cross entropy).
+Liger's rows have none, nor have models whose parameters the planner's shape does not count: a
+Llama-like decoder, with Mixtral's, Qwen2-MoE's or Qwen3-MoE's MoE block). The trainer's loss is the
+model's own, called with labels: HF eager computes `ForCausalLMLoss` from the full logits; Liger's and
+tigon's patched forwards use their fused linear cross entropy, so neither materializes the
+(tokens x vocab) logits (Liger's Granite patch has none: it keeps the logits and swaps in its cross
+entropy).
 `--tiny` shrinks every family's widths, layers and vocabulary but keeps its model_type and quirks
 (softcapping, logit scaling, sliding windows, partial rotary, MoE routing, tied or untied head).
 `--time-budget` stops starting runs once the next one would not finish in time; those rows say so.
@@ -580,6 +581,17 @@ def count_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def estimate_note(shape, params: int) -> str | None:
+    """Why the planner's estimate is left out for a model of `params` parameters: its shape (a Llama-like
+    decoder, with the MoE block of planner.MOE_FAMILIES) counts others, so the estimate is not this model's;
+    None where the counts agree within 2%."""
+    if abs(shape.params - params) <= 0.02 * params:
+        return None
+    return (
+        f"the planner's decoder shape counts {count_text(shape.params)} parameters, the model has {count_text(params)}"
+    )
+
+
 def worker(spec: dict) -> dict:
     """One variant at one shape, in this (fresh) process; returns what it measured, or that it ran out of memory."""
     import torch
@@ -597,9 +609,7 @@ def worker(spec: dict) -> dict:
     config = bench_config(spec, cuda)
     work = planner.workload(config, world_size=1)
     params = count_parameters(config)
-    # The planner counts a dense decoder (attention + one gated MLP a layer); where that is not this model's
-    # parameter count (MoE experts), its estimate is not this model's and is left out.
-    modeled = abs(work.shape.params - params) <= 0.02 * params
+    note = estimate_note(work.shape, params)
     if spec["variant"] == "planner":
         memory = planner.parse_memory(spec["gpu_memory"]) if spec.get("gpu_memory") else None
         try:
@@ -616,13 +626,10 @@ def worker(spec: dict) -> dict:
         "accumulation": setting.accumulation,
         "checkpointing": setting.checkpointing,
         "kernels": setting.kernels,
-        "estimate_bytes": None if spec["variant"] == "liger" or not modeled else planner.estimate(work, setting).peak,
+        "estimate_bytes": None if spec["variant"] == "liger" or note else planner.estimate(work, setting).peak,
     }
-    if not modeled:
-        result["estimate_note"] = (
-            f"the planner's dense-decoder shape counts {count_text(work.shape.params)} parameters, "
-            f"the model has {count_text(params)}"
-        )
+    if note:
+        result["estimate_note"] = note
     try:
         measured = run_steps(config, spec["steps"], spec["warmup"], liger=liger)
     except torch.OutOfMemoryError:
@@ -671,7 +678,7 @@ def describe(result: dict) -> str:
 
 def predicted_longest(base: dict, limit: int, step: int) -> int | None:
     """The longest multiple of `step` the planner expects this variant to fit; None without a memory figure,
-    or for a model the planner's dense-decoder shape does not count.
+    or for a model whose parameters the planner's shape does not count.
 
     Eager and tigon are compared with the GPU's memory less the CUDA context; the planner variant with the
     planner's own budget; Liger (not modeled) is predicted as tigon.
@@ -691,7 +698,7 @@ def predicted_longest(base: dict, limit: int, step: int) -> int | None:
     first = bench_config({**base, "variant": variant, "seq": step}, cuda)
     shape = planner.model_shape(first)
     params = count_parameters(first)
-    if abs(shape.params - params) > 0.02 * params:  # a shape the planner does not model (MoE experts)
+    if estimate_note(shape, params):  # a shape the planner does not count
         return None
     usable = memory - planner.CUDA_CONTEXT
     if variant == "planner":
@@ -848,7 +855,7 @@ def markdown(report: dict) -> str:
         "",
         "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy,"
         ' except Liger\'s Granite patch, which keeps the logits). Planner estimate "not modeled": the planner'
-        " counts a dense decoder, not this model's parameters (MoE experts).",
+        " counts other parameters than this model's (a shape it does not model).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -32,6 +32,14 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
   (3 c i). tigon's SwiGLU saves gate and up only and recomputes SiLU (2 c i).
 - RoPE saves only cos and sin, shared by the layers (either implementation).
+- MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE; k experts a token, each i wide; `moe_bytes`): the router's input
+  (c h), float32 probabilities (4 x experts), top-k indices (8 k), with renormalized top-k also their float32
+  values and sum (4 k + 4). Per token-expert pair, transformers' grouped_mm experts keep three int64 index
+  vectors (24), the gathered input and the expert's output (2 c h), gate_up, SiLU's output and the product
+  (4 c i) and the routing weight (c; 4 for Mixtral's float32 weights); tigon's moe_experts keeps gate_up and
+  its int64 sort position (2 c i + 8) and the routing weights (c k). Mixtral's float32 routing weights keep
+  grouped_mm under the kernels, with tigon's activation (3 c i). Qwen2-MoE's shared expert saves a gated MLP's
+  activations and, for its sigmoid gate, the gate (c) and its output (c h).
 
 With gradient checkpointing a layer keeps only its input (r h per token); during the backward one
 layer is recomputed at a time, so one layer's full activations come back transiently.
@@ -47,9 +55,9 @@ forward already computes the hidden states' gradient (c h per token) and lm_head
 at a time.
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
-and up's), c i with tigon's in-place SwiGLU backward; attention's are 3 c q + 4 q, and for eager
-attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); the
-larger counts.
+and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
+too); attention's are 3 c q + 4 q, and for eager attention also the scores' gradient in float32 and the
+softmax's input gradient (8 x heads x T); the larger counts.
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2
 shards weights, gradients and states over the world size and gathers two layers (and the embedding
@@ -100,6 +108,63 @@ class PlanError(ConfigError):
 
 
 @dataclass(frozen=True)
+class MoeKeys:
+    """Where a transformers MoE family's config keeps its expert sizes, and how its router rounds."""
+
+    experts: str  # the number of experts
+    intermediate: str  # each expert's intermediate size
+    shared: str | None = None  # a shared expert's intermediate size (Qwen2-MoE), its output gated by a sigmoid
+    normalized: bool | None = None  # the top-k probabilities renormalized; None: the config's norm_topk_prob
+    float32_weights: bool = False  # the routing weights stay float32 (so tigon's experts op falls back)
+
+
+MOE_FAMILIES = {
+    "mixtral": MoeKeys("num_local_experts", "intermediate_size", normalized=True, float32_weights=True),
+    "qwen2_moe": MoeKeys("num_experts", "moe_intermediate_size", shared="shared_expert_intermediate_size"),
+    "qwen3_moe": MoeKeys("num_experts", "moe_intermediate_size"),
+}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A Mixture-of-Experts block's sizes: a router over `experts`, each a gated MLP, `top_k` of them a token."""
+
+    experts: int
+    intermediate: int  # each expert's
+    top_k: int
+    layers: int  # decoder layers with this block (the others have the dense MLP)
+    shared: int = 0  # the shared expert's intermediate size, 0 for none
+    normalized: bool = False
+    float32_weights: bool = False
+
+    @classmethod
+    def from_text_config(cls, text) -> MoeShape | None:
+        """The MoE block of a config of a family in MOE_FAMILIES; None for any other (dense) model."""
+        keys = MOE_FAMILIES.get(text.model_type)
+        experts = getattr(text, keys.experts, 0) if keys else 0
+        if not experts:
+            return None
+        step, dense = getattr(text, "decoder_sparse_step", 1) or 1, set(getattr(text, "mlp_only_layers", None) or ())
+        layers = sum(i not in dense and (i + 1) % step == 0 for i in range(text.num_hidden_layers))
+        normalized = keys.normalized if keys.normalized is not None else bool(getattr(text, "norm_topk_prob", False))
+        shared = (getattr(text, keys.shared, 0) or 0) if keys.shared else 0
+        return cls(
+            experts,
+            getattr(text, keys.intermediate),
+            text.num_experts_per_tok,
+            layers,
+            shared,
+            normalized,
+            keys.float32_weights,
+        )
+
+    def params(self, hidden: int) -> int:
+        """The block's parameters: router, experts' gate/up/down, the shared expert and its gate."""
+        shared = 3 * hidden * self.shared + hidden if self.shared else 0
+        return self.experts * hidden + 3 * self.experts * hidden * self.intermediate + shared
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes the estimate needs, read from a transformers config (no weights are made)."""
 
@@ -118,10 +183,12 @@ class ModelShape:
     logit_softcap: bool = False  # Gemma 2: the same on the logits, one more logits tensor saved
     sliding_window: int | None = None  # layers that attend to this many tokens back (Gemma 3, Phi-3)
     linear_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    moe: MoeShape | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE: the MLP of `moe.layers` layers is this block
 
     @classmethod
     def from_hf_config(cls, hf_config) -> ModelShape:
-        """Sizes of a Llama-like decoder (attention + gated MLP per layer) from its transformers config."""
+        """Sizes of a Llama-like decoder (attention + gated MLP, or MoE block, per layer) from its transformers
+        config."""
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
         heads = text.num_attention_heads
@@ -131,8 +198,14 @@ class ModelShape:
         tied = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
         q, kv = heads * head_dim, kv_heads * head_dim
         bias = hidden + 2 * kv + hidden if getattr(text, "attention_bias", False) else 0
-        layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden + bias
-        params = vocab * hidden * (1 if tied else 2) + layers * layer + hidden
+        bias = q + 2 * kv if getattr(text, "qkv_bias", False) else bias  # Qwen2-MoE: q, k and v only
+        attention = hidden * (2 * q + 2 * kv) + 2 * hidden + bias
+        moe = MoeShape.from_text_config(text)
+        dense, sparse = 3 * hidden * inter, moe.params(hidden) if moe else 0
+        sparse_layers = moe.layers if moe else 0
+        layer = attention + (sparse if sparse_layers else dense)  # one layer: an MoE one where there are any
+        blocks = sparse_layers * sparse + (layers - sparse_layers) * dense
+        params = vocab * hidden * (1 if tied else 2) + layers * attention + blocks + hidden
         return cls(
             text.model_type,
             hidden,
@@ -148,6 +221,7 @@ class ModelShape:
             attention_softcap=getattr(text, "attn_logit_softcapping", None) is not None,
             logit_softcap=getattr(text, "final_logit_softcapping", None) is not None,
             sliding_window=getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None,
+            moe=moe,
         )
 
     def linear_shape(self, name: str) -> tuple[int, int]:
@@ -344,9 +418,29 @@ def mlp_bytes(work: Workload, kernels: bool) -> float:
     return total + _adapter_bytes(work, ("gate_proj", "up_proj", "down_proj"))
 
 
+def moe_bytes(work: Workload, kernels: bool) -> float:
+    """Bytes per token one MoE block saves (full fine-tuning): the router's input, float32 probabilities and
+    top-k, each token-expert pair's (tigon's experts op: gate_up and its sort position; transformers'
+    grouped_mm: three int64 index vectors, the gathered input, gate_up, gate's activation, the product,
+    the routing weight and the expert's output), and the shared expert's. Beyond these, 4 bytes an expert."""
+    s, moe, c = work.shape, work.shape.moe, work.compute_bytes
+    h, k, i = s.hidden, moe.top_k, moe.intermediate
+    weight = 4 if moe.float32_weights else c
+    total = c * h + 4 * moe.experts + 8 * k + (4 + 4 * k if moe.normalized else 0)
+    if kernels and not moe.float32_weights:  # tigon's moe_experts keeps the routing weights and, a pair, gate_up
+        total += c * k + k * (2 * c * i + 8)
+    else:  # tigon's activation saves gate and up only (its product is down's input), eager also SiLU's output
+        total += k * (24 + 2 * c * h + (3 if kernels else 4) * c * i + weight)
+    if moe.shared:  # a gated MLP on the router's input, its sigmoid gate and output, both saved by the product
+        total += (3 if kernels else 4) * c * moe.shared + c + c * h
+    return total
+
+
 def layer_bytes(work: Workload, kernels: bool) -> float:
-    """Bytes per token one decoder layer saves for its backward, without checkpointing (see the module doc)."""
-    return 2 * norm_bytes(work, kernels) + attention_bytes(work) + mlp_bytes(work, kernels)
+    """Bytes per token one decoder layer saves for its backward, without checkpointing (see the module doc);
+    for an MoE model, a layer with the MoE block."""
+    mlp = moe_bytes(work, kernels) if work.shape.moe else mlp_bytes(work, kernels)
+    return 2 * norm_bytes(work, kernels) + attention_bytes(work) + mlp
 
 
 def layer_backward_bytes(work: Workload, kernels: bool) -> float:

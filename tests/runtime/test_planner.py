@@ -381,3 +381,62 @@ def test_a_sliding_window_shorter_than_the_sequence_is_planned_as_masked_sdpa(tm
     qwen2 = ModelShape.from_hf_config(Qwen2Config(sliding_window=256, use_sliding_window=False))
     assert qwen2.sliding_window is None and planner.attention_path(unpacked, qwen2) == "sdpa_causal"
     assert planner.attention_path(config, qwen2) == "sdpa"  # packed rows carry their documents' mask
+
+
+# Tiny MoE configs of each family the planner models: 5 experts, 2 a token, each 40 wide; Qwen2-MoE's shared
+# expert 56 wide; Qwen3-MoE renormalizing its top-k probabilities (Mixtral always does, Qwen2-MoE here not).
+MOE_CASES = {
+    "mixtral": {"num_local_experts": 5, "intermediate_size": 40},
+    "qwen2_moe": {"num_experts": 5, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56},
+    "qwen3_moe": {"num_experts": 5, "moe_intermediate_size": 40, "norm_topk_prob": True},
+}
+
+
+def moe_config(family: str, **changes):
+    from transformers import AutoConfig
+
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    sizes |= {"num_hidden_layers": 1, "vocab_size": 100}
+    return AutoConfig.for_model(family, **sizes | MOE_CASES[family] | changes)
+
+
+@pytest.mark.parametrize("family", list(MOE_CASES))
+def test_moe_parameter_count_matches_the_built_model(family):
+    """Router, experts, the shared expert and its gate; Qwen2-MoE's dense layers (decoder_sparse_step,
+    mlp_only_layers) counted with the dense MLP. Qwen3's q/k norms (2 x head_dim a layer) are not counted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sparse = {"decoder_sparse_step": 2, "mlp_only_layers": [1], "intermediate_size": 96}
+    config = moe_config(family, num_hidden_layers=4, **(sparse if family == "qwen2_moe" else {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.moe.layers == (1 if family == "qwen2_moe" else 4)  # layer 3 only: 1 is dense, 0 and 2 not sparse
+    qk_norms = 2 * shape.head_dim * shape.layers if family == "qwen3_moe" else 0
+    assert shape.params + qk_norms == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("family", list(MOE_CASES))
+def test_moe_block_formula_matches_what_autograd_saves(family, kernels, restore_rope):
+    """One MoE block in bf16, transformers' grouped_mm experts (its default) or tigon's (moe_experts; Mixtral's
+    float32 routing weights keep grouped_mm, with tigon's activation): the saved bytes are moe_bytes a token,
+    plus the experts' int32 offsets (4 bytes an expert)."""
+    import torch
+
+    from tigon.kernels.patching import apply
+
+    config = moe_config(family)
+    config._experts_implementation = "grouped_mm"
+    block_class = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock"}
+    module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["_"])
+    holder = torch.nn.Module()
+    holder.config = config
+    holder.mlp = getattr(module, block_class.get(family, "Qwen3MoeSparseMoeBlock"))(config).to(torch.bfloat16)
+    if kernels:
+        assert apply(holder).applied["gated_experts"] == 1
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    shape = ModelShape.from_hf_config(config)
+    measured = saved_bytes(lambda: holder.mlp(x), holder.mlp.parameters())
+    assert measured == planner.moe_bytes(bf16_work(shape, 16), kernels) * 3 * 16 + 4 * shape.moe.experts
