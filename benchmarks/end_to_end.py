@@ -731,7 +731,7 @@ def longest_sequence(base: dict, limit: int, step: int, timeout: int) -> tuple[i
         return not result["oom"]
 
     try:
-        guess = min(predicted_longest(base, limit, step) or limit, limit)
+        guess = predicted_longest(base, limit, step) or limit  # a prediction stops at `limit`
         return _search(fits, guess, base["variant"], limit, step), probes
     except Failed:
         return None, probes
@@ -846,7 +846,7 @@ def markdown(report: dict) -> str:
             context = report["families"][family]["shape"].get("max_position_embeddings", "-")
             for name, seq in variants.items():
                 probes = [p for p in report.get("longest_probes", []) if (p["family"], p["variant"]) == (family, name)]
-                there = next((p for p in probes if p["seq"] == seq and not p["oom"] and "error" not in p), {})
+                there = probe_at_longest(report, family, name)
                 speed = f"{there['tokens_per_second']:,.0f}" if "tokens_per_second" in there else "-"
                 peak = f"{there['peak_bytes'] / GiB:.2f}" if there.get("peak_bytes") else "-"
                 cells = [family, name, seq if seq else "none", context, speed, peak, len(probes)]
@@ -940,6 +940,20 @@ def plot_families(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def probe_at_longest(report: dict, family: str, variant: str) -> dict:
+    """The measured probe at the longest length `variant` of `family` fit; {} where none fit or it was not run."""
+    seq = report["longest"][family].get(variant)
+    probes = report.get("longest_probes", [])
+    return next(
+        (
+            p
+            for p in probes
+            if (p["family"], p["variant"], p["seq"]) == (family, variant, seq) and not p["oom"] and "error" not in p
+        ),
+        {},
+    )
+
+
 def plot_longest(report: dict, path: Path) -> None:
     """Per family and variant: the peak memory at the longest sequence that fit, that length written on the bar."""
     import matplotlib
@@ -949,18 +963,16 @@ def plot_longest(report: dict, path: Path) -> None:
 
     variants = [v for v in VARIANTS if any(v in found for found in report["longest"].values())]
     families = list(report["longest"])
-    probes = {(p["family"], p["variant"], p["seq"]): p for p in report.get("longest_probes", []) if not p["oom"]}
     figure, axis = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(variants)
     for index, variant in enumerate(variants):
         for position, family in enumerate(families):
-            seq = report["longest"][family].get(variant)
-            probe = probes.get((family, variant, seq), {}) if isinstance(seq, int) else {}
+            probe = probe_at_longest(report, family, variant)
             if not probe.get("peak_bytes"):
                 continue
             x = position - 0.4 + width * (index + 0.5)
-            axis.bar(x, probe["peak_bytes"] / GiB, width=width, color=f"C{index}", label=variant if position else None)
-            axis.text(x, probe["peak_bytes"] / GiB, f"{seq / 1024:g}K", ha="center", va="bottom", fontsize=7)
+            axis.bar(x, probe["peak_bytes"] / GiB, width=width, color=f"C{index}")
+            axis.text(x, probe["peak_bytes"] / GiB, f"{probe['seq'] / 1024:g}K", ha="center", va="bottom", fontsize=7)
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(variants))]
     axis.legend(handles, variants)
     axis.set_xticks(range(len(families)), families, rotation=30, fontsize=9)

@@ -182,9 +182,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
     """FSDP2 in place: each decoder layer, then the root, `fully_shard`ed over all ranks; returns `module`.
 
-    The MixedPrecisionPolicy keeps parameters in bf16 for the forward and backward with `training.precision:
-    bf16` and reduces gradients in fp32; `parallelism.cpu_offload` adds a CPUOffloadPolicy. Ranks but 0 may
-    hold the model on the meta device (`trainer.prepare`): they receive rank 0's weights once it is sharded.
+    The MixedPrecisionPolicy keeps parameters in bf16 or fp16 for the forward and backward, per
+    `training.precision`, and reduces gradients in fp32; `parallelism.cpu_offload` adds a CPUOffloadPolicy.
+    Ranks but 0 may hold the model on the meta device (`trainer.prepare`): they receive rank 0's weights once
+    it is sharded.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
