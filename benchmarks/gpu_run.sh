@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
-# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
+# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
 #   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
@@ -25,6 +25,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels > "$out/gpu-tests.log" 2>&1; tail -n 40 "$out/gpu-tests.log" ;;
+    attention) python3 -m benchmarks.attention_backends --out "$out/attention.json" 2>&1 | tee "$out/attention.log" ;;
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
     tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;

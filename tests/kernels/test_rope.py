@@ -35,6 +35,8 @@ def run_case(
 
     assert q_out.dtype == q.dtype and k_out.dtype == k.dtype
     if check_layout:
+        # The layout reaches attention: SDPA's cuDNN backend (PyTorch's default on Hopper) reads the output gradient
+        # with the output's strides, which follow the query's; transformers' layout is the one that matches.
         assert q_out.stride() == q.stride() and k_out.stride() == k.stride(), "outputs must keep the input layout"
     assert_close(q_out, q_ref, dtype, "q_out")
     assert_close(k_out, k_ref, dtype, "k_out")
