@@ -5,6 +5,7 @@
     python -m benchmarks.end_to_end --longest --out longest.json      # GPU: the longest sequence each fits
     python -m benchmarks.end_to_end --tiny --family all --variants eager,tigon --out /tmp/e2e.json   # CPU smoke run
     python -m benchmarks.end_to_end --merge part1.json part2.json --out families.json   # one table and a plot
+    python -m benchmarks.end_to_end --seqs 4096 --variants liger,tigon --profile --out e2e.json   # + time per kind
 
 One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
 randomly initialized from the config of a named public member (`PRESETS`): a ~1B-4B member as it is, or
@@ -519,10 +520,11 @@ def liger_function(family: str, cuda: bool):
     return function, None
 
 
-def run_steps(config, steps: int, warmup: int, liger=None) -> dict:
+def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False) -> dict:
     """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step.
 
-    `liger`: an `apply_liger_kernel_to_*` function, applied to the built model.
+    `liger`: an `apply_liger_kernel_to_*` function, applied to the built model. `profile`: one more step, under
+    the profiler, whose time per kind of kernel is returned as "profile" (`benchmarks.step_profile`).
     """
     import torch
 
@@ -548,29 +550,39 @@ def run_steps(config, steps: int, warmup: int, liger=None) -> dict:
     strategy = build_strategy(model, config, env, device, steps + warmup)  # one process: the model, AdamW
     strategy.model.train()
     global_batch = training.micro_batch_size * training.gradient_accumulation_steps
-    dataset = random_dataset(global_batch * (steps + warmup), config.data.max_seq_len, vocab, training.seed)
+    dataset = random_dataset(global_batch * (steps + warmup + profile), config.data.max_seq_len, vocab, training.seed)
     sampler = trainer.GlobalBatchSampler(
         len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
     )
     state = ckpt.TrainState()
+
+    def one_step() -> tuple[float, int]:
+        loss, _, n_tokens = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+        state.batches_in_epoch += 1
+        return loss, n_tokens
+
     losses, seconds, tokens = [], 0.0, 0
     for step in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        loss, _, n_tokens = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+        loss, n_tokens = one_step()
         if cuda:
             torch.cuda.synchronize(device)
-        state.batches_in_epoch += 1
         losses.append(loss)
         if step >= warmup:
             seconds += time.perf_counter() - started
             tokens += n_tokens
-    return {
+    result = {
         "tokens_per_second": tokens / seconds,
         "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "losses": losses,
     }
+    if profile:
+        from benchmarks.step_profile import profile_step
+
+        result["profile"] = profile_step(one_step, cuda)
+    return result
 
 
 def count_parameters(config) -> int:
@@ -631,7 +643,7 @@ def worker(spec: dict) -> dict:
     if note:
         result["estimate_note"] = note
     try:
-        measured = run_steps(config, spec["steps"], spec["warmup"], liger=liger)
+        measured = run_steps(config, spec["steps"], spec["warmup"], liger=liger, profile=spec.get("profile", False))
     except torch.OutOfMemoryError:
         return {**result, "oom": True}
     return {**result, "oom": False, **measured}
@@ -834,6 +846,7 @@ def markdown(report: dict) -> str:
             f"{estimate / peak:.2f}" if estimate and peak else "-",
         ]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    lines += profile_table(report["runs"])
     if report.get("longest"):
         micro = report["settings"]["micro_batch"]
         lines += [
@@ -902,6 +915,30 @@ def merge_reports(reports: list[dict]) -> dict:
         merged["longest"] = {name: longest[name] for name in sorted(longest, key=order.index)}
         merged["longest_probes"] = [probe for report in reports for probe in report.get("longest_probes", [])]
     return merged
+
+
+def profile_table(runs: list[dict]) -> list[str]:
+    """Markdown lines: each profiled run's step split by kind of kernel (ms), busiest kinds first."""
+    from benchmarks.step_profile import KINDS
+
+    profiled = [r for r in runs if r.get("profile")]
+    if not profiled:
+        return []
+    kinds = [kind for kind, _ in KINDS] + ["other"]
+    lines = [
+        "",
+        "Where one profiled step's time goes (ms; kernels grouped by name, `benchmarks/step_profile.py`):",
+        "",
+        "| family | variant | seq | step | busy | " + " | ".join(kinds) + " | waiting on the host |",
+        "|---|---|---|---|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for r in profiled:
+        p = r["profile"]
+        cells = [r.get("family", "llama"), r["variant"], r["seq"], f"{p['step_ms']:.1f}", f"{p['busy_ms']:.1f}"]
+        cells += [f"{p['kinds_ms'].get(kind, 0.0):.1f}" for kind in kinds]
+        cells.append(f"{max(0.0, p['step_ms'] - p['busy_ms']):.1f}")
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    return lines
 
 
 def plot_families(report: dict, path: Path) -> None:
@@ -1030,6 +1067,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
+    parser.add_argument("--profile", action="store_true", help="one more step per run, profiled: time per kernel kind")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default: none)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join these reports into --out, with a plot")
@@ -1067,6 +1105,7 @@ def main(argv: list[str] | None = None) -> None:
         "checkpointing": not args.no_checkpointing,
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
+        "profile": args.profile,
         "gpu_memory": args.gpu_memory,
     }
     environment_info = environment()

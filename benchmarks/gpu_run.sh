@@ -6,7 +6,8 @@
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
 #   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
-#   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
+#   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
+#   E2E_SEQS, E2E_VARIANTS); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
 #   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -41,6 +42,7 @@ for step in "$@"; do
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
+    e2e-profile) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs "${E2E_SEQS:-4096}" --variants "$v" --profile --out "$out/e2e-profile.json" 2>&1 | tee "$out/e2e-profile.log" ;;
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;

@@ -51,8 +51,8 @@ copy and log-softmax (4 V each); log-softmax's output stays for the backward, wh
 12 V per token; Gemma 2's logit softcapping saves one more (tanh's output, c V). With the kernels on,
 tigon's fused linear cross entropy replaces it (`Workload.fused_loss`): the logits never exist; its
 forward already computes the hidden states' gradient (c h per token) and lm_head's weight gradient
-(V h in the weight's dtype), the per-token losses (4) and one chunk of logits (hidden/4 tokens x V)
-at a time.
+(V h in the weight's dtype), the per-token losses (4) and one chunk of logits at a time (the op's own
+`max_chunk_tokens` x V: hidden/4 tokens, at least 1024).
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
@@ -459,7 +459,9 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
     s, c = work.shape, work.compute_bytes
     tokens = micro_batch * work.seq_len
     if fused:
-        chunk = max(1, s.hidden // 4) * s.vocab * c
+        from tigon.kernels.ops.fused_linear_cross_entropy import max_chunk_tokens
+
+        chunk = min(tokens, max_chunk_tokens(s.vocab, s.hidden, c)) * s.vocab * c
         head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden  # a frozen head has none
         return c * tokens * s.hidden + head_grad + 4 * tokens + chunk
     softcap = c * tokens * s.vocab if s.logit_softcap else 0  # tanh's output, saved for its backward

@@ -16,13 +16,16 @@ the losses and the backward repeats the chunked pass with each token's factor fo
 gradient (one more matmul per chunk, still exact).
 
 Chunk size: the largest token count whose logits (`chunk * V * itemsize` bytes) stay under
-`min(MAX_CHUNK_LOGITS_BYTES = 1 GiB, free GPU memory / 8, the weight's bytes / 4)`, where free memory
-counts what the driver reports plus what PyTorch's caching allocator holds unused; then the tokens
-are split into equal chunks of at most that size. The weight term makes a chunk `hidden / 4` tokens
-(1,024 for a 4096-wide model): each chunk re-reads and re-writes `grad_weight`, so smaller chunks
-cost time, and larger ones cost logits memory. Measured on an H200 at 8192 x 4096 x 128256 bf16
-(benchmarks/tune_fused_linear_cross_entropy.py): 256-token chunks 54 ms / 1.18 GB, 1024 -> 41 ms /
-1.38 GB, 4096 -> 38 ms / 2.17 GB, against a 38 ms matmul floor. `chunk_size=` overrides the rule.
+`min(MAX_CHUNK_LOGITS_BYTES = 1 GiB, free GPU memory / 8, max(the weight's bytes / 4, 1024 tokens' logits))`,
+where free memory counts what the driver reports plus what PyTorch's caching allocator holds unused; then
+the tokens are split into equal chunks of at most that size. The weight term makes a chunk `hidden / 4`
+tokens (1,024 for a 4096-wide model), and never fewer than `MIN_CHUNK_TOKENS = 1024` while memory allows:
+each chunk re-reads and re-writes `grad_weight`, so smaller chunks cost time, and larger ones cost logits
+memory. Measured on an H200 at 8192 x 4096 x 128256 bf16 (benchmarks/tune_fused_linear_cross_entropy.py):
+256-token chunks 54 ms / 1.18 GB, 512 -> 47 ms / 1.25 GB, 1024 -> 41 ms / 1.38 GB, 4096 -> 38 ms / 2.17 GB,
+against a 38 ms matmul floor. In the 1B end-to-end step (hidden 2048, 32,768 tokens) `hidden / 4` alone
+gave 512-token chunks, and the step's matrix products took 6 ms longer than Liger-Kernel's (its rule gives
+1024 there): hence the floor. `chunk_size=` overrides the rule.
 
 `accumulate_in_fp32=False` (the default) sums the weight gradient in the weight's dtype: at that
 shape its error against an fp32 sum was 6.6e-4 (bf16 rounding itself is 3.9e-3), while the fp32
@@ -58,18 +61,34 @@ from tigon.kernels.utils import (
 
 MAX_CHUNK_LOGITS_BYTES = 1 << 30
 FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
+MIN_CHUNK_TOKENS = 1024  # below this the weight gradient's per-chunk re-read and re-write shows in the time
+
+
+def max_chunk_tokens(
+    vocab: int, hidden: int, itemsize: int, weight_fraction: int = 4, min_tokens: int = MIN_CHUNK_TOKENS
+) -> int:
+    """The most tokens a chunk may hold, free memory aside: logits under 1 GiB and under the larger of
+    weight bytes / `weight_fraction` and `min_tokens` tokens' logits (the planner counts the same)."""
+    row = vocab * itemsize
+    budget = min(MAX_CHUNK_LOGITS_BYTES, max(vocab * hidden * itemsize // weight_fraction, min_tokens * row))
+    return max(1, budget // row)
 
 
 def choose_chunk_size(
-    n_tokens: int, vocab: int, hidden: int, itemsize: int, device: torch.device, weight_fraction: int = 4
+    n_tokens: int,
+    vocab: int,
+    hidden: int,
+    itemsize: int,
+    device: torch.device,
+    weight_fraction: int = 4,
+    min_tokens: int = MIN_CHUNK_TOKENS,
 ) -> int:
-    """Tokens per chunk: logits under min(1 GiB, free memory / 8, weight bytes / weight_fraction), split evenly."""
-    budget = min(MAX_CHUNK_LOGITS_BYTES, vocab * hidden * itemsize // weight_fraction)
+    """Tokens per chunk: `max_chunk_tokens`, and on a GPU logits under free memory / 8; split evenly."""
+    max_rows = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction, min_tokens)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = min(budget, free // FREE_MEMORY_FRACTION)
-    max_rows = max(1, budget // (vocab * itemsize))
+        max_rows = max(1, min(max_rows, free // FREE_MEMORY_FRACTION // (vocab * itemsize)))
     chunks = -(-n_tokens // max_rows)
     return -(-n_tokens // chunks)
 

@@ -18,9 +18,10 @@ in, as `fused_linear_cross_entropy` does.
 Chunk size: `fused_linear_cross_entropy`'s rule (`choose_chunk_size`) applied to both buffers
 together, with a 4x smaller weight term: the largest token count whose student plus teacher logits
 stay under min(1 GiB, free GPU memory / 8, the student weight's bytes / 16 at that itemsize), i.e.
-`student hidden / 16` tokens for equal dtypes (256 at hidden 4096), split into equal chunks;
-`chunk_size=` overrides it. Two logits buffers at cross entropy's `hidden / 4` measured 1.58 GB at
-1024 x 4096 x 128256 on an H200, over Liger-Kernel's 1.21 GB; at `hidden / 16` they hold 131 MB.
+`student hidden / 16` tokens for equal dtypes (256 at hidden 4096), split into equal chunks, without
+cross entropy's 1024-token floor; `chunk_size=` overrides it. Two logits buffers at cross entropy's
+`hidden / 4` measured 1.58 GB at 1024 x 4096 x 128256 on an H200, over Liger-Kernel's 1.21 GB; at
+`hidden / 16` they hold 131 MB.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def chunked_pass(
     grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
 
     itemsize = student_hidden.element_size() + teacher_hidden.element_size()
-    chunk = chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, itemsize, device, weight_fraction=16)
+    chunk = chunk_size or choose_chunk_size(
+        n_tokens, vocab, hidden_size, itemsize, device, weight_fraction=16, min_tokens=1
+    )
     rows = min(chunk, n_tokens)
     student_buffer = torch.empty((rows, vocab), dtype=student_hidden.dtype, device=device)
     teacher_buffer = torch.empty((rows, vocab), dtype=teacher_hidden.dtype, device=device)

@@ -251,7 +251,9 @@ def test_chunk_size_rule():
     assert choose_chunk_size(32768, 128256, 4096, 2, cpu) == 1024
     assert choose_chunk_size(100, 128256, 4096, 2, cpu) == 100
     assert choose_chunk_size(5000, 262144, 4096, 4, cpu) == 1000  # 1024 fit (1 GiB); 5 equal chunks of 1000
-    assert choose_chunk_size(8192, 128256, 64, 2, cpu) == 16
+    assert choose_chunk_size(8192, 128256, 2048, 2, cpu) == 1024  # hidden / 4 is 512: the 1024-token floor
+    assert choose_chunk_size(8192, 128256, 64, 2, cpu) == 1024
+    assert choose_chunk_size(8192, 128256, 64, 2, cpu, min_tokens=1) == 16  # hidden / 4 alone
     assert choose_chunk_size(3, 2**31, 4096, 4, cpu) == 1  # never below one token
 
 

@@ -134,8 +134,8 @@ def test_chunk_size_rule_counts_both_heads(device, monkeypatch):
     )
     hs, ws, ht, wt, label = make_inputs(7, 33, torch.bfloat16, device, 0, teacher_dtype=torch.float32)
     fused_linear_jsd(hs, ws, ht, wt, label)
-    assert calls == [((7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device)), {"weight_fraction": 16})]
-    assert choose(8192, 128256, 4096, 2 + 2, torch.device("cpu"), weight_fraction=16) == 256
+    assert calls == [((7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device)), {"weight_fraction": 16, "min_tokens": 1})]
+    assert choose(8192, 128256, 4096, 2 + 2, torch.device("cpu"), weight_fraction=16, min_tokens=1) == 256
 
 
 def test_reduction_none_scales_each_token_exactly(device):

@@ -33,7 +33,8 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     out = tmp_path / "e2e.json"
     families = ["llama", "qwen3_moe"]
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
-    command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--profile"]
+    command += ["--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[1/6] llama eager at seq 32 x micro-batch 2" in done.stdout
@@ -52,6 +53,9 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
             assert run["tokens_per_second"] > 0 and len(run["losses"]) == 2
             assert all(math.isfinite(loss) for loss in run["losses"])
             assert run["peak_bytes"] is None  # no CUDA peak on the CPU
+            profile = run["profile"]  # one more step, profiled: on the CPU, aten ops by their own time
+            assert profile["kinds_ms"]["matmul"] > 0 and 0 < profile["busy_ms"] <= profile["step_ms"]
+            assert math.isclose(sum(profile["kinds_ms"].values()), profile["busy_ms"])
         # same seed, same data, same initial weights: the kernels compute the same first loss
         assert abs(runs[family, "eager"]["losses"][0] - runs[family, "tigon"]["losses"][0]) < 1e-4
         assert math.isclose(runs[family, "eager"]["losses"][0], math.log(512), rel_tol=0.05)  # random init
@@ -63,6 +67,10 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     assert "| llama | eager | 32 | 2 x 1 | on | off |" in table and "| llama | tigon | 32 | 2 x 1 | on | on |" in table
     assert "| qwen3_moe | tigon | 32 | 2 x 1 | on | on |" in table and "not modeled" not in table.split("Loss:")[0]
     assert "| qwen3_moe | liger | 32 | | | | not available: Liger-Kernel needs a CUDA GPU |" in table
+    assert (
+        "| family | variant | seq | step | busy | communication | attention | matmul |" in table
+        and "| llama | tigon | 32 |" in table
+    )
     check_merge(report, tmp_path)
 
 
@@ -237,3 +245,29 @@ def test_merge_keeps_each_variants_found_longest_over_not_run():
     assert list(merged["longest"]) == ["llama", "gemma"]  # PRESETS order
     assert merged["longest"]["gemma"] == {"eager": 8192, "tigon": 8192, "liger": "not available"}
     assert merged["longest"]["llama"] == {"eager": None} and merged["longest_probes"] == [probe]
+
+
+def test_kernels_are_grouped_by_kind_from_their_names():
+    """Names as an H200 profile of the 1B step shows them (cuBLAS, cuDNN, PyTorch's own, Triton's, AdamW's, NCCL's)."""
+    from benchmarks.step_profile import kind_of
+
+    names = {
+        "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0": (
+            "attention"
+        ),
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)": (
+            "copies"
+        ),
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor": (
+            "pytorch elementwise"
+        ),
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "_rms_norm_forward_kernel": "triton kernels",
+        "_triton_rope": "triton kernels",
+        "triton_poi_fused_add_0": "triton kernels",
+        "Memset (Device)": "copies",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "cudaLaunchKernelExC": "other",
+    }
+    assert {name: kind_of(name) for name in names} == names
