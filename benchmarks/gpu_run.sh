@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
-#   [planner-tests] [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
+#   [planner-tests] [parallel-tests (2 GPUs: DDP, FSDP2, ZeRO-2/3 over NCCL)] [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
 #   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
@@ -39,6 +39,7 @@ for step in "$@"; do
     bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo,fused_linear_orpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     convergence) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_convergence.py > "$out/convergence.log" 2>&1; tail -n 60 "$out/convergence.log" ;;
+    parallel-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_parallel_gpu.py 2>&1 | tail -n 40 | tee "$out/parallel-tests.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;

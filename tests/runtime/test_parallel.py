@@ -44,7 +44,11 @@ from tigon.runtime.config import load_config
 from tigon.runtime.distributed import wait_for_idle_process_groups
 from tigon.runtime.trainer import train
 
-dist.init_process_group("gloo")  # once for all runs; the trainer leaves a caller's group alone
+backend = os.environ["TEST_BACKEND"]
+if backend == "nccl":
+    import torch
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(backend)  # once for all runs; the trainer leaves a caller's group alone
 out = sys.argv[1]
 print(f"imports {time.perf_counter() - started:.1f} s", flush=True)
 for path in sys.argv[2:]:
@@ -74,7 +78,7 @@ def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sectio
     )
 
 
-def launch(tmp_path: Path, configs: dict[str, object]) -> dict[str, dict]:
+def launch(tmp_path: Path, configs: dict[str, object], backend: str = "gloo") -> dict[str, dict]:
     """Train `configs` one after another in one 2-process torchrun group; rank 0's record of each run."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -83,7 +87,7 @@ def launch(tmp_path: Path, configs: dict[str, object]) -> dict[str, dict]:
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
         files.append(str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TEST_BACKEND": backend}
     env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
     done = subprocess.run(
@@ -107,7 +111,7 @@ def exported_logits(directory: str) -> torch.Tensor:
         return model(input_ids=IDS).logits
 
 
-def check_parallel_run(tmp_path: Path, **sections) -> dict[str, dict]:
+def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dict[str, dict]:
     """Launch full / killed / resumed with `sections`; compare with one process (micro-batch 4, DDP strategy)."""
     runs = launch(
         tmp_path,
@@ -116,6 +120,7 @@ def check_parallel_run(tmp_path: Path, **sections) -> dict[str, dict]:
             "killed": run_config(tmp_path, "resumed", 3, False, **sections),
             "resumed": run_config(tmp_path, "resumed", 6, False, **sections),
         },
+        backend,
     )
     single = train(run_config(tmp_path, "single", 6, True, training={"micro_batch_size": 4}))
     full = runs["full"]["losses"]
