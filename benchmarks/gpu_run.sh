@@ -30,7 +30,7 @@ for step in "$@"; do
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
     tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;
-    tune) python3 -m benchmarks.tune --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
+    tune) python3 -m benchmarks.tune --hidden "${TUNE_HIDDEN:-4096}" --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
     bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-main) python3 -m benchmarks.kernels --no-sweeps --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-losses) python3 -m benchmarks.kernels --only cross_entropy,fused_linear --out "$out/losses.json" 2>&1 | tee "$out/losses.log" ;;

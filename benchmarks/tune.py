@@ -1,6 +1,7 @@
 """Launch-configuration sweep for the norm kernels, forward and backward timed apart.
 
-    python -m benchmarks.tune --out tune.json
+    python -m benchmarks.tune --out tune.json                        # hidden 4096
+    python -m benchmarks.tune --hidden 1024,2048,16384 --out tune.json
 
 It swaps each op's config function for fixed variants, so the heuristics in `kernels/ops/` can be
 set from measurements. Prints the best variant per (op, direction, shape).
@@ -38,7 +39,8 @@ def norm_variants(module, tokens: int, hidden: int, make_forward) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     original_forward, original_backward = module._forward_config, module._backward_config
     stages_options = (1, 2, 3) if hidden == 4096 else (1,)
-    for block_m, warps, per_sm, stages in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4), stages_options):
+    warp_options = (4, 8, 16, 32) if block_n >= 16384 else (4, 8, 16)  # a wide row spills under few warps
+    for block_m, warps, per_sm, stages in itertools.product((1, 2, 4), warp_options, (1, 2, 4), stages_options):
         if block_m * block_n > 16384:
             continue
         programs = min(triton.cdiv(tokens, block_m), sms * per_sm)
@@ -88,9 +90,10 @@ def best(rows: list[dict], key: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--hidden", default="4096", help="comma-separated row widths (16384 rows each)")
     args = parser.parse_args()
     report = {}
-    for hidden in (4096,):
+    for hidden in (int(h) for h in args.hidden.split(",")):
         for name, module, inputs in (
             ("rms_norm", rms_norm, rms_norm_inputs),
             ("layer_norm", layer_norm, layer_norm_inputs),
