@@ -524,7 +524,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step.
 
     `liger`: an `apply_liger_kernel_to_*` function, applied to the built model. `profile`: one more step, under
-    the profiler, whose time per kind of kernel is returned as "profile" (`benchmarks.step_profile`).
+    the profiler, whose time per kind of kernel is returned as "profile" (`tigon.runtime.profiling`).
     """
     import torch
 
@@ -579,9 +579,9 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
         "losses": losses,
     }
     if profile:
-        from benchmarks.step_profile import profile_step
+        from tigon.runtime.profiling import profile_step
 
-        result["profile"] = profile_step(one_step, cuda)
+        _, result["profile"] = profile_step(one_step, cuda)
     return result
 
 
@@ -919,15 +919,15 @@ def merge_reports(reports: list[dict]) -> dict:
 
 def profile_table(runs: list[dict]) -> list[str]:
     """Markdown lines: each profiled run's step split by kind of kernel (ms), busiest kinds first."""
-    from benchmarks.step_profile import KINDS
+    from tigon.runtime.profiling import KIND_NAMES
 
     profiled = [r for r in runs if r.get("profile")]
     if not profiled:
         return []
-    kinds = [kind for kind, _ in KINDS] + ["other"]
+    kinds = KIND_NAMES
     lines = [
         "",
-        "Where one profiled step's time goes (ms; kernels grouped by name, `benchmarks/step_profile.py`):",
+        "Where one profiled step's time goes (ms; kernels grouped by name, `runtime/profiling.py`):",
         "",
         "| family | variant | seq | step | busy | " + " | ".join(kinds) + " | waiting on the host |",
         "|---|---|---|---|---|" + "---|" * (len(kinds) + 1),

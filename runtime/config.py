@@ -164,6 +164,12 @@ class LoggingConfig(Section):
     every_steps: int = Field(10, gt=0)
     tensorboard: bool = True
     progress_bar: bool = True
+    profile_step: int | None = Field(
+        None,
+        gt=0,
+        description="profile this optimizer step (torch trainer): its time per kind of kernel in the summary and "
+        "profile.json, and a Chrome trace (trace.json) in the run directory",
+    )
 
 
 class EvalConfig(Section):
@@ -188,6 +194,15 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _profile_with_the_torch_trainer(self) -> RunConfig:
+        if self.logging.profile_step is not None and self.trainer != "torch":
+            raise ValueError(
+                f"logging.profile_step profiles a step of the torch trainer, not trainer: {self.trainer!r}; set "
+                "trainer: torch, or drop logging.profile_step and use the HF Trainer's or Lightning's own profiler"
+            )
+        return self
 
 
 class ConfigError(ValueError):

@@ -18,12 +18,15 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.checkpoint import atomic_write_bytes, atomic_write_text
+from tigon.runtime.profiling import profile_text
 
 logger = logging.getLogger("tigon.runtime")
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
 SUMMARY_FILE = "summary.json"
+PROFILE_FILE = "profile.json"  # logging.profile_step's step by kind of kernel
+PROFILE_TRACE = "trace.json"  # and its Chrome trace
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -222,6 +225,13 @@ def summary_text(result) -> str:
         lines.append(f"    checkpoint      {result.checkpoint_dir}")
     if result.export_dir:
         lines.append(f"    export          {result.export_dir}")
+    if result.profile:
+        lines.append(
+            f"    profile         {Path(result.run_dir) / PROFILE_FILE}, {Path(result.run_dir) / PROFILE_TRACE}"
+        )
+        profiled = profile_text(result.profile).splitlines()
+        lines.append(f"  profiled step     {profiled[0]}")
+        lines += [f"  {line}" for line in profiled[1:]]
     return "\n".join(lines)
 
 

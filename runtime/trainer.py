@@ -19,6 +19,7 @@ micro-batch m of rank r takes chunk m * world_size + r. The order is therefore t
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -45,7 +46,15 @@ from tigon.runtime.distributed import (
 )
 from tigon.runtime.model import build_model, count_parameters
 from tigon.runtime.parallel import build_strategy
-from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
+from tigon.runtime.profiling import profile_step
+from tigon.runtime.reporting import (
+    PROFILE_FILE,
+    PROFILE_TRACE,
+    Reporter,
+    memory_bytes,
+    summary_text,
+    write_summary,
+)
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -75,6 +84,7 @@ class TrainResult:
     kernels: str | None = None
     data_manifest: dict | None = None  # the packed data's manifest when the run was given `datasets` (not tokenized)
     export_url: str | None = None  # the export's copy under checkpoint.remote_dir
+    profile: dict | None = None  # logging.profile_step's step, by kind of kernel (tigon.runtime.profiling)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -580,7 +590,11 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     evaluation.start()
     every_ckpt = config.checkpoint.every_steps
 
-    train_seconds, tokens_this_run = 0.0, 0
+    train_seconds, tokens_this_run, profile = 0.0, 0, None
+    profile_at = config.logging.profile_step
+    if profile_at is not None and profile_at > total_steps:
+        raise ConfigError(f"logging.profile_step: {profile_at} is past the run's last step ({total_steps})")
+    one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
     strategy.model.train()
     try:
         while state.step < total_steps:
@@ -588,9 +602,13 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
             started = time.perf_counter()
             lr = strategy.lr()
-            loss, grad_norm, tokens = _optimizer_step(
-                strategy, sampler, prepared.train_dataset, state, config, env, device
-            )
+            if state.step + 1 == profile_at:
+                trace = run_dir / PROFILE_TRACE if env.is_main else None
+                (loss, grad_norm, tokens), profile = profile_step(one_step, device.type == "cuda", trace)
+                if env.is_main:
+                    ckpt.atomic_write_text(run_dir / PROFILE_FILE, json.dumps(profile, indent=2) + "\n")
+            else:
+                loss, grad_norm, tokens = one_step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_seconds += time.perf_counter() - started
@@ -655,6 +673,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         kernels=str(patch) if patch is not None else None,
         data_manifest=prepared.data_manifest,
         export_url=export_url,
+        profile=profile,
     )
     if env.is_main:
         reporter.plot(result.losses, result.eval_history)

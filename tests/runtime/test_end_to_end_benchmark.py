@@ -249,7 +249,7 @@ def test_merge_keeps_each_variants_found_longest_over_not_run():
 
 def test_kernels_are_grouped_by_kind_from_their_names():
     """Names as an H200 profile of the 1B step shows them (cuBLAS, cuDNN, PyTorch's own, Triton's, AdamW's, NCCL's)."""
-    from benchmarks.step_profile import kind_of
+    from tigon.runtime.profiling import kind_of
 
     names = {
         "nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN": "matmul",

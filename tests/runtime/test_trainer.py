@@ -81,7 +81,7 @@ def test_loss_falls_with_kernels_and_run_dir_is_complete(tmp_path, restore_rope,
         data={"max_seq_len": 16},
         training={"max_steps": 6, "micro_batch_size": 2},
         kernels={"enabled": True},
-        logging={"tensorboard": True, "every_steps": 2},
+        logging={"tensorboard": True, "every_steps": 2, "profile_step": 5},
         eval={"every_steps": 3, "metrics": ["loss"], "max_batches": 1},
     )
     result = train(config)
@@ -103,11 +103,16 @@ def test_loss_falls_with_kernels_and_run_dir_is_complete(tmp_path, restore_rope,
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["losses"] == result.losses
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "temporary files left behind"
+    profile = json.loads((run / "profile.json").read_text())  # step 5, on the CPU: aten ops by their own time
+    assert profile == summary["profile"] == result.profile and profile["kinds_ms"]["matmul"] > 0
+    assert 0 < profile["busy_ms"] <= profile["step_ms"]
+    assert json.loads((run / "trace.json").read_text())["traceEvents"]
 
     printed = capsys.readouterr().out
     assert "tigon run finished: 6 optimizer steps" in printed
     assert f"{result.losses[0]:.4f} -> {result.final_loss:.4f}" in printed
     assert "tokens/s" in printed and "peak memory" in printed and str(run / "loss.png") in printed
+    assert "profiled step" in printed and "matmul" in printed and "outside aten ops" in printed
 
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
@@ -332,6 +337,8 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
         ({"eval": {"metrics": ["exact_match"]}, "data": {"format": "text", "text_field": "instruction"}}, "'chat'"),
         ({"lora": {"enabled": True, "target_modules": ["qkv"]}}, "lora.target_modules"),
         ({"model": {"path": "/nonexistent/model", "config_name": None}}, "/nonexistent/model does not exist"),
+        ({"logging": {"profile_step": 99}}, "logging.profile_step: 99 is past the run's last step"),
+        ({"trainer": "lightning", "logging": {"profile_step": 1}}, "profiles a step of the torch trainer"),
     ],
 )
 def test_setup_errors_name_the_setting(tmp_path, sections, message):
