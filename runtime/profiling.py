@@ -56,11 +56,13 @@ def profile_step(step: Callable[[], Any], cuda: bool, trace: str | Path | None =
         partial = Path(f"{trace}.partial")
         profile.export_chrome_trace(str(partial))
         os.replace(partial, trace)
-    if cuda:
+    if cuda:  # kernels only: a user annotation's GPU range (the optimizer's step, say) spans kernels counted already
         own = {
             e.key: e.self_device_time_total / 1e3
             for e in profile.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.self_device_time_total > 0
+            and not getattr(e, "is_user_annotation", False)
         }
     else:
         own = {e.key: e.self_cpu_time_total / 1e3 for e in profile.key_averages() if e.key.startswith("aten::")}
