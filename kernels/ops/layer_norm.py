@@ -130,8 +130,8 @@ def _layer_norm_backward_kernel(
 
 # Launch shapes by row width, measured on an H200 with benchmarks/tune.py (see RowKernelShapes).
 LAUNCH_SHAPES = RowKernelShapes(
-    forward={1024: (1, 4), 2048: (2, 8), 4096: (2, 8), 8192: (1, 8)},
-    backward={1024: (4, 4, 4, 1), 2048: (2, 4, 4, 1), 4096: (2, 4, 2, 1), 8192: (1, 8, 2, 1)},
+    forward={1024: (4, 4), 2048: (4, 4), 4096: (2, 8), 8192: (1, 8)},
+    backward={1024: (4, 4, 4, 1), 2048: (4, 4, 2, 1), 4096: (2, 4, 2, 1), 8192: (1, 8, 2, 1)},
     wide_forward=(1, 8),
     wide_backward=(1, 8, 2, 1),
     narrow_backward_elements=4096,

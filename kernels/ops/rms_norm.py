@@ -139,8 +139,8 @@ def _rms_norm_backward_kernel(
 
 # Launch shapes by row width, measured on an H200 with benchmarks/tune.py (see RowKernelShapes).
 LAUNCH_SHAPES = RowKernelShapes(
-    forward={1024: (1, 4), 2048: (2, 8), 4096: (2, 16), 8192: (1, 16)},
-    backward={1024: (1, 8, 4, 1), 2048: (2, 8, 4, 1), 4096: (4, 8, 1, 2), 8192: (2, 16, 2, 1)},
+    forward={1024: (4, 4), 2048: (4, 4), 4096: (2, 16), 8192: (1, 16)},
+    backward={1024: (4, 4, 4, 1), 2048: (4, 4, 2, 1), 4096: (4, 8, 1, 2), 8192: (2, 16, 2, 1)},
     wide_forward=(1, 16),
     wide_backward=(1, 16, 2, 1),
 )
