@@ -523,6 +523,10 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     training = config.training
     run_dir = Path(config.logging.run_dir)
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    if config.logging.profile_step is not None and config.logging.profile_step > total_steps:
+        raise ConfigError(
+            f"logging.profile_step: {config.logging.profile_step} is past the run's last step ({total_steps})"
+        )
 
     trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
@@ -592,8 +596,6 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
 
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
-    if profile_at is not None and profile_at > total_steps:
-        raise ConfigError(f"logging.profile_step: {profile_at} is past the run's last step ({total_steps})")
     one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
     strategy.model.train()
     try:
