@@ -135,14 +135,15 @@ class RowKernelShapes:
     """Launch shapes of a row-wise kernel pair (the norms) by row width, measured with benchmarks/tune.py.
 
     forward: BLOCK_N -> (rows per program, warps); backward: BLOCK_N -> (rows per step, warps,
-    programs per multiprocessor, software-pipelining stages). Widths past the tables take `wide_*`;
-    rows under 1024 wide are stacked so one program holds `narrow_elements` elements.
+    programs per multiprocessor, software-pipelining stages). Widths past the tables take `wide_*`
+    (`wide_backward` None: the op has its own kernels for rows past the backward table); rows under 1024
+    wide are stacked so one program holds `narrow_elements` elements.
     """
 
     forward: dict[int, tuple[int, int]]
     backward: dict[int, tuple[int, int, int, int]]
     wide_forward: tuple[int, int]
-    wide_backward: tuple[int, int, int, int]
+    wide_backward: tuple[int, int, int, int] | None = None
     narrow_forward_elements: int = 1024
     narrow_backward_elements: int = 1024
 
@@ -161,6 +162,11 @@ class RowKernelShapes:
         if block_n < 1024:
             block_m, warps, per_sm, stages = self.narrow_backward_elements // block_n, 4, 4, 1
         else:
-            block_m, warps, per_sm, stages = self.backward.get(block_n, self.wide_backward)
+            shape = self.backward.get(block_n, self.wide_backward)
+            if shape is None:
+                raise ValueError(
+                    f"no backward launch shape for rows {n_cols} wide: the op's wide-row kernels take them"
+                )
+            block_m, warps, per_sm, stages = shape
         programs, rows_per_program = persistent_grid(n_rows, block_m, per_sm, device)
         return block_m, block_n, warps, stages, programs, rows_per_program

@@ -3,6 +3,7 @@ import torch
 
 from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
 from tigon.kernels import reference
+from tigon.kernels.ops import layer_norm as layer_norm_module
 from tigon.kernels.ops.layer_norm import layer_norm
 
 HIDDEN = [1, 3, 127, 128, 4097]
@@ -80,6 +81,18 @@ def test_in_place_backward(dtype, device):
 
 def test_many_rows_use_several_programs_per_band(device):
     run_case(1031, 64, torch.float32, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hidden, with_weight, with_bias, in_place",
+    [(8193, True, True, False), (16385, True, True, True), (8193, True, False, True), (8193, False, True, False)],
+)
+def test_wide_rows_take_the_column_kernels(hidden, with_weight, with_bias, in_place, dtype, device, monkeypatch):
+    """Rows 16384 wide (next power of two) and wider: dW/dB by blocks of columns over several bands of rows,
+    dx by chunks of each row; with an in-place backward dx overwrites dy only after dW/dB have read it."""
+    monkeypatch.setattr(layer_norm_module, "WIDE_DWDB_PROGRAMS_PER_SM", 40)  # several bands of rows here too
+    run_case(70, hidden, dtype, device, with_weight, with_bias, in_place)
 
 
 def test_in_place_backward_reuses_gradient_memory(device):
