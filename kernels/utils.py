@@ -122,9 +122,12 @@ def warps_for(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def persistent_grid(n_rows: int, block_m: int, programs_per_sm: int, device: torch.device) -> tuple[int, int]:
-    """(programs, rows_per_program) for a grid where each program walks a band of whole row blocks."""
-    programs = min(-(-n_rows // block_m), multiprocessor_count(device) * programs_per_sm)
+def persistent_grid(
+    n_rows: int, block_m: int, programs_per_sm: int, device: torch.device, column_blocks: int = 1
+) -> tuple[int, int]:
+    """(programs, rows_per_program) for a grid where each program walks a band of whole row blocks; with
+    `column_blocks`, the bands of each of that many column blocks, the programs shared among them."""
+    programs = min(-(-n_rows // block_m), -(-multiprocessor_count(device) * programs_per_sm // column_blocks))
     rows_per_program = -(-n_rows // programs)
     rows_per_program = -(-rows_per_program // block_m) * block_m
     return -(-n_rows // rows_per_program), rows_per_program

@@ -68,7 +68,8 @@ def profile_step(step: Callable[[], Any], cuda: bool, trace: str | Path | None =
         own = {e.key: e.self_cpu_time_total / 1e3 for e in profile.key_averages() if e.key.startswith("aten::")}
     kinds: dict[str, float] = {}
     for name, ms in own.items():
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+        kind = kind_of(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     top = sorted(own.items(), key=lambda item: -item[1])[:8]
     return returned, {
         "device": "cuda" if cuda else "cpu",

@@ -26,7 +26,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
-    multiprocessor_count,
+    persistent_grid,
     rows_view,
     use_triton,
 )
@@ -350,11 +350,8 @@ def _wide_backward(dy2d, x2d, weight, bias, mean, rstd, dx) -> torch.Tensor:
     n_rows, n_cols = x2d.shape
     block_m, block_c = WIDE_DWDB_TILE
     col_blocks = triton.cdiv(n_cols, block_c)
-    programs = WIDE_DWDB_PROGRAMS_PER_SM * multiprocessor_count(x2d.device)
-    bands = max(1, min(triton.cdiv(n_rows, block_m), triton.cdiv(programs, col_blocks)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, bands), block_m) * block_m
-    bands = triton.cdiv(n_rows, rows_per_program)
-    partials = torch.zeros((2, bands, n_cols), dtype=torch.float32, device=x2d.device)
+    bands, rows_per_program = persistent_grid(n_rows, block_m, WIDE_DWDB_PROGRAMS_PER_SM, x2d.device, col_blocks)
+    partials = torch.empty((2, bands, n_cols), dtype=torch.float32, device=x2d.device)
     if weight is not None or bias is not None:
         _layer_norm_backward_wide_dwdb_kernel[(col_blocks, bands)](
             dy2d,
