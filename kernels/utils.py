@@ -126,7 +126,10 @@ def persistent_grid(
     n_rows: int, block_m: int, programs_per_sm: int, device: torch.device, column_blocks: int = 1
 ) -> tuple[int, int]:
     """(programs, rows_per_program) for a grid where each program walks a band of whole row blocks; with
-    `column_blocks`, the bands of each of that many column blocks, the programs shared among them."""
+    `column_blocks`, the bands of each of that many column blocks, the programs shared among them. No rows: no
+    programs."""
+    if n_rows == 0:
+        return 0, block_m
     programs = min(-(-n_rows // block_m), -(-multiprocessor_count(device) * programs_per_sm // column_blocks))
     rows_per_program = -(-n_rows // programs)
     rows_per_program = -(-rows_per_program // block_m) * block_m

@@ -83,6 +83,18 @@ def test_many_rows_use_several_programs_per_band(device):
     run_case(1031, 64, torch.float32, device)
 
 
+@pytest.mark.parametrize("hidden", [64, 16385])
+def test_empty_batch_gives_empty_outputs_and_zero_parameter_gradients(hidden, device):
+    """No rows: the backward launches no programs (it divided by zero before) and dW, dB are exactly zero."""
+    x = torch.randn(2, 0, hidden, device=device, requires_grad=True)
+    weight = torch.rand(hidden, device=device, requires_grad=True)
+    bias = torch.rand(hidden, device=device, requires_grad=True)
+    y = layer_norm(x, weight, bias)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "hidden, with_weight, with_bias, in_place",

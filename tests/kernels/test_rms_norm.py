@@ -56,6 +56,16 @@ def test_many_rows_use_several_programs_per_band(device):
     run_case(1031, 64, torch.float32, device)
 
 
+def test_empty_batch_gives_empty_outputs_and_a_zero_weight_gradient(device):
+    """No rows: the backward launches no programs (it divided by zero before) and dW is exactly zero."""
+    x = torch.randn(0, 64, device=device, requires_grad=True)
+    weight = torch.rand(64, device=device, requires_grad=True)
+    y = rms_norm(x, weight)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
 def test_in_place_backward_reuses_gradient_memory(device):
     x = torch.randn(5, 16, device=device, requires_grad=True)
     weight = torch.ones(16, device=device, requires_grad=True)
