@@ -19,7 +19,9 @@ before the launch (no host sync), so the kernel knows the final gradient of the 
 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
 (running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
-pass 2 reads the row again and, when a gradient is wanted, overwrites the logits with ``dz``. So
+pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
+when a gradient is wanted, overwrites the logits with ``dz``. Both passes load the next chunk before
+working on the current one, so a program keeps two chunks' loads in flight. So
 forward computes loss and gradient in one launch and no second vocabulary-sized tensor exists; the
 backward only scales that buffer by the incoming gradient (and skips even that when it is 1).
 Ignored rows skip both passes: they write zeros. A target out of range (only reachable with
@@ -49,7 +51,8 @@ from tigon.kernels.utils import (
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_BLOCK_V = 4096  # vocabulary elements one program handles per step
-SCALE_BLOCK = 4096  # elements per program of the backward's scaling kernel
+SCALE_BLOCK = 4096  # elements per step of the backward's scaling kernel
+SCALE_PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -110,14 +113,20 @@ def _cross_entropy_kernel(
             weight_total = tl.load(SCALES + 2)
             poison = tl.where(in_range, 0.0, float("nan"))
 
-            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing.
+            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The
+            # next chunk's load is issued before this chunk's arithmetic (register double buffering), and
+            # its lines are asked to stay in L2 for pass 2.
             m = float("-inf")
             d = 0.0
             smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
+            x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + offsets
                 mask = cols < n_cols
-                z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                z = x_next.to(tl.float32)
+                x_next = tl.load(
+                    x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
+                )
                 if HAS_SOFTCAP:
                     z, _ = _softcap(z, softcap)
                 if HAS_SMOOTHING:  # masked lanes hold z = 0 here
@@ -157,17 +166,25 @@ def _cross_entropy_kernel(
             if STORE_Z:
                 tl.store(Z_LOSS + row, z_loss + poison)
 
-            # Pass 2: overwrite the logits with the gradient of the (reduced) loss.
+            # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
+            # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does.
             if WRITE_GRAD:
                 if HAS_ROW_SCALE:
                     g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
                     target_coef = target_coef * g
                     p_coef = p_coef * g
                     uniform_coef = uniform_coef * g
-                for start in range(0, n_cols, BLOCK_V):
-                    cols = start + offsets
+                last = (n_cols - 1) // BLOCK_V * BLOCK_V
+                x_next = tl.load(
+                    x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
+                )
+                for back in range(0, n_cols, BLOCK_V):
+                    cols = last - back + offsets
                     mask = cols < n_cols
-                    z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                    z = x_next.to(tl.float32)
+                    x_next = tl.load(
+                        x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
+                    )
                     if HAS_SOFTCAP:
                         z, tanh_z = _softcap(z, softcap)
                     grad = tl.exp(z - lse) * p_coef
@@ -179,21 +196,32 @@ def _cross_entropy_kernel(
                     grad = tl.where(cols == t_index, grad - target_coef, grad)
                     if HAS_SOFTCAP:
                         grad = grad * (1.0 - tanh_z * tanh_z)
-                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask)
+                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
-def _scale_kernel(X, stride_x, G, stride_g, n_cols, blocks_per_row, BLOCK: tl.constexpr):
-    """X[row, :] *= G[row * stride_g] in place, skipped (no read, no write) where that factor is 1."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // blocks_per_row
-    g = tl.load(G + row * stride_g).to(tl.float32)
-    if g != 1.0:
-        cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        pointers = X + row * stride_x + cols
-        x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
-        tl.store(pointers, (x * g).to(X.dtype.element_ty), mask=mask)
+def _scale_kernel(
+    X, stride_x, G, stride_g, n_cols, n_blocks, blocks_per_row, PER_ROW: tl.constexpr, BLOCK: tl.constexpr
+):
+    """X[row, :] *= G[row * stride_g] in place, skipped (no read, no write) where that factor is 1.
+
+    Programs stride over the row blocks; with one factor for all rows (not PER_ROW) each program reads it
+    once and returns at once when it is 1, so the skip costs a few programs, not one per block.
+    """
+    g = tl.load(G).to(tl.float32)
+    end = n_blocks
+    if not PER_ROW:
+        end = tl.where(g == 1.0, 0, n_blocks)
+    for block in range(tl.program_id(0), end, tl.num_programs(0)):
+        row = block // blocks_per_row
+        if PER_ROW:
+            g = tl.load(G + row * stride_g).to(tl.float32)
+        if g != 1.0:
+            cols = (block % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            pointers = X + row.to(tl.int64) * stride_x + cols
+            x = tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+            tl.store(pointers, (x * g).to(X.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -310,7 +338,8 @@ def loss_scales(
 
 # Rows in flight per multiprocessor, vocabulary chunk and warps, from benchmarks/tune_cross_entropy.py
 # on an H200 at 8192 x 128256: holding rows back so pass 2 hits L2 measured slower than one program
-# per row (64 per SM covers 8192 rows), and 4096-wide chunks with 8 warps beat wider ones.
+# per row (64 per SM covers 8192 rows); 4096-wide chunks with 8 warps (1.490 ms) tie 16384 with 16
+# (1.479 ms, within the run-to-run spread) and need no register spills.
 PROGRAMS_PER_SM = 64
 FULL_CHUNK_WARPS = 8  # for MAX_BLOCK_V-wide chunks; narrower vocabularies take warps_for(block)
 
@@ -370,20 +399,32 @@ def cross_entropy_rows(
 def scale_in_place(tensor: torch.Tensor, grad: torch.Tensor) -> None:
     """`tensor *= grad` in place: `grad` a scalar, or one factor per row of a 2-D `tensor` with unit column stride.
 
-    Programs whose factor is exactly 1 return at once, so the common `loss.backward()` costs no pass
-    over memory and needs no host sync to find that out.
+    Blocks whose factor is exactly 1 are skipped, so the common `loss.backward()` costs no pass over
+    memory and needs no host sync to find that out.
     """
     if tensor.numel() == 0:
         return
-    if grad.numel() == 1:
+    per_row = grad.numel() != 1
+    if per_row:
+        matrix, stride_g = tensor, grad.stride(0)
+    else:
         grad, stride_g = grad.reshape(1), 0
         matrix = tensor.view(1, -1) if tensor.is_contiguous() else tensor
-    else:
-        matrix, stride_g = tensor, grad.stride(0)
     n_rows, n_cols = matrix.shape
     blocks_per_row = triton.cdiv(n_cols, SCALE_BLOCK)
-    _scale_kernel[(n_rows * blocks_per_row,)](
-        matrix, matrix.stride(0), grad, stride_g, n_cols, blocks_per_row, BLOCK=SCALE_BLOCK, num_warps=8
+    n_blocks = n_rows * blocks_per_row
+    programs = min(n_blocks, multiprocessor_count(tensor.device) * SCALE_PROGRAMS_PER_SM)
+    _scale_kernel[(programs,)](
+        matrix,
+        matrix.stride(0),
+        grad,
+        stride_g,
+        n_cols,
+        n_blocks,
+        blocks_per_row,
+        PER_ROW=per_row,
+        BLOCK=SCALE_BLOCK,
+        num_warps=8,
     )
 
 

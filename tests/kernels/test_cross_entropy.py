@@ -117,6 +117,14 @@ def test_incoming_gradient_scales_the_in_place_gradient(device):
     run_case(37, 127, torch.bfloat16, device, grad_scale=-0.25, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("options", [{"grad_scale": 3.5}, {"grad_scale": 1.0}, {"reduction": "none"}])
+def test_scaling_strides_over_more_blocks_than_programs(options, device, monkeypatch):
+    """The backward's scaling kernel with each program walking several blocks of several rows."""
+    monkeypatch.setattr(ce_module, "SCALE_BLOCK", 16)
+    monkeypatch.setattr(ce_module, "SCALE_PROGRAMS_PER_SM", 1)
+    run_case(13, 203, torch.float32, device, **options)
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 32003])
 def test_reference_matches_torch(vocab):
     """The oracle itself: the reference equals F.cross_entropy in float64 wherever torch defines the loss."""
