@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 
 class Section(BaseModel):
@@ -99,6 +99,11 @@ class KernelsConfig(Section):
     rope: bool = True
     swiglu: bool = True
     fused_linear_cross_entropy: bool = Field(True, description="the training loss without materializing logits")
+    loss_chunk_tokens: Literal["auto"] | PositiveInt = Field(
+        "auto",
+        description="tokens per chunk of the fused loss; auto: up to 4096 where the planner's estimate says the step's "
+        "peak is elsewhere (fewer chunks, less time), else the op's own rule",
+    )
 
 
 class ParallelismConfig(Section):

@@ -121,7 +121,22 @@ def apply_kernels(model: nn.Module, config: RunConfig):
         rope=kernels.rope,
         swiglu=kernels.swiglu,
         fused_linear_cross_entropy=kernels.fused_linear_cross_entropy,
+        loss_chunk_tokens=loss_chunk_tokens(model, config),
     )
+
+
+def loss_chunk_tokens(model: nn.Module, config: RunConfig) -> int | None:
+    """`kernels.loss_chunk_tokens`, with "auto" resolved by the planner for this model's shape (None: the op's rule)."""
+    chunk = config.kernels.loss_chunk_tokens
+    if chunk != "auto":
+        return chunk
+    from tigon.runtime import planner
+
+    work = planner.workload(config, shape=planner.ModelShape.from_hf_config(model.config))
+    chunk = planner.loss_chunk_tokens(work, planner.setting_of(config))
+    if chunk is not None:
+        logger.info("fused loss: %d-token chunks (the planner puts the step's peak elsewhere)", chunk)
+    return chunk
 
 
 def add_lora(model: nn.Module, config: RunConfig) -> nn.Module:

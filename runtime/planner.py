@@ -82,6 +82,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tigon.kernels.utils import next_power_of_2
 from tigon.runtime.config import ConfigError, RunConfig
 
 GB = 10**9
@@ -94,6 +95,8 @@ OVERHEAD = 64 * MiB  # inside the allocator: cuBLAS workspaces, RNG state, small
 CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward (fwd:bwd = 1:2)
 KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
 HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
+LOSS_CHUNK_LIMIT = 4096  # the fused loss's largest chunk the runtime picks: 4 more re-reads of the head gradient
+LOSS_CHUNK_MARGIN = 0.95  # ... and only while the loss's moment stays this far under the step's estimated peak
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -353,6 +356,7 @@ class Estimate:
     peak: int
     moment: str  # which moment of the step peaks
     parts: dict[str, int] = field(default_factory=dict)
+    moments: dict[str, int] = field(default_factory=dict)  # every moment's total
 
 
 def _trains(work: Workload, name: str) -> bool:
@@ -454,22 +458,24 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
     return max(mlp, attention)
 
 
-def loss_bytes(work: Workload, micro_batch: int, fused: bool) -> int:
-    """Peak bytes of the loss's own buffers (logits, their float32 copy, log-softmax, gradients) while it runs."""
+def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int | None = None) -> int:
+    """Peak bytes of the loss's own buffers (logits, their float32 copy, log-softmax, gradients) while it runs;
+    `chunk_tokens`: the fused loss's tokens per chunk (None: the op's own rule)."""
     s, c = work.shape, work.compute_bytes
     tokens = micro_batch * work.seq_len
     if fused:
         from tigon.kernels.ops.fused_linear_cross_entropy import max_chunk_tokens
 
-        chunk = min(tokens, max_chunk_tokens(s.vocab, s.hidden, c)) * s.vocab * c
+        chunk = min(tokens, chunk_tokens or max_chunk_tokens(s.vocab, s.hidden, c)) * s.vocab * c
         head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden  # a frozen head has none
         return c * tokens * s.hidden + head_grad + 4 * tokens + chunk
     softcap = c * tokens * s.vocab if s.logit_softcap else 0  # tanh's output, saved for its backward
     return 12 * tokens * s.vocab + softcap  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 
 
-def estimate(work: Workload, setting: Setting) -> Estimate:
-    """Peak GPU bytes per device of one training step of `work` under `setting` (see the module doc)."""
+def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = None) -> Estimate:
+    """Peak GPU bytes per device of one training step of `work` under `setting` (see the module doc), with the
+    fused loss in chunks of `loss_chunk_tokens` tokens (None: the op's own rule)."""
     s = work.shape
     kernels = setting.kernels and work.kernels_fit
     n = work.world_size
@@ -511,7 +517,7 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
     recompute = layer if setting.checkpointing else 0
     backward = layer_backward_bytes(work, kernels) * tokens
-    loss_peak = loss_bytes(work, setting.micro_batch, fused)
+    loss_peak = loss_bytes(work, setting.micro_batch, fused, loss_chunk_tokens)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
     if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
         head_grad //= n
@@ -537,7 +543,35 @@ def estimate(work: Workload, setting: Setting) -> Estimate:
     }
     totals = {name: int(sum(parts.values())) for name, parts in moments.items()}
     moment = max(totals, key=totals.get)
-    return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()})
+    return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()}, totals)
+
+
+def loss_chunk_tokens(work: Workload, setting: Setting) -> int | None:
+    """The fused loss's tokens per chunk that spend memory the step holds anyway: the largest power of two up to
+    LOSS_CHUNK_LIMIT whose loss moment stays under LOSS_CHUNK_MARGIN of the estimated peak with the op's own rule
+    (the backward's, in a long sequence). None (the op's own rule) when no larger chunk fits so, or without it.
+
+    Each chunk re-reads and re-writes the head's weight gradient, so fewer, larger chunks save time (see
+    `tigon.kernels.ops.fused_linear_cross_entropy`), but they raise the loss's own peak, which the op's rule
+    keeps low for any step.
+    """
+    if not (setting.kernels and work.kernels_fit and work.fused_loss):
+        return None
+    from tigon.kernels.ops.fused_linear_cross_entropy import max_chunk_tokens
+
+    s, c = work.shape, work.compute_bytes
+    tokens = setting.micro_batch * work.seq_len
+    own = min(tokens, max_chunk_tokens(s.vocab, s.hidden, c))
+    budget = LOSS_CHUNK_MARGIN * estimate(work, setting).peak
+    best = None
+    chunk = next_power_of_2(own + 1)
+    while chunk <= LOSS_CHUNK_LIMIT and own < tokens:
+        chunk = min(chunk, tokens)
+        if estimate(work, setting, loss_chunk_tokens=chunk).moments["loss"] > budget:
+            break
+        best, own = chunk, chunk
+        chunk *= 2
+    return best
 
 
 # ---------------------------------------------------------------------------------------------------- plan

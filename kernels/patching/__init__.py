@@ -16,7 +16,7 @@ from torch import nn
 
 from tigon.kernels import functional
 from tigon.kernels.modules import GatedExpertMLP, GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
-from tigon.kernels.patching.causal_lm import fused_class, fused_forward, keep_last_hidden_state
+from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, fused_class, fused_forward, keep_last_hidden_state
 
 logger = logging.getLogger("tigon.kernels")
 
@@ -265,12 +265,18 @@ def apply(
     rope: bool = True,
     swiglu: bool = True,
     fused_linear_cross_entropy: bool = True,
+    loss_chunk_tokens: int | None = None,
 ) -> PatchReport:
     """Apply tigon's kernels to a built transformers model (or a PEFT wrapper of one) in place.
 
     `fused_linear_cross_entropy` makes the `*ForCausalLM` forward compute the loss without logits when
-    training with labels (see `tigon.kernels.patching.causal_lm`). Returns what was swapped.
+    training with labels (see `tigon.kernels.patching.causal_lm`); `loss_chunk_tokens` sets that loss's
+    tokens per chunk (None: the op's own rule). Returns what was swapped.
     """
+    if loss_chunk_tokens is not None and (
+        isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1
+    ):
+        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be a positive int, or None for the op's rule")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     report = PatchReport(model_type)
@@ -307,6 +313,7 @@ def apply(
             if type(causal_lm).__name__ == family.causal_lm:
                 original = getattr(type(causal_lm), "__tigon_original__", type(causal_lm))
                 causal_lm.__class__ = fused_class(original, family)
+                causal_lm.__dict__[LOSS_CHUNK_TOKENS] = loss_chunk_tokens
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
     if rope and family.rope:

@@ -82,10 +82,12 @@ def causal_lm_loss(
         ignore_index=ignore_index,
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
+        chunk_size=model.__dict__.get(LOSS_CHUNK_TOKENS),
     )
 
 
 LAST_HIDDEN = "_tigon_last_hidden_state"
+LOSS_CHUNK_TOKENS = "_tigon_loss_chunk_tokens"  # the fused loss's tokens per chunk from `apply` (None: the op's rule)
 
 
 def _store_last_hidden_state(decoder: nn.Module, args, output) -> None:

@@ -144,6 +144,23 @@ def test_partial_rotary_calls_fall_back_to_the_original(restore_rope):
     assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
 
 
+def test_loss_chunk_tokens_reaches_the_fused_loss(monkeypatch, restore_rope):
+    """`apply(loss_chunk_tokens=N)`: the loss runs in chunks of N tokens (several here) with the same result."""
+    from tigon.kernels.ops import fused_linear_cross_entropy as fused_module
+
+    baseline = tiny("llama")
+    patched = copy.deepcopy(baseline)
+    apply(patched, loss_chunk_tokens=7)
+
+    def own_rule(*args, **kwargs):
+        raise AssertionError("the op's own chunk rule ran although apply() set the chunk size")
+
+    monkeypatch.setattr(fused_module, "choose_chunk_size", own_rule)
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 19)))  # 36 tokens: 6 chunks
+    with pytest.raises(ValueError, match="loss_chunk_tokens"):
+        apply(tiny("llama"), loss_chunk_tokens=0)
+
+
 def test_only_requested_kernels_are_applied(restore_rope):
     model = tiny("llama")
     report = apply(model, rope=False, swiglu=False, fused_linear_cross_entropy=False)

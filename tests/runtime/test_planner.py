@@ -133,6 +133,23 @@ def test_fused_loss_removes_the_logits():
     assert fused.moment != "loss"
 
 
+def test_loss_chunks_grow_only_into_memory_the_step_holds_anyway():
+    work = bf16_work(LLAMA_1B, 4096)
+    checkpointed = Setting(8, 1, True, True)  # the backward's recomputed layer peaks, far above the loss
+    assert planner.loss_chunk_tokens(work, checkpointed) == planner.LOSS_CHUNK_LIMIT
+    base, grown = estimate(work, checkpointed), estimate(work, checkpointed, loss_chunk_tokens=planner.LOSS_CHUNK_LIMIT)
+    assert grown.peak == base.peak and grown.moment == base.moment != "loss"
+    assert grown.moments["loss"] - base.moments["loss"] == (4096 - 1024) * 128256 * 2  # 3072 more tokens of logits
+    assert grown.moments["loss"] <= planner.LOSS_CHUNK_MARGIN * base.peak
+    # Without checkpointing the loss's moment is within a few percent of the peak: the op's own rule stays.
+    assert planner.loss_chunk_tokens(work, Setting(8, 1, False, True)) is None
+    assert planner.loss_chunk_tokens(work, Setting(8, 1, True, False)) is None  # no fused loss without the kernels
+    assert planner.loss_chunk_tokens(bf16_work(LLAMA_1B, 4096, fused_loss=False), checkpointed) is None
+    # A micro-batch of fewer tokens than the limit is one chunk; one the op's rule already covers gets None.
+    assert planner.loss_chunk_tokens(bf16_work(LLAMA_1B, 2048), Setting(1, 1, True, True)) == 2048
+    assert planner.loss_chunk_tokens(bf16_work(LLAMA_1B, 1024), Setting(1, 1, True, True)) is None
+
+
 def test_sharding_divides_the_states():
     single = estimate(bf16_work(LLAMA_1B, 2048), Setting(1, 1, True, True))
     fsdp = estimate(bf16_work(LLAMA_1B, 2048, strategy="fsdp", world_size=8), Setting(1, 1, True, True))

@@ -175,6 +175,28 @@ def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
     assert torch.allclose(sums[True], sums[False], rtol=1e-6)
 
 
+def test_loss_chunk_tokens_from_the_config_reach_the_model(tmp_path):
+    """kernels.loss_chunk_tokens: a number is the fused loss's chunk; auto lets the planner choose (here: the op's
+    own rule, since a micro-batch of this tiny run is one chunk under it); the loss is the same either way."""
+    from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.model import build_model
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    sums = {}
+    for chunk in ("auto", 5):
+        config = tiny_config(tmp_path, kernels={"enabled": True, "loss_chunk_tokens": chunk})
+        tokenizer = load_tokenizer(config.model)
+        dataset, _, _ = build_datasets(config, tokenizer)
+        torch.manual_seed(0)
+        model = build_model(config, len(tokenizer), tokenizer).train()
+        assert model.__dict__[LOSS_CHUNK_TOKENS] == (None if chunk == "auto" else chunk)
+        sums[chunk] = token_loss_sum(
+            model, collate([dataset[i] for i in range(3)]), "sdpa", torch.device("cpu"), "fp32"
+        )
+    assert torch.allclose(sums["auto"], sums[5], rtol=1e-6)
+
+
 def _ddp_worker(tmp_path: Path) -> Path:
     """A script for torchrun: `tigon train CONFIG` through the CLI, then this rank's losses and parameters."""
     script = tmp_path / "ddp_worker.py"
