@@ -52,7 +52,8 @@ copy and log-softmax (4 V each); log-softmax's output stays for the backward, wh
 tigon's fused linear cross entropy replaces it (`Workload.fused_loss`): the logits never exist; its
 forward already computes the hidden states' gradient (c h per token) and lm_head's weight gradient
 (V h in the weight's dtype), the per-token losses (4) and one chunk of logits at a time (the op's own
-`max_chunk_tokens` x V: hidden/4 tokens, at least 1024).
+`max_chunk_tokens` x V: hidden/4 tokens, at least 1024; or the runtime's larger `loss_chunk_tokens` where
+the step peaks elsewhere).
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
