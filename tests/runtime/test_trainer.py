@@ -197,6 +197,17 @@ def test_loss_chunk_tokens_from_the_config_reach_the_model(tmp_path):
     assert torch.allclose(sums["auto"], sums[5], rtol=1e-6)
 
 
+def test_auto_loss_chunk_leaves_models_outside_the_kernel_table_alone(tmp_path):
+    """A family the kernels do not patch has no fused loss: auto resolves to None without asking the planner
+    (whose decoder shape does not fit GPT-2's config)."""
+    import transformers
+
+    from tigon.runtime.model import loss_chunk_tokens
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    assert loss_chunk_tokens(gpt2, tiny_config(tmp_path)) is None
+
+
 def _ddp_worker(tmp_path: Path) -> Path:
     """A script for torchrun: `tigon train CONFIG` through the CLI, then this rank's losses and parameters."""
     script = tmp_path / "ddp_worker.py"
