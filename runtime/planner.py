@@ -643,6 +643,12 @@ class Plan:
             lines += ["", f"plan: {self.chosen.setting.describe()}: {_gib(self.chosen.peak)} ({parts})"]
             changes = config_changes(self.current.setting, self.chosen.setting)
             lines.append("set: " + (" ".join(f"--set {c}" for c in changes) if changes else "nothing to change"))
+            chunk = loss_chunk_tokens(self.work, self.chosen.setting)
+            if chunk is not None:
+                lines.append(
+                    f"loss: {chunk}-token chunks of the fused loss with kernels.loss_chunk_tokens: auto (the step "
+                    f"peaks at the {self.chosen.moment}, so the loss has room)"
+                )
         return "\n".join(lines)
 
     def rank(self, item: Estimate) -> float:

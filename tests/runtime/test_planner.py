@@ -262,6 +262,19 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
 
 
+def test_plan_names_the_loss_chunk_when_the_step_peaks_elsewhere(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(plan_config(tmp_path).model_dump(mode="json", exclude_defaults=True)))
+    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # checkpointing stays on
+    out = capsys.readouterr().out
+    assert "checkpointing on, kernels on" in out
+    assert "loss: 4096-token chunks of the fused loss" in out and "backward (top layer)" in out
+    assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0  # off: the loss is near the peak
+    assert "loss:" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_norm_and_mlp_formulas_match_what_autograd_saves(kernels, frozen):
