@@ -135,7 +135,6 @@ def loss_chunk_tokens(model: nn.Module, config: RunConfig) -> int | None:
 
     if not config.kernels.fused_linear_cross_entropy or getattr(model.config, "model_type", None) not in FAMILIES:
         return None  # no fused loss to size (a family outside the kernel table keeps its own loss)
-
     work = planner.workload(config, shape=planner.ModelShape.from_hf_config(model.config))
     chunk = planner.loss_chunk_tokens(work, planner.setting_of(config))
     if chunk is not None:

@@ -83,7 +83,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tigon.kernels.utils import next_power_of_2
 from tigon.runtime.config import ConfigError, RunConfig
 
 GB = 10**9
@@ -96,7 +95,7 @@ OVERHEAD = 64 * MiB  # inside the allocator: cuBLAS workspaces, RNG state, small
 CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward (fwd:bwd = 1:2)
 KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
 HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
-LOSS_CHUNK_LIMIT = 4096  # the fused loss's largest chunk the runtime picks: 4 more re-reads of the head gradient
+LOSS_CHUNK_LIMIT = 4096  # the largest fused-loss chunk the runtime picks; beyond, the head gradient's re-reads are few
 LOSS_CHUNK_MARGIN = 0.95  # ... and only while the loss's moment stays this far under the step's estimated peak
 
 logger = logging.getLogger("tigon.runtime")
@@ -565,7 +564,7 @@ def loss_chunk_tokens(work: Workload, setting: Setting) -> int | None:
     own = min(tokens, max_chunk_tokens(s.vocab, s.hidden, c))
     budget = LOSS_CHUNK_MARGIN * estimate(work, setting).peak
     best = None
-    chunk = next_power_of_2(own + 1)
+    chunk = 1 << own.bit_length()  # the next power of two above the op's own chunk
     while chunk <= LOSS_CHUNK_LIMIT and own < tokens:
         chunk = min(chunk, tokens)
         if estimate(work, setting, loss_chunk_tokens=chunk).moments["loss"] > budget:
