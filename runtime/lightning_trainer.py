@@ -82,7 +82,7 @@ class LightningDDP(DDPStrategy):
     def backward(self, loss: torch.Tensor) -> None:
         self.lightning.manual_backward(self.scaler.scale(loss))
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """As DDPStrategy.step, through the LightningOptimizer: the scaler unscales and steps that one object (it
         shares the optimizer's parameter groups), and skips the update when fp16 gradients overflowed."""
         optimizer = self.lightning.optimizers()

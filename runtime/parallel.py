@@ -98,12 +98,14 @@ class DDPStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def clip(self) -> float:
+    def clip(self) -> torch.Tensor:
+        """Clip the gradients; their norm before clipping, on the device (no wait for the GPU here)."""
         max_norm = self.config.training.max_grad_norm
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf")))
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
 
-    def step(self) -> float:
-        """Clip, update, advance the schedule, zero the gradients; the gradient norm before clipping."""
+    def step(self) -> torch.Tensor | float:
+        """Clip, update, advance the schedule, zero the gradients; the gradient norm before clipping, left on the
+        device so that the update is queued behind the backward before anything waits for the GPU."""
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip()
         self.scaler.step(self.optimizer)
@@ -254,12 +256,12 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
         return contextlib.nullcontext()
 
-    def clip(self) -> float:
+    def clip(self) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         max_norm = self.config.training.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm is not None else float("inf"))
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
