@@ -520,11 +520,12 @@ def liger_function(family: str, cuda: bool):
     return function, None
 
 
-def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False) -> dict:
+def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False, trace: str | None = None) -> dict:
     """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step.
 
     `liger`: an `apply_liger_kernel_to_*` function, applied to the built model. `profile`: one more step, under
-    the profiler, whose time per kind of kernel is returned as "profile" (`tigon.runtime.profiling`).
+    the profiler, whose time per kind of kernel is returned as "profile" (`tigon.runtime.profiling`); `trace`:
+    where that step's Chrome trace goes.
     """
     import torch
 
@@ -581,7 +582,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     if profile:
         from tigon.runtime.profiling import profile_step
 
-        _, result["profile"] = profile_step(one_step, cuda)
+        _, result["profile"] = profile_step(one_step, cuda, trace)
     return result
 
 
@@ -643,7 +644,10 @@ def worker(spec: dict) -> dict:
     if note:
         result["estimate_note"] = note
     try:
-        measured = run_steps(config, spec["steps"], spec["warmup"], liger=liger, profile=spec.get("profile", False))
+        trace = spec.get("trace_dir") and f"{spec['trace_dir']}/{family}-{spec['variant']}-{spec['seq']}.json"
+        measured = run_steps(
+            config, spec["steps"], spec["warmup"], liger=liger, profile=spec.get("profile", False), trace=trace
+        )
     except torch.OutOfMemoryError:
         return {**result, "oom": True}
     return {**result, "oom": False, **measured}
@@ -1068,6 +1072,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
     parser.add_argument("--profile", action="store_true", help="one more step per run, profiled: time per kernel kind")
+    parser.add_argument("--trace-dir", help="with --profile: write each profiled step's Chrome trace into this folder")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default: none)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join these reports into --out, with a plot")
@@ -1090,6 +1095,10 @@ def main(argv: list[str] | None = None) -> None:
             plot_longest(report, out.with_name(out.stem + "-longest.png"))
         print(f"{markdown(report)}\nwrote {out}, its .md and the plots")
         return
+    if args.trace_dir:
+        if not args.profile:
+            parser.error("--trace-dir writes the profiled step's trace: add --profile")
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -1106,6 +1115,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
         "profile": args.profile,
+        "trace_dir": args.trace_dir,
         "gpu_memory": args.gpu_memory,
     }
     environment_info = environment()

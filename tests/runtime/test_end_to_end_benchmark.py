@@ -34,7 +34,7 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     families = ["llama", "qwen3_moe"]
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
     command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--profile"]
-    command += ["--out", str(out)]
+    command += ["--trace-dir", str(tmp_path / "traces"), "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[1/6] llama eager at seq 32 x micro-batch 2" in done.stdout
@@ -56,6 +56,8 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
             profile = run["profile"]  # one more step, profiled: on the CPU, aten ops by their own time
             assert profile["kinds_ms"]["matmul"] > 0 and 0 < profile["busy_ms"] <= profile["step_ms"]
             assert math.isclose(sum(profile["kinds_ms"].values()), profile["busy_ms"])
+            trace = json.loads((tmp_path / "traces" / f"{family}-{variant}-32.json").read_text())
+            assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])  # the profiled step's ops
         # same seed, same data, same initial weights: the kernels compute the same first loss
         assert abs(runs[family, "eager"]["losses"][0] - runs[family, "tigon"]["losses"][0]) < 1e-4
         assert math.isclose(runs[family, "eager"]["losses"][0], math.log(512), rel_tol=0.05)  # random init
