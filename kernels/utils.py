@@ -90,6 +90,12 @@ def check_vector(name: str, vector: torch.Tensor | None, size: int, what: str) -
         )
 
 
+def check_chunk_size(name: str, value: int | None, unit: str) -> None:
+    """A chunked op's chunk size: None (the op's own rule) or a positive int of `unit` per chunk."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r} must be a positive int ({unit} per chunk) or None for the op's own rule")
+
+
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """`x` as a (rows, features) matrix whose last dimension is contiguous (copies only if needed)."""
     if x.dim() == 0:

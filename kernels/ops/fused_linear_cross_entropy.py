@@ -51,6 +51,7 @@ from tigon.kernels.ops.cross_entropy import (
 )
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
+    check_chunk_size,
     check_float,
     check_same_device,
     check_vector,
@@ -414,8 +415,7 @@ def check_fused_linear_cross_entropy_inputs(
     check_vector("class_weight", class_weight, weight.shape[0], "the vocabulary size (weight.shape[0])")
     check_same_device("hidden", hidden, weight=weight, target=target, bias=bias, class_weight=class_weight)
     check_loss_options(options, class_weight, "class_weight")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (tokens per chunk) or None")
+    check_chunk_size("chunk_size", chunk_size, "tokens")
 
 
 def fused_linear_cross_entropy(

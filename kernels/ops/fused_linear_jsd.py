@@ -33,7 +33,7 @@ from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
-from tigon.kernels.utils import check_float, check_same_device, gather_dtensors, use_triton
+from tigon.kernels.utils import check_chunk_size, check_float, check_same_device, gather_dtensors, use_triton
 
 
 def chunked_pass(
@@ -193,8 +193,7 @@ def check_fused_linear_jsd_inputs(
         label=label,
     )
     check_jsd_options(options)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (tokens per chunk) or None")
+    check_chunk_size("chunk_size", chunk_size, "tokens")
     if torch.is_grad_enabled():
         for name, tensor in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
             if tensor.requires_grad:

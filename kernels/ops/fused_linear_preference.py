@@ -42,7 +42,14 @@ from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import check_float, check_same_device, check_vector, reject_dtensor, use_triton
+from tigon.kernels.utils import (
+    check_chunk_size,
+    check_float,
+    check_same_device,
+    check_vector,
+    reject_dtensor,
+    use_triton,
+)
 
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 """(logps, counts, ref_logps, rows) of one chunk's sequences, float64 -> that chunk's share of the loss.
@@ -367,11 +374,7 @@ def check_preference_inputs(
         )
     if isinstance(settings.ignore_index, bool) or not isinstance(settings.ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {settings.ignore_index!r}")
-    chunk = settings.chunk_size
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(
-            f"chunk_size={chunk!r} must be a positive int (pairs, or sequences for KTO, per chunk) or None"
-        )
+    check_chunk_size("chunk_size", settings.chunk_size, "pairs, or sequences for KTO,")
     if ref_logps is not None and ref_hidden is not None:
         raise ValueError("pass either ref_logps or ref_hidden/ref_weight (to compute them), not both")
     if ref_logps is not None:

@@ -17,6 +17,7 @@ from torch import nn
 from tigon.kernels import functional
 from tigon.kernels.modules import GatedExpertMLP, GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
 from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, fused_class, fused_forward, keep_last_hidden_state
+from tigon.kernels.utils import check_chunk_size
 
 logger = logging.getLogger("tigon.kernels")
 
@@ -273,10 +274,7 @@ def apply(
     training with labels (see `tigon.kernels.patching.causal_lm`); `loss_chunk_tokens` sets that loss's
     tokens per chunk (None: the op's own rule). Returns what was swapped.
     """
-    if loss_chunk_tokens is not None and (
-        isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1
-    ):
-        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be a positive int, or None for the op's rule")
+    check_chunk_size("loss_chunk_tokens", loss_chunk_tokens, "tokens")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     report = PatchReport(model_type)
