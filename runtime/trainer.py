@@ -711,4 +711,4 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
         loss_sum += summed.detach()
     grad_norm = strategy.step()
     all_reduce_sum(loss_sum, env)
-    return float(loss_sum) / n_label, float(grad_norm), n_tokens  # the first reads of the GPU since the forward
+    return float(loss_sum) / n_label, float(grad_norm), n_tokens  # read last: each waits for the GPU
