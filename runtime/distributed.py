@@ -151,9 +151,9 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
 
 def drain() -> None:
     """At the end of a run that finished on every rank, wait until the process groups' threads are idle
-    (`wait_for_idle_process_groups`); only for a group `init_distributed` created."""
-    if _owns_process_group:
-        wait_for_idle_process_groups()
+    (`wait_for_idle_process_groups`), also in a group the caller created: its next run, or its exit, then
+    never meets a gloo thread still releasing this run's tensors."""
+    wait_for_idle_process_groups()
 
 
 def wait_for_idle_process_groups() -> None:

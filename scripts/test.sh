@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh test
 venv=${TIGON_VENV:-.venv}
+# A test process or worker that aborts prints every thread's Python stack (the tests show its stderr).
+export PYTHONFAULTHANDLER=1
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 -q --ignore=tests/compat "$@"

@@ -41,14 +41,13 @@ import json, os, sys, time
 started = time.perf_counter()
 import torch.distributed as dist
 from tigon.runtime.config import load_config
-from tigon.runtime.distributed import wait_for_idle_process_groups
 from tigon.runtime.trainer import train
 
 backend = os.environ["TEST_BACKEND"]
 if backend == "nccl":
     import torch
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-dist.init_process_group(backend)  # once for all runs; the trainer leaves a caller's group alone
+dist.init_process_group(backend)  # once for all runs; each run ends at a barrier, the group stays
 out = sys.argv[1]
 print(f"imports {time.perf_counter() - started:.1f} s", flush=True)
 for path in sys.argv[2:]:
@@ -60,7 +59,6 @@ for path in sys.argv[2:]:
               "export_dir": result.export_dir, "eval": result.eval_metrics}
     with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
         json.dump(record, file)
-wait_for_idle_process_groups()  # the gloo threads go idle before the process exits (see its docstring)
 dist.destroy_process_group()
 """
 
