@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
-# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [tune-rope] [bench] [bench-main] [bench-distill] [bench-sweeps]
+# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps]
 #   [planner-tests] [parallel-tests (2 GPUs: DDP, FSDP2, ZeRO-2/3 over NCCL)] [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
@@ -30,7 +30,6 @@ for step in "$@"; do
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
     tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;
-    tune-rope) python3 -m benchmarks.tune_rope 2>&1 | tee "$out/tune-rope.log" ;;
     tune) python3 -m benchmarks.tune --hidden "${TUNE_HIDDEN:-4096}" --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;
     bench) python3 -m benchmarks.kernels --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;
     bench-main) python3 -m benchmarks.kernels --no-sweeps --out "$out/kernels.json" 2>&1 | tee "$out/bench.log" ;;

@@ -33,12 +33,11 @@ POSITION_DTYPES = (torch.int64, torch.int32)
 
 
 @triton.jit
-def _load_heads(X, rows, stride_h, stride_d, token_mask, heads, n_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Both halves of heads `heads` of the program's tokens as float32 [tokens, heads, HALF] tiles; `rows` are
-    the tokens' offsets (head 0, dim 0) in X."""
+def _load_heads(X, stride_h, stride_d, heads, n_heads, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Both halves of heads `heads` of one token as float32 [heads, HALF] tiles; X points at head 0, dim 0."""
     cols = tl.arange(0, BLOCK_HALF)
-    mask = token_mask[:, None, None] & (heads < n_heads)[None, :, None] & (cols < HALF)[None, None, :]
-    first = X + rows[:, None, None] + heads[None, :, None] * stride_h + cols[None, None, :] * stride_d
+    mask = (heads < n_heads)[:, None] & (cols < HALF)[None, :]
+    first = X + heads[:, None] * stride_h + cols[None, :] * stride_d
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF * stride_d, mask=mask, other=0.0).to(tl.float32)
     return x1, x2
@@ -46,28 +45,14 @@ def _load_heads(X, rows, stride_h, stride_d, token_mask, heads, n_heads, HALF: t
 
 @triton.jit
 def _store_rotated(
-    Y,
-    rows,
-    stride_h,
-    stride_d,
-    token_mask,
-    heads,
-    n_heads,
-    x1,
-    x2,
-    cos1,
-    cos2,
-    sin1,
-    sin2,
-    HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    Y, stride_h, stride_d, heads, n_heads, x1, x2, cos1, cos2, sin1, sin2, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr
 ):
-    """y1 = x1*cos1 - x2*sin1 and y2 = x2*cos2 + x1*sin2 into heads `heads` of the program's tokens."""
+    """y1 = x1*cos1 - x2*sin1 and y2 = x2*cos2 + x1*sin2 into heads `heads` of one token."""
     cols = tl.arange(0, BLOCK_HALF)
-    mask = token_mask[:, None, None] & (heads < n_heads)[None, :, None] & (cols < HALF)[None, None, :]
-    first = Y + rows[:, None, None] + heads[None, :, None] * stride_h + cols[None, None, :] * stride_d
-    y1 = x1 * cos1[:, None, :] - x2 * sin1[:, None, :]
-    y2 = x2 * cos2[:, None, :] + x1 * sin2[:, None, :]
+    mask = (heads < n_heads)[:, None] & (cols < HALF)[None, :]
+    first = Y + heads[:, None] * stride_h + cols[None, :] * stride_d
+    y1 = x1 * cos1[None, :] - x2 * sin1[None, :]
+    y2 = x2 * cos2[None, :] + x1 * sin2[None, :]
     tl.store(first, y1.to(Y.dtype.element_ty), mask=mask)
     tl.store(first + HALF * stride_d, y2.to(Y.dtype.element_ty), mask=mask)
 
@@ -105,35 +90,32 @@ def _rope_kernel(
     POS,
     stride_pb,
     stride_ps,
-    n_tokens,
     seq_len,
     n_q_heads,
     n_k_heads,
     HALF: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     BACKWARD: tl.constexpr,
-    TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    tokens = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
-    token_mask = tokens < n_tokens
-    b = tokens // seq_len
-    s = tokens % seq_len
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    s = token % seq_len
     if HAS_POSITIONS:
-        row = tl.load(POS + b * stride_pb + s * stride_ps, mask=token_mask, other=0).to(tl.int64)
+        row = tl.load(POS + b * stride_pb + s * stride_ps).to(tl.int64)
     else:
         row = s
 
     cols = tl.arange(0, BLOCK_HALF)
-    table_mask = token_mask[:, None] & (cols < HALF)[None, :]
-    cos_row = COS + (b * stride_cb + row * stride_cs)[:, None]
-    sin_row = SIN + (b * stride_sb + row * stride_ss)[:, None]
-    cos1 = tl.load(cos_row + cols[None, :] * stride_cd, mask=table_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_row + (cols + HALF)[None, :] * stride_cd, mask=table_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_row + cols[None, :] * stride_sd, mask=table_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_row + (cols + HALF)[None, :] * stride_sd, mask=table_mask, other=0.0).to(tl.float32)
+    col_mask = cols < HALF
+    cos_row = COS + b * stride_cb + row * stride_cs
+    sin_row = SIN + b * stride_sb + row * stride_ss
+    cos1 = tl.load(cos_row + cols * stride_cd, mask=col_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_row + (cols + HALF) * stride_cd, mask=col_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_row + cols * stride_sd, mask=col_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_row + (cols + HALF) * stride_sd, mask=col_mask, other=0.0).to(tl.float32)
     if BACKWARD:
         # The transposed rotation: y1 = x1*cos1 + x2*sin2, y2 = x2*cos2 - x1*sin1.
         sin_a = -sin2
@@ -142,24 +124,42 @@ def _rope_kernel(
         sin_a = sin1
         sin_b = sin2
 
-    # Every load is issued before any store, so the q and k traffic of the tokens overlap.
+    # Every load is issued before any store, so the q and k traffic of the token overlap.
     head_block = tl.program_id(1).to(tl.int64)
     q_heads = head_block * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
     k_heads = head_block * BLOCK_HK + tl.arange(0, BLOCK_HK)
-    q_rows = b * stride_qb + s * stride_qs
-    k_rows = b * stride_kb + s * stride_ks
-    q1, q2 = _load_heads(Q, q_rows, stride_qh, stride_qd, token_mask, q_heads, n_q_heads, HALF, BLOCK_HALF)
-    k1, k2 = _load_heads(K, k_rows, stride_kh, stride_kd, token_mask, k_heads, n_k_heads, HALF, BLOCK_HALF)
-    q_out_rows = b * stride_qob + s * stride_qos
-    k_out_rows = b * stride_kob + s * stride_kos
+    q1, q2 = _load_heads(Q + b * stride_qb + s * stride_qs, stride_qh, stride_qd, q_heads, n_q_heads, HALF, BLOCK_HALF)
+    k1, k2 = _load_heads(K + b * stride_kb + s * stride_ks, stride_kh, stride_kd, k_heads, n_k_heads, HALF, BLOCK_HALF)
     _store_rotated(
-        QO, q_out_rows, stride_qoh, stride_qod, token_mask, q_heads, n_q_heads, q1, q2, cos1, cos2, sin_a, sin_b,
-        HALF, BLOCK_HALF,
-    )  # fmt: skip
+        QO + b * stride_qob + s * stride_qos,
+        stride_qoh,
+        stride_qod,
+        q_heads,
+        n_q_heads,
+        q1,
+        q2,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF,
+        BLOCK_HALF,
+    )
     _store_rotated(
-        KO, k_out_rows, stride_koh, stride_kod, token_mask, k_heads, n_k_heads, k1, k2, cos1, cos2, sin_a, sin_b,
-        HALF, BLOCK_HALF,
-    )  # fmt: skip
+        KO + b * stride_kob + s * stride_kos,
+        stride_koh,
+        stride_kod,
+        k_heads,
+        n_k_heads,
+        k1,
+        k2,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF,
+        BLOCK_HALF,
+    )
 
 
 def _table_strides(table: torch.Tensor) -> tuple[int, int, int]:
@@ -177,8 +177,8 @@ def _position_strides(position_ids: torch.Tensor | None) -> tuple[int, int]:
     return (0 if position_ids.shape[0] == 1 else position_ids.stride(0)), position_ids.stride(1)
 
 
-def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, ...]:
-    """(TOKENS, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, head blocks per token, num_warps), in plain integer math:
+def _launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, head blocks per token, num_warps), in plain integer math:
     the op is short enough that host time shows, and triton's helpers cost microseconds a call."""
     block_half = next_power_of_2(head_dim // 2)
     max_heads = max(1, MAX_TILE // block_half)
@@ -189,7 +189,7 @@ def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int)
     # [4+4, 32] tiles (1 warp) to [16+16, 128] (8 warps), and Llama's [32+8, 64] (8 warps: 0.3317 ms against
     # 0.3356 at 4 for 4 x 8192 tokens, and ahead at 1024-4096 too; session 6).
     warps = next_power_of_2(max(1, -(-(block_hq + block_hk) * block_half // 512)))
-    return 1, block_hq, block_hk, block_half, head_blocks, min(16, warps)
+    return block_hq, block_hk, block_half, head_blocks, min(16, warps)
 
 
 def check_rope_inputs(
@@ -266,13 +266,10 @@ def rope_rotate(
     batch, n_q_heads, seq_len, head_dim = x_q.shape
     n_k_heads = x_k.shape[1]
     out_q, out_k = torch.empty_like(x_q), torch.empty_like(x_k)
-    n_tokens = batch * seq_len
-    if n_tokens == 0:
+    if batch * seq_len == 0:
         return out_q, out_k
-    tokens, block_hq, block_hk, block_half, head_blocks, num_warps = _launch_config(
-        n_tokens, n_q_heads, n_k_heads, head_dim
-    )
-    _rope_kernel[(-(-n_tokens // tokens), head_blocks)](
+    block_hq, block_hk, block_half, head_blocks, num_warps = _launch_config(n_q_heads, n_k_heads, head_dim)
+    _rope_kernel[(batch * seq_len, head_blocks)](
         x_q,
         *x_q.stride(),
         out_q,
@@ -287,14 +284,12 @@ def rope_rotate(
         *_table_strides(sin),
         position_ids if position_ids is not None else cos,
         *_position_strides(position_ids),
-        n_tokens,
         seq_len,
         n_q_heads,
         n_k_heads,
         HALF=head_dim // 2,
         HAS_POSITIONS=position_ids is not None,
         BACKWARD=backward,
-        TOKENS=tokens,
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
