@@ -20,8 +20,9 @@ before the launch (no host sync), so the kernel knows the final gradient of the 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
 (running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
 pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
-when a gradient is wanted, overwrites the logits with ``dz``. Both passes load the next chunk before
-working on the current one, so a program keeps two chunks' loads in flight. So
+when a gradient is wanted, overwrites the logits with ``dz``. Both chunk loops are software-pipelined
+(``tl.range(num_stages=STAGES)``): the next chunks are copied into shared memory while the current one
+is worked on, so each program keeps several chunks' loads in flight. So
 forward computes loss and gradient in one launch and no second vocabulary-sized tensor exists; the
 backward only scales that buffer by the incoming gradient (and skips even that when it is 1).
 Ignored rows skip both passes: they write zeros. A target out of range (only reachable with
@@ -50,7 +51,6 @@ from tigon.kernels.utils import (
 )
 
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK_V = 4096  # vocabulary elements one program handles per step
 SCALE_BLOCK = 4096  # elements per step of the backward's scaling kernel
 SCALE_PROGRAMS_PER_SM = 16
 
@@ -90,6 +90,7 @@ def _cross_entropy_kernel(
     STORE_Z: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows).
     offsets = tl.arange(0, BLOCK_V)
@@ -113,20 +114,16 @@ def _cross_entropy_kernel(
             weight_total = tl.load(SCALES + 2)
             poison = tl.where(in_range, 0.0, float("nan"))
 
-            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The
-            # next chunk's load is issued before this chunk's arithmetic (register double buffering), and
-            # its lines are asked to stay in L2 for pass 2.
+            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The loop
+            # is software-pipelined: STAGES - 1 chunks are in flight (copied into shared memory) while one is
+            # reduced, and their lines are asked to stay in L2 for pass 2.
             m = float("-inf")
             d = 0.0
             smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
-            x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
-            for start in range(0, n_cols, BLOCK_V):
+            for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
                 cols = start + offsets
                 mask = cols < n_cols
-                z = x_next.to(tl.float32)
-                x_next = tl.load(
-                    x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
-                )
+                z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 if HAS_SOFTCAP:
                     z, _ = _softcap(z, softcap)
                 if HAS_SMOOTHING:  # masked lanes hold z = 0 here
@@ -167,7 +164,7 @@ def _cross_entropy_kernel(
                 tl.store(Z_LOSS + row, z_loss + poison)
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
-            # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does.
+            # so that the chunks pass 1 read last are re-read while still in L2, pipelined as pass 1 is.
             if WRITE_GRAD:
                 if HAS_ROW_SCALE:
                     g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
@@ -175,16 +172,10 @@ def _cross_entropy_kernel(
                     p_coef = p_coef * g
                     uniform_coef = uniform_coef * g
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
-                x_next = tl.load(
-                    x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
-                )
-                for back in range(0, n_cols, BLOCK_V):
+                for back in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
                     cols = last - back + offsets
                     mask = cols < n_cols
-                    z = x_next.to(tl.float32)
-                    x_next = tl.load(
-                        x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
-                    )
+                    z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
                     if HAS_SOFTCAP:
                         z, tanh_z = _softcap(z, softcap)
                     grad = tl.exp(z - lse) * p_coef
@@ -336,18 +327,23 @@ def loss_scales(
     return torch.stack([ce_scale, z_scale, weight_total])
 
 
-# Rows in flight per multiprocessor, vocabulary chunk and warps, from benchmarks/tune_cross_entropy.py
-# on an H200 at 8192 x 128256: holding rows back so pass 2 hits L2 measured slower than one program
-# per row (64 per SM covers 8192 rows); 4096-wide chunks with 8 warps (1.490 ms) tie 16384 with 16
-# (1.479 ms, within the run-to-run spread) and need no register spills.
+# Rows in flight per multiprocessor, vocabulary chunk, warps and pipeline stages, from
+# benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16. Each chunk loop keeps STAGES - 1 chunks of
+# CHUNK_BYTES in flight through shared memory (96 KB a program): 16384-wide bf16 chunks, 16 warps, 4 stages
+# measured 1.86 ms on an H100 where the register-prefetch kernel before it took 2.04 ms. Holding rows back
+# (1-4 programs per SM) so that pass 2 hits L2 measured no faster than one program per row.
 PROGRAMS_PER_SM = 64
-FULL_CHUNK_WARPS = 8  # for MAX_BLOCK_V-wide chunks; narrower vocabularies take warps_for(block)
+CHUNK_BYTES = 32768  # of logits per chunk: 16384 bf16 or 8192 fp32 values
+FULL_CHUNK_WARPS = 16  # for full chunks; narrower vocabularies take warps_for(block)
+STAGES = 4
 
 
-def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
-    block_v = min(next_power_of_2(n_cols), MAX_BLOCK_V)
+def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_V, num_warps, STAGES) for logits (n_rows, n_cols) of `element_size`-byte floats."""
+    full_chunk = CHUNK_BYTES // element_size
+    block_v = min(next_power_of_2(n_cols), full_chunk)
     programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
-    return programs, block_v, FULL_CHUNK_WARPS if block_v == MAX_BLOCK_V else warps_for(block_v)
+    return programs, block_v, FULL_CHUNK_WARPS if block_v == full_chunk else warps_for(block_v), STAGES
 
 
 def cross_entropy_rows(
@@ -367,7 +363,7 @@ def cross_entropy_rows(
     gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
     """
     n_rows, n_cols = logits.shape
-    programs, block_v, num_warps = _launch_config(n_rows, n_cols, logits.device)
+    programs, block_v, num_warps, stages = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
     _cross_entropy_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -392,6 +388,7 @@ def cross_entropy_rows(
         STORE_Z=z_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
+        STAGES=stages,
         num_warps=num_warps,
     )
 
