@@ -46,6 +46,8 @@ from tigon.kernels.utils import (
     check_vector,
     multiprocessor_count,
     next_power_of_2,
+    previous_power_of_2,
+    shared_memory_per_program,
     use_triton,
     warps_for,
 )
@@ -328,19 +330,24 @@ def loss_scales(
 
 
 # Rows in flight per multiprocessor, vocabulary chunk, warps and pipeline stages, from
-# benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16. Each chunk loop keeps STAGES - 1 chunks of
-# CHUNK_BYTES in flight through shared memory (96 KB a program): 16384-wide bf16 chunks, 16 warps, 4 stages
-# measured 1.86 ms on an H100 where the register-prefetch kernel before it took 2.04 ms. Holding rows back
-# (1-4 programs per SM) so that pass 2 hits L2 measured no faster than one program per row.
-PROGRAMS_PER_SM = 64
-CHUNK_BYTES = 32768  # of logits per chunk: 16384 bf16 or 8192 fp32 values
+# benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 on an H100: each chunk loop keeps STAGES - 1 chunks
+# in flight through shared memory. 64 KB chunks (32768 bf16 values), 16 warps, 3 stages and 4 programs per SM
+# measured 1.873 ms, where the register-prefetch kernel before it took 2.04 ms; 32 KB chunks with 4 stages
+# 1.90-1.97 ms. A GPU with less shared memory a program (e.g. 99 KB) takes the largest chunk that fits.
+PROGRAMS_PER_SM = 4
+CHUNK_BYTES = 65536  # of logits per chunk at most: 32768 bf16 or 16384 fp32 values
 FULL_CHUNK_WARPS = 16  # for full chunks; narrower vocabularies take warps_for(block)
-STAGES = 4
+STAGES = 3
+SHARED_MEMORY_SPARE = 4096  # bytes of a program's shared memory left for the reductions
 
 
 def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
     """(programs, BLOCK_V, num_warps, STAGES) for logits (n_rows, n_cols) of `element_size`-byte floats."""
-    full_chunk = CHUNK_BYTES // element_size
+    chunk_bytes = CHUNK_BYTES
+    shared_memory = shared_memory_per_program(device)
+    if shared_memory is not None:
+        chunk_bytes = min(chunk_bytes, previous_power_of_2((shared_memory - SHARED_MEMORY_SPARE) // (STAGES - 1)))
+    full_chunk = chunk_bytes // element_size
     block_v = min(next_power_of_2(n_cols), full_chunk)
     programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
     return programs, block_v, FULL_CHUNK_WARPS if block_v == full_chunk else warps_for(block_v), STAGES
