@@ -331,13 +331,14 @@ def loss_scales(
 
 # Rows in flight per multiprocessor, vocabulary chunk, warps and pipeline stages, from
 # benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 on an H100: each chunk loop keeps STAGES - 1 chunks
-# in flight through shared memory. 64 KB chunks (32768 bf16 values), 16 warps, 3 stages and 4 programs per SM
-# measured 1.873 ms, where the register-prefetch kernel before it took 2.04 ms; 32 KB chunks with 4 stages
-# 1.90-1.97 ms. A GPU with less shared memory a program (e.g. 99 KB) takes the largest chunk that fits.
-PROGRAMS_PER_SM = 4
-CHUNK_BYTES = 65536  # of logits per chunk at most: 32768 bf16 or 16384 fp32 values
+# in flight through shared memory (96 KB a program here). 32 KB chunks (16384 bf16 values), 16 warps, 4 stages
+# and one program per row: 1.965 ms, where the register-prefetch kernel before it took 2.04 ms. The sweep's
+# fastest, 64 KB chunks with 3 stages and 4 programs per SM (1.873 ms), has not been through the GPU tests
+# yet. A GPU with less shared memory a program (e.g. 99 KB) takes the largest chunk that fits.
+PROGRAMS_PER_SM = 64
+CHUNK_BYTES = 32768  # of logits per chunk at most: 16384 bf16 or 8192 fp32 values
 FULL_CHUNK_WARPS = 16  # for full chunks; narrower vocabularies take warps_for(block)
-STAGES = 3
+STAGES = 4
 SHARED_MEMORY_SPARE = 4096  # bytes of a program's shared memory left for the reductions
 
 
