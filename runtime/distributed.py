@@ -149,15 +149,9 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
     return env, device
 
 
-def drain() -> None:
-    """At the end of a run that finished on every rank, wait until the process groups' threads are idle
-    (`wait_for_idle_process_groups`), also in a group the caller created: its next run, or its exit, then
-    never meets a gloo thread still releasing this run's tensors."""
-    wait_for_idle_process_groups()
-
-
 def wait_for_idle_process_groups() -> None:
-    """A barrier on every process group of this process (the default one and those FSDP2 or DeepSpeed made).
+    """A barrier on every process group of this process (the default one and those FSDP2 or DeepSpeed made), at
+    the end of a run that finished on every rank, also in a group the caller created.
 
     A gloo worker thread releases a finished collective's tensors after the caller has moved on, and that
     release takes the GIL. If the process exits meanwhile, the thread meets an interpreter that is finalizing

@@ -39,10 +39,10 @@ from tigon.runtime.distributed import (
     all_reduce_sum,
     barrier,
     check_strategy,
-    drain,
     init_distributed,
     shutdown,
     unwrap,
+    wait_for_idle_process_groups,
 )
 from tigon.runtime.model import build_model, count_parameters
 from tigon.runtime.parallel import build_strategy
@@ -508,7 +508,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
             result = adapter(config, datasets)
         else:
             result = train_prepared(config, prepare(config, datasets))
-        drain()
+        wait_for_idle_process_groups()  # a run, or the process, that follows meets idle gloo threads
         return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
         raise planner.out_of_memory_error(config, error) from error
