@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole CPU test suite: ruff, then pytest (Triton kernels run through the interpreter).
 # GPU tests (marker `gpu`) are deselected here; run them on a GPU with `pytest -m gpu tests/kernels`.
-# Tests marked `serial` start their own distributed worker groups; they run alone, after the rest.
+# Tests marked `serial` start their own distributed worker groups; they run alone, after the rest. The rest run
+# on 2 workers that steal from each other (`--dist worksteal`), so neither idles while the other has a queue.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh test
@@ -10,7 +11,7 @@ venv=${TIGON_VENV:-.venv}
 export PYTHONFAULTHANDLER=1
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-"$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 -q --ignore=tests/compat "$@"
+"$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 --dist worksteal -q --ignore=tests/compat "$@"
 "$venv/bin/python" -m pytest -m "serial" -q --ignore=tests/compat "$@"
 # The patching tests again, against the older transformers line (4.5x) that users still run.
 compat=${TIGON_TRANSFORMERS4:-.transformers4}
