@@ -499,6 +499,9 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
 
     if config.training.plan == "auto":
         config = planner.planned_config(config)
+    # DeepSpeed's ZeRO-3 swaps in its own torch.nn.functional.linear for the rest of the process; a later run in
+    # this process (a notebook, a sweep) would then save every linear layer's input, frozen weights' too.
+    functional_linear = torch.nn.functional.linear
     try:
         if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
             if config.trainer == "hf":
@@ -513,6 +516,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
         raise planner.out_of_memory_error(config, error) from error
     finally:
+        torch.nn.functional.linear = functional_linear
         shutdown()
 
 

@@ -267,6 +267,15 @@ def test_deepspeed_zero3_with_lora_gradient_checkpointing_and_kernels(tmp_path):
     check_lora_run(tmp_path, {"strategy": "deepspeed", "zero_stage": 3})
 
 
+def test_a_zero3_run_leaves_torch_functional_linear_as_it_was(tmp_path):
+    """DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the rest of the process ("This will persist
+    unless manually reset"); the run puts it back, so the next run in the process saves what it should."""
+    before = torch.nn.functional.linear
+    zero3 = {"strategy": "deepspeed", "zero_stage": 3}
+    result = train(tiny_config(tmp_path, training={"max_steps": 1, "micro_batch_size": 2}, parallelism=zero3))
+    assert result.losses and torch.nn.functional.linear is before
+
+
 def test_deepspeed_config_follows_the_run_config(tmp_path):
     """The DeepSpeed JSON built from the run's config: batch shape, clipping, precision, optimizer, ZeRO and offload."""
     from tigon.runtime.deepspeed_engine import deepspeed_config
