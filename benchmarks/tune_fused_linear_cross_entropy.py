@@ -5,14 +5,53 @@
 At 8192 tokens x 4096 hidden x 128256 vocab (bf16): for each chunk size, with the weight gradient
 accumulated in fp32 or in bf16, the forward+backward time, the peak memory beyond the inputs,
 and the relative error of the weight gradient against an fp32 accumulation at one large chunk.
+Then, per chunk size, each step of one chunk timed alone from a CUDA graph (the logits matmul, the
+cross-entropy kernel, the hidden gradient's matmul, the weight gradient's accumulating matmul), to show
+which one small chunks slow down.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton.testing
 
 from tigon.kernels.functional import fused_linear_cross_entropy
+from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales
+
+
+def one_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chunk: int) -> dict[str, Callable[[], object]]:
+    """The four steps the op runs on each chunk of `chunk` tokens, on the first chunk's tensors."""
+    vocab = w.shape[0]
+    options = LossOptions()
+    scales = loss_scales(target, None, vocab, options)
+    losses = torch.empty(chunk, device="cuda")
+    logits = torch.empty(chunk, vocab, device="cuda", dtype=x.dtype)
+    grad_hidden = torch.empty_like(x[:chunk])
+    grad_weight = torch.empty_like(w)
+    h = x[:chunk]
+    return {
+        "logits = h @ W.T": lambda: torch.mm(h, w.t(), out=logits),
+        "cross-entropy kernel": lambda: cross_entropy_rows(logits, target[:chunk], None, scales, options, True, losses),
+        "dh = dlogits @ W": lambda: torch.mm(logits, w, out=grad_hidden),
+        "dW += dlogits.T @ h": lambda: grad_weight.addmm_(logits.t(), h),
+    }
+
+
+def chunk_steps(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> None:
+    """Each step of one chunk graph-timed, with the matmuls' rates, and their sum over a whole pass."""
+    tokens, hidden = x.shape
+    print("chunk  step                      ms      TFLOP/s")
+    for chunk in (256, 512, 1024, 2048):
+        total = 0.0
+        for name, step in one_chunk(x, w, target, chunk).items():
+            step()
+            ms = triton.testing.do_bench_cudagraph(step, rep=100, return_mode="median")
+            total += ms
+            rate = "" if "kernel" in name else f"{2 * chunk * hidden * w.shape[0] / ms / 1e9:7.0f}"
+            print(f"{chunk:5d}  {name:22s} {ms:7.3f}  {rate}", flush=True)
+        print(f"{chunk:5d}  {'sum x chunks':22s} {total * tokens / chunk:7.2f}", flush=True)
 
 
 def main() -> None:
@@ -39,6 +78,7 @@ def main() -> None:
             error = ((dw.float() - reference_dw).norm() / reference_dw.norm()).item()
             print(f"{chunk:5d}  {'fp32' if fp32 else 'bf16':10s} {ms:7.2f}  {peak:9.0f}   {error:.2e}", flush=True)
             del dw
+    chunk_steps(x.detach(), w.detach(), target)
 
 
 if __name__ == "__main__":

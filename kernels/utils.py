@@ -118,6 +118,18 @@ def _cuda_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def gpu_name(device: torch.device) -> str | None:
+    """The GPU's name as the driver reports it ("NVIDIA H200"); None under the interpreter."""
+    if device.type != "cuda":
+        return None
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def shared_memory_per_program(device: torch.device) -> int | None:
     """The most shared memory one program may use on a GPU, in bytes; None under the interpreter."""
     if device.type != "cuda":

@@ -20,9 +20,10 @@ before the launch (no host sync), so the kernel knows the final gradient of the 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
 (running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
 pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
-when a gradient is wanted, overwrites the logits with ``dz``. Both chunk loops are software-pipelined
-(``tl.range(num_stages=STAGES)``): the next chunks are copied into shared memory while the current one
-is worked on, so each program keeps several chunks' loads in flight. So
+when a gradient is wanted, overwrites the logits with ``dz``. Both chunk loops keep loads in flight while
+a chunk is worked on, in one of two ways chosen per GPU by measurement (``CHUNK_LOOP_BY_GPU``): the next
+chunk loaded into registers, or several chunks copied ahead into shared memory (``tl.range(num_stages=)``).
+So
 forward computes loss and gradient in one launch and no second vocabulary-sized tensor exists; the
 backward only scales that buffer by the incoming gradient (and skips even that when it is 1).
 Ignored rows skip both passes: they write zeros. A target out of range (only reachable with
@@ -32,6 +33,7 @@ Ignored rows skip both passes: they write zeros. A target out of range (only rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,6 +46,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
+    gpu_name,
     multiprocessor_count,
     next_power_of_2,
     previous_power_of_2,
@@ -65,6 +68,67 @@ def _softcap(x, cap):
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(u < 0, -t, t)
     return t * cap, t
+
+
+@triton.jit
+def _softmax_step(
+    z,
+    cols,
+    mask,
+    m,
+    d,
+    smooth,
+    CLASS_WEIGHT,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Pass 1 on one chunk of float32 logits `z` (0 in masked lanes): the running max `m`, the sum `d` of
+    exp(z - m), and sum_j w[j] z[j] for label smoothing."""
+    if HAS_SOFTCAP:
+        z, _ = _softcap(z, softcap)
+    if HAS_SMOOTHING:  # masked lanes hold z = 0 here
+        if HAS_WEIGHT:
+            smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
+        else:
+            smooth += z
+    z = tl.where(mask, z, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
+    d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+    return m_new, d, smooth
+
+
+@triton.jit
+def _gradient_chunk(
+    z,
+    cols,
+    mask,
+    lse,
+    p_coef,
+    uniform_coef,
+    target_coef,
+    t_index,
+    CLASS_WEIGHT,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """Pass 2 on one chunk of float32 logits `z`: the gradient of the reduced loss (see the module docstring)."""
+    if HAS_SOFTCAP:
+        z, tanh_z = _softcap(z, softcap)
+    grad = tl.exp(z - lse) * p_coef
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+        else:
+            grad -= uniform_coef
+    grad = tl.where(cols == t_index, grad - target_coef, grad)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - tanh_z * tanh_z)
+    return grad
 
 
 @triton.jit
@@ -94,7 +158,9 @@ def _cross_entropy_kernel(
     BLOCK_V: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows).
+    # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows). Both chunk loops
+    # keep loads in flight while a chunk is worked on: STAGES > 1 software-pipelines them through shared memory
+    # (STAGES - 1 chunks ahead, tl.range), STAGES == 1 loads the next chunk into registers (one ahead).
     offsets = tl.arange(0, BLOCK_V)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         x_row = X + row * stride_x
@@ -116,28 +182,30 @@ def _cross_entropy_kernel(
             weight_total = tl.load(SCALES + 2)
             poison = tl.where(in_range, 0.0, float("nan"))
 
-            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The loop
-            # is software-pipelined: STAGES - 1 chunks are in flight (copied into shared memory) while one is
-            # reduced, and their lines are asked to stay in L2 for pass 2.
+            # Pass 1: online softmax over the chunks; their lines are asked to stay in L2 for pass 2.
             m = float("-inf")
             d = 0.0
             smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
-            for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
-                cols = start + offsets
-                mask = cols < n_cols
-                z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                if HAS_SOFTCAP:
-                    z, _ = _softcap(z, softcap)
-                if HAS_SMOOTHING:  # masked lanes hold z = 0 here
-                    if HAS_WEIGHT:
-                        smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
-                    else:
-                        smooth += z
-                z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
-                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-                m = m_new
+            if STAGES > 1:
+                for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
+                    cols = start + offsets
+                    mask = cols < n_cols
+                    z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                    m, d, smooth = _softmax_step(
+                        z, cols, mask, m, d, smooth, CLASS_WEIGHT, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP
+                    )
+            else:
+                x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
+                for start in range(0, n_cols, BLOCK_V):
+                    cols = start + offsets
+                    mask = cols < n_cols
+                    z = x_next.to(tl.float32)
+                    x_next = tl.load(
+                        x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
+                    )
+                    m, d, smooth = _softmax_step(
+                        z, cols, mask, m, d, smooth, CLASS_WEIGHT, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP
+                    )
             lse = m + tl.log(d)
 
             z_t = tl.load(x_row + t_index).to(tl.float32)
@@ -166,7 +234,7 @@ def _cross_entropy_kernel(
                 tl.store(Z_LOSS + row, z_loss + poison)
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
-            # so that the chunks pass 1 read last are re-read while still in L2, pipelined as pass 1 is.
+            # so that the chunks pass 1 read last are re-read while still in L2; its loads and stores stream.
             if WRITE_GRAD:
                 if HAS_ROW_SCALE:
                     g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
@@ -174,22 +242,32 @@ def _cross_entropy_kernel(
                     p_coef = p_coef * g
                     uniform_coef = uniform_coef * g
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
-                for back in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
-                    cols = last - back + offsets
-                    mask = cols < n_cols
-                    z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                    if HAS_SOFTCAP:
-                        z, tanh_z = _softcap(z, softcap)
-                    grad = tl.exp(z - lse) * p_coef
-                    if HAS_SMOOTHING:
-                        if HAS_WEIGHT:
-                            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
-                        else:
-                            grad -= uniform_coef
-                    grad = tl.where(cols == t_index, grad - target_coef, grad)
-                    if HAS_SOFTCAP:
-                        grad = grad * (1.0 - tanh_z * tanh_z)
-                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                if STAGES > 1:
+                    for back in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
+                        cols = last - back + offsets
+                        mask = cols < n_cols
+                        z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                        grad = _gradient_chunk(
+                            z, cols, mask, lse, p_coef, uniform_coef, target_coef, t_index, CLASS_WEIGHT, softcap,
+                            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                        )  # fmt: skip
+                        tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                else:
+                    x_next = tl.load(
+                        x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
+                    )
+                    for back in range(0, n_cols, BLOCK_V):
+                        cols = last - back + offsets
+                        mask = cols < n_cols
+                        z = x_next.to(tl.float32)
+                        x_next = tl.load(
+                            x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
+                        )
+                        grad = _gradient_chunk(
+                            z, cols, mask, lse, p_coef, uniform_coef, target_coef, t_index, CLASS_WEIGHT, softcap,
+                            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                        )  # fmt: skip
+                        tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
@@ -329,29 +407,40 @@ def loss_scales(
     return torch.stack([ce_scale, z_scale, weight_total])
 
 
-# Rows in flight per multiprocessor, vocabulary chunk, warps and pipeline stages, from
-# benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 on an H100: each chunk loop keeps STAGES - 1 chunks
-# in flight through shared memory (96 KB a program here). 32 KB chunks (16384 bf16 values), 16 warps, 4 stages
-# and one program per row: 1.965 ms, where the register-prefetch kernel before it took 2.04 ms. The sweep's
-# fastest, 64 KB chunks with 3 stages and 4 programs per SM (1.873 ms), has not been through the GPU tests
-# yet. A GPU with less shared memory a program (e.g. 99 KB) takes the largest chunk that fits.
+class ChunkLoop(NamedTuple):
+    """How a program walks its row: chunks of at most `chunk_bytes`, `warps` for a full chunk, and `stages`
+    (1: the next chunk is loaded into registers; more: `stages - 1` chunks copied ahead into shared memory)."""
+
+    chunk_bytes: int
+    warps: int
+    stages: int
+
+
+# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16, one program per row (64 per SM covers 8192 rows;
+# holding rows back so that pass 2 hits L2 measured no faster on either GPU). The two loops win on different
+# GPUs: on an H100 the shared-memory pipeline took 1.965 ms and the register prefetch 2.04 ms; on an H200 the
+# register prefetch 1.49 ms and the pipeline, at its best setting there, 1.65 ms (docs/benchmarks.md).
+REGISTER_PREFETCH = ChunkLoop(chunk_bytes=8192, warps=8, stages=1)
+SHARED_PIPELINE = ChunkLoop(chunk_bytes=32768, warps=16, stages=4)
+CHUNK_LOOP_BY_GPU = {"NVIDIA H100 80GB HBM3": SHARED_PIPELINE}
+DEFAULT_CHUNK_LOOP = REGISTER_PREFETCH  # GPUs not measured, and the interpreter
 PROGRAMS_PER_SM = 64
-CHUNK_BYTES = 32768  # of logits per chunk at most: 16384 bf16 or 8192 fp32 values
-FULL_CHUNK_WARPS = 16  # for full chunks; narrower vocabularies take warps_for(block)
-STAGES = 4
 SHARED_MEMORY_SPARE = 4096  # bytes of a program's shared memory left for the reductions
 
 
 def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(programs, BLOCK_V, num_warps, STAGES) for logits (n_rows, n_cols) of `element_size`-byte floats."""
-    chunk_bytes = CHUNK_BYTES
+    """(programs, BLOCK_V, num_warps, STAGES) for logits (n_rows, n_cols) of `element_size`-byte floats; a
+    pipelined loop's chunk shrinks until `STAGES - 1` of them fit a program's shared memory on this GPU."""
+    loop = CHUNK_LOOP_BY_GPU.get(gpu_name(device), DEFAULT_CHUNK_LOOP)
+    chunk_bytes = loop.chunk_bytes
     shared_memory = shared_memory_per_program(device)
-    if shared_memory is not None:
-        chunk_bytes = min(chunk_bytes, previous_power_of_2((shared_memory - SHARED_MEMORY_SPARE) // (STAGES - 1)))
+    if shared_memory is not None and loop.stages > 1:
+        fit = (shared_memory - SHARED_MEMORY_SPARE) // (loop.stages - 1)
+        chunk_bytes = min(chunk_bytes, previous_power_of_2(fit))
     full_chunk = chunk_bytes // element_size
     block_v = min(next_power_of_2(n_cols), full_chunk)
     programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
-    return programs, block_v, FULL_CHUNK_WARPS if block_v == full_chunk else warps_for(block_v), STAGES
+    return programs, block_v, loop.warps if block_v == full_chunk else warps_for(block_v), loop.stages
 
 
 def cross_entropy_rows(
