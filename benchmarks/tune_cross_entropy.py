@@ -3,10 +3,9 @@
     python -m benchmarks.tune_cross_entropy
 
 Rows in flight (programs per multiprocessor) decide how much of a row pass 2 finds still in L2; the
-vocabulary chunk and the loop (stages 1: the next chunk prefetched into registers; 3-4: chunks copied ahead
-into shared memory) decide how many bytes each program has in flight, and the warps how many threads share
-a chunk. Each configuration is timed from a CUDA graph, as benchmarks/kernels.py
-times the op, so launch gaps stay out.
+vocabulary chunk how many bytes each program has in flight (the next chunk is loaded into registers while
+one is worked on), and the warps how many threads share a chunk. Each configuration is timed from a CUDA
+graph, as benchmarks/kernels.py times the op, so launch gaps stay out.
 """
 
 from __future__ import annotations
@@ -43,13 +42,11 @@ def main() -> None:
         print(f"backward scaling alone, factor {factor}: {graphed_ms(lambda g=g: ce.scale_in_place(grad, g)):.4f} ms")
     sms = multiprocessor_count(logits.device)
     original, rows = ce._launch_config, []
-    shapes = itertools.product((4, 64), (4096, 8192, 16384, 32768), (8, 16), (1, 3, 4))
-    for per_sm, block, warps, stages in shapes:
-        if not 4 <= block // (32 * warps) <= 64 or (stages - 1) * block * logits.element_size() > 200 * 1024:
-            continue  # too few or too many values a thread, or more shared memory than a multiprocessor has
-        if stages == 1 and block > 8192:
-            continue  # the register prefetch holds two chunks in registers
-        config = (min(tokens, sms * per_sm), block, warps, stages)
+    shapes = itertools.product((4, 16, 64), (2048, 4096, 8192, 16384), (4, 8, 16, 32))
+    for per_sm, block, warps in shapes:
+        if not 4 <= block // (32 * warps) <= 64:
+            continue  # too few or too many values a thread
+        config = (min(tokens, sms * per_sm), block, warps)
         ce._launch_config = lambda n_rows, n_cols, element_size, device, c=config: c
 
         def step():
@@ -59,14 +56,14 @@ def main() -> None:
             step()
             ms = graphed_ms(step)
         except Exception as error:  # a configuration that does not compile is reported and skipped
-            print(f"per_sm={per_sm} block={block} warps={warps} stages={stages}: {type(error).__name__}")
+            print(f"per_sm={per_sm} block={block} warps={warps}: {type(error).__name__}")
             continue
-        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps} stages={stages}", flush=True)
-        rows.append((ms, per_sm, block, warps, stages))
+        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps}", flush=True)
+        rows.append((ms, per_sm, block, warps))
     ce._launch_config = original
     print(f"best on {torch.cuda.get_device_name()}:")
-    for ms, per_sm, block, warps, stages in sorted(rows)[:8]:
-        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps} stages={stages}")
+    for ms, per_sm, block, warps in sorted(rows)[:8]:
+        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps}")
 
 
 if __name__ == "__main__":

@@ -130,28 +130,9 @@ def _cuda_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def shared_memory_per_program(device: torch.device) -> int | None:
-    """The most shared memory one program may use on a GPU, in bytes; None under the interpreter."""
-    if device.type != "cuda":
-        return None
-    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_shared_memory(index: int) -> int:
-    import triton  # only where a GPU kernel is about to launch
-
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (plain integer math: launch settings sit on the hot path)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
-def previous_power_of_2(n: int) -> int:
-    """Largest power of two <= n, for n >= 1."""
-    return 1 << (n.bit_length() - 1)
 
 
 def warps_for(block: int) -> int:

@@ -20,10 +20,8 @@ before the launch (no host sync), so the kernel knows the final gradient of the 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
 (running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
 pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
-when a gradient is wanted, overwrites the logits with ``dz``. Both chunk loops keep loads in flight while
-a chunk is worked on, in one of two ways chosen per GPU by measurement (``CHUNK_LOOP_BY_GPU``): the next
-chunk loaded into registers, or several chunks copied ahead into shared memory (``tl.range(num_stages=)``).
-So
+when a gradient is wanted, overwrites the logits with ``dz``. Both passes load the next chunk before
+working on the current one, so a program keeps two chunks' loads in flight. So
 forward computes loss and gradient in one launch and no second vocabulary-sized tensor exists; the
 backward only scales that buffer by the incoming gradient (and skips even that when it is 1).
 Ignored rows skip both passes: they write zeros. A target out of range (only reachable with
@@ -49,8 +47,6 @@ from tigon.kernels.utils import (
     gpu_name,
     multiprocessor_count,
     next_power_of_2,
-    previous_power_of_2,
-    shared_memory_per_program,
     use_triton,
     warps_for,
 )
@@ -68,67 +64,6 @@ def _softcap(x, cap):
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(u < 0, -t, t)
     return t * cap, t
-
-
-@triton.jit
-def _softmax_step(
-    z,
-    cols,
-    mask,
-    m,
-    d,
-    smooth,
-    CLASS_WEIGHT,
-    softcap,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """Pass 1 on one chunk of float32 logits `z` (0 in masked lanes): the running max `m`, the sum `d` of
-    exp(z - m), and sum_j w[j] z[j] for label smoothing."""
-    if HAS_SOFTCAP:
-        z, _ = _softcap(z, softcap)
-    if HAS_SMOOTHING:  # masked lanes hold z = 0 here
-        if HAS_WEIGHT:
-            smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
-        else:
-            smooth += z
-    z = tl.where(mask, z, float("-inf"))
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
-    d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
-    return m_new, d, smooth
-
-
-@triton.jit
-def _gradient_chunk(
-    z,
-    cols,
-    mask,
-    lse,
-    p_coef,
-    uniform_coef,
-    target_coef,
-    t_index,
-    CLASS_WEIGHT,
-    softcap,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """Pass 2 on one chunk of float32 logits `z`: the gradient of the reduced loss (see the module docstring)."""
-    if HAS_SOFTCAP:
-        z, tanh_z = _softcap(z, softcap)
-    grad = tl.exp(z - lse) * p_coef
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
-        else:
-            grad -= uniform_coef
-    grad = tl.where(cols == t_index, grad - target_coef, grad)
-    if HAS_SOFTCAP:
-        grad = grad * (1.0 - tanh_z * tanh_z)
-    return grad
 
 
 @triton.jit
@@ -156,11 +91,8 @@ def _cross_entropy_kernel(
     STORE_Z: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
-    # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows). Both chunk loops
-    # keep loads in flight while a chunk is worked on: STAGES > 1 software-pipelines them through shared memory
-    # (STAGES - 1 chunks ahead, tl.range), STAGES == 1 loads the next chunk into registers (one ahead).
+    # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows).
     offsets = tl.arange(0, BLOCK_V)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         x_row = X + row * stride_x
@@ -182,30 +114,32 @@ def _cross_entropy_kernel(
             weight_total = tl.load(SCALES + 2)
             poison = tl.where(in_range, 0.0, float("nan"))
 
-            # Pass 1: online softmax over the chunks; their lines are asked to stay in L2 for pass 2.
+            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The
+            # next chunk's load is issued before this chunk's arithmetic (register double buffering), and
+            # its lines are asked to stay in L2 for pass 2.
             m = float("-inf")
             d = 0.0
             smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
-            if STAGES > 1:
-                for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
-                    cols = start + offsets
-                    mask = cols < n_cols
-                    z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    m, d, smooth = _softmax_step(
-                        z, cols, mask, m, d, smooth, CLASS_WEIGHT, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP
-                    )
-            else:
-                x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
-                for start in range(0, n_cols, BLOCK_V):
-                    cols = start + offsets
-                    mask = cols < n_cols
-                    z = x_next.to(tl.float32)
-                    x_next = tl.load(
-                        x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
-                    )
-                    m, d, smooth = _softmax_step(
-                        z, cols, mask, m, d, smooth, CLASS_WEIGHT, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP
-                    )
+            x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offsets
+                mask = cols < n_cols
+                z = x_next.to(tl.float32)
+                x_next = tl.load(
+                    x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
+                )
+                if HAS_SOFTCAP:
+                    z, _ = _softcap(z, softcap)
+                if HAS_SMOOTHING:  # masked lanes hold z = 0 here
+                    if HAS_WEIGHT:
+                        smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
+                    else:
+                        smooth += z
+                z = tl.where(mask, z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, axis=0))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
+                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+                m = m_new
             lse = m + tl.log(d)
 
             z_t = tl.load(x_row + t_index).to(tl.float32)
@@ -234,7 +168,7 @@ def _cross_entropy_kernel(
                 tl.store(Z_LOSS + row, z_loss + poison)
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
-            # so that the chunks pass 1 read last are re-read while still in L2; its loads and stores stream.
+            # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does.
             if WRITE_GRAD:
                 if HAS_ROW_SCALE:
                     g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
@@ -242,32 +176,28 @@ def _cross_entropy_kernel(
                     p_coef = p_coef * g
                     uniform_coef = uniform_coef * g
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
-                if STAGES > 1:
-                    for back in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
-                        cols = last - back + offsets
-                        mask = cols < n_cols
-                        z = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                        grad = _gradient_chunk(
-                            z, cols, mask, lse, p_coef, uniform_coef, target_coef, t_index, CLASS_WEIGHT, softcap,
-                            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                        )  # fmt: skip
-                        tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
-                else:
+                x_next = tl.load(
+                    x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
+                )
+                for back in range(0, n_cols, BLOCK_V):
+                    cols = last - back + offsets
+                    mask = cols < n_cols
+                    z = x_next.to(tl.float32)
                     x_next = tl.load(
-                        x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
+                        x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
                     )
-                    for back in range(0, n_cols, BLOCK_V):
-                        cols = last - back + offsets
-                        mask = cols < n_cols
-                        z = x_next.to(tl.float32)
-                        x_next = tl.load(
-                            x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
-                        )
-                        grad = _gradient_chunk(
-                            z, cols, mask, lse, p_coef, uniform_coef, target_coef, t_index, CLASS_WEIGHT, softcap,
-                            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
-                        )  # fmt: skip
-                        tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                    if HAS_SOFTCAP:
+                        z, tanh_z = _softcap(z, softcap)
+                    grad = tl.exp(z - lse) * p_coef
+                    if HAS_SMOOTHING:
+                        if HAS_WEIGHT:
+                            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+                        else:
+                            grad -= uniform_coef
+                    grad = tl.where(cols == t_index, grad - target_coef, grad)
+                    if HAS_SOFTCAP:
+                        grad = grad * (1.0 - tanh_z * tanh_z)
+                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
@@ -407,40 +337,30 @@ def loss_scales(
     return torch.stack([ce_scale, z_scale, weight_total])
 
 
-class ChunkLoop(NamedTuple):
-    """How a program walks its row: chunks of at most `chunk_bytes`, `warps` for a full chunk, and `stages`
-    (1: the next chunk is loaded into registers; more: `stages - 1` chunks copied ahead into shared memory)."""
+class ChunkLaunch(NamedTuple):
+    """How the kernel is launched: chunks of at most `chunk_bytes` of logits, `warps` for a full chunk, and
+    `programs_per_sm` (64 covers 8192 rows with one program a row; fewer walk several rows each)."""
 
     chunk_bytes: int
     warps: int
-    stages: int
+    programs_per_sm: int
 
 
-# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16, one program per row (64 per SM covers 8192 rows;
-# holding rows back so that pass 2 hits L2 measured no faster on either GPU). The two loops win on different
-# GPUs: on an H100 the shared-memory pipeline took 1.965 ms and the register prefetch 2.04 ms; on an H200 the
-# register prefetch 1.49 ms and the pipeline, at its best setting there, 1.65 ms (docs/benchmarks.md).
-REGISTER_PREFETCH = ChunkLoop(chunk_bytes=8192, warps=8, stages=1)
-SHARED_PIPELINE = ChunkLoop(chunk_bytes=32768, warps=16, stages=4)
-CHUNK_LOOP_BY_GPU = {"NVIDIA H100 80GB HBM3": SHARED_PIPELINE}
-DEFAULT_CHUNK_LOOP = REGISTER_PREFETCH  # GPUs not measured, and the interpreter
-PROGRAMS_PER_SM = 64
-SHARED_MEMORY_SPARE = 4096  # bytes of a program's shared memory left for the reductions
+# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 4096-wide bf16
+# chunks with 8 warps, one program a row, 1.488 ms (67% of copy); on an H100 8192-wide chunks with 16 warps and
+# 4 programs a multiprocessor, 1.816 ms (77%), where the H200's setting took 2.045 ms. Chunks copied ahead into
+# shared memory (tl.range(num_stages=)) instead of prefetched into registers measured slower on both.
+DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=8192, warps=8, programs_per_sm=64)  # the H200's; GPUs not measured
+LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4)}
 
 
-def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(programs, BLOCK_V, num_warps, STAGES) for logits (n_rows, n_cols) of `element_size`-byte floats; a
-    pipelined loop's chunk shrinks until `STAGES - 1` of them fit a program's shared memory on this GPU."""
-    loop = CHUNK_LOOP_BY_GPU.get(gpu_name(device), DEFAULT_CHUNK_LOOP)
-    chunk_bytes = loop.chunk_bytes
-    shared_memory = shared_memory_per_program(device)
-    if shared_memory is not None and loop.stages > 1:
-        fit = (shared_memory - SHARED_MEMORY_SPARE) // (loop.stages - 1)
-        chunk_bytes = min(chunk_bytes, previous_power_of_2(fit))
-    full_chunk = chunk_bytes // element_size
+def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
+    """(programs, BLOCK_V, num_warps) for logits (n_rows, n_cols) of `element_size`-byte floats on `device`."""
+    launch = LAUNCH_BY_GPU.get(gpu_name(device), DEFAULT_LAUNCH)
+    full_chunk = launch.chunk_bytes // element_size
     block_v = min(next_power_of_2(n_cols), full_chunk)
-    programs = max(1, min(n_rows, multiprocessor_count(device) * PROGRAMS_PER_SM))
-    return programs, block_v, loop.warps if block_v == full_chunk else warps_for(block_v), loop.stages
+    programs = max(1, min(n_rows, multiprocessor_count(device) * launch.programs_per_sm))
+    return programs, block_v, launch.warps if block_v == full_chunk else warps_for(block_v)
 
 
 def cross_entropy_rows(
@@ -460,7 +380,7 @@ def cross_entropy_rows(
     gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
     """
     n_rows, n_cols = logits.shape
-    programs, block_v, num_warps, stages = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
+    programs, block_v, num_warps = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
     _cross_entropy_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -485,7 +405,6 @@ def cross_entropy_rows(
         STORE_Z=z_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        STAGES=stages,
         num_warps=num_warps,
     )
 

@@ -105,41 +105,31 @@ def test_combined_options(name, dtype, device):
     run_case(37, 257, dtype, device, **COMBINED[name])
 
 
-@pytest.mark.parametrize("stages", [1, 4])
 @pytest.mark.parametrize("name", ["plain", "weight+smoothing", "everything"])
-def test_many_vocabulary_chunks(name, stages, device, monkeypatch):
-    """A small chunk forces the online softmax across many chunks, a ragged last one included, through either
-    loop: the register prefetch (1 stage) and the shared-memory pipeline."""
-    loop = ce_module.ChunkLoop(chunk_bytes=64, warps=1, stages=stages)  # 16 float32 values
-    monkeypatch.setattr(ce_module, "DEFAULT_CHUNK_LOOP", loop)
-    monkeypatch.setattr(ce_module, "CHUNK_LOOP_BY_GPU", {})
-    run_case(11, 203, torch.float32, device, **COMBINED.get(name, {}))
+def test_many_vocabulary_chunks(name, device, monkeypatch):
+    """A small chunk forces the online softmax across many chunks, a ragged last one included."""
+    monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", ce_module.ChunkLaunch(chunk_bytes=64, warps=1, programs_per_sm=64))
+    monkeypatch.setattr(ce_module, "LAUNCH_BY_GPU", {})
+    run_case(11, 203, torch.float32, device, **COMBINED.get(name, {}))  # 16 float32 values a chunk
 
 
 @pytest.mark.parametrize(
-    ("shared_kib", "element_size", "block"),
-    [(227, 2, 16384), (227, 4, 8192), (163, 2, 16384), (99, 2, 8192), (99, 4, 4096), (64, 2, 8192), (None, 2, 16384)],
+    ("gpu", "element_size", "launch"),
+    [
+        ("NVIDIA H200", 2, (8192, 4096, 8)),
+        ("NVIDIA H200", 4, (8192, 2048, 8)),
+        ("NVIDIA H100 80GB HBM3", 2, (528, 8192, 16)),
+        ("NVIDIA A10G", 2, (8192, 4096, 8)),
+    ],
 )
-def test_pipelined_chunks_fit_the_shared_memory_of_a_program(shared_kib, element_size, block, monkeypatch):
-    """STAGES - 1 chunks in shared memory: 32 KB chunks on an H100 or A100, 16 KB where a program gets 64-99 KB."""
-    shared = None if shared_kib is None else shared_kib * 1024
-    monkeypatch.setattr(ce_module, "shared_memory_per_program", lambda device: shared)
-    monkeypatch.setattr(ce_module, "DEFAULT_CHUNK_LOOP", ce_module.SHARED_PIPELINE)
-    programs, block_v, warps, stages = ce_module._launch_config(8192, 128256, element_size, torch.device("cpu"))
-    assert (block_v, warps, stages) == (block, 16, 4)
-    assert (stages - 1) * block_v * element_size <= (shared or 2**20) - ce_module.SHARED_MEMORY_SPARE
-    assert ce_module._launch_config(8192, 1000, element_size, torch.device("cpu"))[1] == 1024  # the whole row
-
-
-@pytest.mark.parametrize(("gpu", "stages"), [("NVIDIA H100 80GB HBM3", 4), ("NVIDIA H200", 1), ("NVIDIA A10G", 1)])
-def test_each_gpu_takes_the_loop_measured_fastest_on_it(gpu, stages, monkeypatch):
-    """The H100 pipelines through shared memory; the H200 and GPUs not measured prefetch into registers, whose
-    8 KB chunks need no shared memory (4096 bf16 values with 8 warps)."""
+def test_each_gpu_gets_the_launch_measured_fastest_on_it(gpu, element_size, launch, monkeypatch):
+    """(programs, chunk, warps) at 8192 x 128256 on a 132-multiprocessor GPU: the H100 walks 8192-wide chunks with
+    16 warps, 4 programs a multiprocessor; the H200 and GPUs not measured 8 KB chunks with 8 warps, a program a
+    row. A vocabulary narrower than a chunk is one chunk, with warps for its width."""
     monkeypatch.setattr(ce_module, "gpu_name", lambda device: gpu)
-    monkeypatch.setattr(ce_module, "shared_memory_per_program", lambda device: 227 * 1024)
-    _, block_v, warps, got_stages = ce_module._launch_config(8192, 128256, 2, torch.device("cpu"))
-    assert got_stages == stages
-    assert (block_v, warps) == ((16384, 16) if stages > 1 else (4096, 8))
+    monkeypatch.setattr(ce_module, "multiprocessor_count", lambda device: 132)
+    assert ce_module._launch_config(8192, 128256, element_size, torch.device("cpu")) == launch
+    assert ce_module._launch_config(8192, 1000, element_size, torch.device("cpu"))[1:] == (1024, 4)
 
 
 def test_incoming_gradient_scales_the_in_place_gradient(device):
