@@ -253,8 +253,9 @@ def eager_sequence_logps(x, w, b, target):
     return (token * valid).sum(-1), valid.sum(-1)
 
 
-def dpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
-    """DPO with the reference model's log-probs computed from its hidden states and head in the same pass."""
+def dpo_case(pairs: int, seq: int, hidden: int, vocab: int, chunk_size: int | None = None) -> Case:
+    """DPO with the reference model's log-probs computed from its hidden states and head in the same pass;
+    `chunk_size` pairs a chunk for tigon (None: the op's rule)."""
     from tigon.kernels.functional import fused_linear_dpo
 
     x, w, b, target = preference_inputs(pairs, seq, hidden, vocab)
@@ -270,7 +271,7 @@ def dpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
         return -F.logsigmoid(PREFERENCE_BETA * diff).mean()
 
     compiled_eager = compiled(eager)
-    refs = {"ref_hidden": ref_x, "ref_weight": ref_w, "ref_bias": ref_b}
+    refs = {"ref_hidden": ref_x, "ref_weight": ref_w, "ref_bias": ref_b, "chunk_size": chunk_size}
     providers = {
         "tigon": lambda: (fused_linear_dpo(x, w, target, b, beta=PREFERENCE_BETA, check_targets=False, **refs)[0],),
         "eager": lambda: (eager(x, w, b),),
@@ -286,8 +287,9 @@ def dpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
     return Case([x, w, b], [torch.ones((), device="cuda")], bytes_moved, providers, flops=8 * tokens * hidden * vocab)
 
 
-def orpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
-    """ORPO: chosen NLL plus the odds-ratio term on length-normalized log-probs; no reference model."""
+def orpo_case(pairs: int, seq: int, hidden: int, vocab: int, chunk_size: int | None = None) -> Case:
+    """ORPO: chosen NLL plus the odds-ratio term on length-normalized log-probs; no reference model;
+    `chunk_size` pairs a chunk for tigon (None: the op's rule)."""
     from tigon.kernels.functional import fused_linear_orpo
 
     x, w, b, target = preference_inputs(pairs, seq, hidden, vocab)
@@ -302,7 +304,9 @@ def orpo_case(pairs: int, seq: int, hidden: int, vocab: int) -> Case:
 
     compiled_eager = compiled(eager)
     providers = {
-        "tigon": lambda: (fused_linear_orpo(x, w, target, b, beta=PREFERENCE_BETA, check_targets=False)[0],),
+        "tigon": lambda: (
+            fused_linear_orpo(x, w, target, b, beta=PREFERENCE_BETA, check_targets=False, chunk_size=chunk_size)[0],
+        ),
         "eager": lambda: (eager(x, w, b),),
         "compile": lambda: (compiled_eager(x, w, b),),
     }
