@@ -5,6 +5,7 @@ import torch
 
 from tests.kernels.helpers import DTYPES, assert_close
 from tigon.kernels import functional, modules, reference
+from tigon.kernels.ops import fused_linear_preference
 
 IGNORE = -100
 # A loss on summed log-probs multiplies each token's logit rounding (bf16: 2^-8 relative) by beta times the
@@ -152,6 +153,17 @@ def test_chunked_equals_unchunked(name, device):
         assert_close(loss, results[0][0], torch.float32, "loss chunked vs unchunked", scale=0.1)
         for key, value in metrics.items():
             assert_close(value, results[0][1][key], torch.float32, f"{key} chunked vs unchunked", scale=0.1)
+
+
+@pytest.mark.parametrize(
+    ("n_sequences", "seq_len", "group", "groups"),
+    [(32, 512, 2, 2), (16, 512, 1, 4), (8, 4096, 2, 1), (4, 100, 2, 2)],
+)
+def test_a_chunk_holds_whole_groups_up_to_half_the_weight_in_logits(n_sequences, seq_len, group, groups):
+    """At hidden 4096 and vocabulary 128256 a chunk takes up to 2048 tokens (hidden / 2): 2 pairs of 512, 4 single
+    sequences of 512; a longer pair still gets a chunk of its own; a small batch is one chunk."""
+    got = fused_linear_preference.groups_per_chunk(n_sequences, seq_len, group, 128256, 4096, 2, torch.device("cpu"))
+    assert got == groups
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
