@@ -21,9 +21,10 @@ where free memory counts what the driver reports plus what PyTorch's caching all
 the tokens are split into equal chunks of at most that size. The weight term makes a chunk `hidden / 4`
 tokens (1,024 for a 4096-wide model), and never fewer than `MIN_CHUNK_TOKENS = 1024` while memory allows:
 each chunk re-reads and re-writes `grad_weight`, so smaller chunks cost time, and larger ones cost logits
-memory. Measured on an H200 at 8192 x 4096 x 128256 bf16 (benchmarks/tune_fused_linear_cross_entropy.py):
-256-token chunks 54 ms / 1.18 GB, 512 -> 47 ms / 1.25 GB, 1024 -> 41 ms / 1.38 GB, 4096 -> 38 ms / 2.17 GB,
-against a 38 ms matmul floor. In the 1B end-to-end step (hidden 2048, 32,768 tokens) `hidden / 4` alone
+memory. Measured on an H200 at 8192 x 4096 x 128256 bf16 (benchmarks/tune_fused_linear_cross_entropy.py,
+session 9): 256-token chunks 51.7 ms / 1.18 GB, 512 -> 43.5 ms / 1.25 GB, 1024 -> 39.8 ms / 1.38 GB, 4096 ->
+36.6 ms / 2.17 GB, against a 37.6 ms matmul floor; at 256 tokens the weight gradient's accumulating matmul
+runs at half its rate (docs/benchmarks.md). In the 1B end-to-end step (hidden 2048, 32,768 tokens) `hidden / 4` alone
 gave 512-token chunks, and the step's matrix products took 6 ms longer than Liger-Kernel's (its rule gives
 1024 there): hence the floor. `chunk_size=` overrides the rule.
 
