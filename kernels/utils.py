@@ -106,10 +106,15 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return matrix
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors on a GPU; a small fixed count under the interpreter."""
     if device.type == "cuda":
-        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_multiprocessors(_cuda_index(device))
     return 4
 
 
@@ -122,7 +127,7 @@ def gpu_name(device: torch.device) -> str | None:
     """The GPU's name as the driver reports it ("NVIDIA H200"); None under the interpreter."""
     if device.type != "cuda":
         return None
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_name(_cuda_index(device))
 
 
 @functools.cache
