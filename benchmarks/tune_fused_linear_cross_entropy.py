@@ -19,6 +19,7 @@ import triton.testing
 
 from tigon.kernels.functional import fused_linear_cross_entropy
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales
+from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate
 
 
 def one_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chunk: int) -> dict[str, Callable[[], object]]:
@@ -35,7 +36,7 @@ def one_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chunk: int
         "logits = h @ W.T": lambda: torch.mm(h, w.t(), out=logits),
         "cross-entropy kernel": lambda: cross_entropy_rows(logits, target[:chunk], None, scales, options, True, losses),
         "dh = dlogits @ W": lambda: torch.mm(logits, w, out=grad_hidden),
-        "dW += dlogits.T @ h": lambda: grad_weight.addmm_(logits.t(), h),
+        "dW += dlogits.T @ h": lambda: _accumulate(grad_weight, logits.t(), h, first=False),
     }
 
 
