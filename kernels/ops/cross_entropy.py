@@ -18,7 +18,8 @@ times ``1 - tanh^2`` with softcapping. The normalizers are computed on the devic
 before the launch (no host sync), so the kernel knows the final gradient of the reduced loss.
 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
-(running max and rescaled sum of exponentials), so any vocabulary size works (262,144 and up);
+(running max and rescaled sum of exponentials, one pair per lane of ``LANE`` logits, combined once a row),
+so any vocabulary size works (262,144 and up);
 pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
 when a gradient is wanted, overwrites the logits with ``dz``. Both passes load the next chunk before
 working on the current one, so a program keeps two chunks' loads in flight. So
@@ -54,6 +55,7 @@ from tigon.kernels.utils import (
 REDUCTIONS = ("mean", "sum", "none")
 SCALE_BLOCK = 4096  # elements per step of the backward's scaling kernel
 SCALE_PROGRAMS_PER_SM = 16
+LANE = 8  # consecutive logits that share one running (max, sum) in pass 1
 
 
 @triton.jit
@@ -91,9 +93,11 @@ def _cross_entropy_kernel(
     STORE_Z: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    LANE: tl.constexpr,
 ):
     # Each program walks rows pid, pid + programs, ... (one row each when programs >= rows).
     offsets = tl.arange(0, BLOCK_V)
+    tile = tl.arange(0, BLOCK_V // LANE)[:, None] * LANE + tl.arange(0, LANE)[None, :]  # a chunk as lanes
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         x_row = X + row * stride_x
         target = tl.load(TARGET + row).to(tl.int64)
@@ -114,15 +118,16 @@ def _cross_entropy_kernel(
             weight_total = tl.load(SCALES + 2)
             poison = tl.where(in_range, 0.0, float("nan"))
 
-            # Pass 1: online softmax (running max m, sum d of exp(z - m)); sum_j w[j] z[j] for smoothing. The
-            # next chunk's load is issued before this chunk's arithmetic (register double buffering), and
-            # its lines are asked to stay in L2 for pass 2.
-            m = float("-inf")
-            d = 0.0
-            smooth = tl.zeros((BLOCK_V,), dtype=tl.float32)
-            x_next = tl.load(x_row + offsets, mask=offsets < n_cols, other=0.0, eviction_policy="evict_last")
+            # Pass 1: online softmax, sum_j w[j] z[j] for smoothing. Each lane of LANE consecutive logits keeps its own
+            # running max m and rescaled sum d of exp(z - m), so a chunk costs no reduction across threads (no
+            # barrier); the lanes are combined once a row. The next chunk's load is issued before this chunk's
+            # arithmetic (register double buffering), and its lines are asked to stay in L2 for pass 2.
+            m = tl.full((BLOCK_V // LANE,), float("-inf"), tl.float32)
+            d = tl.zeros((BLOCK_V // LANE,), tl.float32)
+            smooth = tl.zeros((BLOCK_V // LANE, LANE), dtype=tl.float32)
+            x_next = tl.load(x_row + tile, mask=tile < n_cols, other=0.0, eviction_policy="evict_last")
             for start in range(0, n_cols, BLOCK_V):
-                cols = start + offsets
+                cols = start + tile
                 mask = cols < n_cols
                 z = x_next.to(tl.float32)
                 x_next = tl.load(
@@ -136,11 +141,13 @@ def _cross_entropy_kernel(
                     else:
                         smooth += z
                 z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=0))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf logits stays finite
-                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), axis=0)
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of only -inf logits stays finite
+                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
                 m = m_new
-            lse = m + tl.log(d)
+            m_row = tl.max(m, axis=0)
+            m_ref = tl.where(m_row == float("-inf"), 0.0, m_row)
+            lse = m_row + tl.log(tl.sum(d * tl.exp(m - m_ref), axis=0))
 
             z_t = tl.load(x_row + t_index).to(tl.float32)
             if HAS_SOFTCAP:
@@ -154,7 +161,7 @@ def _cross_entropy_kernel(
             p_coef = target_coef
             uniform_coef = 0.0
             if HAS_SMOOTHING:
-                ce += (lse * weight_total - tl.sum(smooth, axis=0)) * (label_smoothing / n_cols)
+                ce += (lse * weight_total - tl.sum(tl.sum(smooth, axis=1), axis=0)) * (label_smoothing / n_cols)
                 uniform_coef = ce_scale * (label_smoothing / n_cols)
                 p_coef += uniform_coef * weight_total
             loss = ce * ce_scale
@@ -346,11 +353,12 @@ class ChunkLaunch(NamedTuple):
     programs_per_sm: int
 
 
-# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 4096-wide bf16
-# chunks with 8 warps, one program a row, 1.488 ms (67% of copy); on an H100 8192-wide chunks with 16 warps and
-# 4 programs a multiprocessor, 1.816 ms (77%), where the H200's setting took 2.045 ms. Chunks copied ahead into
-# shared memory (tl.range(num_stages=)) instead of prefetched into registers measured slower on both.
-DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=8192, warps=8, programs_per_sm=64)  # the H200's; GPUs not measured
+# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 8192-wide bf16
+# chunks with 16 warps, one program a row, 1.419 ms (70% of copy) once pass 1 kept one (max, sum) per lane; on
+# an H100 8192-wide chunks with 16 warps and 4 programs a multiprocessor, 1.816 ms (77%) before that change.
+# Chunks copied ahead into shared memory (tl.range(num_stages=)) instead of prefetched into registers measured
+# slower on both.
+DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=64)  # the H200's; GPUs not measured
 LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4)}
 
 
@@ -405,6 +413,7 @@ def cross_entropy_rows(
         STORE_Z=z_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
+        LANE=min(block_v, LANE),
         num_warps=num_warps,
     )
 
