@@ -42,11 +42,13 @@ def main() -> None:
         print(f"backward scaling alone, factor {factor}: {graphed_ms(lambda g=g: ce.scale_in_place(grad, g)):.4f} ms")
     sms = multiprocessor_count(logits.device)
     original, rows = ce._launch_config, []
-    shapes = itertools.product((4, 8, 64), (4096, 8192, 16384), (8, 16, 32))
-    for per_sm, block, warps in shapes:
+    shapes = itertools.product((4, 64), (4096, 8192, 16384), (8, 16, 32), (8, None))
+    for per_sm, block, warps, lane in shapes:
         if not 4 <= block // (32 * warps) <= 64:
             continue  # too few or too many values a thread
-        config = (min(tokens, sms * per_sm), block, warps)
+        lane = lane or block  # None: one (max, sum) a chunk
+        setting = f"per_sm={per_sm} block={block} warps={warps} lane={lane}"
+        config = (min(tokens, sms * per_sm), block, warps, lane)
         ce._launch_config = lambda n_rows, n_cols, element_size, device, c=config: c
 
         def step():
@@ -56,14 +58,14 @@ def main() -> None:
             step()
             ms = graphed_ms(step)
         except Exception as error:  # a configuration that does not compile is reported and skipped
-            print(f"per_sm={per_sm} block={block} warps={warps}: {type(error).__name__}")
+            print(f"{setting}: {type(error).__name__}")
             continue
-        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps}", flush=True)
-        rows.append((ms, per_sm, block, warps))
+        print(f"{ms:.3f} ms  {percent(ms)}  {setting}", flush=True)
+        rows.append((ms, setting))
     ce._launch_config = original
     print(f"best on {torch.cuda.get_device_name()}:")
-    for ms, per_sm, block, warps in sorted(rows)[:8]:
-        print(f"{ms:.3f} ms  {percent(ms)}  per_sm={per_sm} block={block} warps={warps}")
+    for ms, setting in sorted(rows)[:8]:
+        print(f"{ms:.3f} ms  {percent(ms)}  {setting}")
 
 
 if __name__ == "__main__":

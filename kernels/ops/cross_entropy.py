@@ -18,7 +18,7 @@ times ``1 - tanh^2`` with softcapping. The normalizers are computed on the devic
 before the launch (no host sync), so the kernel knows the final gradient of the reduced loss.
 
 One program owns one row. Pass 1 walks the vocabulary in ``BLOCK_V`` chunks with an online softmax
-(running max and rescaled sum of exponentials, one pair per lane of ``LANE`` logits, combined once a row),
+(running max and rescaled sum of exponentials, one pair per lane of consecutive logits, combined once a row),
 so any vocabulary size works (262,144 and up);
 pass 2 reads the row again, last chunk first so that what pass 1 read last still comes from L2, and,
 when a gradient is wanted, overwrites the logits with ``dz``. Both passes load the next chunk before
@@ -55,7 +55,6 @@ from tigon.kernels.utils import (
 REDUCTIONS = ("mean", "sum", "none")
 SCALE_BLOCK = 4096  # elements per step of the backward's scaling kernel
 SCALE_PROGRAMS_PER_SM = 16
-LANE = 8  # consecutive logits that share one running (max, sum) in pass 1
 
 
 @triton.jit
@@ -345,30 +344,34 @@ def loss_scales(
 
 
 class ChunkLaunch(NamedTuple):
-    """How the kernel is launched: chunks of at most `chunk_bytes` of logits, `warps` for a full chunk, and
-    `programs_per_sm` (64 covers 8192 rows with one program a row; fewer walk several rows each)."""
+    """How the kernel is launched: chunks of at most `chunk_bytes` of logits, `warps` for a full chunk,
+    `programs_per_sm` (64 covers 8192 rows with one program a row; fewer walk several rows each), and `lane`,
+    the consecutive logits that share one running (max, sum) in pass 1 (None: the whole chunk shares one, so
+    the program reduces across its threads at every chunk instead of once a row)."""
 
     chunk_bytes: int
     warps: int
     programs_per_sm: int
+    lane: int | None = 8
 
 
 # From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 8192-wide bf16
-# chunks with 16 warps, one program a row, 1.419 ms (70% of copy) once pass 1 kept one (max, sum) per lane; on
-# an H100 8192-wide chunks with 16 warps and 4 programs a multiprocessor, 1.816 ms (77%) before that change.
-# Chunks copied ahead into shared memory (tl.range(num_stages=)) instead of prefetched into registers measured
-# slower on both.
+# chunks with 16 warps, a program a row and a (max, sum) per lane of 8 logits, 1.416 ms (69% of copy; 1.487 ms
+# with one per chunk); on an H100 8192-wide chunks with 16 warps, 4 programs a multiprocessor and one (max, sum)
+# per chunk, 1.816 ms (77%; per-lane pairs 1.879 ms at best). Chunks copied ahead into shared memory
+# (tl.range(num_stages=)) instead of prefetched into registers measured slower on both.
 DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=64)  # the H200's; GPUs not measured
-LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4)}
+LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4, lane=None)}
 
 
-def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
-    """(programs, BLOCK_V, num_warps) for logits (n_rows, n_cols) of `element_size`-byte floats on `device`."""
+def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_V, num_warps, LANE) for logits (n_rows, n_cols) of `element_size`-byte floats on `device`."""
     launch = LAUNCH_BY_GPU.get(gpu_name(device), DEFAULT_LAUNCH)
     full_chunk = launch.chunk_bytes // element_size
     block_v = min(next_power_of_2(n_cols), full_chunk)
     programs = max(1, min(n_rows, multiprocessor_count(device) * launch.programs_per_sm))
-    return programs, block_v, launch.warps if block_v == full_chunk else warps_for(block_v)
+    warps = launch.warps if block_v == full_chunk else warps_for(block_v)
+    return programs, block_v, warps, block_v if launch.lane is None else min(launch.lane, block_v)
 
 
 def cross_entropy_rows(
@@ -388,7 +391,7 @@ def cross_entropy_rows(
     gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
     """
     n_rows, n_cols = logits.shape
-    programs, block_v, num_warps = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
+    programs, block_v, num_warps, lane = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
     _cross_entropy_kernel[(programs,)](
         logits,
         logits.stride(0),
@@ -413,7 +416,7 @@ def cross_entropy_rows(
         STORE_Z=z_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
-        LANE=min(block_v, LANE),
+        LANE=lane,
         num_warps=num_warps,
     )
 

@@ -116,20 +116,21 @@ def test_many_vocabulary_chunks(name, device, monkeypatch):
 @pytest.mark.parametrize(
     ("gpu", "element_size", "launch"),
     [
-        ("NVIDIA H200", 2, (8192, 4096, 8)),
-        ("NVIDIA H200", 4, (8192, 2048, 8)),
-        ("NVIDIA H100 80GB HBM3", 2, (528, 8192, 16)),
-        ("NVIDIA A10G", 2, (8192, 4096, 8)),
+        ("NVIDIA H200", 2, (8192, 8192, 16, 8)),
+        ("NVIDIA H200", 4, (8192, 4096, 16, 8)),
+        ("NVIDIA H100 80GB HBM3", 2, (528, 8192, 16, 8192)),
+        ("NVIDIA A10G", 2, (8192, 8192, 16, 8)),
     ],
 )
 def test_each_gpu_gets_the_launch_measured_fastest_on_it(gpu, element_size, launch, monkeypatch):
-    """(programs, chunk, warps) at 8192 x 128256 on a 132-multiprocessor GPU: the H100 walks 8192-wide chunks with
-    16 warps, 4 programs a multiprocessor; the H200 and GPUs not measured 8 KB chunks with 8 warps, a program a
-    row. A vocabulary narrower than a chunk is one chunk, with warps for its width."""
+    """(programs, chunk, warps, lane) at 8192 x 128256 on a 132-multiprocessor GPU: the H100 walks 8192-wide chunks
+    with 16 warps, 4 programs a multiprocessor, one (max, sum) a chunk; the H200 and GPUs not measured 16 KB chunks
+    with 16 warps, a program a row, a (max, sum) per 8 logits. A vocabulary narrower than a chunk is one chunk,
+    with warps for its width."""
     monkeypatch.setattr(ce_module, "gpu_name", lambda device: gpu)
     monkeypatch.setattr(ce_module, "multiprocessor_count", lambda device: 132)
     assert ce_module._launch_config(8192, 128256, element_size, torch.device("cpu")) == launch
-    assert ce_module._launch_config(8192, 1000, element_size, torch.device("cpu"))[1:] == (1024, 4)
+    assert ce_module._launch_config(8192, 1000, element_size, torch.device("cpu"))[1:3] == (1024, 4)
 
 
 def test_incoming_gradient_scales_the_in_place_gradient(device):
