@@ -105,10 +105,13 @@ def test_combined_options(name, dtype, device):
     run_case(37, 257, dtype, device, **COMBINED[name])
 
 
+@pytest.mark.parametrize("lane", [8, None])
 @pytest.mark.parametrize("name", ["plain", "weight+smoothing", "everything"])
-def test_many_vocabulary_chunks(name, device, monkeypatch):
-    """A small chunk forces the online softmax across many chunks, a ragged last one included."""
-    monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", ce_module.ChunkLaunch(chunk_bytes=64, warps=1, programs_per_sm=64))
+def test_many_vocabulary_chunks(name, lane, device, monkeypatch):
+    """A small chunk forces the online softmax across many chunks, a ragged last one included, with a running
+    (max, sum) per lane of 8 logits (the H200's launch) or one a chunk (the H100's)."""
+    launch = ce_module.ChunkLaunch(chunk_bytes=64, warps=1, programs_per_sm=64, lane=lane)
+    monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", launch)
     monkeypatch.setattr(ce_module, "LAUNCH_BY_GPU", {})
     run_case(11, 203, torch.float32, device, **COMBINED.get(name, {}))  # 16 float32 values a chunk
 
