@@ -134,7 +134,7 @@ def _cross_entropy_kernel(
                 )
                 if HAS_SOFTCAP:
                     z, _ = _softcap(z, softcap)
-                if HAS_SMOOTHING:  # masked lanes hold z = 0 here
+                if HAS_SMOOTHING:  # positions past the row's end hold z = 0 here
                     if HAS_WEIGHT:
                         smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
                     else:
