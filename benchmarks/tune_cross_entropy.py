@@ -42,7 +42,7 @@ def main() -> None:
         print(f"backward scaling alone, factor {factor}: {graphed_ms(lambda g=g: ce.scale_in_place(grad, g)):.4f} ms")
     sms = multiprocessor_count(logits.device)
     original, rows = ce._launch_config, []
-    shapes = itertools.product((4, 64), (4096, 8192, 16384), (8, 16, 32), (8, None))
+    shapes = itertools.product((4, 64), (4096, 8192, 16384), (8, 16, 32), (8, 16, None))
     for per_sm, block, warps, lane in shapes:
         if not 4 <= block // (32 * warps) <= 64:
             continue  # too few or too many values a thread

@@ -55,6 +55,7 @@ from tigon.kernels.utils import (
 REDUCTIONS = ("mean", "sum", "none")
 SCALE_BLOCK = 4096  # elements per step of the backward's scaling kernel
 SCALE_PROGRAMS_PER_SM = 16
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -120,33 +121,41 @@ def _cross_entropy_kernel(
             # Pass 1: online softmax, sum_j w[j] z[j] for smoothing. Each lane of LANE consecutive logits keeps its own
             # running max m and rescaled sum d of exp(z - m), so a chunk costs no reduction across threads (no
             # barrier); the lanes are combined once a row. The next chunk's load is issued before this chunk's
-            # arithmetic (register double buffering), and its lines are asked to stay in L2 for pass 2.
+            # arithmetic (register double buffering), and its lines are asked to stay in L2 for pass 2. Positions
+            # past the row's end load as -inf, so that they drop out of max and sum with no select per logit.
+            # Exponentials are exp2 of z * log2(e) - m * log2(e), one fused multiply-add and one MUFU.EX2 a logit
+            # (tl.exp adds a subnormal range fix of three instructions).
             m = tl.full((BLOCK_V // LANE,), float("-inf"), tl.float32)
             d = tl.zeros((BLOCK_V // LANE,), tl.float32)
             smooth = tl.zeros((BLOCK_V // LANE, LANE), dtype=tl.float32)
-            x_next = tl.load(x_row + tile, mask=tile < n_cols, other=0.0, eviction_policy="evict_last")
+            x_next = tl.load(x_row + tile, mask=tile < n_cols, other=float("-inf"), eviction_policy="evict_last")
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + tile
-                mask = cols < n_cols
                 z = x_next.to(tl.float32)
                 x_next = tl.load(
-                    x_row + BLOCK_V + cols, mask=BLOCK_V + cols < n_cols, other=0.0, eviction_policy="evict_last"
+                    x_row + BLOCK_V + cols,
+                    mask=BLOCK_V + cols < n_cols,
+                    other=float("-inf"),
+                    eviction_policy="evict_last",
                 )
-                if HAS_SOFTCAP:
-                    z, _ = _softcap(z, softcap)
-                if HAS_SMOOTHING:  # positions past the row's end hold z = 0 here
-                    if HAS_WEIGHT:
-                        smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
-                    else:
-                        smooth += z
-                z = tl.where(mask, z, float("-inf"))
+                if HAS_SOFTCAP or HAS_SMOOTHING:
+                    mask = cols < n_cols
+                    z = tl.where(mask, z, 0.0)
+                    if HAS_SOFTCAP:
+                        z, _ = _softcap(z, softcap)
+                    if HAS_SMOOTHING:
+                        if HAS_WEIGHT:
+                            smooth += tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * z
+                        else:
+                            smooth += z
+                    z = tl.where(mask, z, float("-inf"))
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of only -inf logits stays finite
-                d = d * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref[:, None]), axis=1)
+                d = d * tl.exp2((m - m_ref) * LOG2E) + tl.sum(tl.exp2(z * LOG2E - (m_ref * LOG2E)[:, None]), axis=1)
                 m = m_new
             m_row = tl.max(m, axis=0)
             m_ref = tl.where(m_row == float("-inf"), 0.0, m_row)
-            lse = m_row + tl.log(tl.sum(d * tl.exp(m - m_ref), axis=0))
+            lse = m_row + tl.log(tl.sum(d * tl.exp2((m - m_ref) * LOG2E), axis=0))
 
             z_t = tl.load(x_row + t_index).to(tl.float32)
             if HAS_SOFTCAP:
@@ -174,19 +183,26 @@ def _cross_entropy_kernel(
                 tl.store(Z_LOSS + row, z_loss + poison)
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
-            # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does.
+            # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does. The
+            # poison rides in the coefficients (NaN times anything is NaN), and the target is found by comparing
+            # 32-bit offsets within the chunk, one instruction a logit.
             if WRITE_GRAD:
                 if HAS_ROW_SCALE:
                     g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
                     target_coef = target_coef * g
                     p_coef = p_coef * g
                     uniform_coef = uniform_coef * g
+                p_coef += poison
+                target_coef += poison
+                lse_log2 = lse * LOG2E
+                t_local = t_index.to(tl.int32)
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
                 x_next = tl.load(
                     x_row + last + offsets, mask=last + offsets < n_cols, other=0.0, eviction_policy="evict_first"
                 )
                 for back in range(0, n_cols, BLOCK_V):
-                    cols = last - back + offsets
+                    start = last - back
+                    cols = start + offsets
                     mask = cols < n_cols
                     z = x_next.to(tl.float32)
                     x_next = tl.load(
@@ -194,16 +210,16 @@ def _cross_entropy_kernel(
                     )
                     if HAS_SOFTCAP:
                         z, tanh_z = _softcap(z, softcap)
-                    grad = tl.exp(z - lse) * p_coef
+                    grad = tl.exp2(z * LOG2E - lse_log2) * p_coef
                     if HAS_SMOOTHING:
                         if HAS_WEIGHT:
                             grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
                         else:
                             grad -= uniform_coef
-                    grad = tl.where(cols == t_index, grad - target_coef, grad)
+                    grad = tl.where(offsets == t_local - start, grad - target_coef, grad)
                     if HAS_SOFTCAP:
                         grad = grad * (1.0 - tanh_z * tanh_z)
-                    tl.store(x_row + cols, (grad + poison).to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
+                    tl.store(x_row + cols, grad.to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
 @triton.jit
@@ -356,11 +372,11 @@ class ChunkLaunch(NamedTuple):
 
 
 # From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 8192-wide bf16
-# chunks with 16 warps, a program a row and a (max, sum) per lane of 8 logits, 1.416 ms (69% of copy; 1.487 ms
-# with one per chunk); on an H100 8192-wide chunks with 16 warps, 4 programs a multiprocessor and one (max, sum)
-# per chunk, 1.816 ms (77%; per-lane pairs 1.879 ms at best). Chunks copied ahead into shared memory
-# (tl.range(num_stages=)) instead of prefetched into registers measured slower on both.
-DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=64)  # the H200's; GPUs not measured
+# chunks with 32 warps (8 logits a thread, one lane each), a program a row, 1.367 ms (72% of copy); on an H100
+# 8192-wide chunks with 16 warps, 4 programs a multiprocessor and one (max, sum) per chunk, 1.816 ms (77%; per-lane
+# pairs 1.879 ms at best). Chunks copied ahead into shared memory (tl.range(num_stages=)) instead of prefetched into
+# registers measured slower on both.
+DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=16384, warps=32, programs_per_sm=64)  # the H200's; GPUs not measured
 LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4, lane=None)}
 
 
