@@ -371,13 +371,12 @@ class ChunkLaunch(NamedTuple):
     lane: int | None = 8
 
 
-# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): on an H200 8192-wide bf16
-# chunks with 32 warps (8 logits a thread, one lane each), a program a row, 1.367 ms (72% of copy); on an H100
-# 8192-wide chunks with 16 warps, 4 programs a multiprocessor and one (max, sum) per chunk, 1.816 ms (77%; per-lane
-# pairs 1.879 ms at best). Chunks copied ahead into shared memory (tl.range(num_stages=)) instead of prefetched into
-# registers measured slower on both.
+# From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): a program a row with 32 warps and
+# a (max, sum) per lane of 8 logits on both GPUs measured; the H200 is fastest with 8192-wide bf16 chunks (8 logits
+# a thread, 1.367 ms, 72% of copy), the H100 with 16384-wide ones (1.612 ms, 87%). Chunks copied ahead into shared
+# memory (tl.range(num_stages=)) instead of prefetched into registers measured slower on both.
 DEFAULT_LAUNCH = ChunkLaunch(chunk_bytes=16384, warps=32, programs_per_sm=64)  # the H200's; GPUs not measured
-LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=16384, warps=16, programs_per_sm=4, lane=None)}
+LAUNCH_BY_GPU = {"NVIDIA H100 80GB HBM3": ChunkLaunch(chunk_bytes=32768, warps=32, programs_per_sm=64)}
 
 
 def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.device) -> tuple[int, int, int, int]:
