@@ -109,7 +109,7 @@ def test_combined_options(name, dtype, device):
 @pytest.mark.parametrize("name", ["plain", "weight+smoothing", "everything"])
 def test_many_vocabulary_chunks(name, lane, device, monkeypatch):
     """A small chunk forces the online softmax across many chunks, a ragged last one included, with a running
-    (max, sum) per lane of 8 logits (the H200's launch) or one a chunk (the H100's)."""
+    (max, sum) per lane of 8 logits (the shipped launches) or one a chunk (an option the tune script sweeps)."""
     launch = ce_module.ChunkLaunch(chunk_bytes=64, warps=1, programs_per_sm=64, lane=lane)
     monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", launch)
     monkeypatch.setattr(ce_module, "LAUNCH_BY_GPU", {})
@@ -119,17 +119,16 @@ def test_many_vocabulary_chunks(name, lane, device, monkeypatch):
 @pytest.mark.parametrize(
     ("gpu", "element_size", "launch"),
     [
-        ("NVIDIA H200", 2, (8192, 8192, 16, 8)),
-        ("NVIDIA H200", 4, (8192, 4096, 16, 8)),
-        ("NVIDIA H100 80GB HBM3", 2, (528, 8192, 16, 8192)),
-        ("NVIDIA A10G", 2, (8192, 8192, 16, 8)),
+        ("NVIDIA H200", 2, (8192, 8192, 32, 8)),
+        ("NVIDIA H200", 4, (8192, 4096, 32, 8)),
+        ("NVIDIA H100 80GB HBM3", 2, (8192, 16384, 32, 8)),
+        ("NVIDIA A10G", 2, (8192, 8192, 32, 8)),
     ],
 )
 def test_each_gpu_gets_the_launch_measured_fastest_on_it(gpu, element_size, launch, monkeypatch):
-    """(programs, chunk, warps, lane) at 8192 x 128256 on a 132-multiprocessor GPU: the H100 walks 8192-wide chunks
-    with 16 warps, 4 programs a multiprocessor, one (max, sum) a chunk; the H200 and GPUs not measured 16 KB chunks
-    with 16 warps, a program a row, a (max, sum) per 8 logits. A vocabulary narrower than a chunk is one chunk,
-    with warps for its width."""
+    """(programs, chunk, warps, lane) at 8192 x 128256 on a 132-multiprocessor GPU: a program a row with 32 warps
+    and a (max, sum) per 8 logits everywhere; the H100 walks 32 KB chunks, the H200 and GPUs not measured 16 KB.
+    A vocabulary narrower than a chunk is one chunk, with warps for its width."""
     monkeypatch.setattr(ce_module, "gpu_name", lambda device: gpu)
     monkeypatch.setattr(ce_module, "multiprocessor_count", lambda device: 132)
     assert ce_module._launch_config(8192, 128256, element_size, torch.device("cpu")) == launch
