@@ -72,6 +72,26 @@ def run_case(rows, vocab, dtype, device, seed=0, grad_scale=1.0, **options):
     assert x.grad.dtype == dtype
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_probabilities_below_float32_range(beta, device):
+    """Log-probabilities down to about -400, so that many probabilities underflow float32, the student's, the
+    teacher's or both: the reference's loss and gradient, and no NaN (the mixture's log is floored). (On logits
+    this sharp, the softmax gradient is all cancellation, so the inputs are log-probabilities.)"""
+    torch.manual_seed(0)
+    student = torch.log_softmax(torch.randn(5, 301, device=device) * 60, -1)
+    teacher = torch.log_softmax(torch.randn(5, 301, device=device) * 60, -1)
+    assert (student < -104).float().mean() > 0.5  # exp underflows float32 below -104
+    x = student.clone().requires_grad_(True)
+    x64 = student.double().requires_grad_(True)
+    out = jsd(x, teacher, beta=beta, from_logits=False)
+    ref = reference.jsd(x64, teacher.double(), beta=beta, from_logits=False)
+    out.backward()
+    ref.backward()
+    assert not torch.isnan(x.grad).any()
+    assert_close(out, ref, torch.float32, "loss")
+    assert_close(x.grad, x64.grad, torch.float32, "dstudent")
+
+
 # One class on logits: both softmaxes are 1 and the loss is exactly 0 (test_single_class_logits).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab,from_logits", [(1, False), (7, False), (7, True), (1003, False), (1003, True)])
