@@ -362,13 +362,13 @@ def loss_scales(
 class ChunkLaunch(NamedTuple):
     """How the kernel is launched: chunks of at most `chunk_bytes` of logits, `warps` for a full chunk,
     `programs_per_sm` (64 covers 8192 rows with one program a row; fewer walk several rows each), and `lane`,
-    the consecutive logits that share one running (max, sum) in pass 1 (None: the whole chunk shares one, so
-    the program reduces across its threads at every chunk instead of once a row)."""
+    the consecutive logits that share one running (max, sum) in pass 1 (a lane as wide as the chunk makes the
+    program reduce across its threads at every chunk instead of once a row)."""
 
     chunk_bytes: int
     warps: int
     programs_per_sm: int
-    lane: int | None = 8
+    lane: int = 8
 
 
 # From benchmarks/tune_cross_entropy.py at 8192 x 128256 bf16 (docs/benchmarks.md): a program a row with 32 warps and
@@ -386,7 +386,7 @@ def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.de
     block_v = min(next_power_of_2(n_cols), full_chunk)
     programs = max(1, min(n_rows, multiprocessor_count(device) * launch.programs_per_sm))
     warps = launch.warps if block_v == full_chunk else warps_for(block_v)
-    return programs, block_v, warps, block_v if launch.lane is None else min(launch.lane, block_v)
+    return programs, block_v, warps, min(launch.lane, block_v)
 
 
 def cross_entropy_rows(

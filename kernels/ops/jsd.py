@@ -62,8 +62,8 @@ SMALLEST_NORMAL = tl.constexpr(2.0**-126)  # float32
 def _online_lse(m, d, z):
     """One step of an online logsumexp: running max m and sum d of exp(z - m) after the chunk z.
 
-    Exponentials here and in `_terms` are `exp2` of a fused multiply-add: `tl.exp` adds a subnormal range fix of
-    three instructions per call, and a subnormal probability changes no sum here."""
+    Exponentials here and in `_terms` are `exp2` of the argument times log2(e): `tl.exp` adds a subnormal range fix
+    of three instructions per call, and a subnormal probability changes no sum here."""
     m_new = tl.maximum(m, tl.max(z, axis=0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk of only -inf stays finite
     d = d * tl.exp2((m - m_ref) * LOG2E) + tl.sum(tl.exp2(z * LOG2E - m_ref * LOG2E), axis=0)

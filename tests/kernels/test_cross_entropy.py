@@ -105,11 +105,12 @@ def test_combined_options(name, dtype, device):
     run_case(37, 257, dtype, device, **COMBINED[name])
 
 
-@pytest.mark.parametrize("lane", [8, None])
+@pytest.mark.parametrize("lane", [8, 16])
 @pytest.mark.parametrize("name", ["plain", "weight+smoothing", "everything"])
 def test_many_vocabulary_chunks(name, lane, device, monkeypatch):
     """A small chunk forces the online softmax across many chunks, a ragged last one included, with a running
-    (max, sum) per lane of 8 logits (the shipped launches) or one a chunk (an option the tune script sweeps)."""
+    (max, sum) per lane of 8 logits (the shipped launches) or one a chunk (lane 16, as wide as the chunk: an
+    option the tune script sweeps)."""
     launch = ce_module.ChunkLaunch(chunk_bytes=64, warps=1, programs_per_sm=64, lane=lane)
     monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", launch)
     monkeypatch.setattr(ce_module, "LAUNCH_BY_GPU", {})
