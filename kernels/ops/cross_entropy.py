@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from tigon.kernels import reference
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
+    LAUNCH_OPTIONS,
     check_float,
     check_same_device,
     check_vector,
@@ -433,6 +434,7 @@ def cross_entropy_rows(
         BLOCK_V=block_v,
         LANE=lane,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
 
 
@@ -465,6 +467,7 @@ def scale_in_place(tensor: torch.Tensor, grad: torch.Tensor) -> None:
         PER_ROW=per_row,
         BLOCK=SCALE_BLOCK,
         num_warps=8,
+        **LAUNCH_OPTIONS,
     )
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu_erf"}
 BLOCK = 4096
@@ -99,7 +99,7 @@ def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torc
     n = gate.numel()
     if n > 0:
         _gated_forward_kernel[(triton.cdiv(n, BLOCK),)](
-            gate, up, out, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS
+            gate, up, out, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS
         )
     return out
 
@@ -112,7 +112,7 @@ def gated_backward(
     n = gate.numel()
     if n > 0:
         _gated_backward_kernel[(triton.cdiv(n, BLOCK),)](
-            grad, gate, up, dgate, dup, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS
+            grad, gate, up, dgate, dup, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS
         )
     return dgate, dup
 
@@ -342,6 +342,7 @@ def packed_forward(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=NUM_WARPS,
+            **LAUNCH_OPTIONS,
         )
     return out.view(*gate_up.shape[:-1], n_cols)
 
@@ -373,6 +374,7 @@ def packed_backward(grad: torch.Tensor, gate_up: torch.Tensor, activation: str, 
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=NUM_WARPS,
+            **LAUNCH_OPTIONS,
         )
     return dgate_up.view(gate_up.shape)
 

@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LOG2E, scale_in_place
 from tigon.kernels.utils import (
+    LAUNCH_OPTIONS,
     check_float,
     check_same_device,
     multiprocessor_count,
@@ -292,6 +293,7 @@ def jsd_rows(
         BETA_MODE=beta_mode(options.beta),
         BLOCK_V=block_v,
         num_warps=FULL_CHUNK_WARPS if block_v == MAX_BLOCK_V else warps_for(block_v),
+        **LAUNCH_OPTIONS,
     )
 
 

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.utils import (
+    LAUNCH_OPTIONS,
     check_float,
     check_same_device,
     multiprocessor_count,
@@ -138,6 +139,7 @@ def _forward(x: torch.Tensor, y: torch.Tensor, shape: torch.Size, reduction: str
         POINTWISE=pointwise,
         BLOCK_V=block_v,
         num_warps=warps_for(block_v),
+        **LAUNCH_OPTIONS,
     )
     return out.view(shape) if pointwise else out.sum()
 
@@ -177,6 +179,7 @@ class KLDivergenceFunction(torch.autograd.Function):
             LOG_TARGET=ctx.log_target,
             BLOCK=block,
             num_warps=min(8, warps_for(block)),
+            **LAUNCH_OPTIONS,
         )
         return grad.view(ctx.shape), None, None, None
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.utils import (
+    LAUNCH_OPTIONS,
     RowKernelShapes,
     check_float,
     check_same_device,
@@ -282,6 +283,7 @@ def layer_norm_forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
     return y, mean, rstd
 
@@ -340,6 +342,7 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, dx) -> torch.Tensor:
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
         num_stages=num_stages,
     )
     return partials
@@ -370,6 +373,7 @@ def _wide_backward(dy2d, x2d, weight, bias, mean, rstd, dx) -> torch.Tensor:
             BLOCK_M=block_m,
             BLOCK_C=block_c,
             num_warps=WIDE_DWDB_WARPS,
+            **LAUNCH_OPTIONS,
         )
     _layer_norm_backward_wide_dx_kernel[(n_rows,)](
         dy2d,
@@ -385,6 +389,7 @@ def _wide_backward(dy2d, x2d, weight, bias, mean, rstd, dx) -> torch.Tensor:
         HAS_WEIGHT=weight is not None,
         CHUNK=WIDE_DX_CHUNK,
         num_warps=WIDE_DX_WARPS,
+        **LAUNCH_OPTIONS,
     )
     return partials
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.ops.gated_activation import NUM_WARPS, _activation_and_derivative, packed_forward
-from tigon.kernels.utils import check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu_erf")
 BACKWARD_ELEMENTS = 4096  # elements of one program's BLOCK_M x BLOCK_N tile
@@ -98,6 +98,7 @@ def routed_gate_backward(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=NUM_WARPS,
+            **LAUNCH_OPTIONS,
         )
     return grad_weights
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.utils import (
+    LAUNCH_OPTIONS,
     RowKernelShapes,
     check_float,
     check_same_device,
@@ -201,6 +202,7 @@ def rms_norm_forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
     return y, rstd, new_residual
 
@@ -247,6 +249,7 @@ def rms_norm_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
         num_stages=num_stages,
     )
     dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None

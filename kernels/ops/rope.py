@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 MAX_TILE = 4096  # elements of one half-tile [heads, D/2] a program holds at a time
 POSITION_DTYPES = (torch.int64, torch.int32)
@@ -294,6 +294,7 @@ def rope_rotate(
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
     )
     return out_q, out_k
 
