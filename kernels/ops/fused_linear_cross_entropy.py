@@ -87,10 +87,16 @@ def choose_chunk_size(
 ) -> int:
     """Tokens per chunk: `max_chunk_tokens`, and on a GPU logits under free memory / 8; split evenly."""
     max_rows = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction, min_tokens)
+    return even_chunk_size(n_tokens, max_rows, vocab * itemsize, device)
+
+
+def even_chunk_size(n_tokens: int, max_rows: int, row_bytes: int, device: torch.device) -> int:
+    """Tokens per chunk: at most `max_rows`, and on a GPU rows of `row_bytes` under free memory / 8; the
+    tokens split into equal chunks."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        max_rows = max(1, min(max_rows, free // FREE_MEMORY_FRACTION // (vocab * itemsize)))
+        max_rows = max(1, min(max_rows, free // FREE_MEMORY_FRACTION // row_bytes))
     chunks = -(-n_tokens // max_rows)
     return -(-n_tokens // chunks)
 

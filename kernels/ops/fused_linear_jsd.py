@@ -15,13 +15,14 @@ outside registers, and the backward only scales the finished gradients by the in
 only the losses and the backward repeats the chunked pass with each token's incoming gradient folded
 in, as `fused_linear_cross_entropy` does.
 
-Chunk size: `fused_linear_cross_entropy`'s rule (`choose_chunk_size`) applied to both buffers
-together, with a 4x smaller weight term: the largest token count whose student plus teacher logits
-stay under min(1 GiB, free GPU memory / 8, the student weight's bytes / 16 at that itemsize), i.e.
-`student hidden / 16` tokens for equal dtypes (256 at hidden 4096), split into equal chunks, without
-cross entropy's 1024-token floor; `chunk_size=` overrides it. Two logits buffers at cross entropy's
-`hidden / 4` measured 1.58 GB at 1024 x 4096 x 128256 on an H200, over Liger-Kernel's 1.21 GB; at
-`hidden / 16` they hold 131 MB.
+Chunk size (`choose_chunk_size` here): a quarter of the tokens, kept between `student hidden / 16` and
+`student hidden / 4` tokens (256 and 1024 at hidden 4096, bf16 heads: both heads' logits then take a 16th and a
+quarter of the student weight's bytes at their itemsize); then capped by free GPU memory / 8 and split into equal
+chunks. `chunk_size=` overrides it. Each chunk re-reads and re-writes the whole weight gradient, in a product
+that runs at half its rate at 256 tokens (docs/benchmarks.md), so a pass takes four chunks until the upper bound
+takes over; large chunks cost memory that a few tokens do not pay back. Measured on an H200 at 4096 x 128256
+(session 12): 8192 tokens 74.5 -> 58.0 ms graphed against `hidden / 16` chunks at every length, 1643 MB, where
+Liger-Kernel takes 2.30 GB; 1024 tokens keep 256-token chunks and 1190 MB (Liger-Kernel 1.21 GB).
 """
 
 from __future__ import annotations
@@ -31,9 +32,20 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_in_place
-from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
+from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, even_chunk_size, max_chunk_tokens
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
 from tigon.kernels.utils import check_chunk_size, check_float, check_same_device, gather_dtensors, use_triton
+
+CHUNKS_PER_PASS = 4
+
+
+def choose_chunk_size(n_tokens: int, vocab: int, hidden: int, itemsize: int, device: torch.device) -> int:
+    """Tokens per chunk: `n_tokens / CHUNKS_PER_PASS` within [hidden / 16, hidden / 4] tokens of both heads'
+    logits (`itemsize` is the two heads' together), under free GPU memory / 8, split evenly."""
+    smallest = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction=16, min_tokens=1)
+    largest = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction=4, min_tokens=1)
+    max_rows = min(largest, max(smallest, -(-n_tokens // CHUNKS_PER_PASS)))
+    return even_chunk_size(n_tokens, max_rows, vocab * itemsize, device)
 
 
 def chunked_pass(
@@ -65,9 +77,7 @@ def chunked_pass(
     grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
 
     itemsize = student_hidden.element_size() + teacher_hidden.element_size()
-    chunk = chunk_size or choose_chunk_size(
-        n_tokens, vocab, hidden_size, itemsize, device, weight_fraction=16, min_tokens=1
-    )
+    chunk = chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, itemsize, device)
     rows = min(chunk, n_tokens)
     student_buffer = torch.empty((rows, vocab), dtype=student_hidden.dtype, device=device)
     teacher_buffer = torch.empty((rows, vocab), dtype=teacher_hidden.dtype, device=device)

@@ -4,7 +4,7 @@ import torch
 from tests.kernels.helpers import DTYPES, assert_close
 from tigon.kernels import reference
 from tigon.kernels.ops import fused_linear_jsd as fljsd_module
-from tigon.kernels.ops.fused_linear_jsd import fused_linear_jsd
+from tigon.kernels.ops.fused_linear_jsd import choose_chunk_size, fused_linear_jsd
 
 IGNORE = -100
 STUDENT_HIDDEN, TEACHER_HIDDEN = 24, 40  # the two heads differ in width
@@ -124,18 +124,24 @@ def test_chunked_equals_unchunked(device):
 
 
 def test_chunk_size_rule_counts_both_heads(device, monkeypatch):
-    """The FLCE rule with a 16th of the weight, the student's and the teacher's logits bytes per token together."""
+    """The rule sees the student's and the teacher's logits bytes per token together."""
     calls = []
     choose = fljsd_module.choose_chunk_size
-    monkeypatch.setattr(
-        fljsd_module,
-        "choose_chunk_size",
-        lambda *args, **kwargs: calls.append((args, kwargs)) or choose(*args, **kwargs),
-    )
+    monkeypatch.setattr(fljsd_module, "choose_chunk_size", lambda *args: calls.append(args) or choose(*args))
     hs, ws, ht, wt, label = make_inputs(7, 33, torch.bfloat16, device, 0, teacher_dtype=torch.float32)
     fused_linear_jsd(hs, ws, ht, wt, label)
-    assert calls == [((7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device)), {"weight_fraction": 16, "min_tokens": 1})]
-    assert choose(8192, 128256, 4096, 2 + 2, torch.device("cpu"), weight_fraction=16, min_tokens=1) == 256
+    assert calls == [(7, 33, STUDENT_HIDDEN, 2 + 4, torch.device(device))]
+
+
+def test_chunk_size_rule_takes_a_quarter_of_the_tokens_within_its_bounds():
+    """n / 4 tokens a chunk, at least hidden / 16 and at most hidden / 4 (bf16 heads: itemsize 2 + 2)."""
+    cpu = torch.device("cpu")
+    chunks = {n: choose_chunk_size(n, 128256, 4096, 2 + 2, cpu) for n in (7, 100, 1024, 2048, 4096, 8192, 32768)}
+    assert chunks == {7: 7, 100: 100, 1024: 256, 2048: 512, 4096: 1024, 8192: 1024, 32768: 1024}
+    assert choose_chunk_size(3000, 128256, 4096, 4, cpu) == 750  # a quarter, rounded to equal chunks
+    assert choose_chunk_size(5000, 128256, 4096, 4, cpu) == 1000  # over the cap: 5 equal chunks of 1000
+    assert choose_chunk_size(8192, 128256, 4096, 2 + 4, cpu) == 1024  # fp32 teacher: the same token bounds
+    assert choose_chunk_size(8192, 262144, 2048, 4, cpu) == 512  # bounds follow the student's hidden size
 
 
 def test_reduction_none_scales_each_token_exactly(device):
