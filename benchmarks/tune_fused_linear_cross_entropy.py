@@ -19,7 +19,7 @@ import triton.testing
 
 from tigon.kernels.functional import fused_linear_cross_entropy
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales
-from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate
+from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product
 
 
 def one_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chunk: int) -> dict[str, Callable[[], object]]:
@@ -36,7 +36,7 @@ def one_chunk(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chunk: int
         "logits = h @ W.T": lambda: torch.mm(h, w.t(), out=logits),
         "cross-entropy kernel": lambda: cross_entropy_rows(logits, target[:chunk], None, scales, options, True, losses),
         "dh = dlogits @ W": lambda: torch.mm(logits, w, out=grad_hidden),
-        "dW += dlogits.T @ h": lambda: _accumulate(grad_weight, logits.t(), h, first=False),
+        "dW += dlogits.T @ h": lambda: accumulate_product(grad_weight, logits.t(), h, first=False),
     }
 
 

@@ -114,7 +114,7 @@ def _warn_rounded_accumulation(device_type: str) -> None:
 _MIXED_MATMUL = {"cuda": True}  # whether torch.mm/addmm(out_dtype=float32) works on a device type
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """`acc = a @ b` (first chunk) or `acc += a @ b`, with `acc` possibly float32 for bf16/fp16 `a`, `b`."""
     if acc.dtype == a.dtype:
         if first:
@@ -196,7 +196,7 @@ def chunked_pass(
         if want_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if want_weight:
-            _accumulate(grad_weight, logits.t(), hidden_chunk, first=start == 0)
+            accumulate_product(grad_weight, logits.t(), hidden_chunk, first=start == 0)
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
     logits = buffer = None  # free the chunk buffer before the weight gradient's cast

@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_in_place
-from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, even_chunk_size, max_chunk_tokens
+from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, even_chunk_size, max_chunk_tokens
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
 from tigon.kernels.utils import check_chunk_size, check_float, check_same_device, gather_dtensors, use_triton
 
@@ -102,7 +102,7 @@ def chunked_pass(
         if want_hidden:
             torch.mm(student_logits, student_weight, out=grad_hidden[start:end])
         if want_weight:
-            _accumulate(grad_weight, student_logits.t(), hidden_chunk, first=start == 0)
+            accumulate_product(grad_weight, student_logits.t(), hidden_chunk, first=start == 0)
     student_logits = teacher_logits = student_buffer = teacher_buffer = None  # freed before the cast below
     if grad_weight is not None:
         grad_weight = grad_weight.to(student_weight.dtype)

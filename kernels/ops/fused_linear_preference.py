@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
-from tigon.kernels.ops.fused_linear_cross_entropy import _accumulate, choose_chunk_size
+from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
     check_chunk_size,
@@ -213,7 +213,7 @@ def chunked_pass(
         if want_hidden:
             grad_hidden.index_copy_(0, rows, torch.mm(logits, weight).view(n, seq_len, hidden_size))
         if want_weight:
-            _accumulate(grad_weight, logits.t(), hidden_rows, first=index == 0)
+            accumulate_product(grad_weight, logits.t(), hidden_rows, first=index == 0)
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
     logits = buffer = None  # free the chunk buffer before the weight gradient's cast

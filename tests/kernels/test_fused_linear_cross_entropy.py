@@ -111,7 +111,7 @@ def test_frozen_weight(reduction, device):
 
 def test_frozen_weight_skips_the_weight_gradient_matmul(device, monkeypatch):
     calls = []
-    monkeypatch.setattr(flce_module, "_accumulate", lambda *args, **kwargs: calls.append(1))
+    monkeypatch.setattr(flce_module, "accumulate_product", lambda *args, **kwargs: calls.append(1))
     h, w, _, target = make_inputs(9, 8, 33, torch.float32, device, 0, with_bias=False)
     h.requires_grad_(True)
     fused_linear_cross_entropy(h, w, target).backward()

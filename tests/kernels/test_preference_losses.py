@@ -173,7 +173,7 @@ def test_frozen_head_and_incoming_gradient(name, device):
 
 def test_frozen_head_skips_the_weight_gradient_matmul(device, monkeypatch):
     calls = []
-    monkeypatch.setattr("tigon.kernels.ops.fused_linear_preference._accumulate", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr("tigon.kernels.ops.fused_linear_preference.accumulate_product", lambda *a, **k: calls.append(1))
     h, w, _, target = make_inputs(4, 5, 8, 33, torch.float32, device, 0, with_bias=False)
     h.requires_grad_(True)
     loss, _ = functional.fused_linear_cpo(h, w, target)
