@@ -83,10 +83,9 @@ def choose_chunk_size(
     itemsize: int,
     device: torch.device,
     weight_fraction: int = 4,
-    min_tokens: int = MIN_CHUNK_TOKENS,
 ) -> int:
     """Tokens per chunk: `max_chunk_tokens`, and on a GPU logits under free memory / 8; split evenly."""
-    max_rows = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction, min_tokens)
+    max_rows = max_chunk_tokens(vocab, hidden, itemsize, weight_fraction)
     return even_chunk_size(n_tokens, max_rows, vocab * itemsize, device)
 
 

@@ -342,8 +342,8 @@ def _backward(dy2d, x2d, weight, bias, mean, rstd, dx) -> torch.Tensor:
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
-        **LAUNCH_OPTIONS,
         num_stages=num_stages,
+        **LAUNCH_OPTIONS,
     )
     return partials
 

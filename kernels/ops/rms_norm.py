@@ -249,8 +249,8 @@ def rms_norm_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
-        **LAUNCH_OPTIONS,
         num_stages=num_stages,
+        **LAUNCH_OPTIONS,
     )
     dweight = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     return dx, dweight

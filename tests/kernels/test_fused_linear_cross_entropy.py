@@ -4,7 +4,11 @@ import torch
 from tests.kernels.helpers import DTYPES, assert_close
 from tigon.kernels import reference
 from tigon.kernels.ops import fused_linear_cross_entropy as flce_module
-from tigon.kernels.ops.fused_linear_cross_entropy import choose_chunk_size, fused_linear_cross_entropy
+from tigon.kernels.ops.fused_linear_cross_entropy import (
+    choose_chunk_size,
+    fused_linear_cross_entropy,
+    max_chunk_tokens,
+)
 
 IGNORE = -100
 OPTIONS = {
@@ -253,7 +257,7 @@ def test_chunk_size_rule():
     assert choose_chunk_size(5000, 262144, 4096, 4, cpu) == 1000  # 1024 fit (1 GiB); 5 equal chunks of 1000
     assert choose_chunk_size(8192, 128256, 2048, 2, cpu) == 1024  # hidden / 4 is 512: the 1024-token floor
     assert choose_chunk_size(8192, 128256, 64, 2, cpu) == 1024
-    assert choose_chunk_size(8192, 128256, 64, 2, cpu, min_tokens=1) == 16  # hidden / 4 alone
+    assert max_chunk_tokens(128256, 64, 2, min_tokens=1) == 16  # hidden / 4 alone
     assert choose_chunk_size(3, 2**31, 4096, 4, cpu) == 1  # never below one token
 
 
