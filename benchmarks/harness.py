@@ -45,8 +45,21 @@ def measure_matmul_rate(size: int = 8192) -> float:
     return 2 * size**3 / (ms * 1e-3)
 
 
+MIN_RUNS = 10  # do_bench times rep / (one step's time) runs: a 100 ms step would get only two at rep=200
+
+
 def median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:
-    return triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=grads, return_mode="median")
+    """Median launched time of `step` (L2 cleared before each run) over at least `MIN_RUNS` runs."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    step()
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    for tensor in grads:
+        tensor.grad = None
+    rep = max(200.0, MIN_RUNS * start.elapsed_time(end))
+    return triton.testing.do_bench(step, warmup=25, rep=rep, grad_to_none=grads, return_mode="median")
 
 
 def graph_median_ms(step: Callable[[], object], grads: list[torch.Tensor]) -> float:

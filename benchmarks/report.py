@@ -62,6 +62,7 @@ def table(results: list[dict]) -> str:
 
 
 def plot_sweeps(results: list[dict], folder: Path, device: str) -> list[str]:
+    """One PNG per sweep: % of the floor against shape, and beside it peak memory where the sweep measured it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,17 +75,25 @@ def plot_sweeps(results: list[dict], folder: Path, device: str) -> list[str]:
     names = []
     for sweep, rows in sweeps.items():
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        figure, axis = plt.subplots(figsize=(7, 4))
-        for provider in PROVIDERS:
-            points = {r["shape"]: 100 * r["fraction_of_copy"] for r in rows if r["provider"] == provider}
-            if points:
-                axis.plot(range(len(shapes)), [points.get(s, float("nan")) for s in shapes], marker="o", label=provider)
-        axis.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
-        axis.set_ylabel("% of the floor (higher is better)")
-        axis.set_ylim(0, 105)
-        axis.set_title(f"{sweep} forward+backward, bf16, {device}")
-        axis.grid(alpha=0.3)
-        axis.legend()
+        with_memory = any(r["peak_extra_mb"] == r["peak_extra_mb"] for r in rows)
+        figure, axes = plt.subplots(1, 2 if with_memory else 1, figsize=(13 if with_memory else 7, 4), squeeze=False)
+        panels = [("fraction_of_copy", 100, "% of the floor (higher is better)")]
+        if with_memory:
+            panels.append(("peak_extra_mb", 1, "peak MB beyond the inputs (lower is better)"))
+        for axis, (key, scale, label) in zip(axes[0], panels, strict=True):
+            for provider in PROVIDERS:
+                points = {r["shape"]: scale * r[key] for r in rows if r["provider"] == provider}
+                if points:
+                    values = [points.get(s, float("nan")) for s in shapes]
+                    axis.plot(range(len(shapes)), values, marker="o", label=provider)
+            axis.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
+            axis.set_ylabel(label)
+            axis.grid(alpha=0.3)
+            axis.legend()
+        axes[0][0].set_ylim(0, 105)
+        if with_memory:
+            axes[0][1].set_yscale("log")
+        figure.suptitle(f"{sweep} forward+backward, bf16, {device}")
         figure.tight_layout()
         name = f"bench-{sweep.replace('/', '-')}.png"
         figure.savefig(folder / name, dpi=110)
