@@ -7,9 +7,11 @@ logs `log y` with `log_target=True`). Pointwise, as in `F.kl_div`:
     log_target=True:   loss[j] = exp(y[j]) * (y[j] - x[j])
 
 and the gradient with respect to the input is `-y[j]` (`-exp(y[j])`) times the reduction's factor and
-the incoming gradient. It does not depend on `x`, so the forward keeps nothing but the target, and
-the backward writes the gradient from the target alone: one read of each input in the forward, one
-read of the target and one write of the gradient in the backward. The target gets no gradient.
+the incoming gradient. For a reduced loss the forward writes that gradient while it reads both inputs,
+and the backward only scales it by the incoming gradient (skipped when that is 1): one read of each
+input and one write, where computing it in the backward would read the target a second time. With
+reduction "none" the incoming gradient is one factor per element, so the forward keeps the target and
+the backward reads it and that gradient and writes the result. The target gets no gradient.
 
 Reductions as in `F.kl_div`: "batchmean" (sum / input.shape[0], the mathematically correct KL
 divergence per sample), "sum", "mean" (sum / number of elements) and "none" (the pointwise loss).
@@ -23,6 +25,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
+from tigon.kernels.ops.cross_entropy import scale_in_place
 from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
@@ -55,14 +58,18 @@ def _kl_div_forward_kernel(
     stride_y,
     OUT,
     stride_out,
+    GRAD,
+    stride_grad,
     n_rows,
     n_cols,
     scale,
     LOG_TARGET: tl.constexpr,
     POINTWISE: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Each program walks rows pid, pid + programs, ...; masked lanes read x = y = 0, whose loss is 0.
+    # WRITE_GRAD: GRAD = d(reduced loss)/dx = -y * scale (-exp(y) * scale with LOG_TARGET).
     offsets = tl.arange(0, BLOCK_V)
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
         total = 0.0
@@ -72,6 +79,9 @@ def _kl_div_forward_kernel(
             x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
             loss = _pointwise(x, y, LOG_TARGET)
+            if WRITE_GRAD:
+                p = tl.exp(y) if LOG_TARGET else y
+                tl.store(GRAD + row * stride_grad + cols, (-p * scale).to(GRAD.dtype.element_ty), mask=mask)
             if POINTWISE:
                 tl.store(OUT + row * stride_out + cols, loss.to(OUT.dtype.element_ty), mask=mask)
             else:
@@ -115,8 +125,16 @@ def _reduction_scale(shape: torch.Size, reduction: str) -> float:
     return 1.0
 
 
-def _forward(x: torch.Tensor, y: torch.Tensor, shape: torch.Size, reduction: str, log_target: bool) -> torch.Tensor:
-    """The reduced loss (float32) or, with reduction "none", the pointwise loss in the promoted dtype."""
+def _forward(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    shape: torch.Size,
+    reduction: str,
+    log_target: bool,
+    grad: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reduced loss (float32) or, with reduction "none", the pointwise loss in the promoted dtype; with
+    `grad` (a reduced loss only) also the loss's gradient with respect to `x`, written into it."""
     n_rows, n_cols = x.shape
     pointwise = reduction == "none"
     if pointwise:
@@ -132,11 +150,14 @@ def _forward(x: torch.Tensor, y: torch.Tensor, shape: torch.Size, reduction: str
         y.stride(0),
         out,
         out.stride(0),
+        grad if grad is not None else out,
+        grad.stride(0) if grad is not None else 0,
         n_rows,
         n_cols,
         _reduction_scale(shape, reduction),
         LOG_TARGET=log_target,
         POINTWISE=pointwise,
+        WRITE_GRAD=grad is not None,
         BLOCK_V=block_v,
         num_warps=warps_for(block_v),
         **LAUNCH_OPTIONS,
@@ -148,20 +169,32 @@ class KLDivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, reduction, log_target):
         x, y = rows_view(input), rows_view(target)
-        ctx.save_for_backward(y)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.log_target = input.shape, input.dtype, reduction, log_target
-        return _forward(x, y, input.shape, reduction, log_target)
+        ctx.backward_done = False
+        if reduction == "none":
+            ctx.save_for_backward(y)
+            return _forward(x, y, input.shape, reduction, log_target)
+        grad = torch.empty(x.shape, dtype=input.dtype, device=input.device)
+        ctx.save_for_backward(grad)
+        return _forward(x, y, input.shape, reduction, log_target, grad)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
+        if ctx.reduction != "none":
+            if ctx.backward_done:
+                raise RuntimeError(
+                    "tigon kl_divergence computes its gradient in the forward and scales it in place, so it "
+                    "supports one backward per forward; run the forward again instead of retain_graph=True"
+                )
+            ctx.backward_done = True
+            (grad,) = ctx.saved_tensors
+            scale_in_place(grad, grad_out)
+            return grad.view(ctx.shape), None, None, None
         (y,) = ctx.saved_tensors
         n_rows, n_cols = y.shape
-        if ctx.reduction == "none":
-            g = grad_out.reshape(n_rows, n_cols)  # a view when it can be (also of a broadcast gradient)
-            stride_row, stride_col = g.stride()
-        else:
-            g, stride_row, stride_col = grad_out.reshape(1), 0, 0
+        g = grad_out.reshape(n_rows, n_cols)  # a view when it can be (also of a broadcast gradient)
+        stride_row, stride_col = g.stride()
         grad = torch.empty((n_rows, n_cols), dtype=ctx.dtype, device=y.device)
         block = min(next_power_of_2(n_cols), BACKWARD_BLOCK)
         blocks_per_row = triton.cdiv(n_cols, block)

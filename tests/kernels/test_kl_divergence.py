@@ -115,6 +115,22 @@ def test_without_grad(device):
     assert kl_divergence(student.detach(), teacher, reduction="sum").grad_fn is None
 
 
+def test_reduced_loss_takes_one_backward_and_pointwise_loss_many(device):
+    """A reduced loss's gradient is written in the forward and scaled in place by the backward, so a second
+    backward is refused; the pointwise loss computes its gradient in the backward and allows any number."""
+    student, teacher = make_inputs(5, 8, torch.float32, device, 0)
+    loss = kl_divergence(student.clone().requires_grad_(True), teacher, reduction="batchmean")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()
+    x = student.clone().requires_grad_(True)
+    out = kl_divergence(x, teacher, reduction="none")
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    assert torch.equal(x.grad, -2 * teacher)
+    assert torch.equal(x.detach(), student)  # the input is never written
+
+
 def test_bad_inputs(device):
     student, teacher = make_inputs(4, 8, torch.float32, device, 0)
     cases = [
