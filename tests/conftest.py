@@ -52,3 +52,24 @@ def restore_rope():
     yield
     for name, function in saved.items():
         importlib.import_module(FAMILIES[name].modeling).apply_rotary_pos_emb = function
+
+
+@pytest.fixture
+def restore_modeling(restore_rope):
+    """apply_to swaps module-level classes; put the originals back after the test."""
+    import importlib
+
+    from tigon.kernels.patching import FAMILIES
+
+    saved = {}
+    for family in FAMILIES.values():
+        family = family.installed()
+        module = importlib.import_module(family.modeling)
+        names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts, *family.expert_mlp)
+        saved[module] = {name: getattr(module, name) for name in names}
+        causal_lm = getattr(module, family.causal_lm)
+        saved[causal_lm] = {"forward": causal_lm.forward}
+    yield
+    for owner, names in saved.items():
+        for name, value in names.items():
+            setattr(owner, name, value)

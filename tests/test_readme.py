@@ -1,18 +1,30 @@
-"""The README's Python examples run as written (in order, sharing one namespace)."""
+"""The Python examples of the README and of docs/kernels.md run as written (in order, sharing one namespace)."""
 
 import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python_blocks(path: Path, at_least: int) -> dict:
+    """Execute every ```python block of `path` in one namespace; return the namespace."""
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+    assert len(blocks) >= at_least
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(path), "exec"), namespace)
+    return namespace
 
 
 def test_readme_python_examples_run(restore_rope):
     pytest.importorskip("transformers")
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 2
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
+    namespace = run_python_blocks(ROOT / "README.md", at_least=2)
     assert "rms_norm x5" in str(namespace["report"])
+
+
+def test_kernels_guide_python_examples_run(restore_modeling):  # it calls apply_to("llama")
+    pytest.importorskip("transformers")
+    namespace = run_python_blocks(ROOT / "docs" / "kernels.md", at_least=9)
+    assert namespace["loss"].ndim == 0 and "fused_linear_cross_entropy x1" in str(namespace["report"])

@@ -187,23 +187,6 @@ def test_demo_runs_on_cpu(capsys, restore_rope):
     assert "Triton's interpreter" in printed and "losses agree" in printed
 
 
-@pytest.fixture
-def restore_modeling(restore_rope):
-    """apply_to swaps module-level classes; put the originals back after the test."""
-    saved = {}
-    for family in patching.FAMILIES.values():
-        family = family.installed()
-        module = importlib.import_module(family.modeling)
-        names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts, *family.expert_mlp)
-        saved[module] = {name: getattr(module, name) for name in names}
-        causal_lm = getattr(module, family.causal_lm)
-        saved[causal_lm] = {"forward": causal_lm.forward}
-    yield
-    for owner, names in saved.items():
-        for name, value in names.items():
-            setattr(owner, name, value)
-
-
 def test_apply_to_patches_models_built_afterwards(restore_modeling):
     baseline = tiny("qwen3")
     report = tigon.kernels.apply_to("qwen3")
