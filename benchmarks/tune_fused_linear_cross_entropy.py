@@ -8,15 +8,23 @@ and the relative error of the weight gradient against an fp32 accumulation at on
 Then, per chunk size, each step of one chunk timed alone from a CUDA graph (the logits matmul, the
 cross-entropy kernel, the hidden gradient's matmul, the weight gradient's accumulating matmul), to show
 which one small chunks slow down.
+
+    python -m benchmarks.tune_fused_linear_cross_entropy --time-memory flce-time-memory.png
+
+instead plots time against peak memory: tigon at each chunk size, torch.compile and Liger-Kernel, with the
+loss issue's two bars (1.15x the matmul floor, Liger-Kernel's memory) drawn in.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
 import triton.testing
 
+from benchmarks.harness import graph_median_ms, measure_matmul_rate, median_ms, peak_extra_mb
+from benchmarks.kernels import fused_linear_cross_entropy_case
 from tigon.kernels.functional import fused_linear_cross_entropy
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product
@@ -55,7 +63,72 @@ def chunk_steps(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> None:
         print(f"{chunk:5d}  {'sum x chunks':22s} {total * tokens / chunk:7.2f}", flush=True)
 
 
+def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768, 1024, 2048, 4096)) -> None:
+    """Forward+backward time (graphed; launched for Liger-Kernel, which cannot be graphed) against peak memory
+    at 8192 x 4096 x 128256 bf16, printed and plotted to `path` with the two bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens, hidden, vocab = 8192, 4096, 128256
+    case = fused_linear_cross_entropy_case(tokens, hidden, vocab)
+    x, w = case.leaves
+    target = torch.randint(0, vocab, (tokens,), device="cuda")
+    providers = {
+        f"tigon, {chunk}-token chunks": lambda c=chunk: (
+            fused_linear_cross_entropy(x, w, target, chunk_size=c, check_targets=False),
+        )
+        for chunk in chunks
+    }
+    providers |= {name: case.providers[name] for name in ("compile", "liger") if name in case.providers}
+    floor_ms = 6 * tokens * hidden * vocab / measure_matmul_rate() * 1e3
+    points = {}
+    print(f"floor {floor_ms:.2f} ms (time bar {1.15 * floor_ms:.2f} ms)")
+    for name, forward in providers.items():
+
+        def step(forward=forward):
+            torch.autograd.grad(forward(), case.leaves, case.grads)
+
+        step()
+        graphed = graph_median_ms(step, case.leaves)
+        ms = graphed if graphed == graphed else median_ms(step, case.leaves)
+        points[name] = (peak_extra_mb(step, case.leaves), ms)
+        print(f"{name:28s} {ms:8.2f} ms {'graphed' if graphed == graphed else 'launched'}  {points[name][0]:8.0f} MB")
+    figure, axis = plt.subplots(figsize=(8, 5))
+    tigon = [points[name] for name in points if name.startswith("tigon")]
+    axis.plot(*zip(*tigon, strict=True), marker="o", label="tigon, chunk sizes")
+    for chunk, (mb, ms) in zip(chunks, tigon, strict=True):
+        axis.annotate(str(chunk), (mb, ms), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for name in ("compile", "liger"):
+        if name in points:
+            axis.plot(
+                *points[name],
+                marker="s",
+                linestyle="none",
+                label={"compile": "torch.compile"}.get(name, "Liger-Kernel (launched: it cannot be graphed)"),
+            )
+    axis.axhline(1.15 * floor_ms, color="gray", linestyle="--", label="time bar: 1.15x the matmul floor")
+    if "liger" in points:
+        axis.axvline(points["liger"][0], color="gray", linestyle=":", label="memory bar: Liger-Kernel's peak")
+    axis.set_xscale("log")
+    axis.set_xlabel("peak MB beyond the inputs (log)")
+    axis.set_ylabel("forward+backward ms")
+    axis.set_title(f"fused linear CE 8192 x 4096 x 128256 bf16, {torch.cuda.get_device_name()}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--time-memory", metavar="PNG", help="plot time against memory instead of the sweeps")
+    args = parser.parse_args()
+    if args.time_memory:
+        time_against_memory(args.time_memory)
+        return
     tokens, hidden, vocab = 8192, 4096, 128256
     torch.manual_seed(0)
     x = (torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) * hidden**-0.5).requires_grad_(True)
