@@ -6,9 +6,14 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 logger = logging.getLogger("tigon.kernels")
 
@@ -32,6 +37,16 @@ def _announce_reference(op: str) -> None:
         "runs instead of the Triton kernel (same results, no speed-up).",
         op,
     )
+
+
+def eager_under_compile(function: Callable[P, R]) -> Callable[P, R]:
+    """Run `function` eagerly inside `torch.compile`d code, behind a graph break.
+
+    For the ops that are not registered as custom ops: Inductor fails to build the JSD kernels from the
+    traced graph, and under the Triton interpreter Dynamo would trace the interpreter's numpy code. The
+    custom ops (norms, RoPE, activations, fused linear cross entropy) compile without a break instead.
+    """
+    return torch.compiler.disable(function)
 
 
 def use_triton(op: str, tensor: torch.Tensor) -> bool:

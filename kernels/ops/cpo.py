@@ -27,9 +27,10 @@ from tigon.kernels.ops.fused_linear_preference import (
     logits_mean,
     run_preference,
 )
-from tigon.kernels.utils import use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
+@eager_under_compile
 def fused_linear_cpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,

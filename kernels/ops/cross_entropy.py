@@ -46,6 +46,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
+    eager_under_compile,
     gpu_name,
     multiprocessor_count,
     next_power_of_2,
@@ -533,6 +534,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad_logits.detach(), None, None, None
 
 
+@eager_under_compile
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -28,7 +28,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     reference_source,
     run_preference,
 )
-from tigon.kernels.utils import use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
 def sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -36,6 +36,7 @@ def sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+@eager_under_compile
 def fused_linear_dpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,

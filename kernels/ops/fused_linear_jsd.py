@@ -34,7 +34,14 @@ from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_in_place
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, even_chunk_size, max_chunk_tokens
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
-from tigon.kernels.utils import check_chunk_size, check_float, check_same_device, gather_dtensors, use_triton
+from tigon.kernels.utils import (
+    check_chunk_size,
+    check_float,
+    check_same_device,
+    eager_under_compile,
+    gather_dtensors,
+    use_triton,
+)
 
 CHUNKS_PER_PASS = 4
 
@@ -213,6 +220,7 @@ def check_fused_linear_jsd_inputs(
                 )
 
 
+@eager_under_compile
 def fused_linear_jsd(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,

@@ -51,6 +51,7 @@ from tigon.kernels.utils import (
     check_float,
     check_same_device,
     check_vector,
+    eager_under_compile,
     reject_dtensor,
     use_triton,
 )
@@ -276,6 +277,7 @@ def run_preference(
     return result
 
 
+@eager_under_compile
 def sequence_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -45,6 +45,7 @@ from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
     check_same_device,
+    eager_under_compile,
     multiprocessor_count,
     next_power_of_2,
     rows_view,
@@ -368,6 +369,7 @@ def check_jsd_inputs(
         raise ValueError("teacher gets no gradient from tigon's jsd; pass teacher.detach()")
 
 
+@eager_under_compile
 def jsd(
     student: torch.Tensor,
     teacher: torch.Tensor,

@@ -30,6 +30,7 @@ from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
     check_same_device,
+    eager_under_compile,
     multiprocessor_count,
     next_power_of_2,
     rows_view,
@@ -242,6 +243,7 @@ def check_kl_divergence_inputs(input: torch.Tensor, target: torch.Tensor, reduct
         )
 
 
+@eager_under_compile
 def kl_divergence(
     input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean", log_target: bool = False
 ) -> torch.Tensor:

@@ -32,7 +32,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     sequence_logps,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
 def _check_kl_inputs(
@@ -78,6 +78,7 @@ def _check_kl_inputs(
         check_target_range(kl_target.reshape(-1), weight.shape[0], ignore_index)
 
 
+@eager_under_compile
 def fused_linear_kto(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -31,7 +31,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     run_preference,
     safe_average,
 )
-from tigon.kernels.utils import use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
 def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +42,7 @@ def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.
     return torch.where(defined, log_odds, 0.0), torch.where(defined, F.logsigmoid(log_odds), 0.0)
 
 
+@eager_under_compile
 def fused_linear_orpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,

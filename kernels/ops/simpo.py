@@ -29,9 +29,10 @@ from tigon.kernels.ops.fused_linear_preference import (
     run_preference,
     safe_average,
 )
-from tigon.kernels.utils import use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
+@eager_under_compile
 def fused_linear_simpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,

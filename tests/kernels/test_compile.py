@@ -2,7 +2,8 @@
 
 On the CPU the compiled tests use the `aot_eager` backend (Dynamo + AOTAutograd, which trace the ops
 through their fake implementations; the kernels then run through Triton's interpreter). The GPU test
-compiles with Inductor.
+compiles with Inductor. The losses that are not custom ops (cross entropy on logits, the distillation and
+preference losses) run eagerly inside compiled code, behind a graph break, and compute the same too.
 """
 
 import copy
@@ -181,3 +182,38 @@ def test_patched_model_compiles_with_inductor_on_gpu(model_type, restore_rope):
         expected.loss.backward()
     for (name, theirs), (_, ours) in zip(eager.named_parameters(), compiled_model.named_parameters(), strict=True):
         assert relative_error(ours.grad, theirs.grad) < 1e-3, name
+
+
+def _eager_under_compile_cases():
+    torch.manual_seed(0)
+    target, labels = torch.randint(0, 40, (8,)), torch.randint(0, 40, (4, 2))
+    labels[0, 0] = -100
+    teacher = torch.log_softmax(torch.randn(8, 40), -1)
+    ref_logps, desirable = torch.randn(4, dtype=torch.float64), torch.tensor([True, False, True, True])
+    pairs = dict(ref_logps=ref_logps)
+    return {
+        "cross_entropy": lambda h, w: F.cross_entropy(h @ w.T, target),
+        "kl_divergence": lambda h, w: F.kl_divergence((h @ w.T).log_softmax(-1), teacher.exp(), reduction="batchmean"),
+        "jsd": lambda h, w: F.jsd((h @ w.T).log_softmax(-1), teacher, target),
+        "fused_linear_jsd": lambda h, w: F.fused_linear_jsd(h, w, h.detach() * 0.5, w.detach(), target),
+        "fused_linear_dpo": lambda h, w: F.fused_linear_dpo(h.view(4, 2, 6), w, labels, **pairs)[0],
+        "fused_linear_orpo": lambda h, w: F.fused_linear_orpo(h.view(4, 2, 6), w, labels)[0],
+        "fused_linear_simpo": lambda h, w: F.fused_linear_simpo(h.view(4, 2, 6), w, labels)[0],
+        "fused_linear_cpo": lambda h, w: F.fused_linear_cpo(h.view(4, 2, 6), w, labels)[0],
+        "fused_linear_kto": lambda h, w: F.fused_linear_kto(h.view(4, 2, 6), w, labels, desirable, **pairs, kl=0.1)[0],
+        "sequence_logps": lambda h, w: F.sequence_logps(h.view(4, 2, 6), w, labels).sum() + 0 * (h.sum() + w.sum()),
+    }
+
+
+@pytest.mark.parametrize("op", list(_eager_under_compile_cases()))
+def test_losses_that_are_not_custom_ops_run_eagerly_inside_compiled_code(op):
+    function = _eager_under_compile_cases()[op]
+    h, w = torch.randn(8, 6), torch.randn(40, 6) * 0.5
+    ours, theirs = leaves(h, w), leaves(h, w)
+    out = torch.compile(function, backend="aot_eager")(*ours)
+    expected = function(*theirs)
+    assert relative_error(out, expected) < 1e-6
+    out.backward()
+    expected.backward()
+    for got, want in zip(ours, theirs, strict=True):
+        assert relative_error(got.grad, want.grad) < 1e-6
