@@ -472,6 +472,22 @@ def scale_in_place(tensor: torch.Tensor, grad: torch.Tensor) -> None:
     )
 
 
+def scale_saved_gradients(ctx, op: str, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of an op that computed its input gradients in the forward: scale the saved ones in place by
+    the incoming gradient `grad` and return them. A second scaling would be wrong, so a second backward raises."""
+    if getattr(ctx, "backward_done", False):
+        raise RuntimeError(
+            f"tigon {op} computes its gradients in the forward and scales them in place, so it supports one "
+            "backward per forward; run the forward again instead of retain_graph=True"
+        )
+    ctx.backward_done = True
+    grads = ctx.saved_tensors
+    for saved in grads:
+        if saved is not None:
+            scale_in_place(saved, grad)
+    return grads
+
+
 def reduce_rows(
     loss_rows: torch.Tensor, z_rows: torch.Tensor | None, options: LossOptions
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -512,7 +528,6 @@ class CrossEntropyFunction(torch.autograd.Function):
         # backward (tanh, softmax, ...) fails loudly there instead of computing with the wrong numbers.
         torch.autograd.graph.increment_version(logits2d)
         ctx.save_for_backward(logits2d)
-        ctx.backward_done = False
         if z_loss is None:
             return loss
         ctx.mark_non_differentiable(z_loss)
@@ -521,14 +536,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, *_):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "tigon cross_entropy keeps its gradient in the logits buffer and scales it in place, so it "
-                "supports one backward per forward; run the forward again instead of retain_graph=True"
-            )
-        ctx.backward_done = True
-        (grad_logits,) = ctx.saved_tensors
-        scale_in_place(grad_logits, grad_loss)
+        (grad_logits,) = scale_saved_gradients(ctx, "cross_entropy", grad_loss)  # held in the logits' memory
         # A fresh tensor on the same memory: AccumulateGrad adopts it as a leaf's .grad instead of copying
         # it (it copies gradients whose tensor is still referenced elsewhere, here by ctx).
         return grad_logits.detach(), None, None, None

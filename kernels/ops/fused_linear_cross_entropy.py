@@ -48,7 +48,7 @@ from tigon.kernels.ops.cross_entropy import (
     cross_entropy_rows,
     loss_scales,
     reduce_rows,
-    scale_in_place,
+    scale_saved_gradients,
 )
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
@@ -212,7 +212,6 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         scales = loss_scales(target, class_weight, weight.shape[0], options)
         ctx.options, ctx.accumulate_in_fp32, ctx.chunk_size, ctx.want = options, accumulate_in_fp32, chunk_size, want
-        ctx.backward_done = False
         with torch.autocast(hidden.device.type, enabled=False):
             if options.reduction == "none":
                 # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
@@ -260,17 +259,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     row_scale=grad_loss,
                 )
         else:
-            if ctx.backward_done:
-                raise RuntimeError(
-                    "tigon fused_linear_cross_entropy computes its gradients in the forward and scales them in "
-                    "place, so it supports one backward per forward; run the forward again instead of "
-                    "retain_graph=True"
-                )
-            ctx.backward_done = True
-            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            for grad in (grad_hidden, grad_weight, grad_bias):
-                if grad is not None:
-                    scale_in_place(grad, grad_loss)
+            grad_hidden, grad_weight, grad_bias = scale_saved_gradients(ctx, "fused_linear_cross_entropy", grad_loss)
         return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
 
 

@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
-from tigon.kernels.ops.cross_entropy import scale_in_place
+from tigon.kernels.ops.cross_entropy import scale_saved_gradients
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, even_chunk_size, max_chunk_tokens
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
 from tigon.kernels.utils import (
@@ -124,7 +124,6 @@ class FusedLinearJSDFunction(torch.autograd.Function):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         scale = loss_scale(label, student_hidden.shape[0], student_weight.shape[0], options, student_hidden.device)
         ctx.options, ctx.accumulate, ctx.chunk_size, ctx.want = options, accumulate, chunk_size, want
-        ctx.backward_done = False
         tensors = (student_hidden, student_weight, teacher_hidden, teacher_weight, label, scale)
         with torch.autocast(student_hidden.device.type, enabled=False):
             if options.reduction == "none":  # per-token incoming gradients: the backward repeats the pass
@@ -145,16 +144,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
                     *tensors, ctx.options, ctx.chunk_size, ctx.accumulate, ctx.want, row_scale=grad_loss
                 )
         else:
-            if ctx.backward_done:
-                raise RuntimeError(
-                    "tigon fused_linear_jsd computes its gradients in the forward and scales them in place, so "
-                    "it supports one backward per forward; run the forward again instead of retain_graph=True"
-                )
-            ctx.backward_done = True
-            grad_hidden, grad_weight = ctx.saved_tensors
-            for grad in (grad_hidden, grad_weight):
-                if grad is not None:
-                    scale_in_place(grad, grad_loss)
+            grad_hidden, grad_weight = scale_saved_gradients(ctx, "fused_linear_jsd", grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 

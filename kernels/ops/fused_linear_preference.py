@@ -43,7 +43,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
-from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_in_place
+from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_saved_gradients
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
@@ -232,7 +232,6 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             result, grads = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, want)
         ctx.save_for_backward(*grads)
-        ctx.backward_done = False
         outputs = (result.logps, result.logits_sums)
         if result.ref_logps is not None:
             outputs += (result.ref_logps,)
@@ -242,17 +241,7 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, *_):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "tigon's fused linear preference losses compute their gradients in the forward and scale them in "
-                "place, so they support one backward per forward; run the forward again instead of retain_graph=True"
-            )
-        ctx.backward_done = True
-        grads = ctx.saved_tensors
-        for grad in grads:
-            if grad is not None:
-                scale_in_place(grad, grad_loss)
-        return (*grads, None, None, None, None)
+        return (*scale_saved_gradients(ctx, "fused linear preference loss", grad_loss), None, None, None, None)
 
 
 def run_preference(

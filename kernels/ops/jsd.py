@@ -40,7 +40,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
-from tigon.kernels.ops.cross_entropy import LOG2E, scale_in_place
+from tigon.kernels.ops.cross_entropy import LOG2E, scale_saved_gradients
 from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
@@ -329,20 +329,12 @@ class JSDFunction(torch.autograd.Function):
         loss, grad = _forward(student, teacher, label, options, from_logits, want_grad=True)
         ctx.save_for_backward(grad)
         ctx.shape = student.shape
-        ctx.backward_done = False
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "tigon jsd computes its gradient in the forward and scales it in place, so it supports one "
-                "backward per forward; run the forward again instead of retain_graph=True"
-            )
-        ctx.backward_done = True
-        (grad,) = ctx.saved_tensors
-        scale_in_place(grad, grad_loss.reshape(-1) if grad_loss.dim() > 0 else grad_loss)
+        (grad,) = scale_saved_gradients(ctx, "jsd", grad_loss.reshape(-1) if grad_loss.dim() > 0 else grad_loss)
         return grad.view(ctx.shape), None, None, None, None
 
 

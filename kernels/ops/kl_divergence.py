@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
-from tigon.kernels.ops.cross_entropy import scale_in_place
+from tigon.kernels.ops.cross_entropy import scale_saved_gradients
 from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
@@ -171,7 +171,6 @@ class KLDivergenceFunction(torch.autograd.Function):
     def forward(ctx, input, target, reduction, log_target):
         x, y = rows_view(input), rows_view(target)
         ctx.shape, ctx.dtype, ctx.reduction, ctx.log_target = input.shape, input.dtype, reduction, log_target
-        ctx.backward_done = False
         if reduction == "none":
             ctx.save_for_backward(y)
             return _forward(x, y, input.shape, reduction, log_target)
@@ -183,14 +182,7 @@ class KLDivergenceFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         if ctx.reduction != "none":
-            if ctx.backward_done:
-                raise RuntimeError(
-                    "tigon kl_divergence computes its gradient in the forward and scales it in place, so it "
-                    "supports one backward per forward; run the forward again instead of retain_graph=True"
-                )
-            ctx.backward_done = True
-            (grad,) = ctx.saved_tensors
-            scale_in_place(grad, grad_out)
+            (grad,) = scale_saved_gradients(ctx, "kl_divergence", grad_out)
             return grad.view(ctx.shape), None, None, None
         (y,) = ctx.saved_tensors
         n_rows, n_cols = y.shape
