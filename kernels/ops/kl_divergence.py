@@ -102,11 +102,11 @@ def _kl_div_backward_kernel(
     stride_grad,
     n_cols,
     blocks_per_row,
-    scale,
     LOG_TARGET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """GRAD[row, j] = -y[j] (or -exp(y[j])) * G[row, j] * scale; G may be a broadcast scalar (strides 0)."""
+    """GRAD[row, j] = -y[j] (or -exp(y[j])) * G[row, j]: reduction "none", G the pointwise incoming gradient
+    (possibly broadcast: strides 0)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // blocks_per_row
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
@@ -115,7 +115,7 @@ def _kl_div_backward_kernel(
     g = tl.load(G + row * stride_g_row + cols * stride_g_col, mask=mask, other=0.0).to(tl.float32)
     if LOG_TARGET:
         y = tl.exp(y)
-    tl.store(GRAD + row * stride_grad + cols, (-y * g * scale).to(GRAD.dtype.element_ty), mask=mask)
+    tl.store(GRAD + row * stride_grad + cols, (-y * g).to(GRAD.dtype.element_ty), mask=mask)
 
 
 def _reduction_scale(shape: torch.Size, reduction: str) -> float:
@@ -201,7 +201,6 @@ class KLDivergenceFunction(torch.autograd.Function):
             grad.stride(0),
             n_cols,
             blocks_per_row,
-            _reduction_scale(ctx.shape, ctx.reduction),
             LOG_TARGET=ctx.log_target,
             BLOCK=block,
             num_warps=min(8, warps_for(block)),
