@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import triton.testing
 
-from benchmarks.harness import graph_median_ms, measure_matmul_rate, median_ms, peak_extra_mb
-from benchmarks.kernels import fused_linear_cross_entropy_case
+from benchmarks.harness import measure_copy_bandwidth, measure_matmul_rate
+from benchmarks.kernels import Case, fused_linear_cross_entropy_case, run_case
 from tigon.kernels.functional import fused_linear_cross_entropy
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product
@@ -72,6 +72,7 @@ def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768
     import matplotlib.pyplot as plt
 
     tokens, hidden, vocab = 8192, 4096, 128256
+    shape = f"{tokens}x{hidden}x{vocab}"
     case = fused_linear_cross_entropy_case(tokens, hidden, vocab)
     x, w = case.leaves
     target = torch.randint(0, vocab, (tokens,), device="cuda")
@@ -82,19 +83,12 @@ def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768
         for chunk in chunks
     }
     providers |= {name: case.providers[name] for name in ("compile", "liger") if name in case.providers}
-    floor_ms = 6 * tokens * hidden * vocab / measure_matmul_rate() * 1e3
-    points = {}
+    case = Case(case.leaves, case.grads, case.bytes_moved, providers, case.flops)
+    rows = run_case("fused_linear_cross_entropy/chunk", shape, lambda: case, measure_copy_bandwidth(),
+                    measure_matmul_rate(), with_memory=True)  # fmt: skip
+    floor_ms = rows[0].floor_ms
     print(f"floor {floor_ms:.2f} ms (time bar {1.15 * floor_ms:.2f} ms)")
-    for name, forward in providers.items():
-
-        def step(forward=forward):
-            torch.autograd.grad(forward(), case.leaves, case.grads)
-
-        step()
-        graphed = graph_median_ms(step, case.leaves)
-        ms = graphed if graphed == graphed else median_ms(step, case.leaves)
-        points[name] = (peak_extra_mb(step, case.leaves), ms)
-        print(f"{name:28s} {ms:8.2f} ms {'graphed' if graphed == graphed else 'launched'}  {points[name][0]:8.0f} MB")
+    points = {r.provider: (r.peak_extra_mb, r.graph_ms if r.graph_ms == r.graph_ms else r.ms) for r in rows}
     figure, axis = plt.subplots(figsize=(8, 5))
     tigon = [points[name] for name in points if name.startswith("tigon")]
     axis.plot(*zip(*tigon, strict=True), marker="o", label="tigon, chunk sizes")
