@@ -30,6 +30,8 @@ for step in "$@"; do
     demo) python3 -m tigon.kernels.demo --steps 5 2>&1 | tee "$out/demo.log" ;;
     tune-flce) python3 -m benchmarks.tune_fused_linear_cross_entropy 2>&1 | tee "$out/tune-flce.log" ;;
     flce-time-memory) python3 -m benchmarks.tune_fused_linear_cross_entropy --time-memory "$out/flce-time-memory.png" 2>&1 | tee "$out/flce-time-memory.log" ;;
+    flce-traffic) python3 -m benchmarks.tune_fused_linear_cross_entropy --traffic-bound 2>&1 | tee "$out/flce-traffic.log" ;;
+    host-overhead) python3 -m benchmarks.host_overhead --out "$out/host-overhead.json" 2>&1 | tee "$out/host-overhead.log" ;;
     tune-preference) python3 -m benchmarks.tune_fused_linear_preference 2>&1 | tee "$out/tune-preference.log" ;;
     tune-ce) python3 -m benchmarks.tune_cross_entropy 2>&1 | tee "$out/tune-ce.log" ;;
     tune) python3 -m benchmarks.tune --hidden "${TUNE_HIDDEN:-4096}" --out "$out/tune.json" 2>&1 | tee "$out/tune.log" ;;

@@ -443,6 +443,14 @@ def sweep_cases() -> list[tuple[str, str, Callable[[], Case]]]:
     return cases
 
 
+def forward_backward(case: Case, forward: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], None]:
+    """One provider's step: its forward, then the gradients of the case's leaves.
+
+    autograd.grad, not backward: the op's own work, without accumulating into .grad.
+    """
+    return lambda: torch.autograd.grad(forward(), case.leaves, case.grads)
+
+
 def run_case(
     op: str, shape: str, make: Callable[[], Case], copy_bw: float, matmul_rate: float, with_memory: bool
 ) -> list[Measurement]:
@@ -450,11 +458,7 @@ def run_case(
     floor_ms = max(case.bytes_moved / copy_bw, case.flops / matmul_rate) * 1e3
     results = []
     for provider, forward in case.providers.items():
-
-        def step(forward=forward):
-            # autograd.grad, not backward: the op's own work, without accumulating into .grad
-            torch.autograd.grad(forward(), case.leaves, case.grads)
-
+        step = forward_backward(case, forward)
         try:
             step()  # compile and warm up outside the timed region
             ms = median_ms(step, case.leaves)
@@ -503,7 +507,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "liger_kernel": _liger_version(),
+        "liger_kernel": liger_version(),
         "copy_bandwidth_bytes_per_s": copy_bw,
         "bf16_matmul_flops_per_s": matmul,
         "seconds": time.time() - started,
@@ -513,7 +517,7 @@ def main() -> None:
     print(f"wrote {len(results)} measurements to {args.out} in {payload['seconds']:.0f} s")
 
 
-def _liger_version() -> str | None:
+def liger_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:

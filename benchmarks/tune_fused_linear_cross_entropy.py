@@ -13,6 +13,12 @@ which one small chunks slow down.
 
 instead plots time against peak memory: tigon at each chunk size, torch.compile and Liger-Kernel, with the
 loss issue's two bars (1.15x the matmul floor, Liger-Kernel's memory) drawn in.
+
+    python -m benchmarks.tune_fused_linear_cross_entropy --traffic-bound
+
+times the memory traffic alone that a pass at Liger-Kernel's memory (256-token chunks) must move, next to the
+time bar: per chunk, two reads of the weight (for the logits and for the hidden gradient's product) and a read
+and a write of the bf16 weight gradient; and the same with the two weight reads shared.
 """
 
 from __future__ import annotations
@@ -116,10 +122,40 @@ def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768
     print(f"wrote {path}")
 
 
+def traffic_bound(tokens: int = 8192, hidden: int = 4096, vocab: int = 128256, chunk: int = 256) -> None:
+    """Graph-time the weight and weight-gradient traffic of a `chunk`-token pass with no arithmetic at all."""
+    w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    dw = torch.zeros_like(w)
+    n_chunks = tokens // chunk
+    weight_gb = w.numel() * w.element_size() / 1e9
+
+    def shared_read() -> None:  # per chunk: read W and dW, write dW
+        for _ in range(n_chunks):
+            torch.add(dw, w, out=dw)
+
+    def two_reads() -> None:  # the same plus a second read of W
+        for _ in range(n_chunks):
+            torch.add(dw, w, out=dw)
+            w.sum()
+
+    copy = measure_copy_bandwidth()
+    bar_ms = 1.15 * 6 * tokens * hidden * vocab / measure_matmul_rate() * 1e3
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s; time bar {bar_ms:.2f} ms")
+    print(f"{n_chunks} chunks of {chunk} tokens   GB a pass   at copy rate   measured (graphed)")
+    for name, step, reads in (("weight read twice", two_reads, 2), ("weight read once", shared_read, 1)):
+        gigabytes = n_chunks * (reads + 2) * weight_gb
+        ms = triton.testing.do_bench_cudagraph(step, rep=1000, return_mode="median")
+        print(f"{name:30s} {gigabytes:9.1f}   {gigabytes / copy * 1e12:9.2f} ms   {ms:9.2f} ms", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-memory", metavar="PNG", help="plot time against memory instead of the sweeps")
+    parser.add_argument("--traffic-bound", action="store_true", help="time the traffic of a pass at Liger's memory")
     args = parser.parse_args()
+    if args.traffic_bound:
+        traffic_bound()
+        return
     if args.time_memory:
         time_against_memory(args.time_memory)
         return

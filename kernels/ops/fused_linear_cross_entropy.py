@@ -94,7 +94,10 @@ def even_chunk_size(n_tokens: int, max_rows: int, row_bytes: int, device: torch.
     tokens split into equal chunks."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # Memory the caching allocator holds for no tensor counts as free. One nested query: memory_reserved and
+        # memory_allocated each flatten every allocator statistic in Python, about 0.5 ms a call.
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        free += stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
         max_rows = max(1, min(max_rows, free // FREE_MEMORY_FRACTION // row_bytes))
     chunks = -(-n_tokens // max_rows)
     return -(-n_tokens // chunks)

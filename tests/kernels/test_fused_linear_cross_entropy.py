@@ -321,3 +321,18 @@ def test_gpu_memory_flat_in_tokens():
     assert peaks[1] < bound, f"peak {peaks[1] / 2**30:.2f} GiB above {bound / 2**30:.2f} GiB"
     growth = peaks[1] - peaks[0] - 8192 * hidden * 2  # dhidden grows with the tokens, nothing else may
     assert growth < 2**27, f"peaks {[p / 2**30 for p in peaks]} GiB grow with tokens"
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_rule_counts_cached_memory_as_free():
+    """Memory the caching allocator holds for no tensor counts as free, as torch's own counters say."""
+    cuda = torch.device("cuda")
+    cached = torch.empty(2**32, dtype=torch.uint8, device=cuda)
+    del cached  # 4 GiB now reserved by the allocator, allocated to nothing
+    free, _ = torch.cuda.mem_get_info(cuda)
+    free += torch.cuda.memory_reserved(cuda) - torch.cuda.memory_allocated(cuda)
+    row_bytes = 2**29  # the cached 4 GiB alone is one row of the rule's cap, free / 8 / row_bytes
+    expected_rows = free // flce_module.FREE_MEMORY_FRACTION // row_bytes
+    assert expected_rows >= 3
+    assert flce_module.even_chunk_size(expected_rows, 10**6, row_bytes, cuda) == expected_rows
+    assert flce_module.even_chunk_size(expected_rows + 1, 10**6, row_bytes, cuda) < expected_rows
