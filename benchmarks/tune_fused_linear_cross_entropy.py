@@ -11,8 +11,9 @@ which one small chunks slow down.
 
     python -m benchmarks.tune_fused_linear_cross_entropy --time-memory flce-time-memory.png
 
-instead plots time against peak memory: tigon at each chunk size, torch.compile and Liger-Kernel, with the
-loss issue's two bars (1.15x the matmul floor, Liger-Kernel's memory) drawn in.
+instead plots time against peak memory: tigon at each chunk size, with the logits in a buffer of their own and
+held in the weight gradient, torch.compile and Liger-Kernel, with the loss issue's two bars (1.15x the matmul
+floor, Liger-Kernel's memory) drawn in.
 
     python -m benchmarks.tune_fused_linear_cross_entropy --traffic-bound
 
@@ -69,9 +70,15 @@ def chunk_steps(x: torch.Tensor, w: torch.Tensor, target: torch.Tensor) -> None:
         print(f"{chunk:5d}  {'sum x chunks':22s} {total * tokens / chunk:7.2f}", flush=True)
 
 
-def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768, 1024, 2048, 4096)) -> None:
+def time_against_memory(
+    path: str,
+    chunks: tuple[int, ...] = (256, 384, 512, 768, 1024, 2048, 4096),
+    borrowed_chunks: tuple[int, ...] = (512, 768, 1024),
+) -> None:
     """Forward+backward time (graphed; launched for Liger-Kernel, which cannot be graphed) against peak memory
-    at 8192 x 4096 x 128256 bf16, printed and plotted to `path` with the two bars."""
+    at 8192 x 4096 x 128256 bf16, printed and plotted to `path` with the two bars: tigon's chunk sizes with the
+    logits in a buffer of their own (`chunks`) and held in the weight gradient (`borrowed_chunks`, at most 1024
+    tokens: a quarter of the weight gradient)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,9 +91,15 @@ def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768
     target = torch.randint(0, vocab, (tokens,), device="cuda")
     providers = {
         f"tigon, {chunk}-token chunks": lambda c=chunk: (
-            fused_linear_cross_entropy(x, w, target, chunk_size=c, check_targets=False),
+            fused_linear_cross_entropy(x, w, target, chunk_size=c, check_targets=False, borrow_weight_grad=False),
         )
         for chunk in chunks
+    }
+    providers |= {
+        f"tigon, {chunk}-token chunks in the weight gradient": lambda c=chunk: (
+            fused_linear_cross_entropy(x, w, target, chunk_size=c, check_targets=False),
+        )
+        for chunk in borrowed_chunks
     }
     providers |= {name: case.providers[name] for name in ("compile", "liger") if name in case.providers}
     case = Case(case.leaves, case.grads, case.bytes_moved, providers, case.flops)
@@ -96,10 +109,14 @@ def time_against_memory(path: str, chunks: tuple[int, ...] = (256, 384, 512, 768
     print(f"floor {floor_ms:.2f} ms (time bar {1.15 * floor_ms:.2f} ms)")
     points = {r.provider: (r.peak_extra_mb, r.graph_ms if r.graph_ms == r.graph_ms else r.ms) for r in rows}
     figure, axis = plt.subplots(figsize=(8, 5))
-    tigon = [points[name] for name in points if name.startswith("tigon")]
-    axis.plot(*zip(*tigon, strict=True), marker="o", label="tigon, chunk sizes")
-    for chunk, (mb, ms) in zip(chunks, tigon, strict=True):
-        axis.annotate(str(chunk), (mb, ms), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for label, sizes, suffix in (
+        ("tigon, logits buffer of its own", chunks, "chunks"),
+        ("tigon, logits in the weight gradient", borrowed_chunks, "in the weight gradient"),
+    ):
+        line = [points[f"tigon, {chunk}-token {suffix}"] for chunk in sizes]
+        axis.plot(*zip(*line, strict=True), marker="o", label=f"{label} (chunk sizes)")
+        for chunk, (mb, ms) in zip(sizes, line, strict=True):
+            axis.annotate(str(chunk), (mb, ms), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for name in ("compile", "liger"):
         if name in points:
             axis.plot(

@@ -219,11 +219,12 @@ def fused_linear_cross_entropy(
     check_targets: bool = True,
     accumulate_in_fp32: bool = True,
     chunk_size: int | None = None,
+    borrow_weight_grad: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`cross_entropy(F.linear(hidden, weight, bias), target, weight=class_weight, ...)`, full logits at once.
 
-    `accumulate_in_fp32` and `chunk_size` only steer the fused op's memory use; they are accepted and
-    ignored here so both take the same arguments.
+    `accumulate_in_fp32`, `chunk_size` and `borrow_weight_grad` only steer the fused op's memory use; they are
+    accepted and ignored here so both take the same arguments.
     """
     return cross_entropy(
         F.linear(hidden, weight, bias),

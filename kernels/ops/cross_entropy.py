@@ -71,6 +71,72 @@ def _softcap(x, cap):
 
 
 @triton.jit
+def _gradient_coefficients(
+    lse,
+    w_t,
+    SCALES,
+    ROW_SCALE,
+    poison,
+    label_smoothing,
+    lse_square_scale,
+    n_cols,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+):
+    """(p_coef, uniform_coef, target_coef) of a row's gradient ``p[j] * p_coef - w[j] * uniform_coef - [j == t] *
+    target_coef`` (module docstring), times the row's incoming factor at ROW_SCALE; `poison` (NaN for a target out
+    of range, else 0) rides in the coefficients."""
+    ce_scale = tl.load(SCALES)
+    target_coef = w_t * (1.0 - label_smoothing) * ce_scale
+    p_coef = target_coef
+    uniform_coef = 0.0
+    if HAS_SMOOTHING:
+        uniform_coef = ce_scale * (label_smoothing / n_cols)
+        p_coef += uniform_coef * tl.load(SCALES + 2)
+    if HAS_Z:
+        p_coef += lse * lse_square_scale * tl.load(SCALES + 1) * 2.0
+    if HAS_ROW_SCALE:
+        g = tl.load(ROW_SCALE).to(tl.float32)
+        target_coef = target_coef * g
+        p_coef = p_coef * g
+        uniform_coef = uniform_coef * g
+    return p_coef + poison, uniform_coef, target_coef + poison
+
+
+@triton.jit
+def _logit_gradient(
+    x,
+    cols,
+    is_target,
+    lse_log2,
+    p_coef,
+    uniform_coef,
+    target_coef,
+    CLASS_WEIGHT,
+    softcap,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """The gradient at logits `x` (columns `cols` of the vocabulary) from their row's coefficients, in float32."""
+    z = x.to(tl.float32)
+    if HAS_SOFTCAP:
+        z, tanh_z = _softcap(z, softcap)
+    grad = tl.exp2(z * LOG2E - lse_log2) * p_coef
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
+        else:
+            grad -= uniform_coef
+    grad = tl.where(is_target, grad - target_coef, grad)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - tanh_z * tanh_z)
+    return grad
+
+
+@triton.jit
 def _cross_entropy_kernel(
     X,
     stride_x,
@@ -81,6 +147,7 @@ def _cross_entropy_kernel(
     stride_row_scale,
     LOSS,
     Z_LOSS,
+    LSE,
     n_rows,
     n_cols,
     ignore_index,
@@ -93,6 +160,7 @@ def _cross_entropy_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     STORE_Z: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE: tl.constexpr,
@@ -107,6 +175,8 @@ def _cross_entropy_kernel(
             tl.store(LOSS + row, 0.0)
             if STORE_Z:
                 tl.store(Z_LOSS + row, 0.0)
+            if STORE_LSE:
+                tl.store(LSE + row, 0.0)
             if WRITE_GRAD:
                 zeros = tl.zeros((BLOCK_V,), dtype=X.dtype.element_ty)
                 for start in range(0, n_cols, BLOCK_V):
@@ -166,36 +236,29 @@ def _cross_entropy_kernel(
                 w_t = tl.load(CLASS_WEIGHT + t_index).to(tl.float32)
             else:
                 w_t = 1.0
-            target_coef = w_t * (1.0 - label_smoothing) * ce_scale
             ce = (lse - z_t) * w_t * (1.0 - label_smoothing)
-            p_coef = target_coef
-            uniform_coef = 0.0
             if HAS_SMOOTHING:
                 ce += (lse * weight_total - tl.sum(tl.sum(smooth, axis=1), axis=0)) * (label_smoothing / n_cols)
-                uniform_coef = ce_scale * (label_smoothing / n_cols)
-                p_coef += uniform_coef * weight_total
             loss = ce * ce_scale
             z_loss = 0.0
             if HAS_Z:
                 z_loss = lse * lse * lse_square_scale * z_scale
                 loss += z_loss
-                p_coef += lse * lse_square_scale * z_scale * 2.0
             tl.store(LOSS + row, loss + poison)
             if STORE_Z:
                 tl.store(Z_LOSS + row, z_loss + poison)
+            if STORE_LSE:
+                tl.store(LSE + row, lse)
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
             # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does. The
             # poison rides in the coefficients (NaN times anything is NaN), and the target is found by comparing
             # 32-bit offsets within the chunk, one instruction a logit.
             if WRITE_GRAD:
-                if HAS_ROW_SCALE:
-                    g = tl.load(ROW_SCALE + row * stride_row_scale).to(tl.float32)
-                    target_coef = target_coef * g
-                    p_coef = p_coef * g
-                    uniform_coef = uniform_coef * g
-                p_coef += poison
-                target_coef += poison
+                p_coef, uniform_coef, target_coef = _gradient_coefficients(
+                    lse, w_t, SCALES, ROW_SCALE + row * stride_row_scale, poison, label_smoothing, lse_square_scale,
+                    n_cols, HAS_SMOOTHING, HAS_Z, HAS_ROW_SCALE,
+                )  # fmt: skip
                 lse_log2 = lse * LOG2E
                 t_local = t_index.to(tl.int32)
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
@@ -206,22 +269,69 @@ def _cross_entropy_kernel(
                     start = last - back
                     cols = start + offsets
                     mask = cols < n_cols
-                    z = x_next.to(tl.float32)
+                    x = x_next
                     x_next = tl.load(
                         x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first"
                     )
-                    if HAS_SOFTCAP:
-                        z, tanh_z = _softcap(z, softcap)
-                    grad = tl.exp2(z * LOG2E - lse_log2) * p_coef
-                    if HAS_SMOOTHING:
-                        if HAS_WEIGHT:
-                            grad -= tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32) * uniform_coef
-                        else:
-                            grad -= uniform_coef
-                    grad = tl.where(offsets == t_local - start, grad - target_coef, grad)
-                    if HAS_SOFTCAP:
-                        grad = grad * (1.0 - tanh_z * tanh_z)
+                    grad = _logit_gradient(
+                        x, cols, offsets == t_local - start, lse_log2, p_coef, uniform_coef, target_coef,
+                        CLASS_WEIGHT, softcap, mask, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+                    )  # fmt: skip
                     tl.store(x_row + cols, grad.to(X.dtype.element_ty), mask=mask, cache_modifier=".cs")
+
+
+@triton.jit
+def _gradient_columns_kernel(
+    X,
+    stride_x,
+    col_offset,
+    n_window,
+    LSE,
+    TARGET,
+    CLASS_WEIGHT,
+    SCALES,
+    ROW_SCALE,
+    stride_row_scale,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Overwrite logits X (rows, n_window), columns [col_offset, col_offset + n_window) of an n_cols vocabulary,
+    with the loss gradient, from each row's logsumexp in LSE: pass 2 of `_cross_entropy_kernel` on a window."""
+    row = tl.program_id(0).to(tl.int64)
+    local = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = local < n_window
+    pointers = X + row * stride_x + local
+    target = tl.load(TARGET + row).to(tl.int64)
+    if target == ignore_index:
+        tl.store(pointers, tl.zeros((BLOCK,), dtype=X.dtype.element_ty), mask=mask)
+    else:
+        in_range = (target >= 0) & (target < n_cols)
+        t_index = tl.where(in_range, target, 0)
+        poison = tl.where(in_range, 0.0, float("nan"))
+        if HAS_WEIGHT:
+            w_t = tl.load(CLASS_WEIGHT + t_index).to(tl.float32)
+        else:
+            w_t = 1.0
+        lse = tl.load(LSE + row)
+        p_coef, uniform_coef, target_coef = _gradient_coefficients(
+            lse, w_t, SCALES, ROW_SCALE + row * stride_row_scale, poison, label_smoothing, lse_square_scale, n_cols,
+            HAS_SMOOTHING, HAS_Z, HAS_ROW_SCALE,
+        )  # fmt: skip
+        grad = _logit_gradient(
+            tl.load(pointers, mask=mask, other=0.0), col_offset + local, local == t_index - col_offset,
+            lse * LOG2E, p_coef, uniform_coef, target_coef, CLASS_WEIGHT, softcap, mask,
+            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP,
+        )  # fmt: skip
+        tl.store(pointers, grad.to(X.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -401,11 +511,12 @@ def cross_entropy_rows(
     loss_out: torch.Tensor,
     z_out: torch.Tensor | None = None,
     row_scale: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on logits (rows, V) with a unit column stride.
 
-    Writes each row's scaled loss into `loss_out` (and z-loss into `z_out`); with `write_grad`, the
-    gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
+    Writes each row's scaled loss into `loss_out` (z-loss into `z_out`, logsumexp into `lse_out`); with
+    `write_grad`, the gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
     """
     n_rows, n_cols = logits.shape
     programs, block_v, num_warps, lane = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
@@ -419,6 +530,7 @@ def cross_entropy_rows(
         row_scale.stride(0) if row_scale is not None else 0,
         loss_out,
         z_out if z_out is not None else loss_out,
+        lse_out if lse_out is not None else loss_out,
         n_rows,
         n_cols,
         options.ignore_index,
@@ -431,10 +543,57 @@ def cross_entropy_rows(
         HAS_SOFTCAP=options.softcap is not None,
         HAS_ROW_SCALE=row_scale is not None,
         STORE_Z=z_out is not None,
+        STORE_LSE=lse_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
         LANE=lane,
         num_warps=num_warps,
+        **LAUNCH_OPTIONS,
+    )
+
+
+GRADIENT_COLUMNS_BLOCK = 1024
+
+
+def gradient_columns(
+    logits: torch.Tensor,
+    col_offset: int,
+    n_cols: int,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    options: LossOptions,
+    row_scale: torch.Tensor | None = None,
+) -> None:
+    """Overwrite `logits` (rows, W), columns `[col_offset, col_offset + W)` of an `n_cols` vocabulary with unit
+    column stride, with the gradient of the reduced loss, given each row's logsumexp `lse` from
+    `cross_entropy_rows(lse_out=...)`: the same numbers the full row's kernel writes there."""
+    n_rows, n_window = logits.shape
+    block = min(GRADIENT_COLUMNS_BLOCK, next_power_of_2(n_window))
+    _gradient_columns_kernel[(n_rows, triton.cdiv(n_window, block))](
+        logits,
+        logits.stride(0),
+        col_offset,
+        n_window,
+        lse,
+        target,
+        class_weight if class_weight is not None else scales,
+        scales,
+        row_scale if row_scale is not None else scales,
+        row_scale.stride(0) if row_scale is not None else 0,
+        n_cols,
+        options.ignore_index,
+        options.label_smoothing,
+        options.lse_square_scale,
+        options.softcap if options.softcap is not None else 1.0,
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=options.label_smoothing > 0,
+        HAS_Z=options.lse_square_scale > 0,
+        HAS_SOFTCAP=options.softcap is not None,
+        HAS_ROW_SCALE=row_scale is not None,
+        BLOCK=block,
+        num_warps=warps_for(block),
         **LAUNCH_OPTIONS,
     )
 

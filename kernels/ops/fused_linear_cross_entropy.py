@@ -46,6 +46,7 @@ from tigon.kernels.ops.cross_entropy import (
     check_loss_options,
     check_target,
     cross_entropy_rows,
+    gradient_columns,
     loss_scales,
     reduce_rows,
     scale_saved_gradients,
@@ -64,6 +65,16 @@ from tigon.kernels.utils import (
 MAX_CHUNK_LOGITS_BYTES = 1 << 30
 FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
 MIN_CHUNK_TOKENS = 1024  # below this the weight gradient's per-chunk re-read and re-write shows in the time
+WEIGHT_GRAD_SHARE = 4  # a chunk's logits are held in the weight gradient when they take at most 1/4 of it
+
+
+def borrowed_rows(chunk: int, vocab: int, hidden: int, itemsize: int, grad_itemsize: int) -> int:
+    """Rows of the weight gradient `(vocab, hidden)` of `grad_itemsize`-byte floats that hold a chunk's logits
+    `(chunk, vocab)` of `itemsize`-byte floats; 0 when those logits take more than 1 / WEIGHT_GRAD_SHARE of it."""
+    logits_bytes, row_bytes = chunk * vocab * itemsize, hidden * grad_itemsize
+    if logits_bytes * WEIGHT_GRAD_SHARE > vocab * row_bytes:
+        return 0
+    return -(-logits_bytes // row_bytes)
 
 
 def max_chunk_tokens(
@@ -155,11 +166,13 @@ def chunked_pass(
     accumulate_in_fp32: bool,
     want: tuple[bool, bool, bool],
     row_scale: torch.Tensor | None = None,
+    borrow_weight_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over the token chunks; returns (loss_rows, z_rows, grad_hidden, grad_weight, grad_bias).
 
     `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
-    logits gradient (the `reduction="none"` backward).
+    logits gradient (the `reduction="none"` backward); `borrow_weight_grad` holds the logits in the weight
+    gradient's first rows where `borrowed_rows` allows (module docstring).
     """
     want_hidden, want_weight, want_bias = want
     n_tokens, hidden_size = hidden.shape
@@ -173,8 +186,16 @@ def chunked_pass(
     grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
 
-    chunk = chunk_size or choose_chunk_size(n_tokens, vocab, hidden.shape[1], hidden.element_size(), device)
-    buffer = torch.empty((min(chunk, n_tokens), vocab), dtype=hidden.dtype, device=device)
+    chunk = min(n_tokens, chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, hidden.element_size(), device))
+    borrowed = 0
+    if want_weight and borrow_weight_grad:
+        borrowed = borrowed_rows(chunk, vocab, hidden_size, hidden.element_size(), grad_weight.element_size())
+    if borrowed:
+        buffer = grad_weight.view(-1).view(hidden.dtype)[: chunk * vocab].view(chunk, vocab)
+        lse_rows = torch.empty_like(loss_rows)
+    else:
+        buffer = torch.empty((chunk, vocab), dtype=hidden.dtype, device=device)
+        lse_rows = None
     weight_t = weight.t()
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
@@ -194,14 +215,19 @@ def chunked_pass(
             loss_rows[start:end],
             z_rows[start:end] if z_rows is not None else None,
             row_scale[start:end] if row_scale is not None else None,
+            lse_rows[start:end] if lse_rows is not None else None,
         )
         if want_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if want_weight:
-            accumulate_product(grad_weight, logits.t(), hidden_chunk, first=start == 0)
+            accumulate_product(grad_weight[borrowed:], logits[:, borrowed:].t(), hidden_chunk, first=start == 0)
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
     logits = buffer = None  # free the chunk buffer before the weight gradient's cast
+    if borrowed:
+        fill_borrowed_rows(
+            grad_weight[:borrowed], hidden, weight, target, bias, class_weight, scales, options, lse_rows, row_scale
+        )
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -209,12 +235,43 @@ def chunked_pass(
     return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
 
 
+def fill_borrowed_rows(
+    grad_rows: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    options: LossOptions,
+    lse_rows: torch.Tensor,
+    row_scale: torch.Tensor | None,
+) -> None:
+    """Write the weight gradient's first rows `grad_rows` (the ones that held the chunks' logits), in stripes of
+    columns: the stripe's logits for every token again, their gradient from each token's logsumexp, then
+    `grad_rows[stripe] = dlogits.T @ hidden`. A stripe's logits take at most a quarter of the hidden's bytes."""
+    n_tokens, hidden_size = hidden.shape
+    rows = grad_rows.shape[0]
+    stripe = even_chunk_size(rows, max(1, hidden_size // 4), n_tokens * hidden.element_size(), hidden.device)
+    buffer = torch.empty(n_tokens * stripe, dtype=hidden.dtype, device=hidden.device)
+    for top in range(0, rows, stripe):
+        bottom = min(top + stripe, rows)
+        logits = buffer[: n_tokens * (bottom - top)].view(n_tokens, bottom - top)
+        if bias is None:
+            torch.mm(hidden, weight[top:bottom].t(), out=logits)
+        else:
+            torch.addmm(bias[top:bottom], hidden, weight[top:bottom].t(), out=logits)
+        gradient_columns(logits, top, weight.shape[0], lse_rows, target, class_weight, scales, options, row_scale)
+        accumulate_product(grad_rows[top:bottom], logits.t(), hidden, first=True)
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size):
+    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         scales = loss_scales(target, class_weight, weight.shape[0], options)
         ctx.options, ctx.accumulate_in_fp32, ctx.chunk_size, ctx.want = options, accumulate_in_fp32, chunk_size, want
+        ctx.borrow = borrow
         with torch.autocast(hidden.device.type, enabled=False):
             if options.reduction == "none":
                 # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
@@ -233,8 +290,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 ctx.save_for_backward(hidden, weight, target, bias, class_weight, scales)
             else:
                 loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = chunked_pass(
-                    hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want
-                )
+                    hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
+                    borrow_weight_grad=borrow,
+                )  # fmt: skip
                 ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         loss, z_loss = reduce_rows(loss_rows, z_rows, options)
         if z_loss is None:
@@ -260,10 +318,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     ctx.accumulate_in_fp32,
                     ctx.want,
                     row_scale=grad_loss,
+                    borrow_weight_grad=ctx.borrow,
                 )
         else:
             grad_hidden, grad_weight, grad_bias = scale_saved_gradients(ctx, "fused_linear_cross_entropy", grad_loss)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
 
 
 @torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
@@ -283,6 +342,7 @@ def fused_linear_cross_entropy_op(
     check_targets: bool,
     accumulate_in_fp32: bool,
     chunk_size: int | None,
+    borrow_weight_grad: bool,
     want: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward as an opaque op for torch.compile: (loss, z_loss, grad_hidden, grad_weight, grad_bias).
@@ -300,8 +360,9 @@ def fused_linear_cross_entropy_op(
     want = tuple(want) if reduction != "none" else (False, False, False)
     with torch.autocast(hidden.device.type, enabled=False):
         loss_rows, z_rows, *grads = chunked_pass(
-            hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want
-        )
+            hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
+            borrow_weight_grad=borrow_weight_grad,
+        )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
     fresh = [loss, z_loss, *grads]  # outputs may not alias each other: a new empty tensor per missing one
     return tuple(t if t is not None else loss_rows.new_empty(0) for t in fresh)
@@ -309,7 +370,8 @@ def fused_linear_cross_entropy_op(
 
 @fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
-      lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, want):  # fmt: skip
+      lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad,
+      want):  # fmt: skip
     rows = hidden.new_empty(() if reduction != "none" else hidden.shape[:1], dtype=torch.float32)
     grads = [
         t.new_empty(t.shape) if on and reduction != "none" else rows.new_empty(0)
@@ -332,6 +394,7 @@ def fused_linear_cross_entropy_backward_op(
     softcap: float | None,
     accumulate_in_fp32: bool,
     chunk_size: int | None,
+    borrow_weight_grad: bool,
     want: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none": the chunked pass again, each token's logits gradient scaled by its incoming gradient."""
@@ -341,14 +404,14 @@ def fused_linear_cross_entropy_backward_op(
     with torch.autocast(hidden.device.type, enabled=False):
         _, _, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, tuple(want),
-            row_scale=grad_rows.contiguous(),
+            row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-      accumulate_in_fp32, chunk_size, want):  # fmt: skip
+      accumulate_in_fp32, chunk_size, borrow_weight_grad, want):  # fmt: skip
     return tuple(
         t.new_empty(t.shape) if on else hidden.new_empty(0) for t, on in zip((hidden, weight, bias), want, strict=True)
     )
@@ -356,11 +419,13 @@ def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label
 
 def _flce_setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, _, ignore_index, label_smoothing, reduction = inputs[:9]
-    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, want = inputs[9:]
+    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
     ctx.want, ctx.reduction = want, reduction
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, class_weight)
-        ctx.options = (ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size)
+        ctx.options = (
+            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size, borrow_weight_grad
+        )  # fmt: skip
     else:
         ctx.save_for_backward(*output[2:])
 
@@ -374,7 +439,7 @@ def _flce_grad(ctx, grad_loss, *_):
     else:
         grads = [grad * grad_loss.to(grad.dtype) for grad in ctx.saved_tensors]
     grad_hidden, grad_weight, grad_bias = (grad if on else None for grad, on in zip(grads, ctx.want, strict=True))
-    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 12
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 13
 
 
 fused_linear_cross_entropy_op.register_autograd(_flce_grad, setup_context=_flce_setup)
@@ -433,6 +498,7 @@ def fused_linear_cross_entropy(
     check_targets: bool = True,
     accumulate_in_fp32: bool = False,
     chunk_size: int | None = None,
+    borrow_weight_grad: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`cross_entropy(hidden @ weight.T + bias, target, ...)` for hidden `(N, H)`, weight `(V, H)`, target `(N,)`.
 
@@ -481,7 +547,7 @@ def fused_linear_cross_entropy(
         grad = torch.is_grad_enabled()
         loss, z_loss, *_ = fused_linear_cross_entropy_op(
             hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
-            lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size,
+            lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad,
             [grad and t is not None and t.requires_grad for t in tensors],
         )  # fmt: skip
         return (loss, z_loss) if return_z_loss else loss
@@ -490,7 +556,7 @@ def fused_linear_cross_entropy(
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size
+            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad
         )
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     with torch.autocast(hidden.device.type, enabled=False):

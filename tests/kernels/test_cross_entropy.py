@@ -136,6 +136,28 @@ def test_each_gpu_gets_the_launch_measured_fastest_on_it(gpu, element_size, laun
     assert ce_module._launch_config(8192, 1000, element_size, torch.device("cpu"))[1:3] == (1024, 4)
 
 
+@pytest.mark.parametrize("name", ["plain", *OPTIONS, *COMBINED])
+def test_gradient_columns_write_what_the_full_row_kernel_writes(name, device):
+    """A window of columns' gradient from the stored logsumexp is the full row kernel's, bit for bit (the
+    weight-gradient rows that held fused linear CE's logits are filled with it)."""
+    options = resolve({**OPTIONS, **COMBINED}.get(name, {}), 300, device)
+    class_weight = options.pop("weight", None)
+    loss_options = ce_module.LossOptions(**options)
+    logits, target = make_inputs(13, 300, torch.bfloat16, device, 3, ignore_index=loss_options.ignore_index)
+    target[4] = 300  # out of range: NaN in both
+    scales = ce_module.loss_scales(target, class_weight, 300, loss_options)
+    row_scale = torch.randn(13, device=device) if loss_options.reduction == "none" else None
+    full = logits.clone()
+    losses, lse = torch.empty(13, device=device), torch.empty(13, device=device)
+    ce_module.cross_entropy_rows(full, target, class_weight, scales, loss_options, True, losses, None, row_scale, lse)
+    for start, end in ((0, 300), (0, 1), (7, 150), (150, 300), (299, 300)):
+        window = logits[:, start:end].clone()
+        ce_module.gradient_columns(window, start, 300, lse, target, class_weight, scales, loss_options, row_scale)
+        assert torch.equal(window.isnan(), full[:, start:end].isnan())
+        assert window.isnan()[4].all() and not window[:4].isnan().any()
+        assert torch.equal(window.nan_to_num(), full[:, start:end].nan_to_num()), f"columns {start}:{end}"
+
+
 def test_incoming_gradient_scales_the_in_place_gradient(device):
     run_case(37, 127, torch.float32, device, grad_scale=3.5)
     run_case(37, 127, torch.bfloat16, device, grad_scale=-0.25, label_smoothing=0.1)

@@ -95,16 +95,40 @@ def test_matches_reference(vocab, dtype, device):
     run_case(tokens, 32, vocab, dtype, device, seed=1, with_bias=False, chunk_size=4)
 
 
+@pytest.mark.parametrize("borrow", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_each_option(name, dtype, device):
-    run_case(37, 24, 127, dtype, device, chunk_size=8, **OPTIONS[name])
+def test_each_option(name, dtype, borrow, device):
+    """8-token chunks at hidden 32: their logits fill exactly a quarter of the weight gradient, so with
+    `borrow_weight_grad` they live there and those rows are filled at the end."""
+    run_case(37, 32, 127, dtype, device, chunk_size=8, borrow_weight_grad=borrow, **OPTIONS[name])
 
 
 @pytest.mark.parametrize("name", list(COMBINED))
 def test_combined_options(name, device):
     run_case(37, 24, 257, torch.float32, device, chunk_size=10, **COMBINED[name])
+    run_case(37, 48, 257, torch.float32, device, chunk_size=12, **COMBINED[name])  # logits in the weight gradient
     run_case(23, 16, 513, torch.float16, device, seed=2, **COMBINED[name])
+
+
+def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(device, monkeypatch):
+    filled = []
+    fill = flce_module.fill_borrowed_rows
+    monkeypatch.setattr(
+        flce_module, "fill_borrowed_rows", lambda rows, *args: filled.append(len(rows)) or fill(rows, *args)
+    )
+    h, w, _, target = make_inputs(37, 32, 127, torch.float32, device, 0, with_bias=False)
+    for chunk, borrow, frozen, rows in ((8, True, False, 32), (9, True, False, None), (8, False, False, None),
+                                        (8, True, True, None), (1, True, False, 4)):  # fmt: skip
+        filled.clear()
+        hl, wl = leaves(h, w)
+        wl.requires_grad_(not frozen)
+        fused_linear_cross_entropy(hl, wl, target, chunk_size=chunk, borrow_weight_grad=borrow).backward()
+        assert filled == ([rows] if rows else []), (chunk, borrow, frozen)
+    assert flce_module.borrowed_rows(1024, 128256, 4096, 2, 2) == 32064  # a quarter of Llama 3's head
+    assert flce_module.borrowed_rows(1024, 128256, 4096, 2, 4) == 16032  # a float32 accumulator: an eighth
+    assert flce_module.borrowed_rows(1025, 128256, 4096, 2, 2) == 0
+    assert flce_module.borrowed_rows(1024, 128256, 2048, 2, 2) == 0  # Llama 3.2 1B: half its head, not borrowed
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -321,6 +345,27 @@ def test_gpu_memory_flat_in_tokens():
     assert peaks[1] < bound, f"peak {peaks[1] / 2**30:.2f} GiB above {bound / 2**30:.2f} GiB"
     growth = peaks[1] - peaks[0] - 8192 * hidden * 2  # dhidden grows with the tokens, nothing else may
     assert growth < 2**27, f"peaks {[p / 2**30 for p in peaks]} GiB grow with tokens"
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_is_the_gradients_and_one_stripe():
+    """At the loss issue's shape the chunks' logits live in the weight gradient: beyond the inputs, the step holds
+    the two gradients, the filling's one stripe of logits (a quarter of the hidden's bytes) and the per-token rows."""
+    tokens, hidden, vocab = 8192, 4096, 128256
+    h, w, _, target = make_inputs(tokens, hidden, vocab, torch.bfloat16, "cuda", 0, with_bias=False)
+    hl, wl = leaves(h, w)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fused_linear_cross_entropy(hl, wl, target).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    bound = vocab * hidden * 2 + tokens * hidden * 2 * 5 // 4 + 2**20
+    assert peak <= bound, f"peak {peak / 1e6:.1f} MB above {bound / 1e6:.1f} MB"
+    h32, w32 = leaves(h, w, dtype=torch.float32)
+    reference.fused_linear_cross_entropy(h32, w32, target).backward()
+    assert_close(hl.grad, h32.grad, torch.bfloat16, "dhidden")
+    assert_close(wl.grad, w32.grad, torch.bfloat16, "dweight")
 
 
 @pytest.mark.gpu
