@@ -111,7 +111,7 @@ def time_against_memory(
     figure, axis = plt.subplots(figsize=(8, 5))
     for label, sizes, suffix in (
         ("tigon, logits buffer of its own", chunks, "chunks"),
-        ("tigon, logits in the weight gradient", borrowed_chunks, "in the weight gradient"),
+        ("tigon, logits in the weight gradient", borrowed_chunks, "chunks in the weight gradient"),
     ):
         line = [points[f"tigon, {chunk}-token {suffix}"] for chunk in sizes]
         axis.plot(*zip(*line, strict=True), marker="o", label=f"{label} (chunk sizes)")

@@ -51,9 +51,11 @@ copy and log-softmax (4 V each); log-softmax's output stays for the backward, wh
 12 V per token; Gemma 2's logit softcapping saves one more (tanh's output, c V). With the kernels on,
 tigon's fused linear cross entropy replaces it (`Workload.fused_loss`): the logits never exist; its
 forward already computes the hidden states' gradient (c h per token) and lm_head's weight gradient
-(V h in the weight's dtype), the per-token losses (4) and one chunk of logits at a time (the op's own
-`max_chunk_tokens` x V: hidden/4 tokens, at least 1024; or the runtime's larger `loss_chunk_tokens` where
-the step peaks elsewhere).
+(V h in the weight's dtype), the per-token losses and logsumexps (8) and one chunk of logits at a time (the
+op's own `max_chunk_tokens` x V: hidden/4 tokens, at least 1024; or the runtime's larger `loss_chunk_tokens`
+where the step peaks elsewhere). A chunk whose logits take at most a quarter of the head's gradient lives in
+that gradient's memory; then the loss's own buffer is the stripe that fills those rows at the end, hidden/4
+columns for every token (`logits_buffer_bytes`).
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
@@ -464,11 +466,13 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int 
     s, c = work.shape, work.compute_bytes
     tokens = micro_batch * work.seq_len
     if fused:
-        from tigon.kernels.ops.fused_linear_cross_entropy import max_chunk_tokens
+        from tigon.kernels.ops.fused_linear_cross_entropy import logits_buffer_bytes, max_chunk_tokens
 
-        chunk = min(tokens, chunk_tokens or max_chunk_tokens(s.vocab, s.hidden, c)) * s.vocab * c
-        head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden  # a frozen head has none
-        return c * tokens * s.hidden + head_grad + 4 * tokens + chunk
+        chunk = chunk_tokens or max_chunk_tokens(s.vocab, s.hidden, c)
+        grad_itemsize = None if work.lora_rank else c  # a frozen head has no gradient to hold the logits
+        logits = logits_buffer_bytes(tokens, chunk, s.vocab, s.hidden, c, grad_itemsize)
+        head_grad = 0 if work.lora_rank else work.weight_bytes * s.vocab * s.hidden
+        return c * tokens * s.hidden + head_grad + 8 * tokens + logits
     softcap = c * tokens * s.vocab if s.logit_softcap else 0  # tanh's output, saved for its backward
     return 12 * tokens * s.vocab + softcap  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 

@@ -66,6 +66,8 @@ MAX_CHUNK_LOGITS_BYTES = 1 << 30
 FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU memory
 MIN_CHUNK_TOKENS = 1024  # below this the weight gradient's per-chunk re-read and re-write shows in the time
 WEIGHT_GRAD_SHARE = 4  # a chunk's logits are held in the weight gradient when they take at most 1/4 of it
+STRIPE_ALIGN = 8  # borrowed rows and their stripes come in multiples of 8 columns: 16-byte aligned matmul operands
+STRIPE_TILE_BYTES = 1 << 24  # the borrowed rows' filling holds 16 MiB of logits: 8192 tokens x 1024 bf16 columns
 
 
 def borrowed_rows(chunk: int, vocab: int, hidden: int, itemsize: int, grad_itemsize: int) -> int:
@@ -74,7 +76,29 @@ def borrowed_rows(chunk: int, vocab: int, hidden: int, itemsize: int, grad_items
     logits_bytes, row_bytes = chunk * vocab * itemsize, hidden * grad_itemsize
     if logits_bytes * WEIGHT_GRAD_SHARE > vocab * row_bytes:
         return 0
-    return -(-logits_bytes // row_bytes)
+    rows = -(-logits_bytes // row_bytes)
+    return min(vocab, -(-rows // STRIPE_ALIGN) * STRIPE_ALIGN)
+
+
+def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int) -> tuple[int, int]:
+    """(columns, tokens) of one tile of logits when the borrowed rows are filled: hidden / 4 columns, aligned, and
+    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits, so that the filling's memory is flat in tokens."""
+    columns = min(rows, max(STRIPE_ALIGN, hidden // 4 // STRIPE_ALIGN * STRIPE_ALIGN))
+    tiles = -(-n_tokens * columns * itemsize // STRIPE_TILE_BYTES)
+    return columns, -(-n_tokens // tiles)
+
+
+def logits_buffer_bytes(
+    n_tokens: int, chunk: int, vocab: int, hidden: int, itemsize: int, grad_itemsize: int | None
+) -> int:
+    """Bytes the pass allocates for logits beyond the gradients: one chunk's buffer, or, when the chunk lives in the
+    weight gradient (of `grad_itemsize`-byte floats; None without one), one tile of the borrowed rows' filling."""
+    chunk = min(chunk, n_tokens)
+    rows = borrowed_rows(chunk, vocab, hidden, itemsize, grad_itemsize) if grad_itemsize else 0
+    if rows:
+        columns, tokens = stripe_tile(n_tokens, rows, hidden, itemsize)
+        return columns * tokens * itemsize
+    return chunk * vocab * itemsize
 
 
 def max_chunk_tokens(
@@ -247,22 +271,29 @@ def fill_borrowed_rows(
     lse_rows: torch.Tensor,
     row_scale: torch.Tensor | None,
 ) -> None:
-    """Write the weight gradient's first rows `grad_rows` (the ones that held the chunks' logits), in stripes of
-    columns: the stripe's logits for every token again, their gradient from each token's logsumexp, then
-    `grad_rows[stripe] = dlogits.T @ hidden`. A stripe's logits take at most a quarter of the hidden's bytes."""
+    """Write the weight gradient's first rows `grad_rows` (the ones that held the chunks' logits), a tile of columns
+    and tokens at a time (`stripe_tile`): the tile's logits again, their gradient from each token's logsumexp, then
+    `grad_rows[columns] (+)= dlogits.T @ hidden[tokens]`."""
     n_tokens, hidden_size = hidden.shape
     rows = grad_rows.shape[0]
-    stripe = even_chunk_size(rows, max(1, hidden_size // 4), n_tokens * hidden.element_size(), hidden.device)
-    buffer = torch.empty(n_tokens * stripe, dtype=hidden.dtype, device=hidden.device)
-    for top in range(0, rows, stripe):
-        bottom = min(top + stripe, rows)
-        logits = buffer[: n_tokens * (bottom - top)].view(n_tokens, bottom - top)
-        if bias is None:
-            torch.mm(hidden, weight[top:bottom].t(), out=logits)
-        else:
-            torch.addmm(bias[top:bottom], hidden, weight[top:bottom].t(), out=logits)
-        gradient_columns(logits, top, weight.shape[0], lse_rows, target, class_weight, scales, options, row_scale)
-        accumulate_product(grad_rows[top:bottom], logits.t(), hidden, first=True)
+    columns, tokens = stripe_tile(n_tokens, rows, hidden_size, hidden.element_size())
+    buffer = torch.empty(columns * tokens, dtype=hidden.dtype, device=hidden.device)
+    for top in range(0, rows, columns):
+        bottom = min(top + columns, rows)
+        weight_t = weight[top:bottom].t()
+        for start in range(0, n_tokens, tokens):
+            end = min(start + tokens, n_tokens)
+            hidden_tile = hidden[start:end]
+            logits = buffer[: (end - start) * (bottom - top)].view(end - start, bottom - top)
+            if bias is None:
+                torch.mm(hidden_tile, weight_t, out=logits)
+            else:
+                torch.addmm(bias[top:bottom], hidden_tile, weight_t, out=logits)
+            gradient_columns(
+                logits, top, weight.shape[0], lse_rows[start:end], target[start:end], class_weight, scales, options,
+                row_scale[start:end] if row_scale is not None else None,
+            )  # fmt: skip
+            accumulate_product(grad_rows[top:bottom], logits.t(), hidden_tile, first=start == 0)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):

@@ -111,6 +111,14 @@ def test_combined_options(name, device):
     run_case(23, 16, 513, torch.float16, device, seed=2, **COMBINED[name])
 
 
+@pytest.mark.parametrize("name", ["none", "class_weight", "label_smoothing"])
+def test_borrowed_rows_filled_in_tiles_of_tokens(name, device, monkeypatch):
+    """The filling in tiles of 5 tokens x 8 columns (a ragged last tile of each), accumulating over the tiles."""
+    monkeypatch.setattr(flce_module, "STRIPE_TILE_BYTES", 8 * 5 * 4)
+    assert flce_module.stripe_tile(37, 32, 32, 4) == (8, 5)
+    run_case(37, 32, 127, torch.float32, device, chunk_size=8, **OPTIONS[name])
+
+
 def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(device, monkeypatch):
     filled = []
     fill = flce_module.fill_borrowed_rows
@@ -119,7 +127,7 @@ def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(devi
     )
     h, w, _, target = make_inputs(37, 32, 127, torch.float32, device, 0, with_bias=False)
     for chunk, borrow, frozen, rows in ((8, True, False, 32), (9, True, False, None), (8, False, False, None),
-                                        (8, True, True, None), (1, True, False, 4)):  # fmt: skip
+                                        (8, True, True, None), (1, True, False, 8)):  # fmt: skip
         filled.clear()
         hl, wl = leaves(h, w)
         wl.requires_grad_(not frozen)
@@ -350,7 +358,7 @@ def test_gpu_memory_flat_in_tokens():
 @pytest.mark.gpu
 def test_gpu_peak_memory_is_the_gradients_and_one_stripe():
     """At the loss issue's shape the chunks' logits live in the weight gradient: beyond the inputs, the step holds
-    the two gradients, the filling's one stripe of logits (a quarter of the hidden's bytes) and the per-token rows."""
+    the two gradients, one 16 MiB tile of the borrowed rows' filling and the per-token rows."""
     tokens, hidden, vocab = 8192, 4096, 128256
     h, w, _, target = make_inputs(tokens, hidden, vocab, torch.bfloat16, "cuda", 0, with_bias=False)
     hl, wl = leaves(h, w)
@@ -360,7 +368,7 @@ def test_gpu_peak_memory_is_the_gradients_and_one_stripe():
     fused_linear_cross_entropy(hl, wl, target).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    bound = vocab * hidden * 2 + tokens * hidden * 2 * 5 // 4 + 2**20
+    bound = vocab * hidden * 2 + tokens * hidden * 2 + flce_module.STRIPE_TILE_BYTES + 2**20
     assert peak <= bound, f"peak {peak / 1e6:.1f} MB above {bound / 1e6:.1f} MB"
     h32, w32 = leaves(h, w, dtype=torch.float32)
     reference.fused_linear_cross_entropy(h32, w32, target).backward()
