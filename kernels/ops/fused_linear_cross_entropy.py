@@ -70,11 +70,14 @@ STRIPE_ALIGN = 8  # borrowed rows and their stripes come in multiples of 8 colum
 STRIPE_TILE_BYTES = 1 << 24  # the borrowed rows' filling holds 16 MiB of logits: 8192 tokens x 1024 bf16 columns
 
 
-def borrowed_rows(chunk: int, vocab: int, hidden: int, itemsize: int, grad_itemsize: int) -> int:
+def borrowed_rows(n_tokens: int, chunk: int, vocab: int, hidden: int, itemsize: int, grad_itemsize: int) -> int:
     """Rows of the weight gradient `(vocab, hidden)` of `grad_itemsize`-byte floats that hold a chunk's logits
-    `(chunk, vocab)` of `itemsize`-byte floats; 0 when those logits take more than 1 / WEIGHT_GRAD_SHARE of it."""
-    logits_bytes, row_bytes = chunk * vocab * itemsize, hidden * grad_itemsize
-    if logits_bytes * WEIGHT_GRAD_SHARE > vocab * row_bytes:
+    `(chunk, vocab)` of `itemsize`-byte floats, or 0 (a buffer of their own): when those logits take more than
+    1 / WEIGHT_GRAD_SHARE of the weight gradient, or no more than the hidden gradient `(n_tokens, hidden)`. Filling
+    the borrowed rows costs time in proportion to the tokens while the memory it saves stays one chunk, so it
+    serves where that chunk would be the larger part of the op's memory beyond the weight gradient."""
+    logits_bytes, row_bytes = min(chunk, n_tokens) * vocab * itemsize, hidden * grad_itemsize
+    if logits_bytes * WEIGHT_GRAD_SHARE > vocab * row_bytes or logits_bytes <= n_tokens * hidden * itemsize:
         return 0
     rows = -(-logits_bytes // row_bytes)
     return min(vocab, -(-rows // STRIPE_ALIGN) * STRIPE_ALIGN)
@@ -93,12 +96,11 @@ def logits_buffer_bytes(
 ) -> int:
     """Bytes the pass allocates for logits beyond the gradients: one chunk's buffer, or, when the chunk lives in the
     weight gradient (of `grad_itemsize`-byte floats; None without one), one tile of the borrowed rows' filling."""
-    chunk = min(chunk, n_tokens)
-    rows = borrowed_rows(chunk, vocab, hidden, itemsize, grad_itemsize) if grad_itemsize else 0
+    rows = borrowed_rows(n_tokens, chunk, vocab, hidden, itemsize, grad_itemsize) if grad_itemsize else 0
     if rows:
         columns, tokens = stripe_tile(n_tokens, rows, hidden, itemsize)
         return columns * tokens * itemsize
-    return chunk * vocab * itemsize
+    return min(chunk, n_tokens) * vocab * itemsize
 
 
 def max_chunk_tokens(
@@ -213,7 +215,8 @@ def chunked_pass(
     chunk = min(n_tokens, chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, hidden.element_size(), device))
     borrowed = 0
     if want_weight and borrow_weight_grad:
-        borrowed = borrowed_rows(chunk, vocab, hidden_size, hidden.element_size(), grad_weight.element_size())
+        itemsize = hidden.element_size()
+        borrowed = borrowed_rows(n_tokens, chunk, vocab, hidden_size, itemsize, grad_weight.element_size())
     if borrowed:
         buffer = grad_weight.view(-1).view(hidden.dtype)[: chunk * vocab].view(chunk, vocab)
         lse_rows = torch.empty_like(loss_rows)

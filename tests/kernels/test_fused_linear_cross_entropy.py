@@ -99,9 +99,9 @@ def test_matches_reference(vocab, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_each_option(name, dtype, borrow, device):
-    """8-token chunks at hidden 32: their logits fill exactly a quarter of the weight gradient, so with
-    `borrow_weight_grad` they live there and those rows are filled at the end."""
-    run_case(37, 32, 127, dtype, device, chunk_size=8, borrow_weight_grad=borrow, **OPTIONS[name])
+    """8-token chunks at hidden 32: their logits fill a quarter of the weight gradient and outweigh the hidden
+    gradient, so with `borrow_weight_grad` they live there and those rows are filled at the end."""
+    run_case(37, 32, 257, dtype, device, chunk_size=8, borrow_weight_grad=borrow, **OPTIONS[name])
 
 
 @pytest.mark.parametrize("name", list(COMBINED))
@@ -116,7 +116,7 @@ def test_borrowed_rows_filled_in_tiles_of_tokens(name, device, monkeypatch):
     """The filling in tiles of 5 tokens x 8 columns (a ragged last tile of each), accumulating over the tiles."""
     monkeypatch.setattr(flce_module, "STRIPE_TILE_BYTES", 8 * 5 * 4)
     assert flce_module.stripe_tile(37, 32, 32, 4) == (8, 5)
-    run_case(37, 32, 127, torch.float32, device, chunk_size=8, **OPTIONS[name])
+    run_case(37, 32, 257, torch.float32, device, chunk_size=8, **OPTIONS[name])
 
 
 def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(device, monkeypatch):
@@ -125,18 +125,27 @@ def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(devi
     monkeypatch.setattr(
         flce_module, "fill_borrowed_rows", lambda rows, *args: filled.append(len(rows)) or fill(rows, *args)
     )
-    h, w, _, target = make_inputs(37, 32, 127, torch.float32, device, 0, with_bias=False)
-    for chunk, borrow, frozen, rows in ((8, True, False, 32), (9, True, False, None), (8, False, False, None),
-                                        (8, True, True, None), (1, True, False, 8)):  # fmt: skip
+    h, w, _, target = make_inputs(37, 32, 257, torch.float32, device, 0, with_bias=False)
+    cases = [  # (chunk, borrow_weight_grad, frozen head, rows filled at the end)
+        (8, True, False, 72),
+        (9, True, False, None),  # more than a quarter of the weight gradient
+        (8, False, False, None),
+        (8, True, True, None),  # no weight gradient
+        (5, True, False, 48),
+        (4, True, False, None),  # no more than the hidden gradient
+    ]
+    for chunk, borrow, frozen, rows in cases:
         filled.clear()
         hl, wl = leaves(h, w)
         wl.requires_grad_(not frozen)
         fused_linear_cross_entropy(hl, wl, target, chunk_size=chunk, borrow_weight_grad=borrow).backward()
         assert filled == ([rows] if rows else []), (chunk, borrow, frozen)
-    assert flce_module.borrowed_rows(1024, 128256, 4096, 2, 2) == 32064  # a quarter of Llama 3's head
-    assert flce_module.borrowed_rows(1024, 128256, 4096, 2, 4) == 16032  # a float32 accumulator: an eighth
-    assert flce_module.borrowed_rows(1025, 128256, 4096, 2, 2) == 0
-    assert flce_module.borrowed_rows(1024, 128256, 2048, 2, 2) == 0  # Llama 3.2 1B: half its head, not borrowed
+    assert flce_module.borrowed_rows(8192, 1024, 128256, 4096, 2, 2) == 32064  # a quarter of Llama 3's head
+    assert flce_module.borrowed_rows(8192, 1024, 128256, 4096, 2, 4) == 16032  # a float32 accumulator: an eighth
+    assert flce_module.borrowed_rows(8192, 1025, 128256, 4096, 2, 2) == 0
+    assert flce_module.borrowed_rows(8192, 1024, 128256, 2048, 2, 2) == 0  # Llama 3.2 1B: half its head
+    assert flce_module.borrowed_rows(16384, 1024, 128256, 4096, 2, 2) == 32064
+    assert flce_module.borrowed_rows(32768, 1024, 128256, 4096, 2, 2) == 0  # the chunk is less than dhidden
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

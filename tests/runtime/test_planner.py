@@ -134,18 +134,22 @@ def test_fused_loss_removes_the_logits():
 
 
 def test_fused_loss_at_hidden_4096_holds_its_logits_in_the_head_gradient():
-    """Llama-3-8B's head: the op's 1024-token chunk is a quarter of the head's gradient and lives there, so the
-    loss's own buffer is one 16 MiB tile of the filling of those rows (1024 columns x 8192 tokens), not a chunk."""
+    """Llama-3-8B's head, 8192 tokens: the op's 1024-token chunk is a quarter of the head's gradient and more than
+    the hidden gradient, so it lives in the head's gradient and the loss's own buffer is one 16 MiB tile of the
+    filling of those rows (1024 columns x 8192 tokens)."""
     shape = dataclasses.replace(LLAMA_1B, hidden=4096)
-    tokens = 8 * 4096
-    fused = planner.loss_bytes(bf16_work(shape, 4096), 8, fused=True)
+    tokens, chunk_logits = 2 * 4096, 1024 * 128256 * 2
+    fused = planner.loss_bytes(bf16_work(shape, 4096), 2, fused=True)
     assert fused == 2 * tokens * 4096 + 2 * 128256 * 4096 + 8 * tokens + 8192 * 1024 * 2
     # A frozen head (LoRA) has no gradient to hold them: one 1024-token chunk of logits.
-    lora = planner.loss_bytes(bf16_work(shape, 4096, lora_rank=8), 8, fused=True)
-    assert lora == 2 * tokens * 4096 + 8 * tokens + 1024 * 128256 * 2
-    # Llama-3.2-1B's 1024-token chunk is half its head's gradient: a buffer of its own.
-    small = planner.loss_bytes(bf16_work(LLAMA_1B, 4096), 8, fused=True)
-    assert small == 2 * tokens * 2048 + 2 * 128256 * 2048 + 8 * tokens + 1024 * 128256 * 2
+    lora = planner.loss_bytes(bf16_work(shape, 4096, lora_rank=8), 2, fused=True)
+    assert lora == 2 * tokens * 4096 + 8 * tokens + chunk_logits
+    # At 32768 tokens the hidden gradient outweighs the chunk: a buffer of its own, as for Llama-3.2-1B's chunk,
+    # which is half its head's gradient.
+    long = planner.loss_bytes(bf16_work(shape, 4096), 8, fused=True)
+    assert long == 2 * 4 * tokens * 4096 + 2 * 128256 * 4096 + 8 * 4 * tokens + chunk_logits
+    small = planner.loss_bytes(bf16_work(LLAMA_1B, 4096), 2, fused=True)
+    assert small == 2 * tokens * 2048 + 2 * 128256 * 2048 + 8 * tokens + chunk_logits
 
 
 def test_loss_chunks_grow_only_into_memory_the_step_holds_anyway():
