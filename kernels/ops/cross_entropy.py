@@ -501,6 +501,17 @@ def _launch_config(n_rows: int, n_cols: int, element_size: int, device: torch.de
     return programs, block_v, warps, min(launch.lane, block_v)
 
 
+def _option_flags(options: LossOptions, class_weight: torch.Tensor | None, row_scale: torch.Tensor | None) -> dict:
+    """The kernels' compile-time switches for the loss options in use."""
+    return {
+        "HAS_WEIGHT": class_weight is not None,
+        "HAS_SMOOTHING": options.label_smoothing > 0,
+        "HAS_Z": options.lse_square_scale > 0,
+        "HAS_SOFTCAP": options.softcap is not None,
+        "HAS_ROW_SCALE": row_scale is not None,
+    }
+
+
 def cross_entropy_rows(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -537,11 +548,7 @@ def cross_entropy_rows(
         options.label_smoothing,
         options.lse_square_scale,
         options.softcap if options.softcap is not None else 1.0,
-        HAS_WEIGHT=class_weight is not None,
-        HAS_SMOOTHING=options.label_smoothing > 0,
-        HAS_Z=options.lse_square_scale > 0,
-        HAS_SOFTCAP=options.softcap is not None,
-        HAS_ROW_SCALE=row_scale is not None,
+        **_option_flags(options, class_weight, row_scale),
         STORE_Z=z_out is not None,
         STORE_LSE=lse_out is not None,
         WRITE_GRAD=write_grad,
@@ -587,11 +594,7 @@ def gradient_columns(
         options.label_smoothing,
         options.lse_square_scale,
         options.softcap if options.softcap is not None else 1.0,
-        HAS_WEIGHT=class_weight is not None,
-        HAS_SMOOTHING=options.label_smoothing > 0,
-        HAS_Z=options.lse_square_scale > 0,
-        HAS_SOFTCAP=options.softcap is not None,
-        HAS_ROW_SCALE=row_scale is not None,
+        **_option_flags(options, class_weight, row_scale),
         BLOCK=block,
         num_warps=warps_for(block),
         **LAUNCH_OPTIONS,

@@ -555,8 +555,11 @@ def fused_linear_cross_entropy(
     module docstring for the chunking and the chunk-size rule (`chunk_size` overrides it). The input
     gradients are computed during the forward (when `hidden`, `weight` or `bias` require them), so
     the backward is a scale by the incoming gradient; one backward per forward. `accumulate_in_fp32`
-    sums the weight gradient over chunks in float32 (cast to the weight's dtype at the end). A frozen
-    head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
+    sums the weight gradient over chunks in float32 (cast to the weight's dtype at the end).
+    `borrow_weight_grad` holds each chunk's logits in the weight gradient's first rows where they fit in a
+    quarter of it and outweigh the hidden gradient, and fills those rows at the end (the module docstring):
+    no logits buffer, for a quarter of the vocabulary's logits product again; `False` gives the chunk a buffer
+    of its own. A frozen head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
     autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
     A DTensor argument (a sharded weight) is gathered with `full_tensor()`, which is differentiable: the
     weight gradient returns to each rank's shard (this rank's gradient, not summed over ranks).
