@@ -28,6 +28,11 @@ runs at half its rate (docs/benchmarks.md). In the 1B end-to-end step (hidden 20
 gave 512-token chunks, and the step's matrix products took 6 ms longer than Liger-Kernel's (its rule gives
 1024 there): hence the floor. `chunk_size=` overrides the rule.
 
+Ignored tokens: with `check_targets=True` the op already synchronizes with the host to check the targets, so it
+also takes the positions of the tokens whose target is not `ignore_index` and runs the pass over those alone
+(`pass_over_kept_tokens`): an ignored token's loss and gradients are zero, so its logits are never computed. In
+fine-tuning, where the prompt's tokens are ignored, that is work saved in proportion.
+
 Where the chunk's logits live (`borrow_weight_grad=True`, the default): the weight gradient exists before the
 first chunk and fills only as chunks add to it, so its first `R` rows (the logits' bytes, rounded to 8 rows)
 hold the chunk's logits instead of a buffer of their own. The chunks add to `grad_weight[R:]` only, the
@@ -207,13 +212,22 @@ def chunked_pass(
     want: tuple[bool, bool, bool],
     row_scale: torch.Tensor | None = None,
     borrow_weight_grad: bool = True,
+    skip_ignored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over the token chunks; returns (loss_rows, z_rows, grad_hidden, grad_weight, grad_bias).
 
     `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
     logits gradient (the `reduction="none"` backward); `borrow_weight_grad` holds the logits in the weight
-    gradient's first rows where `borrowed_rows` allows (module docstring).
+    gradient's first rows where `borrowed_rows` allows (module docstring); `skip_ignored` finds the tokens
+    whose target is `ignore_index` (one device sync) and runs the pass over the others alone.
     """
+    if skip_ignored:
+        kept = torch.nonzero(target != options.ignore_index).squeeze(1)
+        if kept.numel() < target.numel():
+            return pass_over_kept_tokens(
+                kept, hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32,
+                want, row_scale, borrow_weight_grad,
+            )  # fmt: skip
     want_hidden, want_weight, want_bias = want
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
@@ -276,6 +290,43 @@ def chunked_pass(
     return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
 
 
+def pass_over_kept_tokens(
+    kept: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    scales: torch.Tensor,
+    options: LossOptions,
+    chunk_size: int | None,
+    accumulate_in_fp32: bool,
+    want: tuple[bool, bool, bool],
+    row_scale: torch.Tensor | None,
+    borrow_weight_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`chunked_pass` over the tokens at positions `kept` only: an ignored token's loss and gradients are zero,
+    so its logits are never computed. The scales already count every token."""
+    n_tokens = hidden.shape[0]
+    if kept.numel():
+        rows = chunked_pass(
+            hidden.index_select(0, kept), weight, target.index_select(0, kept), bias, class_weight, scales, options,
+            chunk_size, accumulate_in_fp32, want, row_scale.index_select(0, kept) if row_scale is not None else None,
+            borrow_weight_grad,
+        )  # fmt: skip
+    else:
+        nothing = kept.new_zeros(0, dtype=torch.float32)
+        zeros = [torch.zeros_like(t) if on else None for t, on in zip((hidden, weight, bias), want, strict=True)]
+        rows = (nothing, nothing if options.return_z_loss else None, *zeros)
+    loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = rows
+    loss_rows = loss_rows.new_zeros(n_tokens).index_copy_(0, kept, loss_rows)
+    if z_rows is not None:
+        z_rows = z_rows.new_zeros(n_tokens).index_copy_(0, kept, z_rows)
+    if grad_hidden is not None and grad_hidden.shape[0] != n_tokens:
+        grad_hidden = grad_hidden.new_zeros(hidden.shape).index_copy_(0, kept, grad_hidden)
+    return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
+
+
 def fill_borrowed_rows(
     grad_rows: torch.Tensor,
     hidden: torch.Tensor,
@@ -315,11 +366,11 @@ def fill_borrowed_rows(
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow):
+    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow, skip):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         scales = loss_scales(target, class_weight, weight.shape[0], options)
         ctx.options, ctx.accumulate_in_fp32, ctx.chunk_size, ctx.want = options, accumulate_in_fp32, chunk_size, want
-        ctx.borrow = borrow
+        ctx.borrow, ctx.skip = borrow, skip
         with torch.autocast(hidden.device.type, enabled=False):
             if options.reduction == "none":
                 # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
@@ -334,12 +385,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     chunk_size,
                     accumulate_in_fp32,
                     (False, False, False),
+                    skip_ignored=skip,
                 )
                 ctx.save_for_backward(hidden, weight, target, bias, class_weight, scales)
             else:
                 loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = chunked_pass(
                     hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
-                    borrow_weight_grad=borrow,
+                    borrow_weight_grad=borrow, skip_ignored=skip,
                 )  # fmt: skip
                 ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         loss, z_loss = reduce_rows(loss_rows, z_rows, options)
@@ -367,10 +419,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     ctx.want,
                     row_scale=grad_loss,
                     borrow_weight_grad=ctx.borrow,
+                    skip_ignored=ctx.skip,
                 )
         else:
             grad_hidden, grad_weight, grad_bias = scale_saved_gradients(ctx, "fused_linear_cross_entropy", grad_loss)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
 @torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
@@ -409,7 +462,7 @@ def fused_linear_cross_entropy_op(
     with torch.autocast(hidden.device.type, enabled=False):
         loss_rows, z_rows, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
-            borrow_weight_grad=borrow_weight_grad,
+            borrow_weight_grad=borrow_weight_grad, skip_ignored=check_targets,
         )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
     fresh = [loss, z_loss, *grads]  # outputs may not alias each other: a new empty tensor per missing one
@@ -443,6 +496,7 @@ def fused_linear_cross_entropy_backward_op(
     accumulate_in_fp32: bool,
     chunk_size: int | None,
     borrow_weight_grad: bool,
+    skip_ignored: bool,
     want: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none": the chunked pass again, each token's logits gradient scaled by its incoming gradient."""
@@ -452,14 +506,14 @@ def fused_linear_cross_entropy_backward_op(
     with torch.autocast(hidden.device.type, enabled=False):
         _, _, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, tuple(want),
-            row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad,
+            row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad, skip_ignored=skip_ignored,
         )  # fmt: skip
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-      accumulate_in_fp32, chunk_size, borrow_weight_grad, want):  # fmt: skip
+      accumulate_in_fp32, chunk_size, borrow_weight_grad, skip_ignored, want):  # fmt: skip
     return tuple(
         t.new_empty(t.shape) if on else hidden.new_empty(0) for t, on in zip((hidden, weight, bias), want, strict=True)
     )
@@ -467,12 +521,13 @@ def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label
 
 def _flce_setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, _, ignore_index, label_smoothing, reduction = inputs[:9]
-    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
+    lse_square_scale, softcap, _, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
     ctx.want, ctx.reduction = want, reduction
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, class_weight)
         ctx.options = (
-            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size, borrow_weight_grad
+            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size,
+            borrow_weight_grad, check_targets,
         )  # fmt: skip
     else:
         ctx.save_for_backward(*output[2:])
@@ -559,7 +614,10 @@ def fused_linear_cross_entropy(
     `borrow_weight_grad` holds each chunk's logits in the weight gradient's first rows where they fit in a
     quarter of it and outweigh the hidden gradient, and fills those rows at the end (the module docstring):
     no logits buffer, for a quarter of the vocabulary's logits product again; `False` gives the chunk a buffer
-    of its own. A frozen head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
+    of its own. `check_targets=True` (the default) syncs with the host for its check, and then also finds the
+    tokens whose target is `ignore_index` and runs the pass over the others alone (their logits are never
+    computed); `False` skips both and computes every token. A frozen head (`weight.requires_grad=False`) skips
+    its gradient; a head tied to the embedding works as
     autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
     A DTensor argument (a sharded weight) is gathered with `full_tensor()`, which is differentiable: the
     weight gradient returns to each rank's shard (this rank's gradient, not summed over ranks).
@@ -607,8 +665,9 @@ def fused_linear_cross_entropy(
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad
-        )
+            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad,
+            check_targets,
+        )  # fmt: skip
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     with torch.autocast(hidden.device.type, enabled=False):
         loss_rows, z_rows, *_ = chunked_pass(
@@ -622,6 +681,7 @@ def fused_linear_cross_entropy(
             chunk_size,
             accumulate_in_fp32,
             (False, False, False),
+            skip_ignored=check_targets,
         )
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
     return (loss, z_loss) if return_z_loss else loss
