@@ -29,9 +29,10 @@ gave 512-token chunks, and the step's matrix products took 6 ms longer than Lige
 1024 there): hence the floor. `chunk_size=` overrides the rule.
 
 Ignored tokens: with `check_targets=True` the op already synchronizes with the host to check the targets, so it
-also takes the positions of the tokens whose target is not `ignore_index` and runs the pass over those alone
-(`pass_over_kept_tokens`): an ignored token's loss and gradients are zero, so its logits are never computed. In
-fine-tuning, where the prompt's tokens are ignored, that is work saved in proportion.
+also takes the positions of the tokens whose target is not `ignore_index` and runs the pass over those alone,
+gathering their hidden states a chunk at a time and writing their hidden gradient back to their rows: an ignored
+token's loss and gradients are zero, so its logits are never computed. In fine-tuning, where the prompt's tokens
+are ignored, that is work saved in proportion, for two chunks of hidden states' memory.
 
 Where the chunk's logits live (`borrow_weight_grad=True`, the default): the weight gradient exists before the
 first chunk and fills only as chunks add to it, so its first `R` rows (the logits' bytes, rounded to 8 rows)
@@ -102,11 +103,12 @@ def borrowed_rows(n_tokens: int, chunk: int, vocab: int, hidden: int, itemsize: 
     return min(vocab, -(-rows // STRIPE_ALIGN) * STRIPE_ALIGN)
 
 
-def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int) -> tuple[int, int]:
+def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int, gather: bool = False) -> tuple[int, int]:
     """(columns, tokens) of one tile of logits when the borrowed rows are filled: hidden / 4 columns, aligned, and
-    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits, so that the filling's memory is flat in tokens."""
+    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits (and, when `gather`ed, of hidden states), so
+    that the filling's memory is flat in tokens."""
     columns = min(rows, max(STRIPE_ALIGN, hidden // 4 // STRIPE_ALIGN * STRIPE_ALIGN))
-    tiles = -(-n_tokens * columns * itemsize // STRIPE_TILE_BYTES)
+    tiles = -(-n_tokens * max(columns, hidden if gather else 0) * itemsize // STRIPE_TILE_BYTES)
     return columns, -(-n_tokens // tiles)
 
 
@@ -219,28 +221,32 @@ def chunked_pass(
     `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
     logits gradient (the `reduction="none"` backward); `borrow_weight_grad` holds the logits in the weight
     gradient's first rows where `borrowed_rows` allows (module docstring); `skip_ignored` finds the tokens
-    whose target is `ignore_index` (one device sync) and runs the pass over the others alone.
+    whose target is `ignore_index` (one device sync) and computes the others alone, gathering their hidden
+    states a chunk at a time.
     """
-    if skip_ignored:
-        kept = torch.nonzero(target != options.ignore_index).squeeze(1)
-        if kept.numel() < target.numel():
-            return pass_over_kept_tokens(
-                kept, hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32,
-                want, row_scale, borrow_weight_grad,
-            )  # fmt: skip
     want_hidden, want_weight, want_bias = want
-    n_tokens, hidden_size = hidden.shape
+    n_all, hidden_size = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
+    kept = None
+    if skip_ignored:
+        positions = torch.nonzero(target != options.ignore_index).squeeze(1)
+        if positions.numel() < n_all:
+            kept, target = positions, target.index_select(0, positions)
+            row_scale = row_scale.index_select(0, positions) if row_scale is not None else None
+    n_tokens = target.shape[0]  # the tokens computed
     write_grad = want_hidden or want_weight or want_bias
     loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
     z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
     accumulate_dtype = torch.float32 if accumulate_in_fp32 else weight.dtype
-    grad_hidden = torch.empty((n_tokens, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
-    grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
+    new_hidden = torch.empty if kept is None else torch.zeros  # an ignored token's gradient is zero
+    new_weight = torch.empty if n_tokens else torch.zeros  # no token adds to it
+    grad_hidden = new_hidden((n_all, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
+    grad_weight = new_weight((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
 
-    chunk = min(n_tokens, chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, hidden.element_size(), device))
+    rule = choose_chunk_size(max(n_tokens, 1), vocab, hidden_size, hidden.element_size(), device)
+    chunk = max(1, min(n_tokens, chunk_size or rule))
     borrowed = 0
     if want_weight and borrow_weight_grad:
         itemsize = hidden.element_size()
@@ -254,7 +260,7 @@ def chunked_pass(
     weight_t = weight.t()
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
-        hidden_chunk = hidden[start:end]
+        hidden_chunk = token_rows(hidden, kept, start, end)
         logits = buffer[: end - start]
         if bias is None:
             torch.mm(hidden_chunk, weight_t, out=logits)
@@ -272,17 +278,24 @@ def chunked_pass(
             row_scale[start:end] if row_scale is not None else None,
             lse_rows[start:end] if lse_rows is not None else None,
         )
-        if want_hidden:
-            torch.mm(logits, weight, out=grad_hidden[start:end])
         if want_weight:
             accumulate_product(grad_weight[borrowed:], logits[:, borrowed:].t(), hidden_chunk, first=start == 0)
+        if want_hidden:
+            if kept is None:
+                torch.mm(logits, weight, out=grad_hidden[start:end])
+            else:  # into the gathered chunk, done with, then to the tokens' rows
+                grad_hidden.index_copy_(0, kept[start:end], torch.mm(logits, weight, out=hidden_chunk))
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
-    logits = buffer = None  # free the chunk buffer before the weight gradient's cast
+    logits = buffer = hidden_chunk = None  # free the chunk's buffers before the filling and the weight gradient's cast
     if borrowed:
         fill_borrowed_rows(
-            grad_weight[:borrowed], hidden, weight, target, bias, class_weight, scales, options, lse_rows, row_scale
-        )
+            grad_weight[:borrowed], hidden, kept, weight, target, bias, class_weight, scales, options, lse_rows,
+            row_scale,
+        )  # fmt: skip
+    if kept is not None:
+        loss_rows = loss_rows.new_zeros(n_all).index_copy_(0, kept, loss_rows)
+        z_rows = z_rows.new_zeros(n_all).index_copy_(0, kept, z_rows) if z_rows is not None else None
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -290,46 +303,16 @@ def chunked_pass(
     return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
 
 
-def pass_over_kept_tokens(
-    kept: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    scales: torch.Tensor,
-    options: LossOptions,
-    chunk_size: int | None,
-    accumulate_in_fp32: bool,
-    want: tuple[bool, bool, bool],
-    row_scale: torch.Tensor | None,
-    borrow_weight_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """`chunked_pass` over the tokens at positions `kept` only: an ignored token's loss and gradients are zero,
-    so its logits are never computed. The scales already count every token."""
-    n_tokens = hidden.shape[0]
-    if kept.numel():
-        rows = chunked_pass(
-            hidden.index_select(0, kept), weight, target.index_select(0, kept), bias, class_weight, scales, options,
-            chunk_size, accumulate_in_fp32, want, row_scale.index_select(0, kept) if row_scale is not None else None,
-            borrow_weight_grad,
-        )  # fmt: skip
-    else:
-        nothing = kept.new_zeros(0, dtype=torch.float32)
-        zeros = [torch.zeros_like(t) if on else None for t, on in zip((hidden, weight, bias), want, strict=True)]
-        rows = (nothing, nothing if options.return_z_loss else None, *zeros)
-    loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = rows
-    loss_rows = loss_rows.new_zeros(n_tokens).index_copy_(0, kept, loss_rows)
-    if z_rows is not None:
-        z_rows = z_rows.new_zeros(n_tokens).index_copy_(0, kept, z_rows)
-    if grad_hidden is not None and grad_hidden.shape[0] != n_tokens:
-        grad_hidden = grad_hidden.new_zeros(hidden.shape).index_copy_(0, kept, grad_hidden)
-    return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
+def token_rows(hidden: torch.Tensor, kept: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    """The hidden states of the computed tokens `start:end`: a view, or with `kept` (the positions of the tokens not
+    ignored) a gathered copy."""
+    return hidden[start:end] if kept is None else hidden.index_select(0, kept[start:end])
 
 
 def fill_borrowed_rows(
     grad_rows: torch.Tensor,
     hidden: torch.Tensor,
+    kept: torch.Tensor | None,
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None,
@@ -341,17 +324,18 @@ def fill_borrowed_rows(
 ) -> None:
     """Write the weight gradient's first rows `grad_rows` (the ones that held the chunks' logits), a tile of columns
     and tokens at a time (`stripe_tile`): the tile's logits again, their gradient from each token's logsumexp, then
-    `grad_rows[columns] (+)= dlogits.T @ hidden[tokens]`."""
-    n_tokens, hidden_size = hidden.shape
+    `grad_rows[columns] (+)= dlogits.T @ hidden[tokens]`. `target`, `lse_rows` and `row_scale` are the computed
+    tokens', at the positions `kept` of `hidden` (all of them when None)."""
+    n_tokens, hidden_size = target.shape[0], hidden.shape[1]
     rows = grad_rows.shape[0]
-    columns, tokens = stripe_tile(n_tokens, rows, hidden_size, hidden.element_size())
+    columns, tokens = stripe_tile(n_tokens, rows, hidden_size, hidden.element_size(), gather=kept is not None)
     buffer = torch.empty(columns * tokens, dtype=hidden.dtype, device=hidden.device)
     for top in range(0, rows, columns):
         bottom = min(top + columns, rows)
         weight_t = weight[top:bottom].t()
         for start in range(0, n_tokens, tokens):
             end = min(start + tokens, n_tokens)
-            hidden_tile = hidden[start:end]
+            hidden_tile = token_rows(hidden, kept, start, end)
             logits = buffer[: (end - start) * (bottom - top)].view(end - start, bottom - top)
             if bias is None:
                 torch.mm(hidden_tile, weight_t, out=logits)
