@@ -245,8 +245,8 @@ def chunked_pass(
     grad_weight = new_weight((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
 
-    rule = choose_chunk_size(max(n_tokens, 1), vocab, hidden_size, hidden.element_size(), device)
-    chunk = max(1, min(n_tokens, chunk_size or rule))
+    chunk = chunk_size or choose_chunk_size(max(n_tokens, 1), vocab, hidden_size, hidden.element_size(), device)
+    chunk = max(1, min(n_tokens, chunk))
     borrowed = 0
     if want_weight and borrow_weight_grad:
         itemsize = hidden.element_size()
@@ -278,13 +278,12 @@ def chunked_pass(
             row_scale[start:end] if row_scale is not None else None,
             lse_rows[start:end] if lse_rows is not None else None,
         )
+        if want_hidden and kept is None:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
         if want_weight:
             accumulate_product(grad_weight[borrowed:], logits[:, borrowed:].t(), hidden_chunk, first=start == 0)
-        if want_hidden:
-            if kept is None:
-                torch.mm(logits, weight, out=grad_hidden[start:end])
-            else:  # into the gathered chunk, done with, then to the tokens' rows
-                grad_hidden.index_copy_(0, kept[start:end], torch.mm(logits, weight, out=hidden_chunk))
+        if want_hidden and kept is not None:  # into the gathered chunk, now done with, then to the tokens' rows
+            grad_hidden.index_copy_(0, kept[start:end], torch.mm(logits, weight, out=hidden_chunk))
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
     logits = buffer = hidden_chunk = None  # free the chunk's buffers before the filling and the weight gradient's cast
