@@ -28,12 +28,6 @@ runs at half its rate (docs/benchmarks.md). In the 1B end-to-end step (hidden 20
 gave 512-token chunks, and the step's matrix products took 6 ms longer than Liger-Kernel's (its rule gives
 1024 there): hence the floor. `chunk_size=` overrides the rule.
 
-Ignored tokens: with `check_targets=True` the op already synchronizes with the host to check the targets, so it
-also takes the positions of the tokens whose target is not `ignore_index` and runs the pass over those alone,
-gathering their hidden states a chunk at a time and writing their hidden gradient back to their rows: an ignored
-token's loss and gradients are zero, so its logits are never computed. In fine-tuning, where the prompt's tokens
-are ignored, that is work saved in proportion, for two chunks of hidden states' memory.
-
 Where the chunk's logits live (`borrow_weight_grad=True`, the default): the weight gradient exists before the
 first chunk and fills only as chunks add to it, so its first `R` rows (the logits' bytes, rounded to 8 rows)
 hold the chunk's logits instead of a buffer of their own. The chunks add to `grad_weight[R:]` only, the
@@ -103,12 +97,11 @@ def borrowed_rows(n_tokens: int, chunk: int, vocab: int, hidden: int, itemsize: 
     return min(vocab, -(-rows // STRIPE_ALIGN) * STRIPE_ALIGN)
 
 
-def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int, gather: bool = False) -> tuple[int, int]:
+def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int) -> tuple[int, int]:
     """(columns, tokens) of one tile of logits when the borrowed rows are filled: hidden / 4 columns, aligned, and
-    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits (and, when `gather`ed, of hidden states), so
-    that the filling's memory is flat in tokens."""
+    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits, so that the filling's memory is flat in tokens."""
     columns = min(rows, max(STRIPE_ALIGN, hidden // 4 // STRIPE_ALIGN * STRIPE_ALIGN))
-    tiles = -(-n_tokens * max(columns, hidden if gather else 0) * itemsize // STRIPE_TILE_BYTES)
+    tiles = -(-n_tokens * columns * itemsize // STRIPE_TILE_BYTES)
     return columns, -(-n_tokens // tiles)
 
 
@@ -214,39 +207,26 @@ def chunked_pass(
     want: tuple[bool, bool, bool],
     row_scale: torch.Tensor | None = None,
     borrow_weight_grad: bool = True,
-    skip_ignored: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over the token chunks; returns (loss_rows, z_rows, grad_hidden, grad_weight, grad_bias).
 
     `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
     logits gradient (the `reduction="none"` backward); `borrow_weight_grad` holds the logits in the weight
-    gradient's first rows where `borrowed_rows` allows (module docstring); `skip_ignored` finds the tokens
-    whose target is `ignore_index` (one device sync) and computes the others alone, gathering their hidden
-    states a chunk at a time.
+    gradient's first rows where `borrowed_rows` allows (module docstring).
     """
     want_hidden, want_weight, want_bias = want
-    n_all, hidden_size = hidden.shape
+    n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
-    kept = None
-    if skip_ignored:
-        positions = torch.nonzero(target != options.ignore_index).squeeze(1)
-        if positions.numel() < n_all:
-            kept, target = positions, target.index_select(0, positions)
-            row_scale = row_scale.index_select(0, positions) if row_scale is not None else None
-    n_tokens = target.shape[0]  # the tokens computed
     write_grad = want_hidden or want_weight or want_bias
     loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
     z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
     accumulate_dtype = torch.float32 if accumulate_in_fp32 else weight.dtype
-    new_hidden = torch.empty if kept is None else torch.zeros  # an ignored token's gradient is zero
-    new_weight = torch.empty if n_tokens else torch.zeros  # no token adds to it
-    grad_hidden = new_hidden((n_all, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
-    grad_weight = new_weight((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
+    grad_hidden = torch.empty((n_tokens, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
+    grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias else None
 
-    chunk = chunk_size or choose_chunk_size(max(n_tokens, 1), vocab, hidden_size, hidden.element_size(), device)
-    chunk = max(1, min(n_tokens, chunk))
+    chunk = min(n_tokens, chunk_size or choose_chunk_size(n_tokens, vocab, hidden_size, hidden.element_size(), device))
     borrowed = 0
     if want_weight and borrow_weight_grad:
         itemsize = hidden.element_size()
@@ -260,7 +240,7 @@ def chunked_pass(
     weight_t = weight.t()
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
-        hidden_chunk = token_rows(hidden, kept, start, end)
+        hidden_chunk = hidden[start:end]
         logits = buffer[: end - start]
         if bias is None:
             torch.mm(hidden_chunk, weight_t, out=logits)
@@ -278,23 +258,17 @@ def chunked_pass(
             row_scale[start:end] if row_scale is not None else None,
             lse_rows[start:end] if lse_rows is not None else None,
         )
-        if want_hidden and kept is None:
+        if want_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if want_weight:
             accumulate_product(grad_weight[borrowed:], logits[:, borrowed:].t(), hidden_chunk, first=start == 0)
-        if want_hidden and kept is not None:  # into the gathered chunk, now done with, then to the tokens' rows
-            grad_hidden.index_copy_(0, kept[start:end], torch.mm(logits, weight, out=hidden_chunk))
         if want_bias:
             grad_bias += logits.sum(0, dtype=torch.float32)
-    logits = buffer = hidden_chunk = None  # free the chunk's buffers before the filling and the weight gradient's cast
+    logits = buffer = None  # free the chunk buffer before the weight gradient's cast
     if borrowed:
         fill_borrowed_rows(
-            grad_weight[:borrowed], hidden, kept, weight, target, bias, class_weight, scales, options, lse_rows,
-            row_scale,
-        )  # fmt: skip
-    if kept is not None:
-        loss_rows = loss_rows.new_zeros(n_all).index_copy_(0, kept, loss_rows)
-        z_rows = z_rows.new_zeros(n_all).index_copy_(0, kept, z_rows) if z_rows is not None else None
+            grad_weight[:borrowed], hidden, weight, target, bias, class_weight, scales, options, lse_rows, row_scale
+        )
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -302,16 +276,9 @@ def chunked_pass(
     return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
 
 
-def token_rows(hidden: torch.Tensor, kept: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
-    """The hidden states of the computed tokens `start:end`: a view, or with `kept` (the positions of the tokens not
-    ignored) a gathered copy."""
-    return hidden[start:end] if kept is None else hidden.index_select(0, kept[start:end])
-
-
 def fill_borrowed_rows(
     grad_rows: torch.Tensor,
     hidden: torch.Tensor,
-    kept: torch.Tensor | None,
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None,
@@ -323,18 +290,17 @@ def fill_borrowed_rows(
 ) -> None:
     """Write the weight gradient's first rows `grad_rows` (the ones that held the chunks' logits), a tile of columns
     and tokens at a time (`stripe_tile`): the tile's logits again, their gradient from each token's logsumexp, then
-    `grad_rows[columns] (+)= dlogits.T @ hidden[tokens]`. `target`, `lse_rows` and `row_scale` are the computed
-    tokens', at the positions `kept` of `hidden` (all of them when None)."""
-    n_tokens, hidden_size = target.shape[0], hidden.shape[1]
+    `grad_rows[columns] (+)= dlogits.T @ hidden[tokens]`."""
+    n_tokens, hidden_size = hidden.shape
     rows = grad_rows.shape[0]
-    columns, tokens = stripe_tile(n_tokens, rows, hidden_size, hidden.element_size(), gather=kept is not None)
+    columns, tokens = stripe_tile(n_tokens, rows, hidden_size, hidden.element_size())
     buffer = torch.empty(columns * tokens, dtype=hidden.dtype, device=hidden.device)
     for top in range(0, rows, columns):
         bottom = min(top + columns, rows)
         weight_t = weight[top:bottom].t()
         for start in range(0, n_tokens, tokens):
             end = min(start + tokens, n_tokens)
-            hidden_tile = token_rows(hidden, kept, start, end)
+            hidden_tile = hidden[start:end]
             logits = buffer[: (end - start) * (bottom - top)].view(end - start, bottom - top)
             if bias is None:
                 torch.mm(hidden_tile, weight_t, out=logits)
@@ -349,11 +315,11 @@ def fill_borrowed_rows(
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow, skip):
+    def forward(ctx, hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         scales = loss_scales(target, class_weight, weight.shape[0], options)
         ctx.options, ctx.accumulate_in_fp32, ctx.chunk_size, ctx.want = options, accumulate_in_fp32, chunk_size, want
-        ctx.borrow, ctx.skip = borrow, skip
+        ctx.borrow = borrow
         with torch.autocast(hidden.device.type, enabled=False):
             if options.reduction == "none":
                 # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
@@ -368,13 +334,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     chunk_size,
                     accumulate_in_fp32,
                     (False, False, False),
-                    skip_ignored=skip,
                 )
                 ctx.save_for_backward(hidden, weight, target, bias, class_weight, scales)
             else:
                 loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = chunked_pass(
                     hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
-                    borrow_weight_grad=borrow, skip_ignored=skip,
+                    borrow_weight_grad=borrow,
                 )  # fmt: skip
                 ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         loss, z_loss = reduce_rows(loss_rows, z_rows, options)
@@ -402,11 +367,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     ctx.want,
                     row_scale=grad_loss,
                     borrow_weight_grad=ctx.borrow,
-                    skip_ignored=ctx.skip,
                 )
         else:
             grad_hidden, grad_weight, grad_bias = scale_saved_gradients(ctx, "fused_linear_cross_entropy", grad_loss)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
 
 
 @torch.library.custom_op("tigon::fused_linear_cross_entropy", mutates_args=())
@@ -445,7 +409,7 @@ def fused_linear_cross_entropy_op(
     with torch.autocast(hidden.device.type, enabled=False):
         loss_rows, z_rows, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
-            borrow_weight_grad=borrow_weight_grad, skip_ignored=check_targets,
+            borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
     fresh = [loss, z_loss, *grads]  # outputs may not alias each other: a new empty tensor per missing one
@@ -479,7 +443,6 @@ def fused_linear_cross_entropy_backward_op(
     accumulate_in_fp32: bool,
     chunk_size: int | None,
     borrow_weight_grad: bool,
-    skip_ignored: bool,
     want: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none": the chunked pass again, each token's logits gradient scaled by its incoming gradient."""
@@ -489,14 +452,14 @@ def fused_linear_cross_entropy_backward_op(
     with torch.autocast(hidden.device.type, enabled=False):
         _, _, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, tuple(want),
-            row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad, skip_ignored=skip_ignored,
+            row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-      accumulate_in_fp32, chunk_size, borrow_weight_grad, skip_ignored, want):  # fmt: skip
+      accumulate_in_fp32, chunk_size, borrow_weight_grad, want):  # fmt: skip
     return tuple(
         t.new_empty(t.shape) if on else hidden.new_empty(0) for t, on in zip((hidden, weight, bias), want, strict=True)
     )
@@ -504,13 +467,12 @@ def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label
 
 def _flce_setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, _, ignore_index, label_smoothing, reduction = inputs[:9]
-    lse_square_scale, softcap, _, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
+    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
     ctx.want, ctx.reduction = want, reduction
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, class_weight)
         ctx.options = (
-            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size,
-            borrow_weight_grad, check_targets,
+            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size, borrow_weight_grad
         )  # fmt: skip
     else:
         ctx.save_for_backward(*output[2:])
@@ -597,10 +559,7 @@ def fused_linear_cross_entropy(
     `borrow_weight_grad` holds each chunk's logits in the weight gradient's first rows where they fit in a
     quarter of it and outweigh the hidden gradient, and fills those rows at the end (the module docstring):
     no logits buffer, for a quarter of the vocabulary's logits product again; `False` gives the chunk a buffer
-    of its own. `check_targets=True` (the default) syncs with the host for its check, and then also finds the
-    tokens whose target is `ignore_index` and runs the pass over the others alone (their logits are never
-    computed); `False` skips both and computes every token. A frozen head (`weight.requires_grad=False`) skips
-    its gradient; a head tied to the embedding works as
+    of its own. A frozen head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
     autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
     A DTensor argument (a sharded weight) is gathered with `full_tensor()`, which is differentiable: the
     weight gradient returns to each rank's shard (this rank's gradient, not summed over ranks).
@@ -648,9 +607,8 @@ def fused_linear_cross_entropy(
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return FusedLinearCrossEntropyFunction.apply(
-            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad,
-            check_targets,
-        )  # fmt: skip
+            hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad
+        )
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     with torch.autocast(hidden.device.type, enabled=False):
         loss_rows, z_rows, *_ = chunked_pass(
@@ -664,7 +622,6 @@ def fused_linear_cross_entropy(
             chunk_size,
             accumulate_in_fp32,
             (False, False, False),
-            skip_ignored=check_targets,
         )
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
     return (loss, z_loss) if return_z_loss else loss

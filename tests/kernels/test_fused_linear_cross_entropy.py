@@ -218,31 +218,6 @@ def test_gradient_accumulation_with_num_items_in_batch(device):
     assert_close(bm.grad, bb.grad, torch.float32, "accumulated dbias")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_ignored_tokens_are_skipped_when_the_targets_are_checked(reduction, device, monkeypatch):
-    """check_targets=True already syncs with the host, so the op also finds the ignored tokens and computes only the
-    others' logits; the result is the one that computes every token (check_targets=False)."""
-    rows = []
-    kernel = flce_module.cross_entropy_rows
-    monkeypatch.setattr(
-        flce_module, "cross_entropy_rows", lambda logits, *a: rows.append(len(logits)) or kernel(logits, *a)
-    )
-    h, w, b, target = make_inputs(41, 32, 257, torch.float32, device, 7)
-    target[torch.rand(41, device=device) < 0.5] = IGNORE
-    kept = int((target != IGNORE).sum())
-    results = []
-    for check in (True, False):
-        rows.clear()
-        hl, wl, bl = leaves(h, w, b)
-        loss = fused_linear_cross_entropy(hl, wl, target, bl, reduction=reduction, chunk_size=8, check_targets=check)
-        loss.backward(torch.ones_like(loss))
-        assert sum(rows) == (kept if check else 41) * (2 if reduction == "none" else 1)
-        results.append((loss, hl.grad, wl.grad, bl.grad))
-    for ours, theirs, what in zip(*results, ("loss", "dhidden", "dweight", "dbias"), strict=True):
-        assert_close(ours, theirs, torch.float32, f"{what}, ignored tokens skipped", scale=0.1)
-    assert torch.equal(results[0][1][target == IGNORE], torch.zeros_like(h[target == IGNORE]))
-
-
 def test_reduction_none_scales_each_token_exactly(device):
     """Per-token incoming gradients (zeros and negatives too) reach the weight gradient exactly."""
     h, w, b, target = make_inputs(21, 16, 65, torch.float32, device, 5)
@@ -390,22 +365,19 @@ def test_gpu_memory_flat_in_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("check_targets", [False, True])
-def test_gpu_peak_memory_is_the_gradients_and_one_tile(check_targets):
+def test_gpu_peak_memory_is_the_gradients_and_one_stripe():
     """At the loss issue's shape the chunks' logits live in the weight gradient: beyond the inputs, the step holds
-    the two gradients, one 16 MiB tile of the borrowed rows' filling and the per-token rows; skipping the ignored
-    tokens (check_targets) adds the gathered hidden states of one tile."""
+    the two gradients, one 16 MiB tile of the borrowed rows' filling and the per-token rows."""
     tokens, hidden, vocab = 8192, 4096, 128256
     h, w, _, target = make_inputs(tokens, hidden, vocab, torch.bfloat16, "cuda", 0, with_bias=False)
     hl, wl = leaves(h, w)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fused_linear_cross_entropy(hl, wl, target, check_targets=check_targets).backward()
+    fused_linear_cross_entropy(hl, wl, target).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    tiles = 2 if check_targets else 1
-    bound = vocab * hidden * 2 + tokens * hidden * 2 + tiles * flce_module.STRIPE_TILE_BYTES + 2**20
+    bound = vocab * hidden * 2 + tokens * hidden * 2 + flce_module.STRIPE_TILE_BYTES + 2**20
     assert peak <= bound, f"peak {peak / 1e6:.1f} MB above {bound / 1e6:.1f} MB"
     h32, w32 = leaves(h, w, dtype=torch.float32)
     reference.fused_linear_cross_entropy(h32, w32, target).backward()
