@@ -79,8 +79,12 @@ def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool
     return built
 
 
-def import_deepspeed(device: torch.device):
-    """deepspeed, on the CPU accelerator when the run is on the CPU; a clear error when it is missing."""
+PRECISION_SUPPORT = {"fp16": "is_fp16_supported", "bf16": "is_bf16_supported"}  # the accelerator's own checks
+
+
+def import_deepspeed(device: torch.device, precision: str | None = None):
+    """deepspeed, on the CPU accelerator when the run is on the CPU; a clear error when it is missing, or when its
+    accelerator cannot run `precision` on this machine (DeepSpeed itself would refuse it inside `initialize`)."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
@@ -90,7 +94,21 @@ def import_deepspeed(device: torch.device):
             "parallelism.strategy: 'deepspeed' needs the deepspeed package; pip install 'tigon[deepspeed]'"
         ) from None
     forget_destroyed_world_group()
+    if precision is not None and not supports_precision(deepspeed, precision):
+        other = "bf16" if precision == "fp16" else "fp16"
+        raise ConfigError(
+            f"training.precision: {precision} with parallelism.strategy 'deepspeed': DeepSpeed's "
+            f"{deepspeed.get_accelerator().device_name()} accelerator cannot run {precision} on this machine (on a "
+            f"CPU it needs oneDNN's native {precision}, e.g. AVX512-FP16 for fp16); use precision {other} or fp32, "
+            "or parallelism.strategy 'ddp' or 'fsdp'"
+        )
     return deepspeed
+
+
+def supports_precision(deepspeed, precision: str) -> bool:
+    """Whether DeepSpeed's accelerator runs `precision` ("fp32", "fp16", "bf16") on this machine."""
+    check = PRECISION_SUPPORT.get(precision)
+    return check is None or bool(getattr(deepspeed.get_accelerator(), check)())
 
 
 def forget_destroyed_world_group() -> None:
@@ -116,7 +134,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         """`deepspeed.initialize` with the run's DeepSpeed config, AdamW over `trainer.param_groups`, the schedule."""
         from tigon.runtime.trainer import build_scheduler, param_groups
 
-        deepspeed = import_deepspeed(device)
+        deepspeed = import_deepspeed(device, config.training.precision)
         training = config.training
         groups = param_groups(module, training.weight_decay)
         if not groups:

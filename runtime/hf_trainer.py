@@ -275,7 +275,7 @@ def deepspeed_arguments(config: RunConfig, env: DistEnv, device: torch.device) -
         return {}
     from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed
 
-    import_deepspeed(device)  # on DeepSpeed's CPU accelerator on a CPU machine, before transformers imports it
+    import_deepspeed(device, config.training.precision)  # DeepSpeed's CPU accelerator on a CPU, before transformers
     return {"deepspeed": deepspeed_config(config, env.world_size, optimizer_section=False)}
 
 
