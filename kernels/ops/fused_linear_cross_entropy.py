@@ -194,6 +194,14 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, firs
         acc.add_(product)
 
 
+def logits_into(out: torch.Tensor, hidden: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`out = hidden @ weight_t (+ bias)` in one cuBLAS call into `out`."""
+    if bias is None:
+        torch.mm(hidden, weight_t, out=out)
+    else:
+        torch.addmm(bias, hidden, weight_t, out=out)
+
+
 def chunked_pass(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -242,10 +250,7 @@ def chunked_pass(
         end = min(start + chunk, n_tokens)
         hidden_chunk = hidden[start:end]
         logits = buffer[: end - start]
-        if bias is None:
-            torch.mm(hidden_chunk, weight_t, out=logits)
-        else:
-            torch.addmm(bias, hidden_chunk, weight_t, out=logits)
+        logits_into(logits, hidden_chunk, weight_t, bias)
         cross_entropy_rows(
             logits,
             target[start:end],
@@ -302,10 +307,7 @@ def fill_borrowed_rows(
             end = min(start + tokens, n_tokens)
             hidden_tile = hidden[start:end]
             logits = buffer[: (end - start) * (bottom - top)].view(end - start, bottom - top)
-            if bias is None:
-                torch.mm(hidden_tile, weight_t, out=logits)
-            else:
-                torch.addmm(bias[top:bottom], hidden_tile, weight_t, out=logits)
+            logits_into(logits, hidden_tile, weight_t, bias[top:bottom] if bias is not None else None)
             gradient_columns(
                 logits, top, weight.shape[0], lse_rows[start:end], target[start:end], class_weight, scales, options,
                 row_scale[start:end] if row_scale is not None else None,

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, loss_scales, scale_saved_gradients
-from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size
+from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size, logits_into
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
     check_chunk_size,
@@ -116,10 +116,7 @@ def _logits_into(
 ) -> torch.Tensor:
     """Write `hidden[rows] @ weight.T + bias` into `out` ((rows * T, V)); returns the gathered hidden rows."""
     hidden_rows = hidden.index_select(0, rows).reshape(-1, hidden.shape[-1])
-    if bias is None:
-        torch.mm(hidden_rows, weight.t(), out=out)
-    else:
-        torch.addmm(bias, hidden_rows, weight.t(), out=out)
+    logits_into(out, hidden_rows, weight.t(), bias)
     return hidden_rows
 
 
