@@ -1,19 +1,20 @@
-"""The issue-8 headline run's pieces; benchmarks/headline_8gpu.sh drives them under torchrun.
+"""Multi-GPU training runs through `tigon train` under torchrun: the headline sweep (benchmarks/headline.sh)
+and the scaling sweep (benchmarks/scaling.sh) drive these pieces.
 
-    python -m benchmarks.headline prepare --out DIR --variant tigon --seq 4096 --gpus 8   # prints the config path
-    torchrun --nproc_per_node 8 -m tigon.runtime train DIR/tigon-4096/config.yaml        # eager, tigon, planner
-    torchrun --nproc_per_node 8 -m benchmarks.headline liger-train DIR/liger-4096/config.yaml
+    python -m benchmarks.headline prepare --out DIR --variant tigon --seq 4096 --gpus 4   # prints the config path
+    torchrun --nproc_per_node 4 -m tigon.runtime train DIR/tigon-4096/config.yaml        # eager, tigon, planner
+    torchrun --nproc_per_node 4 -m benchmarks.headline liger-train DIR/liger-4096/config.yaml
     python -m benchmarks.headline collect --out DIR                                      # headline.json + .md
+    python -m benchmarks.headline scaling --out DIR    # tokens/s per GPU against GPUs (scaling.json + .md)
 
-Llama-3-8B's config (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, vocab 128256,
-rope_theta 500000; weights randomly initialized), bf16, AdamW, micro-batch 8 per GPU, gradient
-checkpointing on, FSDP2 (`parallelism.strategy: fsdp`), trained by `tigon train` on random characters
-(the char tokenizer; the head still spans all 128256 tokens). Variants: eager (kernels off), liger
-(HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
-planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab)
-for fewer GPUs; `--tiny` makes a tiny Llama for CPU smoke runs. Tokens/s is measured after the
-warm-up steps from metrics.jsonl; peak memory is rank 0's torch.cuda.max_memory_allocated
-(summary.json).
+The model is a real config with random weights: Llama-3-8B (hidden 4096, intermediate 14336, 32 layers,
+32 heads, 8 KV heads, vocab 128256, rope_theta 500000) or Llama-3.2-1B (`--shape llama-3.2-1b`), bf16,
+AdamW, gradient checkpointing on, FSDP2 by default (`--strategy ddp`, `fsdp` or `zero3`), trained on random
+characters (the char tokenizer; the head still spans all 128256 tokens). Variants: eager (kernels off),
+liger (HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
+planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab);
+`--tiny` makes a tiny Llama for CPU smoke runs. Tokens/s is measured after the warm-up steps from
+metrics.jsonl; peak memory is rank 0's torch.cuda.max_memory_allocated (summary.json).
 """
 
 from __future__ import annotations
@@ -41,8 +42,21 @@ LLAMA_3_8B = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
+LLAMA_3_2_1B = {
+    **LLAMA_3_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "tie_word_embeddings": True,
+}
 TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
+SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}
 
 
 def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
@@ -60,12 +74,21 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
 
 
 def prepare(
-    out: Path, variant: str, seq: int, gpus: int, steps: int, micro_batch: int, layers: int | None, tiny: bool = False
+    out: Path,
+    variant: str,
+    seq: int,
+    gpus: int,
+    steps: int,
+    micro_batch: int,
+    layers: int | None,
+    tiny: bool = False,
+    shape_name: str = "llama-3-8b",
+    strategy: str = "fsdp",
 ) -> Path:
     """Write the run's data (shared per sequence length) and config; returns the config path."""
     data = out / "data" / f"text-{seq}.jsonl"
     write_data(data, n_docs=int(gpus * micro_batch * steps * 1.1) + 8, length=seq)
-    shape = {**(TINY if tiny else LLAMA_3_8B), "max_position_embeddings": max(8192, seq)}
+    shape = {**(TINY if tiny else SHAPES[shape_name]), "max_position_embeddings": max(8192, seq)}
     if layers:
         shape["num_hidden_layers"] = layers
     run_dir = out / f"{variant}-{seq}"
@@ -89,7 +112,7 @@ def prepare(
             "plan": "auto" if variant == "planner" else "manual",
         },
         "kernels": {"enabled": variant in ("tigon", "planner")},
-        "parallelism": {"strategy": "fsdp"},
+        "parallelism": STRATEGIES[strategy],
         "checkpoint": {"every_steps": 0, "export": False, "resume": False},
         "logging": {"run_dir": str(run_dir.resolve()), "every_steps": 1, "tensorboard": False, "progress_bar": False},
         "eval": {"metrics": ["loss"]},
@@ -175,6 +198,47 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scaling(out: Path) -> dict:
+    """The runs of benchmarks/scaling.sh (`out/STRATEGY-NGPU/tigon-SEQ`): tokens/s per GPU at each GPU count,
+    and the scaling efficiency, N-GPU tokens/s over N times the one-GPU tokens/s of the same strategy."""
+    rows = []
+    for group in sorted(p for p in out.iterdir() if p.is_dir() and p.name.endswith("gpu")):
+        strategy, gpus = group.name.rsplit("-", 1)
+        for run in collect(group)["runs"]:
+            row = {"strategy": strategy, "gpus": int(gpus.removesuffix("gpu")), **run}
+            if row.get("tokens_per_second"):
+                row["tokens_per_second_per_gpu"] = row["tokens_per_second"] / row["gpus"]
+            rows.append(row)
+    one_gpu = {(r["strategy"], r["seq"]): r.get("tokens_per_second") for r in rows if r["gpus"] == 1}
+    for row in rows:
+        base = one_gpu.get((row["strategy"], row["seq"]))
+        if base and row.get("tokens_per_second"):
+            row["efficiency"] = row["tokens_per_second"] / (row["gpus"] * base)
+    rows.sort(key=lambda r: (r["strategy"], r["seq"], r["gpus"]))
+    report = {"runs": rows}
+    (out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "scaling.md").write_text(scaling_markdown(report))
+    return report
+
+
+def scaling_markdown(report: dict) -> str:
+    lines = [
+        "| strategy | GPUs | seq | micro-batch | tokens/s (all GPUs) | tokens/s per GPU | efficiency | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["runs"]:
+        if not r.get("tokens_per_second"):
+            failed = "out of memory" if r["oom"] else r.get("error", "-")
+            lines.append(f"| {r['strategy']} | {r['gpus']} | {r['seq']} | | {failed} | | | |")
+            continue
+        efficiency = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
+        lines.append(
+            f"| {r['strategy']} | {r['gpus']} | {r['seq']} | {r['micro_batch']} | {r['tokens_per_second']:,.0f} | "
+            f"{r['tokens_per_second_per_gpu']:,.0f} | {efficiency} | {r['peak_bytes_rank0'] / GiB:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,17 +251,37 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--micro-batch", type=int, default=8)
     prep.add_argument("--layers", type=int, default=None, help="fewer decoder layers (real widths and vocab)")
     prep.add_argument("--tiny", action="store_true", help="a tiny Llama instead of Llama-3-8B (CPU smoke runs)")
+    prep.add_argument("--shape", default="llama-3-8b", choices=SHAPES, help="the model's config (random weights)")
+    prep.add_argument("--strategy", default="fsdp", choices=STRATEGIES, help="parallelism (zero3: DeepSpeed ZeRO-3)")
     liger = commands.add_parser("liger-train", help="tigon train CONFIG with Liger-Kernel applied to Llama")
     liger.add_argument("config")
     gather = commands.add_parser("collect", help="tabulate every run under --out (headline.json, headline.md)")
     gather.add_argument("--out", required=True)
+    scale = commands.add_parser("scaling", help="tabulate benchmarks/scaling.sh's runs (scaling.json, scaling.md)")
+    scale.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.command == "prepare":
         out = Path(args.out)
-        print(prepare(out, args.variant, args.seq, args.gpus, args.steps, args.micro_batch, args.layers, args.tiny))
+        print(
+            prepare(
+                out,
+                args.variant,
+                args.seq,
+                args.gpus,
+                args.steps,
+                args.micro_batch,
+                args.layers,
+                args.tiny,
+                args.shape,
+                args.strategy,
+            )
+        )
         return 0
     if args.command == "liger-train":
         return liger_train(args.config)
+    if args.command == "scaling":
+        print(scaling_markdown(scaling(Path(args.out))))
+        return 0
     print(markdown(collect(Path(args.out))))
     return 0
 

@@ -1,4 +1,5 @@
-"""benchmarks/headline_8gpu.sh cannot rot: its tiny CPU run (FSDP2 over 2 gloo processes, `tigon train`)."""
+"""benchmarks/headline.sh and benchmarks/scaling.sh cannot rot: their tiny CPU runs (`tigon train` under torchrun
+over gloo)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_headline_run_tabulates_both_variants(tmp_path):
+def script_env(tmp_path: Path, **variables: str) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OUT": str(tmp_path)}
-    env |= {"TINY": "1", "GPUS": "2", "SEQS": "32", "VARIANTS": "eager tigon", "STEPS": "5", "MICRO_BATCH": "2"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OUT": str(tmp_path), **variables}
     env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def test_tiny_headline_run_tabulates_both_variants(tmp_path):
+    env = script_env(tmp_path, TINY="1", GPUS="2", SEQS="32", VARIANTS="eager tigon", STEPS="5", MICRO_BATCH="2")
     done = subprocess.run(
-        ["bash", "benchmarks/headline_8gpu.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        ["bash", "benchmarks/headline.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "== eager at seq 32 on 2 GPUs" in done.stdout and "exit 0" in done.stdout
@@ -33,3 +38,20 @@ def test_tiny_headline_run_tabulates_both_variants(tmp_path):
     config = (tmp_path / "headline" / "tigon-32" / "config.yaml").read_text()
     assert "strategy: fsdp" in config
     assert "| tigon | 32 | 2 x 1 | on |" in (tmp_path / "headline" / "headline.md").read_text()
+
+
+def test_tiny_scaling_run_tabulates_tokens_per_gpu_and_efficiency(tmp_path):
+    env = script_env(tmp_path, TINY="1", GPU_COUNTS="1 2", STRATEGIES="fsdp", SEQ="32", STEPS="5", MICRO_BATCH="2")
+    done = subprocess.run(
+        ["bash", "benchmarks/scaling.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "scaling" / "scaling.json").read_text())
+    rows = {row["gpus"]: row for row in report["runs"]}
+    assert set(rows) == {1, 2} and all(
+        row["strategy"] == "fsdp" and row["world_size"] == row["gpus"] for row in rows.values()
+    )
+    assert rows[1]["efficiency"] == 1.0
+    assert rows[2]["tokens_per_second_per_gpu"] == rows[2]["tokens_per_second"] / 2
+    assert rows[2]["efficiency"] == rows[2]["tokens_per_second"] / (2 * rows[1]["tokens_per_second"])
+    assert "| fsdp | 2 | 32 | 2 |" in (tmp_path / "scaling" / "scaling.md").read_text()

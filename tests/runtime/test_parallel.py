@@ -64,6 +64,11 @@ dist.destroy_process_group()
 """
 
 
+def python_path() -> str:
+    """The repository first, then the caller's PYTHONPATH (where a GPU machine keeps tigon and carried wheels)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
     """A tiny run (see test_trainer.tiny_config) with checkpoints every 3 steps and resume on."""
     training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
@@ -77,8 +82,17 @@ def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sectio
     )
 
 
-def launch(tmp_path: Path, configs: dict[str, object], backend: str = "gloo") -> dict[str, dict]:
-    """Train `configs` one after another in one 2-process torchrun group; rank 0's record of each run."""
+def launch(
+    tmp_path: Path,
+    configs: dict[str, object],
+    backend: str = "gloo",
+    nproc: int = 2,
+    devices: str | None = None,
+    timeout: float = 300,
+) -> dict[str, dict]:
+    """Train `configs` one after another in one `nproc`-process torchrun group; rank 0's record of each run.
+
+    `devices` sets CUDA_VISIBLE_DEVICES for the group (e.g. "2,3"), so that groups can share a machine."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     files = []
@@ -86,18 +100,26 @@ def launch(tmp_path: Path, configs: dict[str, object], backend: str = "gloo") ->
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
         files.append(str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TEST_BACKEND": backend}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), "TEST_BACKEND": backend}
     env.pop("TRITON_INTERPRET", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     done = subprocess.run(
-        [*command, str(tmp_path), *files], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [*command, str(worker), str(tmp_path), *files],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     print("\n".join(line for line in done.stdout.splitlines() if line.endswith(" s")))
     records = {}
     for name in configs:
-        ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in (0, 1)]
-        assert ranks[0]["world_size"] == 2 and ranks[0]["losses"] == ranks[1]["losses"], name
+        ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in range(nproc)]
+        assert ranks[0]["world_size"] == nproc, name
+        assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks), name
         records[name] = ranks[0]
     return records
 

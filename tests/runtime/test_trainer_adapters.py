@@ -31,7 +31,7 @@ pytest.importorskip("lightning")
 RELATIVE_TOLERANCE = 1e-4
 
 
-def adapter_config(tmp_path, trainer: str, **sections):
+def adapter_config(tmp_path, trainer: str, n_train: int = 40, **sections):
     # micro-batch 2 x accumulation 2, cosine schedule with warmup and clipping: every shared piece is exercised
     training = {
         "max_steps": 6,
@@ -45,7 +45,7 @@ def adapter_config(tmp_path, trainer: str, **sections):
     }
     return tiny_config(
         tmp_path,
-        n_train=40,  # about 3 steps per epoch: the run crosses epochs (the data order reshuffles)
+        n_train=n_train,  # 40: about 3 steps per epoch, so the run crosses epochs (the data order reshuffles)
         trainer=trainer,
         training=training,
         data={"max_seq_len": 32},

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Issue 8, the headline run: Llama-3-8B (random init), bf16, AdamW, micro-batch 8 per GPU, gradient
-# checkpointing on, FSDP2 over all GPUs through `tigon train` under torchrun; sequence 1K..16K; HF eager,
-# HF + Liger-Kernel, tigon, and tigon with the planner (training.plan: auto). Results under $OUT/headline:
-# one directory and log per run, then headline.json and headline.md (benchmarks/headline.py collect).
+# The headline run: Llama-3-8B (random init), bf16, AdamW, micro-batch 8 per GPU, gradient checkpointing on,
+# FSDP2 over all GPUs through `tigon train` under torchrun; sequence 1K..16K; HF eager, HF + Liger-Kernel,
+# tigon, and tigon with the planner (training.plan: auto). Results under $OUT/headline: one directory and log
+# per run, then headline.json and headline.md (benchmarks/headline.py collect).
 #
-#   bash benchmarks/headline_8gpu.sh                                   # 8 GPUs, the full sweep
-#   GPUS=2 LAYERS=8 bash benchmarks/headline_8gpu.sh                   # 2 GPUs, model shortened to 8 layers
-#   SEQS="4096 8192" VARIANTS="liger tigon" bash benchmarks/headline_8gpu.sh
-#   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline_8gpu.sh   # CPU smoke run
+#   bash benchmarks/headline.sh                                        # every visible GPU, the full sweep
+#   GPUS=2 LAYERS=8 bash benchmarks/headline.sh                        # 2 GPUs, model shortened to 8 layers
+#   SEQS="4096 8192" VARIANTS="liger tigon" bash benchmarks/headline.sh
+#   MICRO_BATCH=1 SEQS="16384 32768" bash benchmarks/headline.sh       # the longest sequence at micro-batch 1
+#   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline.sh   # CPU smoke run
 #
 # A variant that runs out of memory at one length is not run at longer ones. Run from the repository root.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-GPUS=${GPUS:-8}
+GPUS=${GPUS:-$(nvidia-smi --list-gpus 2> /dev/null | wc -l)}
 SEQS=${SEQS:-"1024 2048 4096 8192 16384"}
 VARIANTS=${VARIANTS:-"eager liger tigon planner"}
 STEPS=${STEPS:-12}

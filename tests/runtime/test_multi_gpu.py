@@ -1,0 +1,210 @@
+"""The torch, HF and Lightning trainers under DDP, FSDP2 and DeepSpeed ZeRO-2/3 on 1, 2 and 4 GPUs over NCCL
+(marker `gpu`; needs 4 GPUs and DeepSpeed, whose wheel travels to the GPU machine):
+
+    python -m pytest -m gpu tests/runtime/test_multi_gpu.py
+
+Every case of CASES trains a tiny Llama (tests/runtime/test_trainer_adapters.adapter_config: cosine schedule
+with warm-up, clipping, weight decay, gradient accumulation, crossing epochs) for 6 steps at one global batch
+of 16 sequences, spread as 1 GPU x micro-batch 4 x accumulation 4, 2 GPUs x 4 x 2 and 4 GPUs x 2 x 2. The
+one-GPU runs (split over GPUs 0 and 1) and the two-GPU group (GPUs 2 and 3) run at the same time; then the
+four-GPU group.
+
+Tolerances, per step's loss against the one-GPU run of the same case:
+
+- fp32 cases, RELATIVE_TOLERANCE (1e-4): the same arithmetic, with the gradients summed over ranks in another
+  order and cuBLAS free to pick another algorithm for another micro-batch. A sharding or normalization error
+  (a rank's gradients lost or counted twice, the accumulation divided twice) moves the second step's loss by
+  about 1e-2 or more; the measured worst differences are printed (docs/benchmarks.md keeps a run's).
+- bf16 cases, BF16_TOLERANCE (1e-2): each forward rounds activations to bf16 (2^-8 relative), so a change of
+  summation order flips roundings throughout the step; six steps at learning rate 1e-2 carry such a change
+  into the loss at about 1e-3. 1e-2 stays below the 1e-2-and-up shift of a lost or doubled rank.
+
+A killed rank: KILL_CASES train on 4 GPUs under `torchrun --max-restarts`; the last rank SIGKILLs itself as
+soon as the step-3 checkpoint is in place, torch elastic restarts the whole group, and the run resumes from
+its newest checkpoint to the same per-step losses, bit for bit, as the uninterrupted 4-GPU run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.runtime.test_parallel import launch, python_path
+from tests.runtime.test_trainer_adapters import adapter_config
+
+RELATIVE_TOLERANCE = 1e-4
+BF16_TOLERANCE = 1e-2
+GLOBAL_BATCH = 16
+LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2)}  # GPUs: (micro-batch, accumulation), GLOBAL_BATCH sequences a step
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "zero2": {"strategy": "deepspeed", "zero_stage": 2},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}
+CASES = {  # name: (trainer, strategy, kernels, precision)
+    **{f"torch-{s}-kernels": ("torch", s, True, "fp32") for s in STRATEGIES},
+    **{f"torch-{s}-eager": ("torch", s, False, "fp32") for s in STRATEGIES},
+    **{f"hf-{s}-kernels": ("hf", s, True, "fp32") for s in STRATEGIES},
+    **{f"lightning-{s}-kernels": ("lightning", s, True, "fp32") for s in STRATEGIES},
+    **{f"torch-{s}-kernels-bf16": ("torch", s, True, "bf16") for s in STRATEGIES},
+}
+KILL_CASES = ("torch-fsdp-kernels", "torch-zero3-kernels", "hf-zero2-kernels", "lightning-ddp-kernels")
+
+KILL_WORKER = """
+import json, os, signal, sys, threading, time
+import torch
+import torch.distributed as dist
+from tigon.runtime.config import load_config
+from tigon.runtime.trainer import train
+
+backend = os.environ["TEST_BACKEND"]
+if backend == "nccl":
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# This restart's keys only: the store torch elastic hands a restarted group still holds the dead group's addresses.
+store, _, _ = next(dist.rendezvous("env://", rank, world))
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+dist.init_process_group(backend, store=dist.PrefixStore(f"restart-{restart}", store), rank=rank, world_size=world)
+out = sys.argv[1]
+
+
+def kill_after_first_checkpoint(checkpoint: str, marker: str) -> None:
+    while not os.path.isdir(checkpoint):
+        time.sleep(0.001)
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+for path in sys.argv[2:]:
+    config = load_config(path)
+    name = os.path.basename(path).removesuffix(".yaml")
+    if os.path.exists(f"{out}/{name}-rank0.json"):
+        continue  # finished before an earlier case's restart
+    marker = f"{out}/{name}.killed"
+    if rank == world - 1 and not os.path.exists(marker):
+        checkpoint = os.path.join(config.logging.run_dir, "checkpoints", "step-3")
+        threading.Thread(target=kill_after_first_checkpoint, args=(checkpoint, marker), daemon=True).start()
+    result = train(config)
+    record = {"losses": result.losses, "resumed_from": result.resumed_from_step, "restarts": int(restart)}
+    with open(f"{out}/{name}-rank{rank}.json", "w") as file:
+        json.dump(record, file)
+dist.destroy_process_group()
+"""
+
+
+def case_config(directory: Path, name: str, gpus: int):
+    """The case's run on `gpus` GPUs: checkpoints every 3 steps, resume on, no export (the CPU tests cover it)."""
+    trainer, strategy, kernels, precision = CASES[name]
+    micro_batch, accumulation = LAYOUT[gpus]
+    assert micro_batch * accumulation * gpus == GLOBAL_BATCH
+    return adapter_config(
+        directory,
+        trainer,
+        n_train=120,  # about 42 sequences: 2.6 global batches an epoch
+        training={
+            "micro_batch_size": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "precision": precision,
+        },
+        parallelism=STRATEGIES[strategy],
+        kernels={"enabled": kernels},
+        checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": False},
+        logging={"run_dir": str(directory / name)},
+    )
+
+
+def train_group(
+    directory: Path, gpus: int, devices: str | None, names: list[str], backend: str = "nccl"
+) -> dict[str, dict]:
+    """The cases `names` in one `gpus`-process group on `devices` (CUDA_VISIBLE_DEVICES)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    configs = {name: case_config(directory, name, gpus) for name in names}
+    return launch(directory, configs, backend=backend, nproc=gpus, devices=devices, timeout=540)
+
+
+def train_all(root: Path, sizes: dict[int, str], backend: str = "nccl") -> dict[int, dict[str, dict]]:
+    """{GPUs: {case: rank 0's record}}: the one-GPU runs split over two single-GPU groups and run beside the
+    two-GPU group, then the four-GPU group. `sizes` maps each group size to its devices, "a,b" for two."""
+    names = list(CASES)
+    half = len(names) // 2
+    with ThreadPoolExecutor(3) as pool:
+        one = pool.submit(train_group, root / "gpus-1a", 1, sizes[1].split(",")[0], names[:half], backend)
+        other = pool.submit(train_group, root / "gpus-1b", 1, sizes[1].split(",")[-1], names[half:], backend)
+        two = pool.submit(train_group, root / "gpus-2", 2, sizes[2], names, backend)
+        runs = {1: one.result() | other.result(), 2: two.result()}
+    if 4 in sizes:
+        runs[4] = train_group(root / "gpus-4", 4, sizes[4], names, backend)
+    return runs
+
+
+def train_killed(directory: Path, gpus: int, devices: str | None, backend: str = "nccl") -> dict[str, dict]:
+    """KILL_CASES under `torchrun --max-restarts`, each losing its last rank once; rank 0's record of each."""
+    directory.mkdir(parents=True, exist_ok=True)
+    worker = directory / "kill_worker.py"
+    worker.write_text(KILL_WORKER)
+    files = []
+    for name in KILL_CASES:
+        path = directory / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(case_config(directory, name, gpus).model_dump(mode="json")))
+        files.append(str(path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), "TEST_BACKEND": backend}
+    env.pop("TRITON_INTERPRET", None)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]
+    command += ["--max-restarts", str(len(KILL_CASES)), str(worker), str(directory), *files]
+    done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    records = {}
+    for name in KILL_CASES:
+        assert (directory / f"{name}.killed").is_file(), name
+        records[name] = json.loads((directory / f"{name}-rank0.json").read_text())
+    return records
+
+
+def worst_relative_difference(losses: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """{GPUs: {case: rank 0's record}} for 1, 2 and 4 GPUs."""
+    if torch.cuda.device_count() < 4:
+        pytest.fail(f"needs 4 GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x4 or nvidia-h200-x4")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.fail("DeepSpeed is not installed: carry its wheel to the GPU machine")
+    return train_all(tmp_path_factory.mktemp("multi-gpu"), {1: "0,1", 2: "2,3", 4: "0,1,2,3"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_several_gpus_reach_the_one_gpu_losses(groups, name, gpus):
+    reference, losses = groups[1][name]["losses"], groups[gpus][name]["losses"]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    tolerance = BF16_TOLERANCE if CASES[name][3] == "bf16" else RELATIVE_TOLERANCE
+    worst = worst_relative_difference(losses, reference)
+    print(f"{name} on {gpus} GPUs: worst relative loss difference to one GPU {worst:.2e}")
+    assert worst < tolerance, (losses, reference)
+
+
+@pytest.mark.gpu
+def test_a_killed_rank_restarts_and_resumes_exactly(groups, tmp_path):
+    """KILL_CASES on 4 GPUs, each losing its last rank after the step-3 checkpoint, against the same cases'
+    uninterrupted 4-GPU runs."""
+    records = train_killed(tmp_path, 4, "0,1,2,3")
+    for restarts, name in enumerate(KILL_CASES, start=1):
+        record, full = records[name], groups[4][name]["losses"]
+        print(f"{name}: rank 3 killed, restart {restarts} resumed from step {record['resumed_from']}")
+        assert record["restarts"] == restarts and record["resumed_from"] in (3, 6), record
+        assert record["losses"] == full, (record["losses"], full)
