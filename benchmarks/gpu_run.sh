@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
-#   [planner-tests] [parallel-tests (2 GPUs: DDP, FSDP2, ZeRO-2/3 over NCCL)] [multi-gpu-tests (4 GPUs: the three trainers
+#   [planner-tests] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
 #   [headline (benchmarks/headline.sh)] (BENCH_LIMIT seconds each; results in $OUT/scaling.tgz, headline.tgz) [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
@@ -45,7 +45,6 @@ for step in "$@"; do
     bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo,fused_linear_orpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
     convergence) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_convergence.py > "$out/convergence.log" 2>&1; tail -n 60 "$out/convergence.log" ;;
-    parallel-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_parallel_gpu.py 2>&1 | tail -n 40 | tee "$out/parallel-tests.log" ;;
     multi-gpu-tests) timeout "${TEST_LIMIT:-600}" python3 -m pytest -m gpu -q -s -p no:cacheprovider --durations=5 tests/runtime/test_multi_gpu.py > "$out/multi-gpu-tests.log" 2>&1
       grep -E "worst relative|resumed from|passed|failed|Error" "$out/multi-gpu-tests.log" | tail -n 60 ;;
     scaling|headline) OUT=/tmp/bench timeout "${BENCH_LIMIT:-3600}" bash "benchmarks/$step.sh"

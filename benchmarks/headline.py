@@ -239,6 +239,45 @@ def scaling_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(scaling_reports: dict[str, Path], headline_report: Path, out_dir: Path) -> list[Path]:
+    """Two PNGs: tokens/s per GPU against GPUs (one line per model and strategy), and rank 0's peak memory
+    against sequence length at micro-batch 1 (one line per variant)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for model, path in scaling_reports.items():
+        runs = json.loads(path.read_text())["runs"]
+        for strategy in sorted({r["strategy"] for r in runs}):
+            points = sorted((r["gpus"], r["tokens_per_second_per_gpu"]) for r in runs if r["strategy"] == strategy)
+            axes.plot(*zip(*points, strict=True), marker="o", label=f"{model}, {strategy}")
+    axes.set(xlabel="GPUs", ylabel="tokens/s per GPU", title="Scaling (tigon kernels, seq 4096, micro-batch 8)")
+    axes.set_xticks([1, 2, 4])
+    axes.set_ylim(bottom=0)
+    axes.legend(fontsize=8)
+    scaling_png = out_dir / "multi-gpu-scaling.png"
+    figure.tight_layout()
+    figure.savefig(scaling_png, dpi=120)
+    plt.close(figure)
+
+    runs = [r for r in json.loads(headline_report.read_text())["runs"] if r.get("micro_batch") == 1]
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for variant in sorted({r["variant"] for r in runs}):
+        points = sorted((r["seq"], r["peak_bytes_rank0"] / GiB) for r in runs if r["variant"] == variant)
+        axes.plot(*zip(*points, strict=True), marker="o", label=variant)
+    axes.set(xlabel="sequence length", ylabel="peak GiB (rank 0)", title="Llama-3-8B, FSDP2 on 4 GPUs, micro-batch 1")
+    axes.set_xscale("log", base=2)
+    axes.set_ylim(bottom=0)
+    axes.legend()
+    memory_png = out_dir / "multi-gpu-memory.png"
+    figure.tight_layout()
+    figure.savefig(memory_png, dpi=120)
+    plt.close(figure)
+    return [scaling_png, memory_png]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -259,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     gather.add_argument("--out", required=True)
     scale = commands.add_parser("scaling", help="tabulate benchmarks/scaling.sh's runs (scaling.json, scaling.md)")
     scale.add_argument("--out", required=True)
+    draw = commands.add_parser("plot", help="the scaling and memory PNGs from scaling and headline reports")
+    draw.add_argument("--scaling", nargs="+", required=True, metavar="MODEL=scaling.json")
+    draw.add_argument("--headline", required=True, help="a headline.json")
+    draw.add_argument("--out-dir", default="docs")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         out = Path(args.out)
@@ -279,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "liger-train":
         return liger_train(args.config)
+    if args.command == "plot":
+        reports = {model: Path(path) for model, path in (item.split("=", 1) for item in args.scaling)}
+        for path in plot(reports, Path(args.headline), Path(args.out_dir)):
+            print(path)
+        return 0
     if args.command == "scaling":
         print(scaling_markdown(scaling(Path(args.out))))
         return 0

@@ -16,12 +16,17 @@ Tolerances, per step's loss against the one-GPU run of the same case:
   (a rank's gradients lost or counted twice, the accumulation divided twice) moves the second step's loss by
   about 1e-2 or more; the measured worst differences are printed (docs/benchmarks.md keeps a run's).
 - bf16 cases, BF16_TOLERANCE (1e-2): each forward rounds activations to bf16 (2^-8 relative), so a change of
-  summation order flips roundings throughout the step; six steps at learning rate 1e-2 carry such a change
-  into the loss at about 1e-3. 1e-2 stays below the 1e-2-and-up shift of a lost or doubled rank.
+  summation order flips roundings throughout the step, and six steps at learning rate 1e-2 carry such a change
+  into the loss (measured up to 2.8e-4 on 4 H200s). 1e-2 stays below the 1e-2-and-up shift of a lost or doubled
+  rank.
 
 A killed rank: KILL_CASES train on 4 GPUs under `torchrun --max-restarts`; the last rank SIGKILLs itself as
 soon as the step-3 checkpoint is in place, torch elastic restarts the whole group, and the run resumes from
-its newest checkpoint to the same per-step losses, bit for bit, as the uninterrupted 4-GPU run.
+its newest checkpoint to the same per-step losses as the uninterrupted 4-GPU run: bit for bit under FSDP2 and
+ZeRO, and within DDP_RESUME_TOLERANCE under DDP. DDP sums each step's gradients in buckets, and rebuilds its
+buckets in the order the gradients became ready after its first step; the first step after a resume is such a
+first step, so NCCL reduces it in the initial layout and the sums differ in their last bits (measured 8e-9
+relative on the loss two steps later, on 4 H200s).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from tests.runtime.test_trainer_adapters import adapter_config
 
 RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
+DDP_RESUME_TOLERANCE = 1e-6
 GLOBAL_BATCH = 16
 LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2)}  # GPUs: (micro-batch, accumulation), GLOBAL_BATCH sequences a step
 STRATEGIES = {
@@ -207,4 +213,7 @@ def test_a_killed_rank_restarts_and_resumes_exactly(groups, tmp_path):
         record, full = records[name], groups[4][name]["losses"]
         print(f"{name}: rank 3 killed, restart {restarts} resumed from step {record['resumed_from']}")
         assert record["restarts"] == restarts and record["resumed_from"] in (3, 6), record
-        assert record["losses"] == full, (record["losses"], full)
+        if CASES[name][1] == "ddp":
+            assert worst_relative_difference(record["losses"], full) < DDP_RESUME_TOLERANCE, (record["losses"], full)
+        else:
+            assert record["losses"] == full, (record["losses"], full)
