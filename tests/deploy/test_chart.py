@@ -27,6 +27,7 @@ from tests.deploy.helm import (
     OPERATOR_CHART,
     VALUES_FILES,
     chart,
+    effective_values,
     lint,
     load_values,
     objects,
@@ -297,24 +298,20 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
     templates = load_templates(tmp_path)
     pod_templates = by_kind(objs, "PodTemplate")
     training = load_values(values_file).get("namespaces", {}).get("training", ["tigon-development"])
+    cache = effective_values(values_file)["tritonCache"]["enabled"]
     for namespace in training:
         here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
         assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
         # every task pod's base: the cpu-small template without /dev/shm (Flyte mounts the train tasks' shared
         # memory itself, from their shared_memory setting; Kubernetes rejects two mounts at one path)
         base, small = here["tigon-default"]["template"]["spec"], here["tigon-cpu-small"]["template"]["spec"]
-        assert [v for v in base["volumes"] if v["name"] != "dshm"] == base["volumes"]
-        assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0]["volumeMounts"]}
-        without_shm = {
-            **small,
-            "volumes": [v for v in small["volumes"] if v["name"] != "dshm"],
-            "containers": [
-                {
-                    **small["containers"][0],
-                    "volumeMounts": [m for m in small["containers"][0]["volumeMounts"] if m["name"] != "dshm"],
-                }
-            ],
-        }
+        assert [v for v in base.get("volumes", []) if v["name"] != "dshm"] == base.get("volumes", [])
+        assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0].get("volumeMounts", [])}
+        small_volumes = [v for v in small["volumes"] if v["name"] != "dshm"]
+        small_mounts = [m for m in small["containers"][0]["volumeMounts"] if m["name"] != "dshm"]
+        without_shm = {k: v for k, v in small.items() if k != "volumes"} | ({"volumes": small_volumes} if cache else {})
+        container = {k: v for k, v in small["containers"][0].items() if k != "volumeMounts"}
+        without_shm["containers"] = [container | ({"volumeMounts": small_mounts} if cache else {})]
         assert base == without_shm
         for name, template in templates.items():
             spec = here[f"tigon-{name}"]["template"]["spec"]
@@ -331,11 +328,11 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
             assert spec["serviceAccountName"] == template.service_account == "tigon-trainer"
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env[k] for k in template.env} == template.env
-            assert env["TRITON_CACHE_DIR"] == "/cache/triton"
+            assert env.get("TRITON_CACHE_DIR") == ("/cache/triton" if cache else template.env.get("TRITON_CACHE_DIR"))
             shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
             assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/dev/shm", "/cache/triton"} <= mounts
+            assert {"/dev/shm", "/cache/triton"} & mounts == ({"/dev/shm", "/cache/triton"} if cache else {"/dev/shm"})
     priority_classes = {p["metadata"]["name"] for p in by_kind(objs, "PriorityClass")}
     assert {t.priority_class for t in templates.values() if t.priority_class} <= priority_classes
 
@@ -405,7 +402,7 @@ def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
     env = pod_environment(objs, pod_template)
     storage = ["AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FSSPEC_S3_ENDPOINT_URL"]
     storage += ["FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"]
-    assert set(env) == {*storage, "TRITON_CACHE_DIR", "OMP_NUM_THREADS"}
+    assert set(env) == {*storage, "OMP_NUM_THREADS"}  # no TRITON_CACHE_DIR: kind has no cache claim
     minio = f"http://tigon-minio.{NAMESPACE}.svc.cluster.local:9000"
     keys = ("minio", "miniostorage")
     for name in list(os.environ):
@@ -428,9 +425,8 @@ def test_flyte_values_enable_the_pytorch_plugin_and_default_pod_template():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     plugins = defaults["flyte-binary"]["enabled_plugins"]["tasks"]["task-plugins"]
     assert "pytorch" in plugins["enabled-plugins"] and plugins["default-for-task-types"]["pytorch"] == "pytorch"
-    for values_file in ("values.yaml", "values-kind.yaml"):
-        flyte = (defaults if values_file == "values.yaml" else load_values(values_file))["flyte-binary"]
-        k8s = flyte["configuration"]["inline"]["plugins"]["k8s"]
+    for values_file in VALUES_FILES:
+        k8s = effective_values(values_file)["flyte-binary"]["configuration"]["inline"]["plugins"]["k8s"]
         assert k8s["default-pod-template-name"] == defaults["podTemplates"]["defaultName"]
 
 
