@@ -163,7 +163,8 @@ def test_crd_is_upstreams_v1_9_2_crd():
     upstream, rendered = yaml.safe_load(text), _crd()
     assert rendered["spec"] == upstream["spec"]
     assert rendered["metadata"]["name"] == upstream["metadata"]["name"]
-    assert rendered["metadata"]["annotations"] == {**upstream["metadata"]["annotations"], "helm.sh/resource-policy": "keep"}
+    kept = {**upstream["metadata"]["annotations"], "helm.sh/resource-policy": "keep"}
+    assert rendered["metadata"]["annotations"] == kept
 
 
 def _strict_validator() -> jsonschema.Draft7Validator:
