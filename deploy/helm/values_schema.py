@@ -71,7 +71,7 @@ class Persistence(Values):
 
 class PodSecurity(Values):
     enforce: Literal["privileged", "baseline", "restricted"] = Field(
-        "baseline", description="Pod Security Standard enforced on the training namespaces"
+        "restricted", description="Pod Security Standard enforced on the training namespaces"
     )
     warn: Literal["privileged", "baseline", "restricted"] = Field(
         "restricted", description="Pod Security Standard that only warns on the training namespaces"

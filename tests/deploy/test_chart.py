@@ -36,6 +36,7 @@ from tests.deploy.helm import (
     rendered_file,
     values_schema_module,
 )
+from tests.deploy.pod_security import restricted_violations
 from tests.deploy.test_docker import tool
 from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
@@ -206,6 +207,21 @@ def test_policy_non_root_unprivileged_pinned(render_name):
                 assert container.get("resources", {}).get("requests"), f"{name}/{container['name']}: no requests"
     assert checked >= 5
     assert root == ([" ".join(ROOT_EXCEPTION)] if render_name == "device-plugin" else []), root
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_every_pod_meets_pod_security_restricted_and_training_namespaces_enforce_it(values_file):
+    """Every pod the chart renders (but the device plugin, in kube-system) passes the "restricted" checks, and
+    the training namespaces enforce that level, so a pod that does not is refused there."""
+    _, objs = rendered_file(values_file)
+    for obj in objs:
+        for spec in pod_specs(obj):
+            assert restricted_violations(spec) == [], (obj["kind"], obj["metadata"]["name"])
+    training = effective_values(values_file)["namespaces"]["training"]
+    namespaces = {o["metadata"]["name"]: o["metadata"]["labels"] for o in by_kind(objs, "Namespace")}
+    assert set(namespaces) == set(training)
+    for labels in namespaces.values():
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
 @pytest.mark.parametrize("render_name", POLICY_RENDERS)

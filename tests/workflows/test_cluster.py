@@ -31,6 +31,7 @@ from flytekit.models.task import TaskSpec  # noqa: E402
 from flytekit.tools.translator import get_serializable  # noqa: E402
 from flytekit.types.directory import FlyteDirectory  # noqa: E402
 
+from tests.deploy.pod_security import restricted_violations  # noqa: E402
 from tigon.platform.cli import main  # noqa: E402
 from tigon.runtime.config import ConfigError, apply_override  # noqa: E402
 from tigon.runtime.data import DataError  # noqa: E402
@@ -138,6 +139,7 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     assert pod["serviceAccountName"] == expected.service_account
     resources = task.extended_resources
     assert resources.shared_memory.size_limit == expected.shared_memory  # Flyte mounts it at /dev/shm
+    assert restricted_violations(pod) == []  # Pod Security "restricted", which the training namespaces enforce
     assert resources.shared_memory.mount_path == "/dev/shm"
     # the GPU type as Flyte's accelerator (a node selector on the cluster); CPU templates name none
     assert (resources.gpu_accelerator.device if resources.HasField("gpu_accelerator") else None) == expected.gpu_type
