@@ -55,7 +55,9 @@ def test_an_installed_tigon_and_the_workflow_find_the_packaged_templates(tmp_pat
         f"import sys; sys.path[:0] = [{str(pod)!r}, {str(site)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
         "import finetune, tigon.platform.templates as t\n"
         "print(t.templates_dir()); print(sorted(finetune.TEMPLATES))\n"
-        "print('train_h100x8x2_4nodes' in finetune.TRAIN_TASKS)"
+        "template = finetune.TEMPLATES['h100x8x2'].with_nodes(4).model_dump_json()\n"
+        "args = ['job-template', template, 'task-name', 'train_h100x8x2_4nodes']\n"
+        "print(finetune.TRAIN_TASK_RESOLVER.load_task(args).task_config.nnodes == 4)"
     )
     monkeypatch.delenv(TEMPLATES_ENV, raising=False)
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=pod, capture_output=True, text=True, timeout=300)
