@@ -4,16 +4,30 @@
   tasks of the dynamic train step included (registration never sees those), so they must hold every job template.
 - propeller's `plugins.k8s.gpu-device-node-label`: a task's accelerator (a template's `gpu_type`) becomes a required
   node affinity `<label> In [gpu_type]`, so the label must be the one the cloud's GPU nodes carry.
+- the cloud values: the database password mounted where `passwordPath` says, TLS and a gRPC backend on the
+  ingress pyflyte uses, authentication on.
 - `helm upgrade --install --wait` waits until every PersistentVolumeClaim is Bound; on kind a claim binds only once a
   pod uses it, so the kind values must render no claim that no pod of the release uses.
 """
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
+import kubernetes_validate
 import pytest
 from kubernetes.utils import parse_quantity
 
-from tests.deploy.helm import VALUES_FILES, effective_values, load_values, merge_values, objects, pod_specs, render
+from tests.deploy.helm import (
+    KUBERNETES_VERSION,
+    VALUES_FILES,
+    effective_values,
+    load_values,
+    merge_values,
+    objects,
+    pod_specs,
+    render,
+)
 from tigon.platform.jobs import flyte_task_options
 from tigon.platform.templates import REPO_TEMPLATES, JobTemplate, load_templates
 
@@ -143,3 +157,50 @@ def test_kind_install_waits_on_no_unbound_claim():
     assert unconsumed_claims(objects(render(kind))) == set()
     with_cache = merge_values(kind, {"tritonCache": {"enabled": True}})
     assert unconsumed_claims(objects(render(with_cache))) == {("tigon-development", "tigon-triton-cache")}
+
+
+# How each cloud's ingress controller is told that the admin service speaks gRPC (HTTP/2 to the backend).
+GRPC_BACKEND = {
+    "alb": ("alb.ingress.kubernetes.io/backend-protocol-version", "GRPC"),
+    "nginx": ("nginx.ingress.kubernetes.io/backend-protocol", "GRPC"),
+}
+
+
+@pytest.mark.parametrize("values_file", ["values-aws.yaml", "values-gcp.yaml"])
+def test_cloud_flyte_mounts_its_database_password(values_file):
+    flyte = effective_values(values_file)["flyte-binary"]
+    path = PurePosixPath(flyte["configuration"]["database"]["passwordPath"])
+    deployment = flyte["deployment"]
+    (mount,) = [m for m in deployment["extraVolumeMounts"] if PurePosixPath(m["mountPath"]) == path.parent]
+    (volume,) = [v for v in deployment["extraVolumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] and mount["readOnly"] is True  # a Secret's key `password` is that file
+    assert path.name == "password"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "flyte"},
+        "spec": {
+            "containers": [{"name": "flyte", "image": "flyte", "volumeMounts": deployment["extraVolumeMounts"]}],
+            "volumes": deployment["extraVolumes"],
+        },
+    }
+    kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
+    assert "password" not in flyte["configuration"]["database"]  # no password in the values
+
+
+@pytest.mark.parametrize("values_file", ["values-aws.yaml", "values-gcp.yaml"])
+def test_cloud_flyte_is_behind_tls_with_a_grpc_backend_and_authentication(values_file):
+    values = effective_values(values_file)
+    flyte = values["flyte-binary"]
+    ingress = flyte["ingress"]
+    host = ingress["host"]
+    assert ingress["create"] and ingress["separateGrpcIngress"]
+    assert any(host in entry["hosts"] for entry in ingress["tls"])
+    key, value = GRPC_BACKEND[ingress["ingressClassName"]]
+    assert ingress["grpcAnnotations"][key] == value
+    assert values["flyte"]["endpoint"] == f"dns:///{host}:443"  # pyflyte reaches the API through the ingress
+    auth = flyte["configuration"]["auth"]
+    assert auth["enabled"] is True and auth["oidc"]["baseUrl"] and auth["oidc"]["clientId"]
+    assert auth["clientSecretsExternalSecretRef"] and auth["internal"]["clientSecretHash"]
+    assert "clientSecret" not in auth["oidc"] and "clientSecret" not in auth["internal"]  # secrets stay out of values
+    assert f"https://{host}" in auth["authorizedUris"]
