@@ -180,6 +180,12 @@ class Minio(Values):
     )
     rootUser: str = Field("minio", min_length=3, description="MinIO root user (also the S3 access key)")
     rootPassword: str = Field("miniostorage", min_length=8, description="MinIO root password (S3 secret key)")
+    trainerUser: str = Field(
+        "tigon-trainer", min_length=3, description="MinIO user whose keys the training pods get (not the root user)"
+    )
+    trainerPassword: str = Field(
+        "tigon-trainer-kind-only", min_length=8, description="that user's password, the pods' S3 secret key"
+    )
     buckets: list[DnsLabel] = Field(
         default_factory=lambda: ["flyte", "tigon"], description="buckets created after install"
     )

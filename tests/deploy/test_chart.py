@@ -406,6 +406,27 @@ def pod_environment(objs, pod_template: dict) -> dict[str, str]:
     return env
 
 
+def test_kind_training_namespaces_get_the_trainer_users_keys_only():
+    """Flyte uses MinIO's root keys; the training namespaces get a separate user's, made by the bucket Job."""
+    values = effective_values("values-kind.yaml")["minio"]
+    _, objs = rendered_file("values-kind.yaml")
+    secrets = {
+        o["metadata"]["namespace"]: o["stringData"] for o in by_kind(objs, "Secret") if component(o) == "object-store"
+    }
+    training = effective_values("values-kind.yaml")["namespaces"]["training"]
+    assert set(secrets) == {NAMESPACE, *training}
+    for namespace in training:
+        assert secrets[namespace] == {
+            "AWS_ACCESS_KEY_ID": values["trainerUser"],
+            "AWS_SECRET_ACCESS_KEY": values["trainerPassword"],
+        }
+    assert values["rootPassword"] not in {v for ns in training for v in secrets[ns].values()}
+    (job,) = [o for o in by_kind(objs, "Job") if o["metadata"]["name"] == "tigon-minio-buckets"]
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert 'mc admin user add tigon "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"' in script
+    assert 'mc admin policy attach tigon readwrite --user "$AWS_ACCESS_KEY_ID"' in script
+
+
 def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
     """Every variable the chart sets is read by the client it is meant for: botocore (s3fs), fsspec, flytekit."""
     import botocore.session
@@ -420,7 +441,7 @@ def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
     storage += ["FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"]
     assert set(env) == {*storage, "OMP_NUM_THREADS"}  # no TRITON_CACHE_DIR: kind has no cache claim
     minio = f"http://tigon-minio.{NAMESPACE}.svc.cluster.local:9000"
-    keys = ("minio", "miniostorage")
+    keys = ("tigon-trainer", "tigon-trainer-kind-only")  # the trainer user's, not MinIO's root keys Flyte uses
     for name in list(os.environ):
         if name.startswith(("AWS_", "FLYTE_")):
             monkeypatch.delenv(name)
