@@ -103,6 +103,22 @@ def test_dockerfile_is_multi_stage_non_root_and_pinned():
         assert len(set(values)) == 1, f"ARG {name} has different defaults in the two stages: {values}"
 
 
+def test_flash_attn_compiles_for_the_named_gpus_without_a_prebuilt_download():
+    """flash-attn's setup.py takes its GPU list from FLASH_ATTN_CUDA_ARCHS (TORCH_CUDA_ARCH_LIST does not reach its
+    kernels) and first tries to download a prebuilt wheel unless FLASH_ATTENTION_FORCE_BUILD=TRUE."""
+    from tigon.platform.image import training_image_spec
+
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    (run,) = [line for line in text.splitlines() if line.startswith("RUN") and "flash-attn==" in line]
+    (spec_command,) = [c for c in training_image_spec().commands if "flash-attn==" in c]
+    archs = dockerfile_args()["FLASH_ATTN_CUDA_ARCHS"][0].strip('"')
+    assert re.fullmatch(r"\d+(;\d+)*", archs), archs  # e.g. 90;100, flash-attn's format (no dots)
+    for command in (run, spec_command):
+        assert "FLASH_ATTN_CUDA_ARCHS=" in command and "FLASH_ATTENTION_FORCE_BUILD=TRUE" in command
+        assert "--no-binary flash-attn" in command and "TORCH_CUDA_ARCH_LIST" not in command
+    assert archs in spec_command
+
+
 def test_lock_is_complete_and_hashed():
     text = (DOCKER / "requirements.lock").read_text()
     pins = lock_pins()
