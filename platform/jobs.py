@@ -85,6 +85,7 @@ def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim:
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the run calls no Kubernetes API
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         "containers": [container],
         "volumes": volumes,
@@ -206,6 +207,7 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     pod_spec = V1PodSpec(
         containers=[V1Container(name="primary", security_context=container_security)],
         security_context=pod_security,
+        automount_service_account_token=False,
         node_selector=template.node_selector or None,
         tolerations=[V1Toleration(**t.model_dump(exclude_none=True)) for t in template.tolerations] or None,
         priority_class_name=template.priority_class,

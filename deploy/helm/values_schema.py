@@ -104,14 +104,16 @@ class SecurityContext(Values):
 
 
 class Rbac(Values):
-    create: bool = Field(True, description="create the read-only Role and RoleBinding for training pods")
+    create: bool = Field(
+        False, description="create a read-only Role (configmaps, pods) for training pods; tigon's own use no API"
+    )
 
 
 class Trainer(Values):
     serviceAccount: ServiceAccount = Field(default_factory=ServiceAccount, description="training service account")
     rbac: Rbac = Field(default_factory=Rbac, description="training pods' RBAC")
     automountServiceAccountToken: bool = Field(
-        True, description="mount the service account token in training pods (their Role is read-only)"
+        False, description="mount the service account token in training pods (tigon's own call no Kubernetes API)"
     )
     securityContext: SecurityContext = Field(default_factory=SecurityContext, description="non-root identity")
     imagePullSecrets: list[str] = Field(default_factory=list, description="pull secrets added to every pod template")

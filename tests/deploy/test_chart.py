@@ -237,10 +237,18 @@ def test_policy_rbac_least_privilege(render_name):
                     _check_operator_secret_rule(obj, rule)
         if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             assert obj["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), obj["metadata"]["name"]
-    trainer_roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-trainer")]
-    assert trainer_roles
-    for role in trainer_roles:
-        assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
+    # the training pods call no Kubernetes API: no Role for their service account, no token in their pods
+    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding") and o["metadata"]["name"].endswith("-trainer")]
+    accounts = [o for o in objs if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "tigon-trainer"]
+    assert accounts and all(a["automountServiceAccountToken"] is False for a in accounts)
+    for template in by_kind(objs, "PodTemplate"):
+        assert template["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_trainer_role_when_asked_for_is_read_only():
+    objs = objects(render({"trainer": {"rbac": {"create": True}}}))
+    (role,) = [o for o in by_kind(objs, "Role") if o["metadata"]["name"] == "tigon-trainer"]
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
 
 
 def _check_operator_secret_rule(role: dict, rule: dict) -> None:

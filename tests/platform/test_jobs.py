@@ -57,6 +57,7 @@ def test_rendered_manifests_are_valid(name):
     for _, pod in pods_of(job):
         validate_kubernetes(pod)
         assert restricted_violations(pod["spec"]) == []
+        assert pod["spec"]["automountServiceAccountToken"] is False  # the run calls no Kubernetes API
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["triton-cache"] == "/cache/triton"
         env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
