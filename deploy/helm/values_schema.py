@@ -86,6 +86,13 @@ class Namespaces(Values):
         description="namespaces where training pods run; Flyte runs a project's tasks in <project>-<domain>",
     )
     podSecurity: PodSecurity = Field(default_factory=PodSecurity, description="Pod Security Admission labels")
+    resourceQuota: dict[str, str | int] = Field(
+        default_factory=dict,
+        description="ResourceQuota `hard` of each training namespace, e.g. requests.nvidia.com/gpu: 16 (empty: none)",
+    )
+    networkPolicy: bool = Field(
+        True, description="admit traffic into training pods only from pods of their own namespace"
+    )
 
 
 class ServiceAccount(Values):

@@ -245,6 +245,26 @@ def test_policy_rbac_least_privilege(render_name):
         assert template["template"]["spec"]["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_training_namespaces_admit_traffic_only_from_themselves_and_quotas_hold_the_templates(values_file):
+    _, objs = rendered_file(values_file)
+    values = effective_values(values_file)
+    training = values["namespaces"]["training"]
+    policies = {o["metadata"]["namespace"]: o["spec"] for o in by_kind(objs, "NetworkPolicy")}
+    assert set(policies) == set(training)
+    for spec in policies.values():  # every pod; ingress only from pods of the same namespace; egress open
+        assert spec == {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": {}}]}]}
+    quotas = by_kind(objs, "ResourceQuota")
+    assert {q["metadata"]["namespace"] for q in quotas} == (
+        set(training) if values["namespaces"]["resourceQuota"] else set()
+    )
+    templates = [*load_templates(REPO_TEMPLATES).values()]
+    for quota in quotas:
+        gpus = quota["spec"]["hard"].get("requests.nvidia.com/gpu")
+        for template in templates:  # a job above the quota would never start
+            assert gpus is None or template.gpus_per_node * template.nnodes <= int(gpus), (values_file, template.name)
+
+
 def test_trainer_role_when_asked_for_is_read_only():
     objs = objects(render({"trainer": {"rbac": {"create": True}}}))
     (role,) = [o for o in by_kind(objs, "Role") if o["metadata"]["name"] == "tigon-trainer"]
