@@ -34,6 +34,8 @@ POD_SECURITY_CONTEXT: dict[str, Any] = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: the image's entrypoint warms the Triton kernels only where this is set: in train pods, where kernels run
+WARMUP_ENV = {"TIGON_WARMUP": "1"}
 
 
 class JobSpecError(ValueError):
@@ -68,7 +70,7 @@ def _resources(template: JobTemplate) -> dict[str, dict[str, Any]]:
 def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim: str) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
-    env = dict(template.env)
+    env = {**WARMUP_ENV, **template.env}
     if template.shared_memory:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -225,7 +227,7 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         "limits": resources,
         "pod_template": PodTemplate(pod_spec=pod_spec),
         "container_image": template.image,
-        "environment": dict(template.env),
+        "environment": {**WARMUP_ENV, **template.env},
         # Flyte retries a FlyteRecoverableException (lost node, network) as often as a PyTorchJob's backoffLimit.
         "retries": template.max_restarts,
     }

@@ -357,6 +357,7 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
         container = {k: v for k, v in small["containers"][0].items() if k != "volumeMounts"}
         without_shm["containers"] = [container | ({"volumeMounts": small_mounts} if cache else {})]
         assert base == without_shm
+        assert "TIGON_WARMUP" not in {e["name"] for e in base["containers"][0]["env"]}  # no warm-up outside training
         for name, template in templates.items():
             spec = here[f"tigon-{name}"]["template"]["spec"]
             (container,) = spec["containers"]

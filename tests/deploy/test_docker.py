@@ -165,7 +165,11 @@ def run_entrypoint(env: dict[str, str], *command: str) -> subprocess.CompletedPr
 
 def test_entrypoint_warms_up_then_execs(tmp_path):
     result = run_entrypoint(
-        {"TIGON_WARMUP_ARGS": "--hidden 4096 --ops rms_norm,swiglu", "TRITON_CACHE_DIR": str(tmp_path)},
+        {
+            "TIGON_WARMUP": "1",
+            "TIGON_WARMUP_ARGS": "--hidden 4096 --ops rms_norm,swiglu",
+            "TRITON_CACHE_DIR": str(tmp_path),
+        },
         "python",
         "-c",
         "print('command ran')",
@@ -177,12 +181,15 @@ def test_entrypoint_warms_up_then_execs(tmp_path):
 
 
 def test_entrypoint_skip_and_failure_modes():
-    skipped = run_entrypoint({"TIGON_WARMUP": "0"}, "echo", "ok")
-    assert skipped.returncode == 0 and skipped.stdout == "ok\n" and "warm-up" not in skipped.stderr
-    tolerant = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15"}, "echo", "ok")
+    for off in ("0", ""):  # off unless a train pod asks for it
+        skipped = run_entrypoint({"TIGON_WARMUP": off}, "echo", "ok")
+        assert skipped.returncode == 0 and skipped.stdout == "ok\n" and "warm-up" not in skipped.stderr
+    tolerant = run_entrypoint({"TIGON_WARMUP": "1", "TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15"}, "echo", "ok")
     assert tolerant.returncode == 0 and tolerant.stdout.endswith("ok\n")
     assert "head_dim must be even" in tolerant.stderr and "continuing" in tolerant.stderr
-    strict = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15", "TIGON_WARMUP_STRICT": "1"}, "echo")
+    strict = run_entrypoint(
+        {"TIGON_WARMUP": "1", "TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15", "TIGON_WARMUP_STRICT": "1"}, "echo"
+    )
     assert strict.returncode == 1 and "stopping" in strict.stderr
     nothing = run_entrypoint({"TIGON_WARMUP": "0"})
     assert nothing.returncode == 2 and "no command given" in nothing.stderr

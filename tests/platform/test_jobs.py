@@ -61,7 +61,7 @@ def test_rendered_manifests_are_valid(name):
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["triton-cache"] == "/cache/triton"
         env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
-        assert env["TRITON_CACHE_DIR"] == "/cache/triton"
+        assert env["TRITON_CACHE_DIR"] == "/cache/triton" and env["TIGON_WARMUP"] == "1"  # kernels run here
     assert job["metadata"]["name"] == "demo-run-1"
     (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
     container = replica["template"]["spec"]["containers"][0]

@@ -83,6 +83,8 @@ def test_submitted_workflow_serializes_with_every_task_in_the_templates_image(te
     ]
     tasks = [spec.template for spec in entities.values() if isinstance(spec, TaskSpec)]
     assert len(tasks) == 4
+    # no kernel warm-up in the tasks that run no kernels (the image's entrypoint warms up only on TIGON_WARMUP=1)
+    assert all("TIGON_WARMUP" not in (t.container.env or {}) for t in tasks)
     assert {t.id.name.rsplit(".", 1)[-1]: t.container.image for t in tasks} == dict.fromkeys(
         ["validate", "prepare_data", "train_with_template", "report"], wf.TEMPLATES[template].image
     )
@@ -138,7 +140,7 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     gpus = {"gpu": str(expected.gpus_per_node)} if expected.gpus_per_node else {}
     amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
-    assert {e["name"]: e["value"] for e in container.get("env", [])} == expected.env
+    assert {e["name"]: e["value"] for e in container.get("env", [])} == {"TIGON_WARMUP": "1", **expected.env}
     assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
     assert pod.get("nodeSelector", {}) == expected.node_selector
     assert pod.get("priorityClassName") == expected.priority_class
