@@ -207,8 +207,8 @@ def test_crd_schema_is_structural_and_accepts_tigons_jobs():
     ],
 )
 def test_crd_rejects_misspelled_fields(path, value):
-    """The reduced schema this replaced kept unknown fields, so a typo was silently ignored; upstream's names
-    every field down to the pod template's containers."""
+    """A schema that keeps unknown fields (x-kubernetes-preserve-unknown-fields) would take a typo and ignore it;
+    upstream's names every field down to the pod template's containers."""
     job = copy.deepcopy(next(j for j in _tigon_pytorchjobs() if "elasticPolicy" in j["spec"]))
     node = job
     for key in path[:-1]:
