@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Entrypoint of the tigon image: warm the Triton kernels into TRITON_CACHE_DIR, then exec the command
-# (pyflyte-execute, torchrun, ...), so it runs as PID 1's child with the container's signals.
+# Entrypoint of the tigon image: in training pods, warm the Triton kernels into TRITON_CACHE_DIR; then exec the
+# command (pyflyte-execute, torchrun, ...), so it runs as PID 1's child with the container's signals.
 #
-#   TIGON_WARMUP=0               skip the warm-up
+#   TIGON_WARMUP=1               warm up first; the train pods tigon creates (Flyte train tasks, render-job
+#                                PyTorchJobs) set it. Unset or 0: no warm-up (validate, prepare_data and report
+#                                run no kernels)
 #   TIGON_WARMUP_ARGS="..."      arguments of `python -m tigon.kernels.warmup`, the job's sizes, e.g.
 #                                "--hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 --vocab 128256"
 #                                or "--model-config /models/llama/config.json"
@@ -10,7 +12,7 @@
 #                                failure and goes on (the kernels then compile on first use)
 set -euo pipefail
 
-if [[ "${TIGON_WARMUP:-1}" != "0" ]]; then
+if [[ "${TIGON_WARMUP:-0}" == "1" ]]; then
   read -r -a warmup_args <<< "${TIGON_WARMUP_ARGS:---hidden 4096}"
   started=$(date +%s)
   if python -m tigon.kernels.warmup "${warmup_args[@]}"; then

@@ -62,8 +62,9 @@ def training_image_spec(
     commands = [f"mkdir -p {cache} && chown flytekit {cache}"]
     if flash_attn:
         commands.append(
-            f"TORCH_CUDA_ARCH_LIST='{args['TORCH_CUDA_ARCH_LIST']}' MAX_JOBS={args['MAX_JOBS']} "
-            f"uv pip install --no-build-isolation --no-deps flash-attn=={args['FLASH_ATTN_VERSION']}"
+            f"FLASH_ATTN_CUDA_ARCHS='{args['FLASH_ATTN_CUDA_ARCHS']}' FLASH_ATTENTION_FORCE_BUILD=TRUE "
+            f"MAX_JOBS={args['MAX_JOBS']} uv pip install --no-build-isolation --no-deps --no-binary flash-attn "
+            f"flash-attn=={args['FLASH_ATTN_VERSION']}"
         )
     commands.append("uv pip install --no-build-isolation --no-deps /root")
     return ImageSpec(

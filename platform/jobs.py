@@ -21,6 +21,21 @@ from tigon.runtime.config import RunConfig
 CONFIG_MOUNT = "/etc/tigon"
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 REPLICA_TYPES = ("Master", "Worker")
+#: the chart's Triton cache claim (release `tigon`) and where the image's warm-up and Triton look for it
+TRITON_CACHE_CLAIM = "tigon-triton-cache"
+TRITON_CACHE_DIR = "/cache/triton"
+#: the image's `tigon` user; with these, every pod meets the Pod Security Standard "restricted"
+TRAINER_UID = 1000
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": TRAINER_UID,
+    "runAsGroup": TRAINER_UID,
+    "fsGroup": TRAINER_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: the image's entrypoint warms the Triton kernels only where this is set: in train pods, where kernels run
+WARMUP_ENV = {"TIGON_WARMUP": "1"}
 
 
 class JobSpecError(ValueError):
@@ -52,21 +67,31 @@ def _resources(template: JobTemplate) -> dict[str, dict[str, Any]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str, Any]:
+def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim: str) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    env = {**WARMUP_ENV, **template.env}
     if template.shared_memory:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if cache_claim:
+        volumes.append({"name": "triton-cache", "persistentVolumeClaim": {"claimName": cache_claim}})
+        mounts.append({"name": "triton-cache", "mountPath": env.setdefault("TRITON_CACHE_DIR", TRITON_CACHE_DIR)})
     container = {
         "name": "pytorch",
         "image": template.image,
         "args": torchrun_command(template),  # args, not command: the image's entrypoint warms the kernels first
-        "env": [{"name": key, "value": value} for key, value in sorted(template.env.items())],
+        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
         "resources": _resources(template),
         "volumeMounts": mounts,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the run calls no Kubernetes API
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        "containers": [container],
+        "volumes": volumes,
+    }
     if template.node_selector:
         spec["nodeSelector"] = dict(template.node_selector)
     if template.tolerations:
@@ -81,8 +106,15 @@ def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str,
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def pytorchjob_manifests(config: RunConfig, template: JobTemplate, namespace: str | None = None) -> list[dict]:
-    """A ConfigMap holding the run config and the PyTorchJob that trains it."""
+def pytorchjob_manifests(
+    config: RunConfig, template: JobTemplate, namespace: str | None = None, cache_claim: str = TRITON_CACHE_CLAIM
+) -> list[dict]:
+    """A ConfigMap holding the run config and the PyTorchJob that trains it.
+
+    One node: a single Master replica (torchrun --standalone). Several: Workers only with an elasticPolicy, as
+    Flyte's pytorch plugin creates them; with a Master beside them the operator would add a root init container
+    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none).
+    """
     name = job_name(config.name)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "tigon", "tigon.dev/run": name}}
     if namespace:
@@ -93,17 +125,15 @@ def pytorchjob_manifests(config: RunConfig, template: JobTemplate, namespace: st
         "metadata": {**metadata, "name": f"{name}-config"},
         "data": {"config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)},
     }
-    pod = _pod_template(template, f"{name}-config", name)
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+    pod = _pod_template(template, f"{name}-config", name, cache_claim)
+    replica = "Master" if template.nnodes == 1 else "Worker"
+    replicas = {replica: {"replicas": template.nnodes, "restartPolicy": "OnFailure", "template": pod}}
     spec: dict[str, Any] = {
         "nprocPerNode": str(template.nproc_per_node),
         "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": template.max_restarts},
         "pytorchReplicaSpecs": replicas,
     }
     if template.nnodes > 1:
-        # a copy: one object twice would print as a YAML anchor and alias
-        worker_pod = copy.deepcopy(pod)
-        replicas["Worker"] = {"replicas": template.nnodes - 1, "restartPolicy": "OnFailure", "template": worker_pod}
         spec["elasticPolicy"] = {
             "rdzvBackend": "c10d",
             "minReplicas": template.nnodes,
@@ -124,8 +154,12 @@ def check_pytorchjob(job: dict) -> None:
     unknown = set(specs) - set(REPLICA_TYPES)
     if unknown:
         raise JobSpecError(f"replica types {sorted(unknown)} are not allowed; only {REPLICA_TYPES}")
-    if specs.get("Master", {}).get("replicas") != 1:
-        raise JobSpecError("a PyTorchJob needs exactly one Master replica")
+    if not specs:
+        raise JobSpecError("spec.pytorchReplicaSpecs is empty: give a Master (one node) or Workers (elastic)")
+    if "Master" in specs and specs["Master"].get("replicas") != 1:
+        raise JobSpecError("a Master replica spec must have exactly one replica; put further nodes in Worker")
+    if "Worker" in specs and specs["Worker"].get("replicas", 1) < 1:
+        raise JobSpecError("Worker replicas must be at least 1")
     for kind, replica in specs.items():
         containers = replica.get("template", {}).get("spec", {}).get("containers", [])
         pytorch = [c for c in containers if c.get("name") == "pytorch"]
@@ -150,13 +184,32 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     from flytekit import PodTemplate, Resources
     from flytekit.extras.accelerators import GPUAccelerator
     from flytekitplugins.kfpytorch import Elastic
-    from kubernetes.client import V1Container, V1LocalObjectReference, V1PodSpec, V1Toleration
+    from kubernetes.client import (
+        V1Capabilities,
+        V1Container,
+        V1LocalObjectReference,
+        V1PodSecurityContext,
+        V1PodSpec,
+        V1SeccompProfile,
+        V1SecurityContext,
+        V1Toleration,
+    )
 
     resources = Resources(
         cpu=template.cpu, mem=template.memory, gpu=str(template.gpus_per_node) if template.gpus_per_node else None
     )
+    pod_security = V1PodSecurityContext(
+        run_as_non_root=True,
+        run_as_user=TRAINER_UID,
+        run_as_group=TRAINER_UID,
+        fs_group=TRAINER_UID,
+        seccomp_profile=V1SeccompProfile(type="RuntimeDefault"),
+    )
+    container_security = V1SecurityContext(allow_privilege_escalation=False, capabilities=V1Capabilities(drop=["ALL"]))
     pod_spec = V1PodSpec(
-        containers=[V1Container(name="primary")],
+        containers=[V1Container(name="primary", security_context=container_security)],
+        security_context=pod_security,
+        automount_service_account_token=False,
         node_selector=template.node_selector or None,
         tolerations=[V1Toleration(**t.model_dump(exclude_none=True)) for t in template.tolerations] or None,
         priority_class_name=template.priority_class,
@@ -174,7 +227,7 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         "limits": resources,
         "pod_template": PodTemplate(pod_spec=pod_spec),
         "container_image": template.image,
-        "environment": dict(template.env),
+        "environment": {**WARMUP_ENV, **template.env},
         # Flyte retries a FlyteRecoverableException (lost node, network) as often as a PyTorchJob's backoffLimit.
         "retries": template.max_restarts,
     }

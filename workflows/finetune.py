@@ -8,8 +8,11 @@
 
 Locally, the train task runs 2 worker processes over gloo through torch elastic (the kfpytorch
 `Elastic` config of the `cpu-small` job template). On a cluster the same task becomes a single
-elastic pod (`nnodes: 1`) or a PyTorchJob (`nnodes > 1`), configured by the chosen job template
-(`deploy/job-templates/`). A restarted worker resumes from the run's latest checkpoint; on a cluster
+elastic pod (`nnodes: 1`) or a PyTorchJob (`nnodes > 1`), configured by the chosen job template.
+The job templates travel with the run as data: the `job_templates` input defaults to the templates of
+the machine that registers the workflow (`deploy/job-templates/` or $TIGON_JOB_TEMPLATES), and the train
+task is rebuilt from the chosen one in every pod (`TrainTaskResolver`), so an edited template takes effect
+without rebuilding the image. A restarted worker resumes from the run's latest checkpoint; on a cluster
 checkpoints and the export are copied to the run's object-store prefix (`tigon.runtime.storage`).
 """
 
@@ -28,6 +31,8 @@ from typing import NamedTuple
 import fsspec
 import yaml
 from flytekit import Cache, Deck, current_context, dynamic, task, workflow
+from flytekit.configuration import SerializationSettings
+from flytekit.core.base_task import Task, TaskResolverMixin
 from flytekit.core.task import TaskPlugins
 from flytekit.exceptions.user import FlyteRecoverableException, FlyteUserRuntimeException
 from flytekit.types.directory import FlyteDirectory
@@ -45,6 +50,8 @@ from tigon.runtime.storage import default_remote_dir, is_local_url
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = str(REPO / "examples" / "demo.yaml")
 TEMPLATES = load_templates()
+#: the templates as data: the default of the workflow's `job_templates` input, fixed when the workflow is registered
+SUBMITTED_TEMPLATES = json.dumps({name: t.model_dump(mode="json") for name, t in TEMPLATES.items()}, sort_keys=True)
 # An enum, so `pyflyte run` rejects an unknown template before submitting and lists those that exist.
 JobTemplateName = enum.Enum("JobTemplateName", {name.replace("-", "_"): name for name in TEMPLATES}, type=str)
 LOCAL_TEMPLATE = JobTemplateName("cpu-small")
@@ -109,9 +116,22 @@ def data_fingerprint(config: RunConfig) -> str:
     return digest.hexdigest()
 
 
+def parse_templates(job_templates: str) -> dict[str, JobTemplate]:
+    """The `job_templates` input (JSON: name -> template) as checked templates."""
+    try:
+        raw = json.loads(job_templates)
+        return {name: JobTemplate.model_validate(template) for name, template in raw.items()}
+    except (ValueError, AttributeError) as error:
+        raise ConfigError(
+            f"the job_templates input is not a JSON object of job templates ({error}); leave it at its default, "
+            "the templates of the machine that registered the workflow"
+        ) from None
+
+
 class Validated(NamedTuple):
     config_yaml: str
     fingerprint: str
+    template: str
 
 
 @task
@@ -122,19 +142,26 @@ def validate(
     run_dir: str,
     job_template: JobTemplateName,
     nodes: int,
+    job_templates: str,
     data_dir: FlyteDirectory | None = None,
 ) -> Validated:
     """Load and check the config against the job template before any training task starts; on a cluster,
-    point checkpoints and the export at the run's object-store prefix."""
+    point checkpoints and the export at the run's object-store prefix. Returns the chosen template (JSON) too."""
     resolved = resolve_config(config, steps, run_dir, config_yaml, data_root(data_dir))
-    check_submission(resolved, TEMPLATES[job_template.value], nodes)
+    templates = parse_templates(job_templates)
+    if job_template.value not in templates:
+        raise ConfigError(
+            f"job template {job_template.value!r} is not in the job_templates input; it has {sorted(templates)}"
+        )
+    chosen = templates[job_template.value]
+    check_submission(resolved, chosen, nodes)
     if resolved.checkpoint.remote_dir is None:
         remote = default_remote_dir(current_context().raw_output_prefix, job_name(resolved.name))
         resolved = resolved.model_copy(
             update={"checkpoint": resolved.checkpoint.model_copy(update={"remote_dir": remote})}
         )
     config_text = yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False)
-    return Validated(config_text, data_fingerprint(resolved))
+    return Validated(config_text, data_fingerprint(resolved), chosen.model_dump_json())
 
 
 def _local_data(config: RunConfig, cache_dir: Path) -> RunConfig:
@@ -179,10 +206,10 @@ def train_worker(config_yaml: str, packed: FlyteDirectory) -> str:
     return json.dumps(outcome)
 
 
-def train_task_name(template: str, nodes: int = 0) -> str:
+def train_task_name(template: JobTemplate, nodes: int = 0) -> str:
     """`train_<template>` at the template's own node count, `train_<template>_<N>nodes` otherwise."""
-    base = f"train_{template.replace('-', '_')}"
-    return base if nodes in (0, TEMPLATES[template].nnodes) else f"{base}_{nodes}nodes"
+    base = f"train_{template.name.replace('-', '_')}"
+    return base if nodes in (0, template.nnodes) else f"{base}_{nodes}nodes"
 
 
 @dataclasses.dataclass
@@ -208,30 +235,61 @@ class TrainElasticTask(PytorchElasticFunctionTask):
 TaskPlugins.register_pythontask_plugin(TrainElastic, TrainElasticTask)
 
 
+class TrainTaskResolver(TaskResolverMixin):
+    """Finds a train task in its pod by rebuilding it from the job template it was compiled with, which its
+    container arguments carry; the image's own copy of the templates plays no part."""
+
+    @property
+    def location(self) -> str:
+        return f"{__name__}.TRAIN_TASK_RESOLVER"
+
+    def name(self) -> str:
+        return "tigon train task resolver"
+
+    def load_task(self, loader_args: list[str]) -> Task:
+        if len(loader_args) != 4 or loader_args[0] != "job-template" or loader_args[2] != "task-name":
+            raise ValueError(f"a train task's loader arguments are job-template JSON task-name NAME; got {loader_args}")
+        return _train_task(JobTemplate.model_validate_json(loader_args[1]), loader_args[3])
+
+    def loader_args(self, settings: SerializationSettings, t: Task) -> list[str]:
+        return ["job-template", _TEMPLATE_OF[t.name].model_dump_json(), "task-name", t.name.rsplit(".", 1)[-1]]
+
+    def get_all_tasks(self) -> list[Task]:
+        return []
+
+    def task_name(self, t: Task) -> str:
+        """`workflows.finetune.<train task name>`, wherever the task is built (in a dynamic step's pod too)."""
+        return f"{__name__}.{t.task_function.__name__}"
+
+
+TRAIN_TASK_RESOLVER = TrainTaskResolver()
+_TEMPLATE_OF: dict[str, JobTemplate] = {}  # task name -> the template it was built from
+
+
 def _train_task(template: JobTemplate, name: str):
-    """A train task configured by one job template, registered under its own module-level name."""
+    """A train task configured by one job template (with its node count applied), found in its pod through
+    TRAIN_TASK_RESOLVER."""
     function = types.FunctionType(train_worker.__code__, train_worker.__globals__, name)
     function.__qualname__, function.__module__ = name, __name__
     function.__annotations__ = train_worker.__annotations__
     options = flyte_task_options(template)
     elastic = options["task_config"]
     options["task_config"] = TrainElastic(**{f.name: getattr(elastic, f.name) for f in dataclasses.fields(elastic)})
-    return task(**options)(function)
-
-
-# One train task per template and node count it allows (1 to max_nnodes): Elastic's nnodes is fixed per task.
-TRAIN_TASKS = {
-    train_task_name(name, nodes): _train_task(template.with_nodes(nodes), train_task_name(name, nodes))
-    for name, template in TEMPLATES.items()
-    for nodes in range(1, template.max_nnodes + 1)
-}
-globals().update(TRAIN_TASKS)
+    train = task(**options)(function)
+    # Built inside the dynamic step, flytekit would give the task the step's own resolver (which looks tasks up by
+    # module attribute) and prefix its name with the module of the script that started Python: set both here.
+    train.set_resolver(TRAIN_TASK_RESOLVER)
+    train._instantiated_in = __name__
+    _TEMPLATE_OF[train.name] = template
+    return train
 
 
 @dynamic
-def train_with_template(config_yaml: str, packed: FlyteDirectory, job_template: JobTemplateName, nodes: int) -> str:
-    """Run the train task of the chosen job template and node count."""
-    return TRAIN_TASKS[train_task_name(job_template.value, nodes)](config_yaml=config_yaml, packed=packed)
+def train_with_template(config_yaml: str, packed: FlyteDirectory, template: str, nodes: int) -> str:
+    """Run the train task built from the chosen job template (JSON, as validated) at the run's node count."""
+    chosen = JobTemplate.model_validate_json(template)
+    train = _train_task(chosen.with_nodes(nodes), train_task_name(chosen, nodes))
+    return train(config_yaml=config_yaml, packed=packed)
 
 
 @task(enable_deck=True)
@@ -279,12 +337,14 @@ def finetune(
     nodes: int = 0,
     config_yaml: str = "",
     data_dir: FlyteDirectory | None = None,
+    job_templates: str = SUBMITTED_TEMPLATES,
 ) -> FlyteDirectory:
     """Fine-tune a model from a tigon config; returns the exported `save_pretrained` directory.
 
     `nodes`: the run's node count, up to the job template's max_nnodes (0: the template's own).
     `config_yaml`: the config's text instead of a file (what `tigon submit` sends to a cluster).
     `data_dir`: a directory the config's relative data paths are in; pyflyte uploads a local one with the run.
+    `job_templates`: the job templates (JSON); its default, the registering machine's, is what runs use.
     """
     checked = validate(
         config=config,
@@ -293,10 +353,11 @@ def finetune(
         run_dir=run_dir,
         job_template=job_template,
         nodes=nodes,
+        job_templates=job_templates,
         data_dir=data_dir,
     )
     packed = prepare_data(config_yaml=checked.config_yaml, fingerprint=checked.fingerprint)
     outcome = train_with_template(
-        config_yaml=checked.config_yaml, packed=packed, job_template=job_template, nodes=nodes
+        config_yaml=checked.config_yaml, packed=packed, template=checked.template, nodes=nodes
     )
     return report(config_yaml=checked.config_yaml, outcome=outcome)

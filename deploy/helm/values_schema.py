@@ -71,7 +71,7 @@ class Persistence(Values):
 
 class PodSecurity(Values):
     enforce: Literal["privileged", "baseline", "restricted"] = Field(
-        "baseline", description="Pod Security Standard enforced on the training namespaces"
+        "restricted", description="Pod Security Standard enforced on the training namespaces"
     )
     warn: Literal["privileged", "baseline", "restricted"] = Field(
         "restricted", description="Pod Security Standard that only warns on the training namespaces"
@@ -86,6 +86,13 @@ class Namespaces(Values):
         description="namespaces where training pods run; Flyte runs a project's tasks in <project>-<domain>",
     )
     podSecurity: PodSecurity = Field(default_factory=PodSecurity, description="Pod Security Admission labels")
+    resourceQuota: dict[str, str | int] = Field(
+        default_factory=dict,
+        description="ResourceQuota `hard` of each training namespace, e.g. requests.nvidia.com/gpu: 16 (empty: none)",
+    )
+    networkPolicy: bool = Field(
+        True, description="admit traffic into training pods only from pods of their own namespace"
+    )
 
 
 class ServiceAccount(Values):
@@ -104,14 +111,16 @@ class SecurityContext(Values):
 
 
 class Rbac(Values):
-    create: bool = Field(True, description="create the read-only Role and RoleBinding for training pods")
+    create: bool = Field(
+        False, description="create a read-only Role (configmaps, pods) for training pods; tigon's own use no API"
+    )
 
 
 class Trainer(Values):
     serviceAccount: ServiceAccount = Field(default_factory=ServiceAccount, description="training service account")
     rbac: Rbac = Field(default_factory=Rbac, description="training pods' RBAC")
     automountServiceAccountToken: bool = Field(
-        True, description="mount the service account token in training pods (their Role is read-only)"
+        False, description="mount the service account token in training pods (tigon's own call no Kubernetes API)"
     )
     securityContext: SecurityContext = Field(default_factory=SecurityContext, description="non-root identity")
     imagePullSecrets: list[str] = Field(default_factory=list, description="pull secrets added to every pod template")
@@ -180,6 +189,12 @@ class Minio(Values):
     )
     rootUser: str = Field("minio", min_length=3, description="MinIO root user (also the S3 access key)")
     rootPassword: str = Field("miniostorage", min_length=8, description="MinIO root password (S3 secret key)")
+    trainerUser: str = Field(
+        "tigon-trainer", min_length=3, description="MinIO user whose keys the training pods get (not the root user)"
+    )
+    trainerPassword: str = Field(
+        "tigon-trainer-kind-only", min_length=8, description="that user's password, the pods' S3 secret key"
+    )
     buckets: list[DnsLabel] = Field(
         default_factory=lambda: ["flyte", "tigon"], description="buckets created after install"
     )

@@ -46,6 +46,25 @@ def load_values(name: str) -> dict:
     return yaml.safe_load((CHART / name).read_text()) or {}
 
 
+def merge_values(base: dict, overrides: dict) -> dict:
+    """Helm's merge of a values file over the chart's defaults: maps merge key by key, null deletes a key,
+    anything else replaces."""
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_values(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def effective_values(name: str) -> dict:
+    """The values a release installed with this values file has: values.yaml with the file's overrides."""
+    return merge_values(yaml.safe_load((CHART / "values.yaml").read_text()), load_values(name))
+
+
 def without_downloads(values: dict) -> dict:
     values = copy.deepcopy(values)
     for dependency in DOWNLOADED:
@@ -63,11 +82,15 @@ def render(values: dict | None = None) -> dict[str, str]:
     return chart().render(values=without_downloads(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
+# libyaml's loader when PyYAML has it: the upstream PyTorchJob CRD alone is 600 KB of YAML in every render
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def objects(rendered: dict[str, str]) -> list[dict]:
     found = []
     for path, text in sorted(rendered.items()):
         if path.endswith(".yaml"):
-            found += [document for document in yaml.safe_load_all(text) if document]
+            found += [document for document in yaml.load_all(text, Loader=YAML_LOADER) if document]
     return found
 
 

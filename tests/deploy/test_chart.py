@@ -27,6 +27,7 @@ from tests.deploy.helm import (
     OPERATOR_CHART,
     VALUES_FILES,
     chart,
+    effective_values,
     lint,
     load_values,
     objects,
@@ -35,6 +36,7 @@ from tests.deploy.helm import (
     rendered_file,
     values_schema_module,
 )
+from tests.deploy.pod_security import restricted_violations
 from tests.deploy.test_docker import tool
 from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
@@ -207,6 +209,21 @@ def test_policy_non_root_unprivileged_pinned(render_name):
     assert root == ([" ".join(ROOT_EXCEPTION)] if render_name == "device-plugin" else []), root
 
 
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_every_pod_meets_pod_security_restricted_and_training_namespaces_enforce_it(values_file):
+    """Every pod the chart renders (but the device plugin, in kube-system) passes the "restricted" checks, and
+    the training namespaces enforce that level, so a pod that does not is refused there."""
+    _, objs = rendered_file(values_file)
+    for obj in objs:
+        for spec in pod_specs(obj):
+            assert restricted_violations(spec) == [], (obj["kind"], obj["metadata"]["name"])
+    training = effective_values(values_file)["namespaces"]["training"]
+    namespaces = {o["metadata"]["name"]: o["metadata"]["labels"] for o in by_kind(objs, "Namespace")}
+    assert set(namespaces) == set(training)
+    for labels in namespaces.values():
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
 @pytest.mark.parametrize("render_name", POLICY_RENDERS)
 def test_policy_rbac_least_privilege(render_name):
     objs = policy_objects(render_name)
@@ -220,10 +237,38 @@ def test_policy_rbac_least_privilege(render_name):
                     _check_operator_secret_rule(obj, rule)
         if obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
             assert obj["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), obj["metadata"]["name"]
-    trainer_roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["name"].endswith("-trainer")]
-    assert trainer_roles
-    for role in trainer_roles:
-        assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
+    # the training pods call no Kubernetes API: no Role for their service account, no token in their pods
+    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding") and o["metadata"]["name"].endswith("-trainer")]
+    accounts = [o for o in objs if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "tigon-trainer"]
+    assert accounts and all(a["automountServiceAccountToken"] is False for a in accounts)
+    for template in by_kind(objs, "PodTemplate"):
+        assert template["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_training_namespaces_admit_traffic_only_from_themselves_and_quotas_hold_the_templates(values_file):
+    _, objs = rendered_file(values_file)
+    values = effective_values(values_file)
+    training = values["namespaces"]["training"]
+    policies = {o["metadata"]["namespace"]: o["spec"] for o in by_kind(objs, "NetworkPolicy")}
+    assert set(policies) == set(training)
+    for spec in policies.values():  # every pod; ingress only from pods of the same namespace; egress open
+        assert spec == {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": {}}]}]}
+    quotas = by_kind(objs, "ResourceQuota")
+    assert {q["metadata"]["namespace"] for q in quotas} == (
+        set(training) if values["namespaces"]["resourceQuota"] else set()
+    )
+    templates = [*load_templates(REPO_TEMPLATES).values()]
+    for quota in quotas:
+        gpus = quota["spec"]["hard"].get("requests.nvidia.com/gpu")
+        for template in templates:  # a job above the quota would never start
+            assert gpus is None or template.gpus_per_node * template.nnodes <= int(gpus), (values_file, template.name)
+
+
+def test_trainer_role_when_asked_for_is_read_only():
+    objs = objects(render({"trainer": {"rbac": {"create": True}}}))
+    (role,) = [o for o in by_kind(objs, "Role") if o["metadata"]["name"] == "tigon-trainer"]
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in role["rules"]), role["rules"]
 
 
 def _check_operator_secret_rule(role: dict, rule: dict) -> None:
@@ -297,25 +342,22 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
     templates = load_templates(tmp_path)
     pod_templates = by_kind(objs, "PodTemplate")
     training = load_values(values_file).get("namespaces", {}).get("training", ["tigon-development"])
+    cache = effective_values(values_file)["tritonCache"]["enabled"]
     for namespace in training:
         here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
         assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
         # every task pod's base: the cpu-small template without /dev/shm (Flyte mounts the train tasks' shared
         # memory itself, from their shared_memory setting; Kubernetes rejects two mounts at one path)
         base, small = here["tigon-default"]["template"]["spec"], here["tigon-cpu-small"]["template"]["spec"]
-        assert [v for v in base["volumes"] if v["name"] != "dshm"] == base["volumes"]
-        assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0]["volumeMounts"]}
-        without_shm = {
-            **small,
-            "volumes": [v for v in small["volumes"] if v["name"] != "dshm"],
-            "containers": [
-                {
-                    **small["containers"][0],
-                    "volumeMounts": [m for m in small["containers"][0]["volumeMounts"] if m["name"] != "dshm"],
-                }
-            ],
-        }
+        assert [v for v in base.get("volumes", []) if v["name"] != "dshm"] == base.get("volumes", [])
+        assert "/dev/shm" not in {m["mountPath"] for m in base["containers"][0].get("volumeMounts", [])}
+        small_volumes = [v for v in small["volumes"] if v["name"] != "dshm"]
+        small_mounts = [m for m in small["containers"][0]["volumeMounts"] if m["name"] != "dshm"]
+        without_shm = {k: v for k, v in small.items() if k != "volumes"} | ({"volumes": small_volumes} if cache else {})
+        container = {k: v for k, v in small["containers"][0].items() if k != "volumeMounts"}
+        without_shm["containers"] = [container | ({"volumeMounts": small_mounts} if cache else {})]
         assert base == without_shm
+        assert "TIGON_WARMUP" not in {e["name"] for e in base["containers"][0]["env"]}  # no warm-up outside training
         for name, template in templates.items():
             spec = here[f"tigon-{name}"]["template"]["spec"]
             (container,) = spec["containers"]
@@ -331,11 +373,11 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
             assert spec["serviceAccountName"] == template.service_account == "tigon-trainer"
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env[k] for k in template.env} == template.env
-            assert env["TRITON_CACHE_DIR"] == "/cache/triton"
+            assert env.get("TRITON_CACHE_DIR") == ("/cache/triton" if cache else template.env.get("TRITON_CACHE_DIR"))
             shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
             assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/dev/shm", "/cache/triton"} <= mounts
+            assert {"/dev/shm", "/cache/triton"} & mounts == ({"/dev/shm", "/cache/triton"} if cache else {"/dev/shm"})
     priority_classes = {p["metadata"]["name"] for p in by_kind(objs, "PriorityClass")}
     assert {t.priority_class for t in templates.values() if t.priority_class} <= priority_classes
 
@@ -393,6 +435,27 @@ def pod_environment(objs, pod_template: dict) -> dict[str, str]:
     return env
 
 
+def test_kind_training_namespaces_get_the_trainer_users_keys_only():
+    """Flyte uses MinIO's root keys; the training namespaces get a separate user's, made by the bucket Job."""
+    values = effective_values("values-kind.yaml")["minio"]
+    _, objs = rendered_file("values-kind.yaml")
+    secrets = {
+        o["metadata"]["namespace"]: o["stringData"] for o in by_kind(objs, "Secret") if component(o) == "object-store"
+    }
+    training = effective_values("values-kind.yaml")["namespaces"]["training"]
+    assert set(secrets) == {NAMESPACE, *training}
+    for namespace in training:
+        assert secrets[namespace] == {
+            "AWS_ACCESS_KEY_ID": values["trainerUser"],
+            "AWS_SECRET_ACCESS_KEY": values["trainerPassword"],
+        }
+    assert values["rootPassword"] not in {v for ns in training for v in secrets[ns].values()}
+    (job,) = [o for o in by_kind(objs, "Job") if o["metadata"]["name"] == "tigon-minio-buckets"]
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert 'mc admin user add tigon "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY"' in script
+    assert 'mc admin policy attach tigon readwrite --user "$AWS_ACCESS_KEY_ID"' in script
+
+
 def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
     """Every variable the chart sets is read by the client it is meant for: botocore (s3fs), fsspec, flytekit."""
     import botocore.session
@@ -405,9 +468,9 @@ def test_kind_pods_reach_minio_through_their_environment(monkeypatch):
     env = pod_environment(objs, pod_template)
     storage = ["AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FSSPEC_S3_ENDPOINT_URL"]
     storage += ["FLYTE_AWS_ENDPOINT", "FLYTE_AWS_ACCESS_KEY_ID", "FLYTE_AWS_SECRET_ACCESS_KEY"]
-    assert set(env) == {*storage, "TRITON_CACHE_DIR", "OMP_NUM_THREADS"}
+    assert set(env) == {*storage, "OMP_NUM_THREADS"}  # no TRITON_CACHE_DIR: kind has no cache claim
     minio = f"http://tigon-minio.{NAMESPACE}.svc.cluster.local:9000"
-    keys = ("minio", "miniostorage")
+    keys = ("tigon-trainer", "tigon-trainer-kind-only")  # the trainer user's, not MinIO's root keys Flyte uses
     for name in list(os.environ):
         if name.startswith(("AWS_", "FLYTE_")):
             monkeypatch.delenv(name)
@@ -428,9 +491,8 @@ def test_flyte_values_enable_the_pytorch_plugin_and_default_pod_template():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     plugins = defaults["flyte-binary"]["enabled_plugins"]["tasks"]["task-plugins"]
     assert "pytorch" in plugins["enabled-plugins"] and plugins["default-for-task-types"]["pytorch"] == "pytorch"
-    for values_file in ("values.yaml", "values-kind.yaml"):
-        flyte = (defaults if values_file == "values.yaml" else load_values(values_file))["flyte-binary"]
-        k8s = flyte["configuration"]["inline"]["plugins"]["k8s"]
+    for values_file in VALUES_FILES:
+        k8s = effective_values(values_file)["flyte-binary"]["configuration"]["inline"]["plugins"]["k8s"]
         assert k8s["default-pod-template-name"] == defaults["podTemplates"]["defaultName"]
 
 

@@ -103,6 +103,22 @@ def test_dockerfile_is_multi_stage_non_root_and_pinned():
         assert len(set(values)) == 1, f"ARG {name} has different defaults in the two stages: {values}"
 
 
+def test_flash_attn_compiles_for_the_named_gpus_without_a_prebuilt_download():
+    """flash-attn's setup.py takes its GPU list from FLASH_ATTN_CUDA_ARCHS (TORCH_CUDA_ARCH_LIST does not reach its
+    kernels) and first tries to download a prebuilt wheel unless FLASH_ATTENTION_FORCE_BUILD=TRUE."""
+    from tigon.platform.image import training_image_spec
+
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    (run,) = [line for line in text.splitlines() if line.startswith("RUN") and "flash-attn==" in line]
+    (spec_command,) = [c for c in training_image_spec().commands if "flash-attn==" in c]
+    archs = dockerfile_args()["FLASH_ATTN_CUDA_ARCHS"][0].strip('"')
+    assert re.fullmatch(r"\d+(;\d+)*", archs), archs  # e.g. 90;100, flash-attn's format (no dots)
+    for command in (run, spec_command):
+        assert "FLASH_ATTN_CUDA_ARCHS=" in command and "FLASH_ATTENTION_FORCE_BUILD=TRUE" in command
+        assert "--no-binary flash-attn" in command and "TORCH_CUDA_ARCH_LIST" not in command
+    assert archs in spec_command
+
+
 def test_lock_is_complete_and_hashed():
     text = (DOCKER / "requirements.lock").read_text()
     pins = lock_pins()
@@ -149,7 +165,11 @@ def run_entrypoint(env: dict[str, str], *command: str) -> subprocess.CompletedPr
 
 def test_entrypoint_warms_up_then_execs(tmp_path):
     result = run_entrypoint(
-        {"TIGON_WARMUP_ARGS": "--hidden 4096 --ops rms_norm,swiglu", "TRITON_CACHE_DIR": str(tmp_path)},
+        {
+            "TIGON_WARMUP": "1",
+            "TIGON_WARMUP_ARGS": "--hidden 4096 --ops rms_norm,swiglu",
+            "TRITON_CACHE_DIR": str(tmp_path),
+        },
         "python",
         "-c",
         "print('command ran')",
@@ -161,12 +181,15 @@ def test_entrypoint_warms_up_then_execs(tmp_path):
 
 
 def test_entrypoint_skip_and_failure_modes():
-    skipped = run_entrypoint({"TIGON_WARMUP": "0"}, "echo", "ok")
-    assert skipped.returncode == 0 and skipped.stdout == "ok\n" and "warm-up" not in skipped.stderr
-    tolerant = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15"}, "echo", "ok")
+    for off in ("0", ""):  # off unless a train pod asks for it
+        skipped = run_entrypoint({"TIGON_WARMUP": off}, "echo", "ok")
+        assert skipped.returncode == 0 and skipped.stdout == "ok\n" and "warm-up" not in skipped.stderr
+    tolerant = run_entrypoint({"TIGON_WARMUP": "1", "TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15"}, "echo", "ok")
     assert tolerant.returncode == 0 and tolerant.stdout.endswith("ok\n")
     assert "head_dim must be even" in tolerant.stderr and "continuing" in tolerant.stderr
-    strict = run_entrypoint({"TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15", "TIGON_WARMUP_STRICT": "1"}, "echo")
+    strict = run_entrypoint(
+        {"TIGON_WARMUP": "1", "TIGON_WARMUP_ARGS": "--hidden 63 --head-dim 15", "TIGON_WARMUP_STRICT": "1"}, "echo"
+    )
     assert strict.returncode == 1 and "stopping" in strict.stderr
     nothing = run_entrypoint({"TIGON_WARMUP": "0"})
     assert nothing.returncode == 2 and "no command given" in nothing.stderr

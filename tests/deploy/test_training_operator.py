@@ -8,6 +8,7 @@ webhook Service, certificate Secret and ValidatingWebhookConfiguration wired to 
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import helm_python as helm
 import jsonschema
@@ -32,6 +33,7 @@ from tigon.runtime.config import parse_config
 
 NAME = "tigon-training-operator"
 WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"  # fixed by the v1.9 operator's cert-controller
+UPSTREAM_CRD = OPERATOR_CHART / "files" / "kubeflow.org_pytorchjobs.yaml"
 CERT_DIR = "/tmp/k8s-webhook-server/serving-certs"  # controller-runtime's default, where cert-controller looks
 
 
@@ -67,15 +69,6 @@ def _tigon_pytorchjobs() -> list[dict]:
 def _crd(objs=None) -> dict:
     objs = objs if objs is not None else rendered_file("values.yaml")[1]
     return operator_objects(objs)[("CustomResourceDefinition", "pytorchjobs.kubeflow.org")]
-
-
-def _json_schema(node):
-    """The CRD's OpenAPI schema as plain JSON schema: Kubernetes' x-kubernetes-* extensions dropped."""
-    if isinstance(node, list):
-        return [_json_schema(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    return {k: _json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
 
 
 def _structural_errors(node: dict, path: str = "") -> list[str]:
@@ -159,14 +152,43 @@ def test_crd_names_match_the_platforms_pytorchjob():
     assert columns == {"State": ".status.conditions[-1:].type", "Age": ".metadata.creationTimestamp"}
 
 
+def test_crd_is_upstreams_v1_9_2_crd():
+    """The vendored file is upstream's, byte for byte (the digest files/README.md records), and the rendered CRD
+    is that file with the chart's labels and keep annotation only."""
+    text = UPSTREAM_CRD.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()
+    readme = (UPSTREAM_CRD.parent / "README.md").read_text()
+    assert f"sha256 `{digest}`" in readme and "v1.9.2" in readme
+    assert "Apache License" in (UPSTREAM_CRD.parent / "LICENSE").read_text()
+    upstream, rendered = yaml.safe_load(text), _crd()
+    assert rendered["spec"] == upstream["spec"]
+    assert rendered["metadata"]["name"] == upstream["metadata"]["name"]
+    kept = {**upstream["metadata"]["annotations"], "helm.sh/resource-policy": "keep"}
+    assert rendered["metadata"]["annotations"] == kept
+
+
+def _strict_validator() -> jsonschema.Draft7Validator:
+    """The CRD's schema as the API server applies it under strict field validation: an object node that lists its
+    properties and does not preserve unknown fields rejects any other field."""
+
+    def strict(node):
+        if isinstance(node, list):
+            return [strict(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if "properties" in node and "additionalProperties" not in node:
+            if not node.get("x-kubernetes-preserve-unknown-fields"):
+                out["additionalProperties"] = False
+        return out
+
+    return jsonschema.Draft7Validator(strict(_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
+
+
 def test_crd_schema_is_structural_and_accepts_tigons_jobs():
     schema = _crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     assert _structural_errors(schema) == []
-    spec = schema["properties"]["spec"]
-    assert {"pytorchReplicaSpecs", "elasticPolicy", "runPolicy", "nprocPerNode"} <= set(spec["properties"])
-    replica = spec["properties"]["pytorchReplicaSpecs"]["additionalProperties"]
-    assert replica["properties"]["template"]["x-kubernetes-preserve-unknown-fields"] is True
-    validator = jsonschema.Draft7Validator(_json_schema(schema))
+    validator = _strict_validator()
     jobs = _tigon_pytorchjobs()
     assert any("Worker" in j["spec"]["pytorchReplicaSpecs"] and "elasticPolicy" in j["spec"] for j in jobs)
     for job in jobs:
@@ -175,43 +197,53 @@ def test_crd_schema_is_structural_and_accepts_tigons_jobs():
 
 
 @pytest.mark.parametrize(
-    "path, value, message",
+    "path, value",
     [
-        (("spec", "pytorchReplicaSpecs", "Master", "restartPolicy"), "Sometimes", "is not one of"),
-        (("spec", "pytorchReplicaSpecs", "Master", "replicas"), "one", "is not of type 'integer'"),
-        (("spec", "runPolicy", "cleanPodPolicy"), "Some", "is not one of"),
-        (("spec", "elasticPolicy", "nProcPerNode"), "8", "is not of type 'integer'"),
-        (("spec", "nprocPerNode"), 8, "is not of type 'string'"),
-        (("spec", "pytorchReplicaSpecs"), {}, "should be non-empty"),
+        (("spec", "nProcPerNodee"), "8"),  # a misspelled nprocPerNode
+        (("spec", "elasticPolicy", "maxRestart"), 3),
+        (("spec", "runPolicy", "backoffLimits"), 3),
+        (("spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "nodeSelectors"), {"a": "b"}),
+        (("spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "containers", 0, "resource"), {}),
     ],
 )
-def test_crd_schema_rejects_wrong_types(path, value, message):
-    validator = jsonschema.Draft7Validator(_json_schema(_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
+def test_crd_rejects_misspelled_fields(path, value):
+    """A schema that keeps unknown fields (x-kubernetes-preserve-unknown-fields) would take a typo and ignore it;
+    upstream's names every field down to the pod template's containers."""
     job = copy.deepcopy(next(j for j in _tigon_pytorchjobs() if "elasticPolicy" in j["spec"]))
     node = job
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    assert any(message in e.message for e in validator.iter_errors(job)), list(validator.iter_errors(job))
+    messages = [e.message for e in _strict_validator().iter_errors(job)]
+    assert any(f"'{path[-1]}' was unexpected" in m for m in messages), messages
 
 
-def test_crd_limits_replica_types_to_master_and_worker():
-    """JSON schema cannot name allowed map keys in a structural schema; a CEL rule does, on the API server."""
-    replicas = _crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
-        "pytorchReplicaSpecs"
-    ]
-    assert replicas["maxProperties"] == 2
-    (rule,) = replicas["x-kubernetes-validations"]
-    assert rule["rule"] == "self.all(k, k == 'Master' || k == 'Worker')"
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (("spec", "pytorchReplicaSpecs", "Worker", "replicas"), "one", "is not of type 'integer'"),
+        (("spec", "elasticPolicy", "nProcPerNode"), "8", "is not of type 'integer'"),
+        (("spec", "nprocPerNode"), 8, "is not of type 'string'"),
+        (("spec", "pytorchReplicaSpecs", "Worker", "template", "spec", "containers"), {}, "is not of type 'array'"),
+    ],
+)
+def test_crd_schema_rejects_wrong_types(path, value, message):
+    job = copy.deepcopy(next(j for j in _tigon_pytorchjobs() if "elasticPolicy" in j["spec"]))
+    node = job
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errors = list(_strict_validator().iter_errors(job))
+    assert any(message in e.message for e in errors), [e.message for e in errors]
 
 
 def test_crd_is_kept_on_uninstall_and_can_be_left_out():
-    assert _crd()["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert _crd()["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     objs = objects(render({"training-operator": {"crd": {"create": False}}}))
     found = operator_objects(objs)
     assert ("CustomResourceDefinition", "pytorchjobs.kubeflow.org") not in found and ("Deployment", NAME) in found
     unkept = _crd(objects(render({"training-operator": {"crd": {"keep": False}}})))
-    assert "annotations" not in unkept["metadata"]
+    assert "helm.sh/resource-policy" not in unkept["metadata"]["annotations"]
 
 
 # ---------------------------------------------------------------- the operator: PyTorchJob only, non-root, wired

@@ -13,12 +13,23 @@ DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
 def test_render_job_prints_config_map_and_pytorchjob(capsys):
     assert main(["render-job", DEMO, "--job-template", "h100x8x2", "--nodes", "3", "--namespace", "ml"]) == 0
     out = capsys.readouterr().out
-    assert "&id" not in out and "*id" not in out  # plain YAML: Master and Worker pods are written out, not aliased
+    assert "&id" not in out and "*id" not in out  # plain YAML: shared objects are written out, not aliased
     config_map, job = yaml.safe_load_all(out)
     assert config_map["kind"] == "ConfigMap" and "config.yaml" in config_map["data"]
     check_pytorchjob(job)
     assert job["metadata"] == {"name": "demo-arithmetic", "namespace": "ml", "labels": job["metadata"]["labels"]}
-    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    (workers,) = job["spec"]["pytorchReplicaSpecs"].values()
+    assert workers["replicas"] == 3
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in workers["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["tigon-triton-cache"]
+    assert main(["render-job", DEMO, "--job-template", "h100x8", "--triton-cache-claim", ""]) == 0
+    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    volumes = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
+    assert [v["name"] for v in volumes] == ["config", "dshm"]
 
 
 def test_render_job_errors_exit_2_and_print_nothing(capsys, tmp_path):

@@ -6,6 +6,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.pod_security import restricted_violations
 from tigon.platform.jobs import JobSpecError, check_pytorchjob, job_name, pytorchjob_manifests, render_yaml
 from tigon.platform.templates import TemplateError, get_template, load_templates
 from tigon.runtime.config import parse_config
@@ -55,8 +56,15 @@ def test_rendered_manifests_are_valid(name):
     validate_kubernetes(config_map)
     for _, pod in pods_of(job):
         validate_kubernetes(pod)
+        assert restricted_violations(pod["spec"]) == []
+        assert pod["spec"]["automountServiceAccountToken"] is False  # the run calls no Kubernetes API
+        mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["triton-cache"] == "/cache/triton"
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        assert env["TRITON_CACHE_DIR"] == "/cache/triton" and env["TIGON_WARMUP"] == "1"  # kernels run here
     assert job["metadata"]["name"] == "demo-run-1"
-    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
+    container = replica["template"]["spec"]["containers"][0]
     assert container["name"] == "pytorch" and container["image"] == template.image
     assert container["args"][:2] == ["torchrun", f"--nproc_per_node={template.nproc_per_node}"]
     assert "command" not in container  # the image entrypoint (kernel warm-up) runs first
@@ -67,10 +75,13 @@ def test_rendered_manifests_are_valid(name):
     assert [d["kind"] for d in documents] == ["ConfigMap", "PyTorchJob"]
 
 
-def test_multi_node_job_has_workers_and_elastic_policy():
+def test_multi_node_job_has_only_workers_and_an_elastic_policy():
+    """Workers only, as Flyte's pytorch plugin creates elastic jobs: with a Master the operator would add a root
+    init container (waiting for the Master's DNS) to every Worker, which Pod Security "restricted" refuses."""
     _, job = pytorchjob_manifests(run_config(), get_template("h100x8x2"))
     spec = job["spec"]
-    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert set(spec["pytorchReplicaSpecs"]) == {"Worker"}
+    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
     # processes per node only in spec.nprocPerNode: the operator's webhook rejects elasticPolicy.nProcPerNode with it
     assert spec["nprocPerNode"] == "8"
     assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2, "maxRestarts": 3}
@@ -89,12 +100,22 @@ def test_single_node_job_has_only_a_master():
     [
         (lambda j: j["metadata"].update(name="Bad_Name"), "DNS-1035"),
         (lambda j: j["spec"]["pytorchReplicaSpecs"].update(Chief={}), "not allowed"),
-        (lambda j: j["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2), "exactly one Master"),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"].update(Master={"replicas": 2}),
+            "Master replica spec must have exactly one replica",
+        ),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"].update(replicas=0), "at least 1"),
         (
             lambda j: j["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0].update(name="x"),
             "Worker: a container named 'pytorch'",
         ),
-        (lambda j: j["spec"]["pytorchReplicaSpecs"].pop("Worker"), "needs a Worker"),
+        (lambda j: j["spec"]["pytorchReplicaSpecs"].pop("Worker"), "pytorchReplicaSpecs is empty"),
+        (
+            lambda j: j["spec"]["pytorchReplicaSpecs"].update(
+                Master={**j["spec"]["pytorchReplicaSpecs"].pop("Worker"), "replicas": 1}
+            ),
+            "needs a Worker",
+        ),
         (
             lambda j: j["spec"]["elasticPolicy"].update(nProcPerNode=8),
             r"elasticPolicy.nProcPerNode \(deprecated\) must not be used with spec.nprocPerNode",

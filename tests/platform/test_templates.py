@@ -11,7 +11,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tigon.platform.templates import PACKAGED_TEMPLATES, REPO_TEMPLATES, TEMPLATES_ENV, templates_dir
+import tomllib
+
+from tigon.platform.templates import PACKAGED_TEMPLATES, REPO_TEMPLATES, TEMPLATES_ENV, load_templates, templates_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 # What docker/Dockerfile copies of the repository before `pip install`.
@@ -55,7 +57,9 @@ def test_an_installed_tigon_and_the_workflow_find_the_packaged_templates(tmp_pat
         f"import sys; sys.path[:0] = [{str(pod)!r}, {str(site)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
         "import finetune, tigon.platform.templates as t\n"
         "print(t.templates_dir()); print(sorted(finetune.TEMPLATES))\n"
-        "print('train_h100x8x2_4nodes' in finetune.TRAIN_TASKS)"
+        "template = finetune.TEMPLATES['h100x8x2'].with_nodes(4).model_dump_json()\n"
+        "args = ['job-template', template, 'task-name', 'train_h100x8x2_4nodes']\n"
+        "print(finetune.TRAIN_TASK_RESOLVER.load_task(args).task_config.nnodes == 4)"
     )
     monkeypatch.delenv(TEMPLATES_ENV, raising=False)
     result = subprocess.run([sys.executable, "-S", "-c", code], cwd=pod, capture_output=True, text=True, timeout=300)
@@ -64,3 +68,12 @@ def test_an_installed_tigon_and_the_workflow_find_the_packaged_templates(tmp_pat
     assert directory == str(site / "tigon" / "platform" / "job-templates")
     assert names == str(sorted(path.stem for path in REPO_TEMPLATES.glob("*.yaml")))
     assert has_task == "True"
+
+
+def test_shipped_templates_name_this_releases_image():
+    """Image tags carry tigon's version (`<version>-cuda`, `<version>-cpu`): a release's templates name the image
+    built from that release, never a moving tag."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for template in load_templates(REPO_TEMPLATES).values():
+        tag = template.image.rsplit(":", 1)[-1]
+        assert tag in (f"{version}-cuda", f"{version}-cpu"), (template.name, template.image)

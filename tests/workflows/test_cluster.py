@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -22,16 +23,20 @@ import yaml
 pytest.importorskip("flytekit")
 
 import torch.distributed as dist  # noqa: E402
+from flytekit import LaunchPlan as FlyteLaunchPlan  # noqa: E402
 from flytekit import dynamic  # noqa: E402
 from flytekit.configuration import ImageConfig, SerializationSettings  # noqa: E402
 from flytekit.core.context_manager import ExecutionState, FlyteContextManager  # noqa: E402
 from flytekit.core.type_engine import TypeEngine  # noqa: E402
 from flytekit.exceptions.user import FlyteRecoverableException  # noqa: E402
+from flytekit.models.launch_plan import LaunchPlan  # noqa: E402
 from flytekit.models.task import TaskSpec  # noqa: E402
 from flytekit.tools.translator import get_serializable  # noqa: E402
 from flytekit.types.directory import FlyteDirectory  # noqa: E402
 
+from tests.deploy.pod_security import restricted_violations  # noqa: E402
 from tigon.platform.cli import main  # noqa: E402
+from tigon.platform.templates import REPO_TEMPLATES, JobTemplate, load_templates  # noqa: E402
 from tigon.runtime.config import ConfigError, apply_override  # noqa: E402
 from tigon.runtime.data import DataError  # noqa: E402
 from workflows import finetune as wf  # noqa: E402
@@ -78,6 +83,8 @@ def test_submitted_workflow_serializes_with_every_task_in_the_templates_image(te
     ]
     tasks = [spec.template for spec in entities.values() if isinstance(spec, TaskSpec)]
     assert len(tasks) == 4
+    # no kernel warm-up in the tasks that run no kernels (the image's entrypoint warms up only on TIGON_WARMUP=1)
+    assert all("TIGON_WARMUP" not in (t.container.env or {}) for t in tasks)
     assert {t.id.name.rsplit(".", 1)[-1]: t.container.image for t in tasks} == dict.fromkeys(
         ["validate", "prepare_data", "train_with_template", "report"], wf.TEMPLATES[template].image
     )
@@ -89,13 +96,15 @@ def compile_train_step(settings: SerializationSettings, inputs: dict[str, str]):
     with FlyteContextManager.with_context(ctx) as ctx:
         state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
         with FlyteContextManager.with_context(ctx.with_execution_state(state)) as ctx:
+            # the template validate hands on: the chosen one of the run's job_templates input
+            chosen = wf.parse_templates(inputs.get("job_templates", wf.SUBMITTED_TEMPLATES))[inputs["job_template"]]
             values = {
                 "config_yaml": inputs["config_yaml"],
                 "packed": FlyteDirectory("s3://tigon-data/packed"),
-                "job_template": wf.JobTemplateName(inputs["job_template"]),
+                "template": chosen.model_dump_json(),
                 "nodes": int(inputs["nodes"]),
             }
-            hints = {"config_yaml": str, "packed": FlyteDirectory, "job_template": wf.JobTemplateName, "nodes": int}
+            hints = {"config_yaml": str, "packed": FlyteDirectory, "template": str, "nodes": int}
             literals = TypeEngine.dict_to_literal_map(ctx, values, type_hints=hints)
             # flytekit compiles a dynamic's body once per task object (a pod runs one step), so each case takes
             # a fresh task of the same function
@@ -110,7 +119,7 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     (node,) = job.nodes
     (task,) = job.tasks
     assert node.task_node.reference_id == task.id
-    assert task.id.name == f"workflows.finetune.{wf.train_task_name(template, nodes)}"
+    assert task.id.name == f"workflows.finetune.{wf.train_task_name(wf.TEMPLATES[template], nodes)}"
     if expected.nnodes == 1:  # a single elastic pod: torch elastic runs inside it, no PyTorchJob
         assert task.type == "python-task" and task.custom is None
     else:  # a PyTorchJob of nnodes workers with an elastic policy
@@ -131,13 +140,14 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     gpus = {"gpu": str(expected.gpus_per_node)} if expected.gpus_per_node else {}
     amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
-    assert {e["name"]: e["value"] for e in container.get("env", [])} == expected.env
+    assert {e["name"]: e["value"] for e in container.get("env", [])} == {"TIGON_WARMUP": "1", **expected.env}
     assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
     assert pod.get("nodeSelector", {}) == expected.node_selector
     assert pod.get("priorityClassName") == expected.priority_class
     assert pod["serviceAccountName"] == expected.service_account
     resources = task.extended_resources
     assert resources.shared_memory.size_limit == expected.shared_memory  # Flyte mounts it at /dev/shm
+    assert restricted_violations(pod) == []  # Pod Security "restricted", which the training namespaces enforce
     assert resources.shared_memory.mount_path == "/dev/shm"
     # the GPU type as Flyte's accelerator (a node selector on the cluster); CPU templates name none
     assert (resources.gpu_accelerator.device if resources.HasField("gpu_accelerator") else None) == expected.gpu_type
@@ -150,14 +160,66 @@ def test_image_pull_secrets_reach_the_train_tasks_pod():
     settings, _ = submitted("h100x8")
     pod = get_serializable(OrderedDict(), settings, train).template.k8s_pod.pod_spec
     assert pod["imagePullSecrets"] == [{"name": "ghcr-pull"}, {"name": "ecr-pull"}]
-    shipped = get_serializable(OrderedDict(), settings, wf.TRAIN_TASKS["train_h100x8"]).template
+    shipped = get_serializable(OrderedDict(), settings, wf._train_task(wf.TEMPLATES["h100x8"], "train_h100x8")).template
     assert "imagePullSecrets" not in shipped.k8s_pod.pod_spec  # the shipped templates name none
 
 
 def test_train_task_names_by_node_count():
-    assert wf.train_task_name("h100x8x2") == wf.train_task_name("h100x8x2", 2) == "train_h100x8x2"
-    assert wf.train_task_name("h100x8x2", 4) == "train_h100x8x2_4nodes"
-    assert set(wf.TRAIN_TASKS) >= {"train_cpu_small", "train_h100x8x2_1nodes", "train_h100x8x2_4nodes"}
+    multi = wf.TEMPLATES["h100x8x2"]
+    assert wf.train_task_name(multi) == wf.train_task_name(multi, 2) == "train_h100x8x2"
+    assert wf.train_task_name(multi, 4) == "train_h100x8x2_4nodes"
+
+
+def test_registered_workflow_carries_the_registering_machines_templates():
+    """The job_templates input's default is fixed when the workflow is serialized: the templates of the machine
+    that registers it (its launch plan's default), not those of the image the pods run."""
+    settings, _ = submitted("h100x8")
+    plan = get_serializable(OrderedDict(), settings, FlyteLaunchPlan.get_or_create(wf.finetune))
+    assert isinstance(plan, LaunchPlan)
+    default = plan.spec.default_inputs.parameters["job_templates"].default.scalar.primitive.string_value
+    assert wf.parse_templates(default) == load_templates() == wf.TEMPLATES
+
+
+def test_an_edited_template_reaches_the_task_that_runs(tmp_path):
+    """A platform engineer's edit (GPUs per node, a toleration, a node selector, an env var, the image) is in the
+    train task the dynamic step compiles and in the task its pod rebuilds, with no image rebuild."""
+    edited_dir = tmp_path / "job-templates"
+    edited_dir.mkdir()
+    for path in REPO_TEMPLATES.glob("*.yaml"):
+        raw = yaml.safe_load(path.read_text())
+        if raw["name"] == "h100x8":
+            raw.update(gpus_per_node=4, nproc_per_node=4, image="registry.example.com/tigon:0.1.0-cuda-edited")
+            raw["tolerations"].append({"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"})
+            raw["node_selector"] = {"pool": "h100-spot"}
+            raw["env"]["NCCL_DEBUG"] = "INFO"
+        (edited_dir / path.name).write_text(yaml.safe_dump(raw))
+    edited = load_templates(edited_dir)
+    job_templates = json.dumps({name: t.model_dump(mode="json") for name, t in edited.items()})
+    settings, inputs = submitted("h100x8")
+    validated = wf.validate(
+        config=DEMO,
+        config_yaml="",
+        steps=0,
+        run_dir="",
+        job_template=wf.JobTemplateName("h100x8"),
+        nodes=0,
+        job_templates=job_templates,
+    )
+    assert JobTemplate.model_validate_json(validated.template) == edited["h100x8"]
+    job = compile_train_step(settings, {**inputs, "job_templates": job_templates})
+    (task,) = job.tasks
+    pod = task.k8s_pod.pod_spec
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example.com/tigon:0.1.0-cuda-edited"
+    assert container["resources"]["limits"]["gpu"] == "4"
+    assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"pool": "h100-spot"}
+    assert {e["name"]: e["value"] for e in container["env"]}["NCCL_DEBUG"] == "INFO"
+    # the pod runs `pyflyte-execute ... --resolver <location> -- <loader args>`: it rebuilds the edited task
+    args = container["args"]
+    assert args[args.index("--resolver") + 1] == wf.TRAIN_TASK_RESOLVER.location
+    rebuilt = wf.TRAIN_TASK_RESOLVER.load_task(args[args.index("--") + 1 :])
+    assert rebuilt.task_config.nproc_per_node == 4 and rebuilt.name == task.id.name
 
 
 def help_options(*args: str) -> set[str]:
@@ -218,6 +280,7 @@ def test_submitted_data_dir_is_where_the_configs_data_is(monkeypatch):
             run_dir="",
             job_template=wf.LOCAL_TEMPLATE,
             nodes=0,
+            job_templates=wf.SUBMITTED_TEMPLATES,
             data_dir=FlyteDirectory(staged),
         )
         data = yaml.safe_load(checked.config_yaml)["data"]

@@ -33,8 +33,3 @@ bundle into the configuration of exactly this name (pkg/cert), so it cannot carr
 validator.training-operator.kubeflow.org
 {{- end }}
 
-{{/* An int32 field of the PyTorchJob schema. */}}
-{{- define "training-operator.int32" -}}
-type: integer
-format: int32
-{{- end }}
