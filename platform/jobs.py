@@ -52,6 +52,14 @@ def _resources(template: JobTemplate) -> dict[str, dict[str, Any]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def secret_env(template: JobTemplate) -> list[dict[str, Any]]:
+    """The template's variables from Secrets, as container `env` entries with `valueFrom.secretKeyRef`."""
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key, "optional": ref.optional}}}
+        for name, ref in sorted(template.secret_env.items())
+    ]
+
+
 def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
@@ -62,7 +70,7 @@ def _pod_template(template: JobTemplate, config_map: str, run: str) -> dict[str,
         "name": "pytorch",
         "image": template.image,
         "args": torchrun_command(template),  # args, not command: the image's entrypoint warms the kernels first
-        "env": [{"name": key, "value": value} for key, value in sorted(template.env.items())],
+        "env": [{"name": key, "value": value} for key, value in sorted(template.env.items())] + secret_env(template),
         "resources": _resources(template),
         "volumeMounts": mounts,
     }
@@ -150,13 +158,30 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     from flytekit import PodTemplate, Resources
     from flytekit.extras.accelerators import GPUAccelerator
     from flytekitplugins.kfpytorch import Elastic
-    from kubernetes.client import V1Container, V1LocalObjectReference, V1PodSpec, V1Toleration
+    from kubernetes.client import (
+        V1Container,
+        V1EnvVar,
+        V1EnvVarSource,
+        V1LocalObjectReference,
+        V1PodSpec,
+        V1SecretKeySelector,
+        V1Toleration,
+    )
 
     resources = Resources(
         cpu=template.cpu, mem=template.memory, gpu=str(template.gpus_per_node) if template.gpus_per_node else None
     )
+    secrets = [
+        V1EnvVar(
+            name=name,
+            value_from=V1EnvVarSource(
+                secret_key_ref=V1SecretKeySelector(name=ref.secret, key=ref.key, optional=ref.optional)
+            ),
+        )
+        for name, ref in sorted(template.secret_env.items())
+    ]
     pod_spec = V1PodSpec(
-        containers=[V1Container(name="primary")],
+        containers=[V1Container(name="primary", env=secrets or None)],
         node_selector=template.node_selector or None,
         tolerations=[V1Toleration(**t.model_dump(exclude_none=True)) for t in template.tolerations] or None,
         priority_class_name=template.priority_class,

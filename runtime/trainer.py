@@ -111,8 +111,11 @@ def check_config(config: RunConfig) -> None:
             "eval.metrics: 'exact_match' needs data.format 'instruction' or 'chat' (a prompt to answer); "
             "with 'text' use ['loss']"
         )
-    if config.data.eval is None and config.eval.every_steps > 0:
-        raise ConfigError("eval.every_steps is set but data.eval is not: add a held-out file or set every_steps: 0")
+    if config.data.eval is None and config.data.eval_split is None and config.eval.every_steps > 0:
+        raise ConfigError(
+            "eval.every_steps is set but data.eval is not: add held-out data (data.eval or data.eval_split) or set "
+            "every_steps: 0"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -275,13 +278,12 @@ def generation_examples(config: RunConfig, tokenizer) -> list[tuple[list[int], s
     """(prompt ids, reference answer) of every eval record, tokenized exactly as in training."""
     from tigon.runtime import data
 
-    records, _ = data.read_records(config.data.eval, skip_malformed=config.data.skip_malformed)
+    source, split = data.eval_source(config.data)
+    records, _ = data.read_records(source, config.data.skip_malformed, config.data, split)
     examples = []
     for number, record in enumerate(records, start=1):
         try:
-            examples.append(
-                data.encode_prompt(record, config.data, tokenizer, where=f"{config.data.eval}, record {number}")
-            )
+            examples.append(data.encode_prompt(record, config.data, tokenizer, where=f"{source}, record {number}"))
         except data.MalformedRecordError:
             if not config.data.skip_malformed:
                 raise
@@ -428,10 +430,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     (checked against the run's tokenizer) instead of tokenizing and packing the data again.
     """
     from tigon.runtime.data import build_datasets
+    from tigon.runtime.hub import fetch_model
     from tigon.runtime.tokenizer import load_tokenizer
 
     validate_for_torch_trainer(config)
     env, device = init_distributed(config)
+    fetch_model(config.model, env)  # one download per node, before any model is built
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None

@@ -331,6 +331,9 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
             assert spec["serviceAccountName"] == template.service_account == "tigon-trainer"
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env[k] for k in template.env} == template.env
+            from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+            for name, ref in template.secret_env.items():
+                assert from_secrets[name] == {"name": ref.secret, "key": ref.key, "optional": ref.optional}
             assert env["TRITON_CACHE_DIR"] == "/cache/triton"
             shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
             assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
@@ -389,6 +392,8 @@ def pod_environment(objs, pod_template: dict) -> dict[str, str]:
             env[var["name"]] = var["value"]
         else:
             ref = var["valueFrom"]["secretKeyRef"]
+            if ref.get("optional") and (namespace, ref["name"]) not in secrets:
+                continue  # an optional Secret that is absent leaves the variable unset
             env[var["name"]] = secrets[(namespace, ref["name"])][ref["key"]]
     return env
 

@@ -79,6 +79,19 @@ def test_multi_node_job_has_workers_and_elastic_policy():
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
 
 
+def test_hf_token_comes_from_a_secret_in_pytorchjobs_and_flyte_tasks():
+    from tigon.platform.jobs import flyte_task_options
+
+    template = get_template("h100x8")
+    _, job = pytorchjob_manifests(run_config(), template)
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    reference = {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}
+    assert {"name": "HF_TOKEN", "valueFrom": reference} in container["env"]
+    (primary,) = flyte_task_options(template)["pod_template"].pod_spec.containers
+    (variable,) = primary.env
+    assert variable.name == "HF_TOKEN" and variable.value_from.secret_key_ref.name == "hf-token"
+
+
 def test_single_node_job_has_only_a_master():
     _, job = pytorchjob_manifests(run_config(), get_template("h100x8"))
     assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"} and "elasticPolicy" not in job["spec"]
