@@ -106,3 +106,19 @@ def test_object_store_url_is_copied_once_per_node(tmp_path, monkeypatch):
     assert build_model(config, len(load_tokenizer(config.model))).config.num_hidden_layers == 2
     with pytest.raises(ConfigError, match="has no config.json"):
         model_directory(hub_run(tmp_path, path="memory://bucket/empty", cache_dir=str(tmp_path / "cache")).model)
+
+
+def test_fsdp2_ranks_fetch_once_per_node_then_load_from_the_cache(tmp_path, hub):
+    """2 FSDP2 ranks over gloo: the model from an object-store URL (fsspec's `local://` where s3:// would be), the
+    tokenizer by Hub id. Local rank 0 fetches both; rank 1 waits at the barrier and may only read the local copies
+    (it raises if they are absent), then builds on the meta device and receives rank 0's weights."""
+    from .test_parallel import launch, run_config
+
+    hub.add_model(REPO, tmp_path)
+    source = save_tiny_llama(tmp_path / "store" / "tiny")
+    model = {"path": f"local://{source}", "tokenizer": REPO, "config_name": None, "config_overrides": {}}
+    config = run_config(tmp_path, "fsdp", 2, False, model=model, parallelism={"strategy": "fsdp"})
+    runs = launch(tmp_path, {"fsdp": config})
+    assert len(runs["fsdp"]["losses"]) == 2
+    (copy,) = (hub.root / "tigon-objects").iterdir()
+    assert (copy / ".complete").is_file() and (copy / "model.safetensors").is_file()
