@@ -179,6 +179,14 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class HubPushConfig(Section):
+    """Where the exported model goes on the Hugging Face Hub (the token comes from HF_TOKEN)."""
+
+    repo_id: str = Field(description="the model repository, org/name; created if missing")
+    private: bool = Field(True, description="create the repository private")
+    revision: str | None = Field(None, description="branch to push to (created if missing); default main")
+
+
 class CheckpointConfig(Section):
     """Full training state every N steps (atomic, last K kept), resume, and the exported model."""
 
@@ -192,6 +200,9 @@ class CheckpointConfig(Section):
         description="fsspec URL (s3://, gs://, file://) that finished checkpoints and the export are copied to, "
         "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster",
     )
+    push_to_hub: HubPushConfig | None = Field(
+        None, description="push the export (a LoRA run's adapter too) with a model card to the Hub after training"
+    )
 
 
 class LoggingConfig(Section):
@@ -199,7 +210,16 @@ class LoggingConfig(Section):
 
     run_dir: str = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
     every_steps: int = Field(10, gt=0)
-    tensorboard: bool = True
+    tensorboard: bool = Field(True, description="TensorBoard logs in run_dir/tensorboard (when trackers is unset)")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="experiment trackers every trainer logs to (config, metrics, loss plot, planner estimate); "
+        "unset: tensorboard if logging.tensorboard",
+    )
+    project: str = Field("tigon", description="the wandb project and the MLflow experiment")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store; default MLFLOW_TRACKING_URI, else MLflow's own default"
+    )
     progress_bar: bool = True
     profile_step: int | None = Field(
         None,
@@ -207,6 +227,13 @@ class LoggingConfig(Section):
         description="profile this optimizer step (torch trainer): its time per kind of kernel in the summary and "
         "profile.json, and a Chrome trace (trace.json) in the run directory",
     )
+
+    @property
+    def active_trackers(self) -> list[str]:
+        """The trackers a run logs to: `trackers`, else TensorBoard when `tensorboard` is on."""
+        if self.trackers is not None:
+            return list(dict.fromkeys(self.trackers))
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class EvalConfig(Section):

@@ -40,7 +40,7 @@ from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
-from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
+from tigon.runtime.reporting import Reporter, final_values, make_reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     Evaluation,
     GlobalBatchSampler,
@@ -54,6 +54,7 @@ from tigon.runtime.trainer import (
     collate,
     plan_steps,
     prepare,
+    publish_result,
 )
 
 logger = logging.getLogger("tigon.runtime")
@@ -215,7 +216,7 @@ def finish_adapter_run(
         device=str(device),
         world_size=prepared.env.world_size,
         checkpoint_dir=str(latest) if latest is not None else None,
-        tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
+        tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in config.logging.active_trackers else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
         export_url=export_url,
@@ -224,23 +225,10 @@ def finish_adapter_run(
     if prepared.env.is_main:
         reporter.plot(result.losses, result.eval_history)
         write_summary(run_dir, {**result.__dict__, "config": json.loads(checkpoints.config_json)})
+        reporter.finish(final_values(result))
+        publish_result(config, prepared, result)
         print(summary_text(result), flush=True)
     return result
-
-
-def make_reporter(
-    config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True, initial_step: int = 0
-) -> Reporter:
-    return Reporter(
-        config.logging.run_dir,
-        total_steps,
-        enabled=enabled,
-        progress_bar=config.logging.progress_bar,
-        tensorboard=config.logging.tensorboard,
-        log_every=config.logging.every_steps,
-        initial_step=initial_step,
-        device=device,
-    )
 
 
 class ShardedModel(nn.Module):
@@ -299,12 +287,25 @@ def trainer_process_state():
         os.environ.update(saved)
 
 
+def framework_tensorboard(config: RunConfig, env: DistEnv) -> list:
+    """HF's TensorBoard callback writing into the run's TensorBoard directory (rank 0, when TensorBoard is on)."""
+    if not env.is_main or "tensorboard" not in config.logging.active_trackers:
+        return []
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    return [TensorBoardCallback(tb_writer=SummaryWriter(str(Path(config.logging.run_dir) / "tensorboard")))]
+
+
 def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int):
-    """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints,
-    evaluation and logging off (tigon's run instead)."""
+    """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints and
+    evaluation off (tigon's instead). HF's own logging reports to the run's wandb and MLflow runs (its metrics under
+    `hf/`); its TensorBoard writer is added by `train_with_hf`."""
     from transformers import TrainingArguments
 
     training = config.training
+    report_to = [name for name in ("wandb", "mlflow") if name in config.logging.active_trackers]
+    logs = bool(report_to) or "tensorboard" in config.logging.active_trackers
     return TrainingArguments(
         output_dir=str(Path(config.logging.run_dir) / "hf"),
         per_device_train_batch_size=training.micro_batch_size,
@@ -315,10 +316,12 @@ def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, ma
         bf16=training.precision == "bf16",
         fp16=training.precision == "fp16",
         use_cpu=device.type == "cpu",
-        report_to="none",
+        report_to=report_to or "none",
+        run_name=config.name,
         save_strategy="no",  # tigon's checkpoints (AdapterCheckpoints) instead
         eval_strategy="no",
-        logging_strategy="no",
+        logging_strategy="steps" if logs else "no",
+        logging_steps=config.logging.every_steps,
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
@@ -341,7 +344,7 @@ def attached_strategy(trainer, prepared: Prepared, config: RunConfig) -> DDPStra
 def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would.
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
-    from transformers import Trainer, TrainerCallback
+    from transformers import PrinterCallback, Trainer, TrainerCallback
 
     from tigon.runtime.data import model_inputs
     from tigon.runtime.trainer import train_prepared
@@ -366,6 +369,10 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
         step_loss = 0.0
         step_tokens = 0
         tigon_optimizer = None  # the optimizer tigon built (the Trainer's may be accelerate's wrapper of it)
+
+        def log(self, logs, start_time=None):
+            # HF's own values go to the same trackers as tigon's, under hf/ so that neither overwrites the other
+            super().log({f"hf/{name}": value for name, value in logs.items()}, start_time)
 
         def _get_train_sampler(self, train_dataset=None):
             return order
@@ -447,8 +454,9 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             args=args,
             train_dataset=prepared.train_dataset,
             data_collator=collator,
-            callbacks=[RecordLosses()],
+            callbacks=[RecordLosses(), *framework_tensorboard(config, env)],
         )
+        trainer.remove_callback(PrinterCallback)  # tigon's Reporter prints the run's progress
         try:
             evaluation.start()
             trainer.train()

@@ -51,6 +51,8 @@ from tigon.runtime.reporting import (
     PROFILE_FILE,
     PROFILE_TRACE,
     Reporter,
+    final_values,
+    make_reporter,
     memory_bytes,
     summary_text,
     write_summary,
@@ -85,6 +87,7 @@ class TrainResult:
     data_manifest: dict | None = None  # the packed data's manifest when the run was given `datasets` (not tokenized)
     export_url: str | None = None  # the export's copy under checkpoint.remote_dir
     profile: dict | None = None  # logging.profile_step's step, by kind of kernel (tigon.runtime.profiling)
+    hub_url: str | None = None  # the commit that checkpoint.push_to_hub made
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -431,11 +434,13 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     """
     from tigon.runtime.data import build_datasets
     from tigon.runtime.hub import fetch_model
+    from tigon.runtime.publish import check_push
     from tigon.runtime.tokenizer import load_tokenizer
 
     validate_for_torch_trainer(config)
     env, device = init_distributed(config)
     fetch_model(config.model, env)  # one download per node, before any model is built
+    check_push(config)
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None
@@ -588,16 +593,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.atomic_write_text(run_dir / "config.json", config_json + "\n")
-    reporter = Reporter(
-        run_dir,
-        total_steps,
-        enabled=env.is_main,
-        progress_bar=config.logging.progress_bar,
-        tensorboard=config.logging.tensorboard,
-        log_every=config.logging.every_steps,
-        initial_step=state.step,
-        device=device,
-    )
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=state.step)
     evaluation = Evaluation(config, prepared, state, reporter)
     evaluation.start()
     every_ckpt = config.checkpoint.every_steps
@@ -678,7 +674,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         device=str(device),
         world_size=env.world_size,
         checkpoint_dir=str(latest) if latest is not None else None,
-        tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
+        tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in config.logging.active_trackers else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
         data_manifest=prepared.data_manifest,
@@ -688,8 +684,20 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     if env.is_main:
         reporter.plot(result.losses, result.eval_history)
         write_summary(run_dir, {**result.__dict__, "config": json.loads(config_json)})
+        reporter.finish(final_values(result))
+        publish_result(config, prepared, result)
         print(summary_text(result), flush=True)
     return result
+
+
+def publish_result(config: RunConfig, prepared: Prepared, result: TrainResult) -> None:
+    """`checkpoint.push_to_hub`: push the export with its model card (rank 0, after the summary is written)."""
+    if config.checkpoint.push_to_hub is None or result.export_dir is None:
+        return
+    from tigon.runtime.publish import data_fingerprint, publish
+
+    fingerprint = data_fingerprint(prepared.train_dataset, prepared.data_manifest)
+    result.hub_url = publish(config, result.export_dir, final_values(result), fingerprint)
 
 
 def _optimizer_step(strategy, sampler, dataset, state, config, env, device):
