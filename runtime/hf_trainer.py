@@ -8,9 +8,10 @@ Shared with the torch trainer: `prepare` (model, tokenizer, packed data), `build
 `tigon.runtime.parallel` constructed around what the Trainer built). The loss is the model's own
 causal-LM loss, which transformers (5.x) sums over label tokens and divides by `num_items_in_batch`:
 the label tokens (after the shift) of all micro-batches of the step, exactly the torch trainer's
-normalization. HF's own checkpointing and reporting stay off: `AdapterCheckpoints` writes the torch
-trainer's checkpoints (every N steps, last K kept, atomic) from a callback and resumes from them
-exactly, and the per-step losses go through tigon's Reporter.
+normalization. HF's own checkpointing stays off: `AdapterCheckpoints` writes the torch trainer's
+checkpoints (every N steps, last K kept, atomic) from a callback and resumes from them exactly. The
+per-step losses go through tigon's Reporter; HF's own logging reports, under `hf/`, to the same
+TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
 Parallelism under torchrun: `ddp`, accelerate wraps the model in DDP; `deepspeed`,
 `TrainingArguments(deepspeed=...)` with the config `deepspeed_engine.deepspeed_config` builds from the

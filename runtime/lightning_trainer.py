@@ -10,7 +10,8 @@ manual: Lightning's automatic accumulation divides each micro-batch's loss by th
 micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
 micro-batches hold different numbers of label tokens. So one Lightning batch is one rank's share of a
 global batch (a list of micro-batches), and `training_step` runs the accumulation, clipping and update
-through a strategy.
+through a strategy. Lightning's loggers (`framework_loggers`) write its values, under `lightning/`, to the
+run's TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
 Parallelism under torchrun (`lightning_strategy`):
 - `ddp`: Lightning's DDPStrategy over the process group `prepare` created (`LightningDDP`: backward
