@@ -38,6 +38,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$
 # Files a causal LM and its tokenizer never need: other frameworks' weights, the original (non-HF) checkpoints.
 IGNORED_FILES = ["*.onnx", "onnx/*", "*.gguf", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "*.pth"]
 OBJECT_DIR = "tigon-objects"
+_RESOLVED: dict[tuple[str, str | None, str], Path] = {}  # (source, revision, cache) -> local directory
 
 
 def is_url(source: str) -> bool:
@@ -144,13 +145,22 @@ def object_copy(url: str, model_config: ModelConfig, key: str, local_only: bool 
 
 
 def local_directory(source: str, model_config: ModelConfig, key: str, local_only: bool = False) -> Path:
-    """The local directory `source` (a path, a Hub id or a URL) resolves to, fetching it if needed."""
+    """The local directory `source` (a path, a Hub id or a URL) resolves to, fetching it if needed. A source this
+    process resolved already is not looked up again (no second request to the Hub for the same revision)."""
+    remembered = (source, model_config.revision, str(cache_dir(model_config)) if not _local(source) else "")
+    if remembered in _RESOLVED and _RESOLVED[remembered].is_dir():
+        return _RESOLVED[remembered]
     if is_url(source) and not source.startswith("file://"):
-        return object_copy(source, model_config, key, local_only)
-    if source.startswith("file://"):
-        source = source.removeprefix("file://")
-    if is_hub_id(source):
-        return snapshot(source, model_config, key, local_only)
+        directory = object_copy(source, model_config, key, local_only)
+    elif is_hub_id(source):
+        directory = snapshot(source, model_config, key, local_only)
+    else:
+        return _local_path(source.removeprefix("file://"), key)
+    _RESOLVED[remembered] = directory
+    return directory
+
+
+def _local_path(source: str, key: str) -> Path:
     path = Path(source).expanduser()
     if not path.is_dir():
         raise ConfigError(

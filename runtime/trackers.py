@@ -49,7 +49,7 @@ def planner_estimate(config: RunConfig) -> dict[str, Any] | None:
 
     try:
         estimate = planner.estimate(planner.workload(config), planner.setting_of(config))
-    except (ConfigError, ValueError, KeyError, AttributeError) as error:
+    except (ConfigError, OSError, ValueError, KeyError, AttributeError) as error:
         logger.debug("no planner estimate for the trackers: %s", error)
         return None
     return {
