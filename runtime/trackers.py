@@ -31,6 +31,25 @@ IDS_FILE = "trackers.json"
 STEP_KEY = "train/global_step"  # the x-axis of every wandb chart, as the HF Trainer's integration defines it
 
 
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
+
+
+def check_trackers(config: RunConfig) -> None:
+    """Fail before training when a configured tracker's package is missing."""
+    import importlib.util
+
+    missing = [
+        name
+        for name in config.logging.active_trackers
+        if name in PACKAGES and not importlib.util.find_spec(PACKAGES[name])
+    ]
+    if missing:
+        raise ConfigError(
+            f"logging.trackers: {missing} need their packages: pip install {' '.join(missing)} (or tigon[trackers]), "
+            "or remove them from logging.trackers"
+        )
+
+
 def _flat(values: dict, prefix: str = "") -> dict[str, Any]:
     """A nested config as dotted keys, for MLflow parameters."""
     flat = {}
@@ -149,12 +168,8 @@ class Trackers:
 
 
 def _start_wandb(config: RunConfig, run_dir: Path, run_id: str | None, settings: dict):
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError(
-            "logging.trackers: 'wandb' needs the wandb package: pip install wandb (or tigon[trackers])"
-        ) from None
+    import wandb
+
     run = wandb.init(
         project=config.logging.project,
         name=config.name,
@@ -170,12 +185,8 @@ def _start_wandb(config: RunConfig, run_dir: Path, run_id: str | None, settings:
 
 
 def _start_mlflow(config: RunConfig, run_id: str | None, settings: dict) -> str:
-    try:
-        import mlflow
-    except ImportError:
-        raise ConfigError(
-            "logging.trackers: 'mlflow' needs the mlflow package: pip install mlflow (or tigon[trackers])"
-        ) from None
+    import mlflow
+
     if config.logging.mlflow_tracking_uri is not None:
         mlflow.set_tracking_uri(config.logging.mlflow_tracking_uri)
     if mlflow.active_run() is not None:

@@ -436,11 +436,13 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     from tigon.runtime.hub import fetch_model
     from tigon.runtime.publish import check_push
     from tigon.runtime.tokenizer import load_tokenizer
+    from tigon.runtime.trackers import check_trackers
 
     validate_for_torch_trainer(config)
     env, device = init_distributed(config)
     fetch_model(config.model, env)  # one download per node, before any model is built
     check_push(config)
+    check_trackers(config)
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None

@@ -100,3 +100,14 @@ def test_every_trainer_logs_config_metrics_plot_and_estimate_to_all_trackers(tmp
     assert {"train/loss", "eval/loss"} <= tags
     if trainer != "torch":
         assert any(tag.endswith(OWN_KEY[trainer]) for tag in tags), tags
+
+
+def test_a_tracker_without_its_package_fails_before_training(tmp_path, monkeypatch):
+    from tigon.runtime import trackers
+    from tigon.runtime.config import ConfigError
+
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", "tigon_absent_wandb")  # as if wandb were not installed
+    config = adapter_config(tmp_path, "torch", logging={"trackers": ["tensorboard", "wandb"]})
+    with pytest.raises(ConfigError, match=r"logging.trackers: \['wandb'\] need their packages: pip install wandb"):
+        train(config)
+    assert not (tmp_path / "run-torch" / "metrics.jsonl").exists()
