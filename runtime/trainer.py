@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
@@ -469,6 +470,20 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
+# Where downloads are cached does not change a run: a resumed run may use another cache.
+RESUME_IGNORED = {"model": {"cache_dir"}, "data": {"cache_dir"}}
+
+
+def _resume_section(section: dict | None, name: str) -> dict | None:
+    """A saved or current config section as resuming compares it: defaults filled in (a checkpoint written before a
+    field existed has its default), download caches left out."""
+    try:
+        section = RunConfig.model_fields[name].annotation.model_validate(section).model_dump(mode="json")
+    except ValidationError:
+        pass
+    if isinstance(section, dict):
+        section = {key: value for key, value in section.items() if key not in RESUME_IGNORED.get(name, ())}
+    return section
 
 
 def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
@@ -478,7 +493,11 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         return
     saved = json.loads(saved_file.read_text())
     current = json.loads(config.model_dump_json())
-    differing = [name for name in RESUME_SECTIONS if saved.get(name) != current.get(name)]
+    differing = [
+        name
+        for name in RESUME_SECTIONS
+        if _resume_section(saved.get(name), name) != _resume_section(current[name], name)
+    ]
     if differing:
         raise ConfigError(
             f"checkpoint.resume: {checkpoint_dir} belongs to a run with different {', '.join(differing)} settings; "
