@@ -109,7 +109,7 @@ def data_fingerprint(config: RunConfig) -> str:
             continue
         for content in _data_bytes(path):
             digest.update(content)
-    options = config.data.model_dump(mode="json", exclude={"train", "eval"})
+    options = config.data.model_dump(mode="json", exclude={"train", "eval", "cache_dir"})
     digest.update(json.dumps([config.model.tokenizer, config.model.path, config.model.revision, options]).encode())
     return digest.hexdigest()
 
