@@ -122,4 +122,3 @@ def test_fsdp2_ranks_fetch_once_per_node_then_load_from_the_cache(tmp_path, hub)
     assert len(runs["fsdp"]["losses"]) == 2
     (copy,) = (hub.root / "tigon-objects").iterdir()
     assert (copy / ".complete").is_file() and (copy / "model.safetensors").is_file()
-
