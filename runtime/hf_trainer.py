@@ -288,25 +288,44 @@ def trainer_process_state():
         os.environ.update(saved)
 
 
-def framework_tensorboard(config: RunConfig, env: DistEnv) -> list:
-    """HF's TensorBoard callback writing into the run's TensorBoard directory (rank 0, when TensorBoard is on)."""
-    if not env.is_main or "tensorboard" not in config.logging.active_trackers:
-        return []
-    from torch.utils.tensorboard import SummaryWriter
-    from transformers.integrations import TensorBoardCallback
+def framework_trackers(config: RunConfig, env: DistEnv) -> list:
+    """HF's TensorBoard and MLflow callbacks, writing into the run's TensorBoard directory and MLflow run (rank 0).
 
-    return [TensorBoardCallback(tb_writer=SummaryWriter(str(Path(config.logging.run_dir) / "tensorboard")))]
+    HF's MLflow callback is set up as is the run tigon opened: tigon logged the config as parameters already,
+    and HF's own would clash with them on resume (the Trainer then runs only the remaining steps, so its
+    `max_steps` differs, and MLflow refuses to change a parameter). wandb needs nothing: HF's callback finds
+    tigon's run in `wandb.run` (`report_to`)."""
+    names = config.logging.active_trackers
+    if not env.is_main:
+        return []
+    callbacks = []
+    if "tensorboard" in names:
+        from torch.utils.tensorboard import SummaryWriter
+        from transformers.integrations import TensorBoardCallback
+
+        callbacks.append(
+            TensorBoardCallback(tb_writer=SummaryWriter(str(Path(config.logging.run_dir) / "tensorboard")))
+        )
+    if "mlflow" in names:
+        from transformers.integrations import MLflowCallback
+
+        class RunMLflowCallback(MLflowCallback):
+            def setup(self, args, state, model):
+                self._async_log, self._initialized = False, True
+
+        callbacks.append(RunMLflowCallback())
+    return callbacks
 
 
 def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int):
     """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints and
-    evaluation off (tigon's instead). HF's own logging reports to the run's wandb and MLflow runs (its metrics under
-    `hf/`); its TensorBoard writer is added by `train_with_hf`."""
+    evaluation off (tigon's instead). HF's own logging reports to the run's trackers, its metrics under `hf/`
+    (wandb here; TensorBoard and MLflow through `framework_trackers`)."""
     from transformers import TrainingArguments
 
     training = config.training
-    report_to = [name for name in ("wandb", "mlflow") if name in config.logging.active_trackers]
-    logs = bool(report_to) or "tensorboard" in config.logging.active_trackers
+    report_to = ["wandb"] if "wandb" in config.logging.active_trackers else []  # the others: framework_trackers
+    logs = bool(config.logging.active_trackers)
     return TrainingArguments(
         output_dir=str(Path(config.logging.run_dir) / "hf"),
         per_device_train_batch_size=training.micro_batch_size,
@@ -455,7 +474,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             args=args,
             train_dataset=prepared.train_dataset,
             data_collator=collator,
-            callbacks=[RecordLosses(), *framework_tensorboard(config, env)],
+            callbacks=[RecordLosses(), *framework_trackers(config, env)],
         )
         trainer.remove_callback(PrinterCallback)  # tigon's Reporter prints the run's progress
         try:

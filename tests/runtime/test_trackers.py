@@ -111,3 +111,18 @@ def test_a_tracker_without_its_package_fails_before_training(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"logging.trackers: \['wandb'\] need their packages: pip install wandb"):
         train(config)
     assert not (tmp_path / "run-torch" / "metrics.jsonl").exists()
+
+
+def test_a_resumed_hf_run_continues_its_mlflow_and_wandb_runs(tmp_path, offline_trackers):
+    logging = {"trackers": ["wandb", "mlflow"], "mlflow_tracking_uri": offline_trackers, "every_steps": 1}
+    sections = {"checkpoint": {"every_steps": 2, "resume": True}, "logging": logging}
+    first = train(adapter_config(tmp_path, "hf", training={"max_steps": 2}, **sections))
+    ids = json.loads((tmp_path / "run-hf" / "trackers.json").read_text())
+    resumed = train(adapter_config(tmp_path, "hf", training={"max_steps": 4}, **sections))
+    assert resumed.resumed_from_step == 2 and json.loads((tmp_path / "run-hf" / "trackers.json").read_text()) == ids
+    client = mlflow.MlflowClient(offline_trackers)
+    (run,) = client.search_runs([client.get_experiment_by_name("tigon").experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    assert [m.value for m in history] == pytest.approx(first.losses + resumed.losses[2:])
