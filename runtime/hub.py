@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -132,15 +134,18 @@ def object_copy(url: str, model_config: ModelConfig, key: str, local_only: bool 
         fs, root = fsspec.core.url_to_fs(url)
         if not fs.isfile(f"{root.rstrip('/')}/config.json"):
             raise ConfigError(f"{key}: {url} has no config.json; point it at a save_pretrained directory")
-        partial = target.with_name(target.name + ".partial")
+        partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex[:8]}")  # nodes may share the cache
         fs.get(f"{root.rstrip('/')}/", str(partial), recursive=True)
     except (OSError, ImportError, ValueError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"{key}: cannot copy {url}: {error}; check the URL and the store's credentials") from error
     (partial / ".complete").touch()
-    partial.rename(target)
-    logger.info("copied %s to %s", url, target)
+    try:
+        partial.rename(target)
+        logger.info("copied %s to %s", url, target)
+    except OSError:  # another node's copy got there first
+        shutil.rmtree(partial, ignore_errors=True)
     return target
 
 
