@@ -39,8 +39,10 @@ URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 # Files a causal LM and its tokenizer never need: other frameworks' weights, the original (non-HF) checkpoints.
 IGNORED_FILES = ["*.onnx", "onnx/*", "*.gguf", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "*.pth"]
+# What a tokenizer needs from a model repository: no weights (the workflow's data task loads only the tokenizer).
+TOKENIZER_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*"]
 OBJECT_DIR = "tigon-objects"
-_RESOLVED: dict[tuple[str, str | None, str], Path] = {}  # (source, revision, cache) -> local directory
+_RESOLVED: dict[tuple[str, str | None, str, bool], Path] = {}  # (source, revision, cache, tokenizer only) -> directory
 
 
 def is_url(source: str) -> bool:
@@ -98,18 +100,23 @@ def hub_error(error: Exception, key: str, source: str, revision: str | None) -> 
     return None
 
 
-def snapshot(source: str, model_config: ModelConfig, key: str, local_only: bool = False) -> Path:
-    """The local directory of Hub repository `source` at `model.revision`, downloaded into the cache if needed."""
+def snapshot(
+    source: str, model_config: ModelConfig, key: str, local_only: bool = False, tokenizer_only: bool = False
+) -> Path:
+    """The local directory of Hub repository `source` at `model.revision`, downloaded into the cache if needed
+    (with `tokenizer_only`, only the tokenizer's files)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
-    ignored = list(IGNORED_FILES) if model_config.trust_remote_code else [*IGNORED_FILES, "*.py"]
+    code = ["*.py"] if model_config.trust_remote_code else []
+    ignored = IGNORED_FILES if model_config.trust_remote_code else [*IGNORED_FILES, "*.py"]
     try:
         return Path(
             snapshot_download(
                 source,
                 revision=model_config.revision,
                 cache_dir=cache_dir(model_config),
+                allow_patterns=[*TOKENIZER_FILES, *code] if tokenizer_only else None,
                 ignore_patterns=ignored,
                 local_files_only=local_only,
             )
@@ -149,16 +156,24 @@ def object_copy(url: str, model_config: ModelConfig, key: str, local_only: bool 
     return target
 
 
-def local_directory(source: str, model_config: ModelConfig, key: str, local_only: bool = False) -> Path:
-    """The local directory `source` (a path, a Hub id or a URL) resolves to, fetching it if needed. A source this
-    process resolved already is not looked up again (no second request to the Hub for the same revision)."""
-    remembered = (source, model_config.revision, str(cache_dir(model_config)) if not _local(source) else "")
+def local_directory(
+    source: str, model_config: ModelConfig, key: str, local_only: bool = False, tokenizer_only: bool = False
+) -> Path:
+    """The local directory `source` (a path, a Hub id or a URL) resolves to, fetching it if needed (a Hub id with
+    `tokenizer_only`: its tokenizer files alone). A source this process resolved already is not looked up again
+    (no second request to the Hub for the same revision)."""
+    remembered = (
+        source,
+        model_config.revision,
+        str(cache_dir(model_config)) if not _local(source) else "",
+        tokenizer_only,
+    )
     if remembered in _RESOLVED and _RESOLVED[remembered].is_dir():
         return _RESOLVED[remembered]
     if is_url(source) and not source.startswith("file://"):
         directory = object_copy(source, model_config, key, local_only)
     elif is_hub_id(source):
-        directory = snapshot(source, model_config, key, local_only)
+        directory = snapshot(source, model_config, key, local_only, tokenizer_only)
     else:
         return _local_path(source.removeprefix("file://"), key)
     _RESOLVED[remembered] = directory
@@ -227,7 +242,7 @@ def fetch_model(model_config: ModelConfig, env: DistEnv) -> None:
     if env.local_rank == 0:
         try:
             for source, key in remote:
-                local_directory(source, model_config, key)
+                local_directory(source, model_config, key, tokenizer_only=key == "model.tokenizer")
         except ConfigError as error:
             failure = error
     barrier(env)  # every rank reaches it, so a failed download cannot leave the others waiting
@@ -235,7 +250,7 @@ def fetch_model(model_config: ModelConfig, env: DistEnv) -> None:
         raise failure
     if env.local_rank != 0:
         for source, key in remote:
-            local_directory(source, model_config, key, local_only=True)
+            local_directory(source, model_config, key, local_only=True, tokenizer_only=key == "model.tokenizer")
 
 
 def _local(source: str) -> bool:

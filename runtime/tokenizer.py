@@ -92,7 +92,7 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     from .hub import local_directory
 
     key = "model.tokenizer" if model_config.tokenizer else "model.path"
-    directory = local_directory(source, model_config, key)
+    directory = local_directory(source, model_config, key, tokenizer_only=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=model_config.trust_remote_code)
     except (OSError, ValueError) as error:
