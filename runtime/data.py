@@ -223,7 +223,17 @@ def _load_dataset(source: str, split: str, data_config: DataConfig | None) -> li
         if builder is not None:
             raise _DatasetsCannotServe(f"dataset {source}: {error}") from None
         raise DataError(f"dataset {source}: cannot be read ({error.__cause__ or error})") from None
-    return [{key: value for key, value in row.items() if value is not None} for row in dataset.to_list()]
+    return [_without_none(row) for row in dataset.to_list()]
+
+
+def _without_none(value: Any) -> Any:
+    """A record without the None fields Arrow adds where records differ (a message with no `name` gets
+    name=None when another has one), so records read as they were written; chat templates test `is defined`."""
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value
 
 
 def _read_jsonl(path: Path, skip_malformed: bool) -> tuple[list[dict], list[str], int]:

@@ -77,6 +77,12 @@ def test_data_files_globs_and_csv(tmp_path, repository):
     assert [r["response"] for r in read_records(repository, data_config=config.data)[0]] == ["2", "5"]
     glob = str(repository / "add" / "train-*.jsonl")
     assert len(read_records(glob, data_config=run_config(tmp_path, glob).data)[0]) == 2
+    mixed = [
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+        {"messages": [{"role": "user", "content": "yo"}]},
+    ]
+    write_jsonl(tmp_path / "mixed.jsonl", mixed)
+    assert read_records(tmp_path / "mixed.jsonl")[0] == mixed  # no name=None where Arrow unified the schemas
     (tmp_path / "sums.csv").write_text("instruction,response\n1+1=,2\n")
     assert read_records(tmp_path / "sums.csv")[0] == [{"instruction": "1+1=", "response": 2}]
 
