@@ -67,6 +67,14 @@ def _resources(template: JobTemplate) -> dict[str, dict[str, Any]]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def secret_env(template: JobTemplate) -> list[dict[str, Any]]:
+    """The template's variables from Secrets, as container `env` entries with `valueFrom.secretKeyRef`."""
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.secret, "key": ref.key, "optional": ref.optional}}}
+        for name, ref in sorted(template.secret_env.items())
+    ]
+
+
 def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim: str) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
@@ -81,7 +89,7 @@ def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim:
         "name": "pytorch",
         "image": template.image,
         "args": torchrun_command(template),  # args, not command: the image's entrypoint warms the kernels first
-        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
+        "env": [{"name": key, "value": value} for key, value in sorted(env.items())] + secret_env(template),
         "resources": _resources(template),
         "volumeMounts": mounts,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
@@ -187,10 +195,13 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
     from kubernetes.client import (
         V1Capabilities,
         V1Container,
+        V1EnvVar,
+        V1EnvVarSource,
         V1LocalObjectReference,
         V1PodSecurityContext,
         V1PodSpec,
         V1SeccompProfile,
+        V1SecretKeySelector,
         V1SecurityContext,
         V1Toleration,
     )
@@ -206,8 +217,17 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         seccomp_profile=V1SeccompProfile(type="RuntimeDefault"),
     )
     container_security = V1SecurityContext(allow_privilege_escalation=False, capabilities=V1Capabilities(drop=["ALL"]))
+    secrets = [
+        V1EnvVar(
+            name=name,
+            value_from=V1EnvVarSource(
+                secret_key_ref=V1SecretKeySelector(name=ref.secret, key=ref.key, optional=ref.optional)
+            ),
+        )
+        for name, ref in sorted(template.secret_env.items())
+    ]
     pod_spec = V1PodSpec(
-        containers=[V1Container(name="primary", security_context=container_security)],
+        containers=[V1Container(name="primary", security_context=container_security, env=secrets or None)],
         security_context=pod_security,
         automount_service_account_token=False,
         node_selector=template.node_selector or None,

@@ -29,6 +29,7 @@ import yaml
 
 from tigon.platform.templates import JobTemplate, TemplateError, get_template
 from tigon.runtime.config import ConfigError, RunConfig, load_config
+from tigon.runtime.data import is_hub_dataset
 from tigon.runtime.storage import is_local_url
 
 WORKFLOW = Path(__file__).resolve().parents[1] / "workflows" / "finetune.py"
@@ -74,6 +75,8 @@ def resolve_data_path(path: str, root: str | Path, from_cwd: bool = False) -> st
     exists from the current directory is taken from there, as configs are often written for the repository root."""
     if not is_local_url(path) or Path(path).is_absolute():
         return path
+    if is_hub_dataset(path) and not (is_local_url(str(root)) and (Path(root) / path).exists()):
+        return path  # a Hub dataset name (org/name); write ./dir for a directory under a remote root
     if not is_local_url(str(root)):
         return f"{str(root).rstrip('/')}/{path}"
     if from_cwd and Path(path).exists():
@@ -93,7 +96,7 @@ def local_data(config: RunConfig, config_dir: Path) -> dict[str, Path]:
         location = Path(resolve_data_path(path, config_dir, from_cwd=True))
         if location.exists():
             found[key] = location
-        elif not Path(path).is_absolute():
+        elif not Path(path).is_absolute() and not is_hub_dataset(path):
             missing.append(f"data.{key}: {path}")
     if missing:
         raise SubmissionError(

@@ -1,7 +1,8 @@
 """Job templates: the YAML files platform engineers edit to say what a training job gets.
 
 A template fixes the image, nodes and processes, GPUs, CPU and memory, shared memory, node
-selectors, tolerations and environment. Users pick one by name; the platform maps it to Flyte
+selectors, tolerations and environment (plain values, and values from Kubernetes Secrets such as
+the Hugging Face token). Users pick one by name; the platform maps it to Flyte
 task settings (`tigon.platform.jobs`) or to a PyTorchJob manifest.
 """
 
@@ -31,6 +32,16 @@ class Toleration(BaseModel):
     effect: str | None = None
 
 
+class SecretRef(BaseModel):
+    """An environment variable read from a key of a Kubernetes Secret (e.g. HF_TOKEN from `hf-token`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    secret: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description="the Secret's name")
+    key: str = Field(description="the key inside the Secret")
+    optional: bool = Field(True, description="start the pod when the Secret is absent (the variable is then unset)")
+
+
 class JobTemplate(BaseModel):
     """What one named kind of training job gets on the cluster."""
 
@@ -54,6 +65,9 @@ class JobTemplate(BaseModel):
     service_account: str | None = "tigon-trainer"
     image_pull_secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    secret_env: dict[str, SecretRef] = Field(
+        default_factory=dict, description="environment variables from Secrets, e.g. HF_TOKEN for gated models"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobTemplate:

@@ -279,11 +279,13 @@ def export_model(model: nn.Module, tokenizer, out_dir: str | Path, merge_lora: b
     """`save_pretrained` the final model (LoRA merged when asked) and the tokenizer, atomically.
 
     Call on rank 0 only, after training: merging LoRA modifies the model in place. Unmerged,
-    the directory holds the peft adapter (load it with peft on top of the base model).
+    the directory holds the peft adapter (load it with peft on top of the base model); merged, the adapter
+    alone goes to `<out_dir>-adapter` beside it.
     """
     out_dir = Path(out_dir)
     model = unwrap(model)
     if hasattr(model, "peft_config") and merge_lora:
+        export_model(model, None, out_dir.with_name(f"{out_dir.name}-adapter"), merge_lora=False)  # the adapter alone
         model = model.merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))

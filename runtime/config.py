@@ -24,9 +24,22 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    """Which model to train: a local directory, or a transformers config built from scratch."""
+    """Which model to train: a Hub id, a local or object-store directory, or a config built from scratch."""
 
-    path: str | None = Field(None, description="local directory with config.json (and weights) for from_pretrained")
+    path: str | None = Field(
+        None,
+        description="what from_pretrained loads: a Hugging Face Hub id (org/name), a local directory with config.json, "
+        "or an object-store URL of one (s3://, gs://)",
+    )
+    revision: str | None = Field(
+        None, description="branch, tag or commit of a Hub id in path and tokenizer (pin a commit for reproducibility)"
+    )
+    cache_dir: str | None = Field(
+        None, description="where Hub and object-store downloads go; default: the Hugging Face cache (HF_HOME)"
+    )
+    trust_remote_code: bool = Field(
+        False, description="run modeling/tokenizer code shipped inside the model repository (off unless you trust it)"
+    )
     config_name: str | None = Field(
         None, description="transformers model_type to build from a config (random init), e.g. 'llama'"
     )
@@ -34,7 +47,9 @@ class ModelConfig(Section):
         default_factory=dict, description="config fields set inline, e.g. hidden_size, num_hidden_layers"
     )
     tokenizer: str | None = Field(
-        None, description="local tokenizer directory; defaults to `path`; 'char' builds tigon's character tokenizer"
+        None,
+        description="tokenizer Hub id, local or object-store directory; defaults to `path`; 'char' builds tigon's "
+        "character tokenizer",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
@@ -42,17 +57,34 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.config_name is None):
-            raise ValueError("set exactly one of model.path (a local directory) or model.config_name (e.g. 'llama')")
+            raise ValueError(
+                "set exactly one of model.path (a Hub id or a directory) or model.config_name (e.g. 'llama')"
+            )
         if self.path is None and self.tokenizer is None:
-            raise ValueError("a model built from a config needs model.tokenizer (a local directory, or 'char')")
+            raise ValueError("a model built from a config needs model.tokenizer (a Hub id, a directory, or 'char')")
         return self
 
 
 class DataConfig(Section):
     """Where the examples come from and how they become fixed-length training sequences."""
 
-    train: str = Field(description="JSONL or Parquet file, or a directory saved by datasets.save_to_disk")
-    eval: str | None = Field(None, description="held-out examples in the same format")
+    train: str = Field(
+        description="a Hub dataset name (org/name), a JSONL, Parquet, CSV, Arrow or text file, a glob of them, a "
+        "dataset directory, or a directory saved by datasets.save_to_disk; read with datasets.load_dataset"
+    )
+    eval: str | None = Field(
+        None, description="held-out examples in the same format; unset with eval_split set: data.train's eval_split"
+    )
+    split: str = Field("train", description="the split of data.train, e.g. 'train' or 'train[:90%]'")
+    eval_split: str | None = Field(
+        None, description="the split of data.eval (default 'train'), or of data.train when data.eval is unset"
+    )
+    subset: str | None = Field(None, description="the dataset's configuration (load_dataset's name), e.g. 'main'")
+    data_files: str | list[str] | dict[str, str | list[str]] | None = Field(
+        None, description="files or globs inside data.train's dataset (load_dataset's data_files)"
+    )
+    revision: str | None = Field(None, description="branch, tag or commit of a Hub dataset")
+    cache_dir: str | None = Field(None, description="datasets' cache; default HF_DATASETS_CACHE")
     format: Literal["text", "instruction", "chat"] = "text"
     text_field: str = "text"
     prompt_field: str = "instruction"
@@ -147,6 +179,14 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class HubPushConfig(Section):
+    """Where the exported model goes on the Hugging Face Hub (the token comes from HF_TOKEN)."""
+
+    repo_id: str = Field(description="the model repository, org/name; created if missing")
+    private: bool = Field(True, description="create the repository private")
+    revision: str | None = Field(None, description="branch to push to (created if missing); default main")
+
+
 class CheckpointConfig(Section):
     """Full training state every N steps (atomic, last K kept), resume, and the exported model."""
 
@@ -160,6 +200,9 @@ class CheckpointConfig(Section):
         description="fsspec URL (s3://, gs://, file://) that finished checkpoints and the export are copied to, "
         "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster",
     )
+    push_to_hub: HubPushConfig | None = Field(
+        None, description="push the export (a LoRA run's adapter too) with a model card to the Hub after training"
+    )
 
 
 class LoggingConfig(Section):
@@ -167,7 +210,16 @@ class LoggingConfig(Section):
 
     run_dir: str = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
     every_steps: int = Field(10, gt=0)
-    tensorboard: bool = True
+    tensorboard: bool = Field(True, description="TensorBoard logs in run_dir/tensorboard (when trackers is unset)")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="experiment trackers every trainer logs to (config, metrics, loss plot, planner estimate); "
+        "unset: tensorboard if logging.tensorboard",
+    )
+    project: str = Field("tigon", description="the wandb project and the MLflow experiment")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store; default MLFLOW_TRACKING_URI, else MLflow's own default"
+    )
     progress_bar: bool = True
     profile_step: int | None = Field(
         None,
@@ -175,6 +227,13 @@ class LoggingConfig(Section):
         description="profile this optimizer step (torch trainer): its time per kind of kernel in the summary and "
         "profile.json, and a Chrome trace (trace.json) in the run directory",
     )
+
+    @property
+    def active_trackers(self) -> list[str]:
+        """The trackers a run logs to: `trackers`, else TensorBoard when `tensorboard` is on."""
+        if self.trackers is not None:
+            return list(dict.fromkeys(self.trackers))
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class EvalConfig(Section):

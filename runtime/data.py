@@ -48,7 +48,10 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+OTHER_BUILDERS = {".csv": "csv", ".arrow": "arrow", ".txt": "text"}  # datasets' packaged builders by suffix
+OTHER_SUFFIXES = tuple(OTHER_BUILDERS)
 SAVED_DATASET_FILES = ("state.json", "dataset_dict.json", "dataset_info.json")
+HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 SKIP_HINT = "fix the record, or set data.skip_malformed: true to skip malformed records and count them"
 
 
@@ -64,45 +67,173 @@ class MalformedRecordError(DataError):
 # Reading
 
 
-def read_records(path: str | Path, skip_malformed: bool = False) -> tuple[list[dict], int]:
-    """All records of a JSONL or Parquet file, or of a directory saved by `datasets.save_to_disk`.
+def read_records(
+    path: str | Path, skip_malformed: bool = False, data_config: DataConfig | None = None, split: str | None = None
+) -> tuple[list[dict], int]:
+    """All records of a dataset: a Hub name, a local file, a glob, a dataset directory, or a saved dataset.
 
-    Returns (records, skipped): with `skip_malformed`, lines that are not a JSON object are skipped and
-    counted; without it, the first one raises MalformedRecordError naming the file and its 1-based line.
-    Blank lines are not records. A missing path or a dataset with no records raises DataError.
+    `data_config` supplies the `datasets.load_dataset` options (subset, data_files, revision, cache_dir) and
+    `split` the split (default: data.split, else "train"). Returns (records, skipped): with `skip_malformed`,
+    JSONL lines that are not a JSON object are skipped and counted; without it, the first one raises
+    MalformedRecordError naming the file and its 1-based line. A missing dataset or one with no records
+    raises DataError.
     """
-    records, _, skipped = _read_located(path, skip_malformed)
+    records, _, skipped = _read_located(path, skip_malformed, data_config, split)
     return records, skipped
 
 
-def _read_located(path: str | Path, skip_malformed: bool) -> tuple[list[dict], list[str], int]:
-    """(records, where each record came from as 'file, line N' / 'file, row N', skipped count)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"dataset {path} does not exist (data.train / data.eval take a JSONL or Parquet file, "
-            "or a directory saved by datasets.save_to_disk)"
-        )
+def _read_located(
+    path: str | Path, skip_malformed: bool, data_config: DataConfig | None = None, split: str | None = None
+) -> tuple[list[dict], list[str], int]:
+    """(records, where each record came from as 'file, line N' / 'source, row N', skipped count).
+
+    Everything goes through `datasets.load_dataset` except what it cannot serve: a JSONL file with
+    `skip_malformed` or with a line it cannot parse (read line by line, so the error names the line),
+    and any file when the datasets package is missing.
+    """
+    source = str(path)
+    split = split or (data_config.split if data_config is not None else "train")
+    local = Path(source).expanduser()
     skipped = 0
-    if path.is_dir():
-        records = _read_saved_dataset(path)
-        locations = [f"{path}, row {index}" for index in range(1, len(records) + 1)]
-    elif path.name.lower().endswith(PARQUET_SUFFIXES):
-        records = _read_parquet(path)
-        locations = [f"{path}, row {index}" for index in range(1, len(records) + 1)]
-    elif path.name.lower().endswith(JSONL_SUFFIXES):
-        records, locations, skipped = _read_jsonl(path, skip_malformed)
+    if local.is_dir() and any((local / name).is_file() for name in SAVED_DATASET_FILES):
+        records = _read_saved_dataset(local, split)
+    elif local.is_file() and local.name.lower().endswith(JSONL_SUFFIXES) and skip_malformed:
+        records, locations, skipped = _read_jsonl(local, skip_malformed)
+        return _nonempty(local, records, skipped), locations, skipped
+    elif local.is_file() and not local.name.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES + OTHER_SUFFIXES):
+        raise DataError(
+            f"dataset {local}: unknown file type {local.suffix or '(no suffix)'!r}; use JSONL "
+            f"({', '.join(JSONL_SUFFIXES)}), Parquet ({', '.join(PARQUET_SUFFIXES)}), "
+            f"{', '.join(OTHER_SUFFIXES)}, a directory saved by datasets.save_to_disk, or a Hub dataset name"
+        )
+    elif local.exists() or _is_pattern(source) or _looks_like_hub_name(source):
+        try:
+            records = _load_dataset(source, split, data_config)
+        except _DatasetsCannotServe as reason:
+            if not (local.is_file() and local.name.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)):
+                raise DataError(str(reason)) from None
+            if local.name.lower().endswith(PARQUET_SUFFIXES):
+                records = _read_parquet(local)
+            else:
+                records, locations, skipped = _read_jsonl(local, skip_malformed)
+                return _nonempty(local, records, skipped), locations, skipped
     else:
         raise DataError(
-            f"dataset {path}: unknown file type {path.suffix or '(no suffix)'!r}; use JSONL "
-            f"({', '.join(JSONL_SUFFIXES)}), Parquet ({', '.join(PARQUET_SUFFIXES)}), "
-            "or a directory saved by datasets.save_to_disk"
+            f"dataset {local} does not exist (data.train / data.eval take a Hub dataset name, a JSONL, Parquet, "
+            "CSV or Arrow file, a glob of them, a dataset directory, or a directory saved by datasets.save_to_disk)"
         )
+    records = _nonempty(source, records, skipped)
+    if local.is_file() and local.name.lower().endswith(JSONL_SUFFIXES):
+        lines = _record_lines(local)
+        if len(lines) == len(records):  # one record per non-blank line: name the line
+            return records, [f"{local}, line {number}" for number in lines], skipped
+    return records, [f"{source}, row {index}" for index in range(1, len(records) + 1)], skipped
+
+
+def _record_lines(path: Path) -> list[int]:
+    """1-based numbers of a JSONL file's non-blank lines."""
+    with path.open("rb") as file:
+        return [number for number, line in enumerate(file, start=1) if line.strip()]
+
+
+def _nonempty(source: str | Path, records: list[dict], skipped: int) -> list[dict]:
     if not records:
         if skipped:
-            raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
-        raise DataError(f"dataset {path} holds no records")
-    return records, locations, skipped
+            raise DataError(
+                f"dataset {source}: all {skipped} records are malformed (skipped); nothing left to train on"
+            )
+        raise DataError(f"dataset {source} holds no records")
+    return records
+
+
+class _DatasetsCannotServe(Exception):
+    """`datasets.load_dataset` is missing or failed on a file tigon can also read itself."""
+
+
+def _is_pattern(source: str) -> bool:
+    return any(char in source for char in "*?[")
+
+
+def _looks_like_hub_name(source: str) -> bool:
+    """`org/name` (or `name`) that is not a path to a data file."""
+    return bool(HUB_NAME.match(source)) and _builder(source) is None
+
+
+def is_hub_dataset(source: str) -> bool:
+    """Whether data.train / data.eval names a Hub dataset (`org/name`): no such local path, no file suffix."""
+    return _looks_like_hub_name(source) and not Path(source).expanduser().exists()
+
+
+def _builder(path: str) -> str | None:
+    """The `datasets` packaged builder for a file (or glob) by its suffix; None leaves the choice to datasets."""
+    name = path.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "json"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return next((builder for suffix, builder in OTHER_BUILDERS.items() if name.endswith(suffix)), None)
+
+
+def _load_dataset(source: str, split: str, data_config: DataConfig | None) -> list[dict]:
+    """One split of `source` through `datasets.load_dataset`, as a list of records (None fields dropped)."""
+    try:
+        import datasets
+    except ImportError:
+        raise _DatasetsCannotServe(
+            f"dataset {source}: reading it needs the datasets package: pip install datasets"
+        ) from None
+    options: dict[str, Any] = {"split": split}
+    if data_config is not None:
+        options.update(name=data_config.subset, revision=data_config.revision, cache_dir=data_config.cache_dir)
+    files = data_config.data_files if data_config is not None else None
+    local = Path(source).expanduser()
+    builder = _builder(source) if (local.is_file() or _is_pattern(source)) else None
+    if builder is not None:
+        path, files = builder, str(local) if local.is_file() else source
+    else:
+        path = str(local) if local.is_dir() else source
+    if files is not None:
+        options["data_files"] = files
+    try:
+        dataset = datasets.load_dataset(path, **{k: v for k, v in options.items() if v is not None})
+    except ValueError as error:
+        if "split" in str(error).lower():
+            raise DataError(
+                f"dataset {source}: {error}; set data.split (data.eval_split for data.eval) to one of its splits"
+            ) from None
+        if builder is not None:
+            raise _DatasetsCannotServe(f"dataset {source}: {error}") from None
+        raise DataError(f"dataset {source}: {error}; check data.subset and data.data_files") from None
+    except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError) as error:
+        if local.exists():
+            raise DataError(
+                f"dataset {source}: {error}; point it at data files (JSONL, Parquet, CSV, Arrow, text), set "
+                "data.data_files, or use a directory saved by datasets.save_to_disk"
+            ) from None
+        raise DataError(
+            f"dataset {source}: not found ({error}); check the name (org/name) or path, set HF_TOKEN for a private "
+            "or gated dataset, and unset HF_HUB_OFFLINE unless it is in the cache"
+        ) from None
+    except ConnectionError as error:
+        raise DataError(
+            f"dataset {source}: {error}; it is not in datasets' cache and the Hub cannot be reached (HF_HUB_OFFLINE=1, "
+            "or no network): load it once where the Hub is reachable, or point data.train at local files"
+        ) from None
+    except (datasets.exceptions.DatasetGenerationError, OSError) as error:
+        if builder is not None:
+            raise _DatasetsCannotServe(f"dataset {source}: {error}") from None
+        raise DataError(f"dataset {source}: cannot be read ({error.__cause__ or error})") from None
+    return [_without_none(row) for row in dataset.to_list()]
+
+
+def _without_none(value: Any) -> Any:
+    """A record without the None fields Arrow adds where records differ (a message with no `name` gets
+    name=None when another has one), so records read as they were written; chat templates test `is defined`."""
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value
 
 
 def _read_jsonl(path: Path, skip_malformed: bool) -> tuple[list[dict], list[str], int]:
@@ -145,12 +276,7 @@ def _read_parquet(path: Path) -> list[dict]:
         raise DataError(f"dataset {path}: not a readable Parquet file ({error})") from None
 
 
-def _read_saved_dataset(path: Path) -> list[dict]:
-    if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
-        raise DataError(
-            f"dataset {path} is a directory but not one saved by datasets.save_to_disk "
-            f"(it has none of {', '.join(SAVED_DATASET_FILES)}); point data.train at a JSONL or Parquet file"
-        )
+def _read_saved_dataset(path: Path, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
@@ -160,12 +286,15 @@ def _read_saved_dataset(path: Path) -> list[dict]:
         ) from None
     dataset = datasets.load_from_disk(str(path))
     if isinstance(dataset, datasets.DatasetDict):
-        if len(dataset) != 1:
+        if split in dataset:
+            dataset = dataset[split]
+        elif len(dataset) == 1:
+            dataset = next(iter(dataset.values()))
+        else:
             raise DataError(
-                f"dataset {path} holds the splits {sorted(dataset)}; point data.train / data.eval at one "
-                f"split's directory, e.g. {path / sorted(dataset)[0]}"
+                f"dataset {path} holds the splits {sorted(dataset)}, not {split!r}; set data.split (data.eval_split "
+                "for data.eval) to one of them"
             )
-        dataset = next(iter(dataset.values()))
     return [dict(row) for row in dataset.to_list()]
 
 
@@ -566,10 +695,20 @@ class DataSummary:
         return "\n".join(lines)
 
 
+def eval_source(data_config: DataConfig) -> tuple[str, str] | None:
+    """(source, split) of the held-out examples: data.eval at data.eval_split (default 'train'), or data.train
+    at data.eval_split when only that is set; None without either."""
+    if data_config.eval is not None:
+        return data_config.eval, data_config.eval_split or "train"
+    if data_config.eval_split is not None:
+        return data_config.train, data_config.eval_split
+    return None
+
+
 def _build(
-    path: str, data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, pad_token_id: int
+    path: str, data_config: DataConfig, tokenizer: PreTrainedTokenizerBase, pad_token_id: int, split: str
 ) -> tuple[PackedDataset, DataSummary]:
-    records, locations, skipped = _read_located(path, data_config.skip_malformed)
+    records, locations, skipped = _read_located(path, data_config.skip_malformed, data_config, split)
     documents = []
     for record, where in zip(records, locations, strict=True):
         try:
@@ -603,14 +742,14 @@ def _build(
 def build_datasets(
     config: RunConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[PackedDataset, PackedDataset | None, DataSummary]:
-    """The train and (if data.eval is set) eval datasets, and a summary (the eval one in summary.eval)."""
+    """The train and (if data.eval or data.eval_split is set) eval datasets, and a summary (eval's in summary.eval)."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_token_id is None:
         raise DataError(
             f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token; load it with load_tokenizer"
         )
-    train, summary = _build(config.data.train, config.data, tokenizer, pad_token_id)
-    evaluation = None
-    if config.data.eval is not None:
-        evaluation, summary.eval = _build(config.data.eval, config.data, tokenizer, pad_token_id)
+    train, summary = _build(config.data.train, config.data, tokenizer, pad_token_id, config.data.split)
+    evaluation, held_out = None, eval_source(config.data)
+    if held_out is not None:
+        evaluation, summary.eval = _build(held_out[0], config.data, tokenizer, pad_token_id, held_out[1])
     return train, evaluation, summary

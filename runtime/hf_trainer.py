@@ -8,9 +8,10 @@ Shared with the torch trainer: `prepare` (model, tokenizer, packed data), `build
 `tigon.runtime.parallel` constructed around what the Trainer built). The loss is the model's own
 causal-LM loss, which transformers (5.x) sums over label tokens and divides by `num_items_in_batch`:
 the label tokens (after the shift) of all micro-batches of the step, exactly the torch trainer's
-normalization. HF's own checkpointing and reporting stay off: `AdapterCheckpoints` writes the torch
-trainer's checkpoints (every N steps, last K kept, atomic) from a callback and resumes from them
-exactly, and the per-step losses go through tigon's Reporter.
+normalization. HF's own checkpointing stays off: `AdapterCheckpoints` writes the torch trainer's
+checkpoints (every N steps, last K kept, atomic) from a callback and resumes from them exactly. The
+per-step losses go through tigon's Reporter; HF's own logging reports, under `hf/`, to the same
+TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
 Parallelism under torchrun: `ddp`, accelerate wraps the model in DDP; `deepspeed`,
 `TrainingArguments(deepspeed=...)` with the config `deepspeed_engine.deepspeed_config` builds from the
@@ -40,7 +41,7 @@ from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
-from tigon.runtime.reporting import Reporter, memory_bytes, summary_text, write_summary
+from tigon.runtime.reporting import Reporter, final_values, make_reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     Evaluation,
     GlobalBatchSampler,
@@ -54,6 +55,7 @@ from tigon.runtime.trainer import (
     collate,
     plan_steps,
     prepare,
+    publish_result,
 )
 
 logger = logging.getLogger("tigon.runtime")
@@ -215,7 +217,7 @@ def finish_adapter_run(
         device=str(device),
         world_size=prepared.env.world_size,
         checkpoint_dir=str(latest) if latest is not None else None,
-        tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
+        tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in config.logging.active_trackers else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
         export_url=export_url,
@@ -224,23 +226,10 @@ def finish_adapter_run(
     if prepared.env.is_main:
         reporter.plot(result.losses, result.eval_history)
         write_summary(run_dir, {**result.__dict__, "config": json.loads(checkpoints.config_json)})
+        reporter.finish(final_values(result))
+        publish_result(config, prepared, result)
         print(summary_text(result), flush=True)
     return result
-
-
-def make_reporter(
-    config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True, initial_step: int = 0
-) -> Reporter:
-    return Reporter(
-        config.logging.run_dir,
-        total_steps,
-        enabled=enabled,
-        progress_bar=config.logging.progress_bar,
-        tensorboard=config.logging.tensorboard,
-        log_every=config.logging.every_steps,
-        initial_step=initial_step,
-        device=device,
-    )
 
 
 class ShardedModel(nn.Module):
@@ -299,12 +288,44 @@ def trainer_process_state():
         os.environ.update(saved)
 
 
+def framework_trackers(config: RunConfig, env: DistEnv) -> list:
+    """HF's TensorBoard and MLflow callbacks, writing into the run's TensorBoard directory and MLflow run (rank 0).
+
+    HF's MLflow callback is set up as is the run tigon opened: tigon logged the config as parameters already,
+    and HF's own would clash with them on resume (the Trainer then runs only the remaining steps, so its
+    `max_steps` differs, and MLflow refuses to change a parameter). wandb needs nothing: HF's callback finds
+    tigon's run in `wandb.run` (`report_to`)."""
+    names = config.logging.active_trackers
+    if not env.is_main:
+        return []
+    callbacks = []
+    if "tensorboard" in names:
+        from torch.utils.tensorboard import SummaryWriter
+        from transformers.integrations import TensorBoardCallback
+
+        callbacks.append(
+            TensorBoardCallback(tb_writer=SummaryWriter(str(Path(config.logging.run_dir) / "tensorboard")))
+        )
+    if "mlflow" in names:
+        from transformers.integrations import MLflowCallback
+
+        class RunMLflowCallback(MLflowCallback):
+            def setup(self, args, state, model):
+                self._async_log, self._initialized = False, True
+
+        callbacks.append(RunMLflowCallback())
+    return callbacks
+
+
 def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int):
-    """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints,
-    evaluation and logging off (tigon's run instead)."""
+    """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints and
+    evaluation off (tigon's instead). HF's own logging reports to the run's trackers, its metrics under `hf/`
+    (wandb here; TensorBoard and MLflow through `framework_trackers`)."""
     from transformers import TrainingArguments
 
     training = config.training
+    report_to = ["wandb"] if "wandb" in config.logging.active_trackers else []  # the others: framework_trackers
+    logs = bool(config.logging.active_trackers)
     return TrainingArguments(
         output_dir=str(Path(config.logging.run_dir) / "hf"),
         per_device_train_batch_size=training.micro_batch_size,
@@ -315,10 +336,12 @@ def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, ma
         bf16=training.precision == "bf16",
         fp16=training.precision == "fp16",
         use_cpu=device.type == "cpu",
-        report_to="none",
+        report_to=report_to or "none",
+        run_name=config.name,
         save_strategy="no",  # tigon's checkpoints (AdapterCheckpoints) instead
         eval_strategy="no",
-        logging_strategy="no",
+        logging_strategy="steps" if logs else "no",
+        logging_steps=config.logging.every_steps,
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
@@ -341,7 +364,7 @@ def attached_strategy(trainer, prepared: Prepared, config: RunConfig) -> DDPStra
 def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would.
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
-    from transformers import Trainer, TrainerCallback
+    from transformers import PrinterCallback, Trainer, TrainerCallback
 
     from tigon.runtime.data import model_inputs
     from tigon.runtime.trainer import train_prepared
@@ -366,6 +389,10 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
         step_loss = 0.0
         step_tokens = 0
         tigon_optimizer = None  # the optimizer tigon built (the Trainer's may be accelerate's wrapper of it)
+
+        def log(self, logs, start_time=None):
+            # HF's own values go to the same trackers as tigon's, under hf/ so that neither overwrites the other
+            super().log({f"hf/{name}": value for name, value in logs.items()}, start_time)
 
         def _get_train_sampler(self, train_dataset=None):
             return order
@@ -447,8 +474,9 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             args=args,
             train_dataset=prepared.train_dataset,
             data_collator=collator,
-            callbacks=[RecordLosses()],
+            callbacks=[RecordLosses(), *framework_trackers(config, env)],
         )
+        trainer.remove_callback(PrinterCallback)  # tigon's Reporter prints the run's progress
         try:
             evaluation.start()
             trainer.train()

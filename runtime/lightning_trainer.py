@@ -10,7 +10,8 @@ manual: Lightning's automatic accumulation divides each micro-batch's loss by th
 micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
 micro-batches hold different numbers of label tokens. So one Lightning batch is one rank's share of a
 global batch (a list of micro-batches), and `training_step` runs the accumulation, clipping and update
-through a strategy.
+through a strategy. Lightning's loggers (`framework_loggers`) write its values, under `lightning/`, to the
+run's TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
 Parallelism under torchrun (`lightning_strategy`):
 - `ddp`: Lightning's DDPStrategy over the process group `prepare` created (`LightningDDP`: backward
@@ -34,9 +35,9 @@ import torch
 
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
-from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, make_reporter, prepare_adapter
+from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.parallel import DDPStrategy, build_strategy
-from tigon.runtime.reporting import memory_bytes
+from tigon.runtime.reporting import make_reporter, memory_bytes
 from tigon.runtime.trainer import (
     Evaluation,
     GlobalBatchSampler,
@@ -136,6 +137,28 @@ def lightning_strategy(config: RunConfig, env: DistEnv):
     return LightningDDPStrategy(process_group_backend=backend) if env.distributed else "auto"
 
 
+def framework_loggers(config: RunConfig, env: DistEnv, reporter) -> list:
+    """Lightning's loggers for the run's trackers, writing into the same TensorBoard directory and the same wandb
+    and MLflow runs as tigon's Reporter (rank 0; Lightning logs from rank 0 only)."""
+    if not env.is_main:
+        return []
+    from lightning.pytorch import loggers
+
+    names, run_dir = config.logging.active_trackers, Path(config.logging.run_dir)
+    chosen = []
+    if "tensorboard" in names:
+        chosen.append(loggers.TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", sub_dir=None))
+    if reporter.trackers.wandb_run is not None:
+        chosen.append(loggers.WandbLogger(experiment=reporter.trackers.wandb_run))
+    if reporter.trackers.mlflow_run_id is not None:
+        import mlflow
+
+        chosen.append(
+            loggers.MLFlowLogger(tracking_uri=mlflow.get_tracking_uri(), run_id=reporter.trackers.mlflow_run_id)
+        )
+    return chosen
+
+
 def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     """Train (or resume) as configured with a Lightning `Trainer`; returns what the torch trainer would.
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
@@ -197,6 +220,9 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
                     "tokens_seen": checkpoints.state.tokens_seen,
                 },
             )
+            step = checkpoints.state.step
+            if step % config.logging.every_steps == 0 or step == total_steps:  # Lightning's loggers: the same runs
+                self.log_dict({"lightning/loss": loss, "lightning/lr": lr, "step": float(step)}, on_step=True)
             evaluation.step_done(total_steps)
             checkpoints.save_if_due(total_steps, strategy)
 
@@ -216,7 +242,8 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         devices=devices,
         num_nodes=nodes,
         max_epochs=1,  # the loader holds exactly the steps left (Lightning counts no step it does not optimize)
-        logger=False,
+        logger=framework_loggers(config, env, reporter) or False,
+        log_every_n_steps=1,  # training_step logs every logging.every_steps steps itself
         enable_checkpointing=False,  # tigon's checkpoints (AdapterCheckpoints) instead
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -2,18 +2,17 @@
 
     model = build_model(config, vocab_size=len(tokenizer), tokenizer=tokenizer)
 
-`model.path` loads a local `from_pretrained` directory; `model.config_name` builds a randomly
-initialized model from a transformers config (`config_overrides` inline). Then tigon's kernels
-are applied per `config.kernels` (the PatchReport is logged and kept on
-`model.tigon_patch_report`), gradient checkpointing is turned on if asked, and LoRA adapters
-are added through peft when `lora.enabled`.
+`model.path` loads a Hub id, a local `from_pretrained` directory or an object-store copy of one
+(`tigon.runtime.hub`); `model.config_name` builds a randomly initialized model from a transformers config
+(`config_overrides` inline). Then tigon's kernels are applied per `config.kernels` (the PatchReport is
+logged and kept on `model.tigon_patch_report`), gradient checkpointing is turned on if asked, and LoRA
+adapters are added through peft when `lora.enabled`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -53,25 +52,37 @@ def _special_token_ids(tokenizer) -> dict[str, int]:
 
 
 def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights: bool = True) -> nn.Module:
-    """`from_pretrained` on a local directory; the embeddings grow if the tokenizer is larger.
+    """`from_pretrained` on `model.path` (a Hub id, a local or object-store directory); the embeddings grow if
+    the tokenizer is larger.
 
-    `weights=False` builds the directory's model without reading its weights (the shapes, for a rank that
-    builds on the meta device and receives rank 0's weights).
+    A Hub id or URL is resolved from the cache when `tigon.runtime.hub.fetch_model` fetched it already, else
+    downloaded here. `weights=False` builds the model from its config without reading its weights (the shapes,
+    for a rank that builds on the meta device and receives rank 0's weights).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = Path(config.model.path)
-    if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
+    from tigon.runtime.hub import model_directory
+
+    path = model_directory(config.model)
+    trust = config.model.trust_remote_code
+    options = dict(
+        dtype=torch_dtype(config.model.dtype),
+        attn_implementation=config.model.attn_implementation,
+        trust_remote_code=trust,
+    )
+    try:
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, **options)
+        else:
+            model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+            model = AutoModelForCausalLM.from_config(model_config, **options)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
         raise ConfigError(
-            f"model.path: {path} {what}; point it at a local save_pretrained directory "
-            "(tigon does not download from a model hub), or build from a config with model.config_name"
-        )
-    options = dict(dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation)
-    if weights:
-        model = AutoModelForCausalLM.from_pretrained(path, **options)
-    else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **options)
+            f"model.path: {config.model.path} ships its own modeling code; read it, then set "
+            "model.trust_remote_code: true to run it"
+        ) from None
     embeddings = model.get_input_embeddings().weight.shape[0]
     if vocab_size > embeddings:
         logger.info("resizing the embeddings from %d to the tokenizer's %d tokens", embeddings, vocab_size)

@@ -296,9 +296,12 @@ def model_shape(config: RunConfig) -> ModelShape:
     from transformers import AutoConfig
 
     if config.model.path is not None:
+        from tigon.runtime.hub import config_json
+
+        raw = config_json(config.model)
         try:
-            return ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model.path))
-        except OSError as error:
+            return ModelShape.from_hf_config(AutoConfig.for_model(**raw))
+        except (ValueError, KeyError) as error:
             raise ConfigError(f"model.path: cannot read a config from {config.model.path}: {error}") from None
     overrides = dict(config.model.config_overrides)
     if "vocab_size" not in overrides:

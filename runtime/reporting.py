@@ -14,11 +14,16 @@ import math
 import resource
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tigon.runtime.checkpoint import atomic_write_bytes, atomic_write_text
 from tigon.runtime.profiling import profile_text
+from tigon.runtime.trackers import Trackers
+
+if TYPE_CHECKING:
+    from tigon.runtime.config import RunConfig
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -69,7 +74,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> None:
 
 
 class Reporter:
-    """Progress bar, metrics, TensorBoard and plots for one run; every method is a no-op off rank 0."""
+    """Progress bar, metrics, TensorBoard, the other trackers and plots for one run; a no-op off rank 0."""
 
     def __init__(
         self,
@@ -82,8 +87,10 @@ class Reporter:
         log_every: int = 10,
         initial_step: int = 0,
         device: torch.device | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.trackers = trackers or Trackers()
         self.enabled = enabled
         self.total_steps = total_steps
         self.log_every = log_every
@@ -135,6 +142,7 @@ class Reporter:
                 for name, value in metrics.items():
                     if isinstance(value, (int, float)) and math.isfinite(value):
                         self.writer.add_scalar(f"train/{name}", value, step)
+            self.trackers.log(metrics, step, "train")
 
     def evaluation(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -143,6 +151,7 @@ class Reporter:
         if self.writer is not None:
             for name, value in metrics.items():
                 self.writer.add_scalar(f"eval/{name}", value, step)
+        self.trackers.log(metrics, step, "eval")
         text = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
         message = f"eval at step {step}: {text}"
         if self.bar is not None:
@@ -158,6 +167,12 @@ class Reporter:
             self.writer.flush()
             self.writer.close()
             self.writer = None
+
+    def finish(self, summary: dict, failed: bool = False) -> None:
+        """Hand the run's final values, loss plot and summary file to the trackers and end their runs."""
+        if not self.enabled:
+            return
+        self.trackers.finish(summary, [self.run_dir / LOSS_PLOT, self.run_dir / SUMMARY_FILE], failed=failed)
 
     def plot(self, losses: list[float], eval_history: list[dict]) -> Path | None:
         """Write `loss.png`: the training loss per step, and the evaluation loss where measured."""
@@ -195,6 +210,33 @@ class Reporter:
         return path
 
 
+def make_reporter(
+    config: RunConfig, total_steps: int, device: torch.device, enabled: bool = True, initial_step: int = 0
+) -> Reporter:
+    """The run's Reporter, with the configured trackers started on rank 0 (continued when resuming)."""
+    run_dir = Path(config.logging.run_dir)
+    trackers = Trackers.start(config, run_dir, resumed=initial_step > 0) if enabled else None
+    return Reporter(
+        run_dir,
+        total_steps,
+        enabled=enabled,
+        progress_bar=config.logging.progress_bar,
+        tensorboard="tensorboard" in config.logging.active_trackers,
+        log_every=config.logging.every_steps,
+        initial_step=initial_step,
+        device=device,
+        trackers=trackers,
+    )
+
+
+def final_values(result) -> dict:
+    """What the trackers' summaries record at the end (`result` is a trainer.TrainResult)."""
+    values = {"final_loss": result.final_loss, "steps": result.steps, "tokens_per_second": result.tokens_per_second}
+    values.update({f"final_eval_{name}": value for name, value in result.eval_metrics.items()})
+    values["peak_memory_bytes"] = result.peak_memory_bytes
+    return values
+
+
 def summary_text(result) -> str:
     """The end-of-run summary printed on rank 0 (`result` is a trainer.TrainResult)."""
     lines = [f"tigon run finished: {result.steps} optimizer steps"]
@@ -225,6 +267,8 @@ def summary_text(result) -> str:
         lines.append(f"    checkpoint      {result.checkpoint_dir}")
     if result.export_dir:
         lines.append(f"    export          {result.export_dir}")
+    if result.hub_url:
+        lines.append(f"    on the Hub      {result.hub_url}")
     if result.profile:
         lines.append(
             f"    profile         {Path(result.run_dir) / PROFILE_FILE}, {Path(result.run_dir) / PROFILE_TRACE}"

@@ -1,6 +1,6 @@
-"""Tokenizers for training runs: tigon's character tokenizer, or a local tokenizer directory.
+"""Tokenizers for training runs: tigon's character tokenizer, or a tokenizer by Hub id or directory.
 
-    tokenizer = load_tokenizer(config.model)        # "char", or a directory with tokenizer files
+    tokenizer = load_tokenizer(config.model)        # "char", a Hub id, or a directory with tokenizer files
 
 The character tokenizer needs no download: one token per printable ASCII character and newline, plus
 `<pad>`, `<bos>`, `<eos>` and `<unk>`. Like Llama's, it puts `<bos>` in front of `tokenizer(text)` (not in
@@ -16,7 +16,6 @@ spans by rendering prefixes of the conversation (see `tigon.runtime.data`).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -82,22 +81,23 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
 
 
 def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
-    """The run's tokenizer: model.tokenizer ('char' or a local directory), else the model directory."""
+    """The run's tokenizer: model.tokenizer ('char', a Hub id, a local or object-store directory), else model.path."""
     source = model_config.tokenizer or model_config.path
     if source == "char":
         return build_char_tokenizer()
     if source is None:  # the config validator already forbids this; kept for configs built by hand
-        raise ValueError("no tokenizer configured: set model.tokenizer to a local directory or 'char'")
-    directory = Path(source).expanduser()
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer directory {directory} does not exist; set model.tokenizer to a local directory with "
-            "tokenizer files (tokenizer.json or tokenizer_config.json), or to 'char' for tigon's character tokenizer"
-        )
+        raise ValueError("no tokenizer configured: set model.tokenizer to a Hub id, a local directory or 'char'")
     from transformers import AutoTokenizer
 
+    from .hub import local_directory
+
+    key = "model.tokenizer" if model_config.tokenizer else "model.path"
+    directory = local_directory(source, model_config, key, tokenizer_only=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=model_config.trust_remote_code)
     except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a tokenizer from {directory}: {error}") from error
+        raise ValueError(
+            f"{key}: cannot load a tokenizer from {source} ({directory}): {error}; it needs tokenizer files "
+            "(tokenizer.json or tokenizer_config.json), or set model.tokenizer: char for tigon's character tokenizer"
+        ) from error
     return ensure_pad_token(tokenizer)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
@@ -51,6 +52,8 @@ from tigon.runtime.reporting import (
     PROFILE_FILE,
     PROFILE_TRACE,
     Reporter,
+    final_values,
+    make_reporter,
     memory_bytes,
     summary_text,
     write_summary,
@@ -85,6 +88,7 @@ class TrainResult:
     data_manifest: dict | None = None  # the packed data's manifest when the run was given `datasets` (not tokenized)
     export_url: str | None = None  # the export's copy under checkpoint.remote_dir
     profile: dict | None = None  # logging.profile_step's step, by kind of kernel (tigon.runtime.profiling)
+    hub_url: str | None = None  # the commit that checkpoint.push_to_hub made
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -111,8 +115,11 @@ def check_config(config: RunConfig) -> None:
             "eval.metrics: 'exact_match' needs data.format 'instruction' or 'chat' (a prompt to answer); "
             "with 'text' use ['loss']"
         )
-    if config.data.eval is None and config.eval.every_steps > 0:
-        raise ConfigError("eval.every_steps is set but data.eval is not: add a held-out file or set every_steps: 0")
+    if config.data.eval is None and config.data.eval_split is None and config.eval.every_steps > 0:
+        raise ConfigError(
+            "eval.every_steps is set but data.eval is not: add held-out data (data.eval or data.eval_split) or set "
+            "every_steps: 0"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -275,13 +282,12 @@ def generation_examples(config: RunConfig, tokenizer) -> list[tuple[list[int], s
     """(prompt ids, reference answer) of every eval record, tokenized exactly as in training."""
     from tigon.runtime import data
 
-    records, _ = data.read_records(config.data.eval, skip_malformed=config.data.skip_malformed)
+    source, split = data.eval_source(config.data)
+    records, _ = data.read_records(source, config.data.skip_malformed, config.data, split)
     examples = []
     for number, record in enumerate(records, start=1):
         try:
-            examples.append(
-                data.encode_prompt(record, config.data, tokenizer, where=f"{config.data.eval}, record {number}")
-            )
+            examples.append(data.encode_prompt(record, config.data, tokenizer, where=f"{source}, record {number}"))
         except data.MalformedRecordError:
             if not config.data.skip_malformed:
                 raise
@@ -428,10 +434,16 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     (checked against the run's tokenizer) instead of tokenizing and packing the data again.
     """
     from tigon.runtime.data import build_datasets
+    from tigon.runtime.hub import fetch_model
+    from tigon.runtime.publish import check_push
     from tigon.runtime.tokenizer import load_tokenizer
+    from tigon.runtime.trackers import check_trackers
 
     validate_for_torch_trainer(config)
     env, device = init_distributed(config)
+    fetch_model(config.model, env)  # one download per node, before any model is built
+    check_push(config)
+    check_trackers(config)
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None
@@ -458,6 +470,20 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
+# Where downloads are cached does not change a run: a resumed run may use another cache.
+RESUME_IGNORED = {"model": {"cache_dir"}, "data": {"cache_dir"}}
+
+
+def _resume_section(section: dict | None, name: str) -> dict | None:
+    """A saved or current config section as resuming compares it: defaults filled in (a checkpoint written before a
+    field existed has its default), download caches left out."""
+    try:
+        section = RunConfig.model_fields[name].annotation.model_validate(section).model_dump(mode="json")
+    except ValidationError:
+        pass
+    if isinstance(section, dict):
+        section = {key: value for key, value in section.items() if key not in RESUME_IGNORED.get(name, ())}
+    return section
 
 
 def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
@@ -467,7 +493,11 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         return
     saved = json.loads(saved_file.read_text())
     current = json.loads(config.model_dump_json())
-    differing = [name for name in RESUME_SECTIONS if saved.get(name) != current.get(name)]
+    differing = [
+        name
+        for name in RESUME_SECTIONS
+        if _resume_section(saved.get(name), name) != _resume_section(current[name], name)
+    ]
     if differing:
         raise ConfigError(
             f"checkpoint.resume: {checkpoint_dir} belongs to a run with different {', '.join(differing)} settings; "
@@ -584,16 +614,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.atomic_write_text(run_dir / "config.json", config_json + "\n")
-    reporter = Reporter(
-        run_dir,
-        total_steps,
-        enabled=env.is_main,
-        progress_bar=config.logging.progress_bar,
-        tensorboard=config.logging.tensorboard,
-        log_every=config.logging.every_steps,
-        initial_step=state.step,
-        device=device,
-    )
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=state.step)
     evaluation = Evaluation(config, prepared, state, reporter)
     evaluation.start()
     every_ckpt = config.checkpoint.every_steps
@@ -674,7 +695,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         device=str(device),
         world_size=env.world_size,
         checkpoint_dir=str(latest) if latest is not None else None,
-        tensorboard_dir=str(run_dir / "tensorboard") if config.logging.tensorboard else None,
+        tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in config.logging.active_trackers else None,
         train_seconds=train_seconds,
         kernels=str(patch) if patch is not None else None,
         data_manifest=prepared.data_manifest,
@@ -684,8 +705,20 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     if env.is_main:
         reporter.plot(result.losses, result.eval_history)
         write_summary(run_dir, {**result.__dict__, "config": json.loads(config_json)})
+        reporter.finish(final_values(result))
+        publish_result(config, prepared, result)
         print(summary_text(result), flush=True)
     return result
+
+
+def publish_result(config: RunConfig, prepared: Prepared, result: TrainResult) -> None:
+    """`checkpoint.push_to_hub`: push the export with its model card (rank 0, after the summary is written)."""
+    if config.checkpoint.push_to_hub is None or result.export_dir is None:
+        return
+    from tigon.runtime.publish import data_fingerprint, publish
+
+    fingerprint = data_fingerprint(prepared.train_dataset, prepared.data_manifest)
+    result.hub_url = publish(config, result.export_dir, final_values(result), fingerprint)
 
 
 def _optimizer_step(strategy, sampler, dataset, state, config, env, device):

@@ -45,6 +45,7 @@ from tigon.platform.submit import check_submission, resolve_data_path
 from tigon.platform.templates import JobTemplate, load_templates
 from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config
+from tigon.runtime.data import is_hub_dataset
 from tigon.runtime.storage import default_remote_dir, is_local_url
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,13 +107,17 @@ def _data_bytes(path: str):
 
 
 def data_fingerprint(config: RunConfig) -> str:
-    """Content hash of the data files, the tokenizer choice and the data options: the cache key."""
+    """Content hash of the data files (a Hub dataset's name and revision), the tokenizer choice and the data
+    options: the cache key. Pin data.revision for a Hub dataset, or a new upload may hit an old packing."""
     digest = hashlib.sha256()
     for path in filter(None, [config.data.train, config.data.eval]):
+        if is_hub_dataset(path):  # named, not read here: its revision (data.revision) stands for its content
+            digest.update(json.dumps([path, config.data.revision]).encode())
+            continue
         for content in _data_bytes(path):
             digest.update(content)
-    options = config.data.model_dump(mode="json", exclude={"train", "eval"})
-    digest.update(json.dumps([config.model.tokenizer, config.model.path, options]).encode())
+    options = config.data.model_dump(mode="json", exclude={"train", "eval", "cache_dir"})
+    digest.update(json.dumps([config.model.tokenizer, config.model.path, config.model.revision, options]).encode())
     return digest.hexdigest()
 
 

@@ -374,6 +374,9 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env[k] for k in template.env} == template.env
             assert env.get("TRITON_CACHE_DIR") == ("/cache/triton" if cache else template.env.get("TRITON_CACHE_DIR"))
+            from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+            for name, ref in template.secret_env.items():
+                assert from_secrets[name] == {"name": ref.secret, "key": ref.key, "optional": ref.optional}
             shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
             assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
@@ -431,6 +434,8 @@ def pod_environment(objs, pod_template: dict) -> dict[str, str]:
             env[var["name"]] = var["value"]
         else:
             ref = var["valueFrom"]["secretKeyRef"]
+            if ref.get("optional") and (namespace, ref["name"]) not in secrets:
+                continue  # an optional Secret that is absent leaves the variable unset
             env[var["name"]] = secrets[(namespace, ref["name"])][ref["key"]]
     return env
 

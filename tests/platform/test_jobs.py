@@ -60,7 +60,7 @@ def test_rendered_manifests_are_valid(name):
         assert pod["spec"]["automountServiceAccountToken"] is False  # the run calls no Kubernetes API
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert mounts["triton-cache"] == "/cache/triton"
-        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["TRITON_CACHE_DIR"] == "/cache/triton" and env["TIGON_WARMUP"] == "1"  # kernels run here
     assert job["metadata"]["name"] == "demo-run-1"
     (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
@@ -88,6 +88,19 @@ def test_multi_node_job_has_only_workers_and_an_elastic_policy():
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
+
+
+def test_hf_token_comes_from_a_secret_in_pytorchjobs_and_flyte_tasks():
+    from tigon.platform.jobs import flyte_task_options
+
+    template = get_template("h100x8")
+    _, job = pytorchjob_manifests(run_config(), template)
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    reference = {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": True}}
+    assert {"name": "HF_TOKEN", "valueFrom": reference} in container["env"]
+    (primary,) = flyte_task_options(template)["pod_template"].pod_spec.containers
+    (variable,) = primary.env
+    assert variable.name == "HF_TOKEN" and variable.value_from.secret_key_ref.name == "hf-token"
 
 
 def test_single_node_job_has_only_a_master():

@@ -141,3 +141,14 @@ def test_submit_needs_the_workflow_file_of_a_checkout(capsys, monkeypatch, tmp_p
     monkeypatch.setattr(submit, "WORKFLOW", tmp_path / "workflows" / "finetune.py")  # as in an installed tigon
     assert main(["submit", DEMO, "--job-template", "h100x8", *ON_OBJECT_STORE, "--dry-run"]) == 2
     assert "runs from a tigon checkout" in capsys.readouterr().err
+
+
+def test_hub_dataset_names_stay_names_and_local_directories_win(tmp_path):
+    from tigon.platform.submit import resolve_data_path
+
+    assert resolve_data_path("HuggingFaceTB/smoltalk", tmp_path, from_cwd=True) == "HuggingFaceTB/smoltalk"
+    assert resolve_data_path("HuggingFaceTB/smoltalk", "s3://bucket/data") == "HuggingFaceTB/smoltalk"
+    assert resolve_data_path("./data/train", "s3://bucket/data") == "s3://bucket/data/./data/train"
+    assert resolve_data_path("data/train.jsonl", "s3://bucket/data") == "s3://bucket/data/data/train.jsonl"
+    (tmp_path / "org" / "sums").mkdir(parents=True)
+    assert resolve_data_path("org/sums", tmp_path) == str(tmp_path / "org" / "sums")

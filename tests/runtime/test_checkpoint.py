@@ -96,6 +96,22 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
         train(second)
 
 
+def test_resume_accepts_a_checkpoint_from_before_new_settings_and_another_cache(tmp_path):
+    """A checkpoint's config.json without later fields (they take their defaults) or with another download cache."""
+    import json
+
+    from tigon.runtime.trainer import check_resumable
+
+    config = tiny_config(tmp_path)
+    saved = json.loads(config.model_dump_json())
+    for key in ("revision", "trust_remote_code"):
+        del saved["model"][key]
+    del saved["data"]["subset"]
+    saved["model"]["cache_dir"] = "/another/cache"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    check_resumable(tmp_path, config)
+
+
 def test_checkpoint_round_trip_restores_everything(tmp_path):
     from tigon.runtime.distributed import DistEnv
 

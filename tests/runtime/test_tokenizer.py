@@ -2,7 +2,7 @@
 
 import pytest
 
-from tigon.runtime.config import ModelConfig
+from tigon.runtime.config import ConfigError, ModelConfig
 from tigon.runtime.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_char_tokenizer, load_tokenizer
 
 CONVERSATION = [
@@ -91,7 +91,7 @@ def test_load_tokenizer_defaults_to_model_path(tmp_path):
 
 def test_missing_tokenizer_directory_names_the_path(tmp_path):
     missing = tmp_path / "no-such-tokenizer"
-    with pytest.raises(FileNotFoundError, match="no-such-tokenizer"):
+    with pytest.raises(ConfigError, match="model.tokenizer: .*no-such-tokenizer does not exist"):
         load_tokenizer(ModelConfig(config_name="llama", tokenizer=str(missing)))
 
 

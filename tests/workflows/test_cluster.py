@@ -140,7 +140,10 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     gpus = {"gpu": str(expected.gpus_per_node)} if expected.gpus_per_node else {}
     amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
-    assert {e["name"]: e["value"] for e in container.get("env", [])} == {"TIGON_WARMUP": "1", **expected.env}
+    env = container.get("env", [])
+    assert {e["name"]: e["value"] for e in env if "value" in e} == {"TIGON_WARMUP": "1", **expected.env}
+    from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in env if "valueFrom" in e}
+    assert from_secrets == {name: ref.secret for name, ref in expected.secret_env.items()}
     assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
     assert pod.get("nodeSelector", {}) == expected.node_selector
     assert pod.get("priorityClassName") == expected.priority_class
@@ -214,7 +217,7 @@ def test_an_edited_template_reaches_the_task_that_runs(tmp_path):
     assert container["resources"]["limits"]["gpu"] == "4"
     assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"pool": "h100-spot"}
-    assert {e["name"]: e["value"] for e in container["env"]}["NCCL_DEBUG"] == "INFO"
+    assert {e["name"]: e.get("value") for e in container["env"]}["NCCL_DEBUG"] == "INFO"
     # the pod runs `pyflyte-execute ... --resolver <location> -- <loader args>`: it rebuilds the edited task
     args = container["args"]
     assert args[args.index("--resolver") + 1] == wf.TRAIN_TASK_RESOLVER.location

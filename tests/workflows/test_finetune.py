@@ -188,6 +188,15 @@ def test_data_urls_are_hashed_and_fetched_through_fsspec(tmp_path):
     fsspec.filesystem("memory").rm(url)
 
 
+def test_hub_dataset_names_are_kept_and_keyed_by_name_and_revision(tmp_path):
+    """A Hub dataset is not read to fingerprint it: its name and data.revision stand for its content."""
+    data = {"train": "HuggingFaceTB/smoltalk", "eval": None, "subset": "everyday-conversations"}
+    pinned = wf.resolve_config(write_config(tmp_path, data={**data, "revision": "v1"}), 2, "")
+    assert pinned.data.train == "HuggingFaceTB/smoltalk" and wf._local_data(pinned, tmp_path) == pinned
+    moved = pinned.model_copy(update={"data": pinned.data.model_copy(update={"revision": "v2"})})
+    assert wf.data_fingerprint(pinned) != wf.data_fingerprint(moved)
+
+
 def test_gpu_settings_on_a_cpu_template_and_too_many_nodes_fail_in_validation(tmp_path):
     config = write_config(tmp_path, parallelism={"backend": "nccl"})
     with pytest.raises(Exception, match="has no GPUs"):

@@ -164,6 +164,14 @@ spec:
         - name: {{ $name }}
           value: {{ get $env $name | quote }}
         {{- end }}
+        {{- range $name, $ref := (default dict $t.secret_env) }}
+        - name: {{ $name }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ $ref.secret }}
+              key: {{ $ref.key }}
+              optional: {{ ne $ref.optional false }}
+        {{- end }}
         {{- if $secret }}
         {{- range $name := list "AWS_ACCESS_KEY_ID" "AWS_SECRET_ACCESS_KEY" }}
         {{- range $prefix := list "" "FLYTE_" }}
