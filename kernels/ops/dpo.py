@@ -28,7 +28,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     reference_source,
     run_preference,
 )
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 def sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -62,6 +62,9 @@ def fused_linear_dpo(
     `ref_bias` (no gradient). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one backward per
     forward.
     """
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias = autocast_operands(
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias
+    )
     settings = PassSettings(
         paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )

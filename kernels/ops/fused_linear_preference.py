@@ -47,6 +47,7 @@ from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, los
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size, logits_into
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
+    autocast_operands,
     check_chunk_size,
     check_float,
     check_same_device,
@@ -278,6 +279,7 @@ def sequence_logps(
     hidden `(B, T, H)`, target `(B, T)` with `ignore_index` where no token is scored; `chunk_size` is
     sequences per chunk. This is what the losses take as `ref_logps` (e.g. precomputed once per dataset).
     """
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     settings = PassSettings(paired=False, ignore_index=ignore_index, chunk_size=chunk_size)
     check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, True)
     if not use_triton("sequence_logps", hidden):
@@ -314,7 +316,7 @@ def check_head(
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"{weight_name} has dtype {weight.dtype} but {hidden_name} has dtype {hidden.dtype}; cast one to the other "
-            f"(e.g. {hidden_name}.to({weight_name}.dtype))"
+            f"(e.g. {hidden_name}.to({weight_name}.dtype)), or run under torch.autocast, which casts both"
         )
     check_vector(bias_name, bias, weight.shape[0], f"the vocabulary size ({weight_name}.shape[0])")
     if bias is not None and bias.dtype != hidden.dtype:

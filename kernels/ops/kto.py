@@ -32,7 +32,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     sequence_logps,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 def _check_kl_inputs(
@@ -110,6 +110,9 @@ def fused_linear_kto(
     `ref_hidden` with `ref_weight`/`ref_bias` (no gradient). `chunk_size` is sequences per chunk. Returns
     `(loss, metrics)`; one backward per forward.
     """
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden = autocast_operands(
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden
+    )
     settings = PassSettings(
         paired=False, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )

@@ -31,7 +31,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     run_preference,
     safe_average,
 )
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +61,7 @@ def fused_linear_orpo(
     tokens (`ignore_index` elsewhere). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one
     backward per forward.
     """
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     settings = PassSettings(
         paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )
