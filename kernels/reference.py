@@ -7,6 +7,7 @@ float64 inputs it is the exact function and on low-precision inputs it rounds wh
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +145,20 @@ def _safe_divide(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor
     return torch.where(nonzero, total / torch.where(nonzero, denominator, 1), 0)
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What the cross-entropy ops return when asked for the token accuracy or the predicted tokens.
+
+    `token_accuracy` is the fraction of non-ignored tokens whose logits' argmax is the target (TRL's
+    `mean_token_accuracy`; 0 without such tokens), or with reduction "none" 1.0/0.0 per token (0 where ignored);
+    `predicted_tokens` `(N,)` int64 is each token's argmax (-1 where ignored). Absent ones are None.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -156,8 +171,11 @@ def cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
     check_targets: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """`F.cross_entropy` on logits `(N, V)` in at least float32, plus softcapping, z-loss and `num_items_in_batch`.
 
     - `softcap`: the logits become `softcap * tanh(logits / softcap)` first (Gemma 2).
@@ -170,6 +188,9 @@ def cross_entropy(
       Trainer passes for gradient accumulation). All targets ignored gives 0, not NaN.
     - With `return_z_loss`, returns `(loss, z_loss)`: `loss` includes the z-loss; `z_loss` is reduced
       the same way and detached (for logging).
+    - `use_token_scaling`: each token's loss (z-loss included) times its target's probability, detached.
+    - `return_token_accuracy` / `return_predicted_tokens`: a `CrossEntropyOutput` with the argmax of the
+      (softcapped) logits and its accuracy over the non-ignored tokens (per token with reduction "none").
     """
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
@@ -183,6 +204,10 @@ def cross_entropy(
         x, target, weight=class_weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
     z = lse_square_scale * torch.logsumexp(x, dim=-1).square() * valid
+    if use_token_scaling:
+        probability = x.softmax(-1).gather(-1, torch.where(valid, target, 0)[:, None]).squeeze(-1)
+        scale = torch.where(valid, probability, 0).detach()
+        ce, z = ce * scale, z * scale
     if reduction == "none":
         loss, z_loss = ce + z, z
     elif reduction == "sum":
@@ -199,6 +224,16 @@ def cross_entropy(
                 ce_denominator = torch.where(valid, class_weight[target.clamp(0, x.shape[-1] - 1)], 0).sum()
         loss, z_loss = _safe_divide(ce.sum(), ce_denominator), _safe_divide(z.sum(), z_denominator)
         loss = loss + z_loss
+    if return_token_accuracy or return_predicted_tokens:
+        predicted = torch.where(valid, x.argmax(-1), -1).detach()
+        correct = ((predicted == target) & valid).float()
+        accuracy = correct if reduction == "none" else correct.sum() / valid.sum().clamp_min(1)
+        return CrossEntropyOutput(
+            loss,
+            z_loss.detach() if return_z_loss else None,
+            accuracy if return_token_accuracy else None,
+            predicted if return_predicted_tokens else None,
+        )
     return (loss, z_loss.detach()) if return_z_loss else loss
 
 
@@ -216,11 +251,14 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
     check_targets: bool = True,
     accumulate_in_fp32: bool = True,
     chunk_size: int | None = None,
     borrow_weight_grad: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """`cross_entropy(F.linear(hidden, weight, bias), target, weight=class_weight, ...)`, full logits at once.
 
     `accumulate_in_fp32`, `chunk_size` and `borrow_weight_grad` only steer the fused op's memory use; they are
@@ -237,6 +275,9 @@ def fused_linear_cross_entropy(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        use_token_scaling=use_token_scaling,
         check_targets=check_targets,
     )
 
