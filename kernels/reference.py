@@ -20,7 +20,11 @@ def rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
 ) -> torch.Tensor:
-    """Llama: `w * (x / rms(x)).to(x.dtype)`; Gemma: `(x / rms(x) * (offset + w)).to(x.dtype)`, in fp32."""
+    """Llama: `w * (x / rms(x)).to(x.dtype)`; Gemma: `(x / rms(x) * (offset + w)).to(x.dtype)`, in fp32;
+    "none": `x / rms(x) * (offset + w)` in the inputs' own dtypes, no casts."""
+    if casting == "none":
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return normed if weight is None else normed * (offset + weight)
     input_dtype = x.dtype
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
