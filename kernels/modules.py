@@ -360,9 +360,28 @@ class FusedLinearDPOLoss(_PreferenceLoss):
     """`F.fused_linear_dpo`; call with `(hidden, weight, target, bias=None, ref_logps=... or ref_hidden=..., ...)`."""
 
     def __init__(
-        self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None
+        self,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: str | list[str] = "sigmoid",
+        loss_weights: list[float] | None = None,
+        average_log_prob: bool = False,
+        rpo_alpha: float | None = None,
+        discopop_tau: float = 0.05,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
     ) -> None:
-        super().__init__(beta=beta, label_smoothing=label_smoothing, ignore_index=ignore_index, chunk_size=chunk_size)
+        super().__init__(
+            beta=beta,
+            label_smoothing=label_smoothing,
+            loss_type=loss_type,
+            loss_weights=loss_weights,
+            average_log_prob=average_log_prob,
+            rpo_alpha=rpo_alpha,
+            discopop_tau=discopop_tau,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+        )
 
     def forward(self, hidden, weight, target, bias=None, **reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return F.fused_linear_dpo(hidden, weight, target, bias, **reference, **self.options)
@@ -430,6 +449,8 @@ class FusedLinearKTOLoss(_PreferenceLoss):
         beta: float = 0.1,
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
+        loss_type: str = "kto",
+        average_log_prob: bool = False,
         ignore_index: int = -100,
         chunk_size: int | None = None,
     ) -> None:
@@ -437,6 +458,8 @@ class FusedLinearKTOLoss(_PreferenceLoss):
             beta=beta,
             desirable_weight=desirable_weight,
             undesirable_weight=undesirable_weight,
+            loss_type=loss_type,
+            average_log_prob=average_log_prob,
             ignore_index=ignore_index,
             chunk_size=chunk_size,
         )

@@ -454,6 +454,36 @@ def _sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+def _dpo_pair_loss(
+    loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_avg: torch.Tensor,
+    rejected_avg: torch.Tensor, beta: float, eps: float, tau: float,
+) -> torch.Tensor:  # fmt: skip
+    """TRL's per-pair DPO loss of `loss_type` on the log-ratios (and their per-token averages)."""
+    margin = beta * (chosen - rejected)
+    table = {
+        "sigmoid": lambda: _sigmoid_preference(margin, eps),
+        "hinge": lambda: (1 - margin).clamp_min(0),
+        "ipo": lambda: (chosen_avg - rejected_avg - 1 / (2 * beta)).square(),
+        "exo_pair": lambda: (
+            torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log(1 - eps))
+            + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(eps))
+        ),
+        "nca_pair": lambda: (
+            -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * chosen) / 2 - F.logsigmoid(-beta * rejected) / 2
+        ),
+        "robust": lambda: (-(1 - eps) * F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps),
+        "bco_pair": lambda: -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected),
+        "sppo_hard": lambda: (chosen - 1 / (2 * beta)).square() + (rejected + 1 / (2 * beta)).square(),
+        "apo_zero": lambda: 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected),
+        "apo_down": lambda: torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(margin),
+        "discopop": lambda: (
+            -F.logsigmoid(margin) * (1 - torch.sigmoid(margin / tau)) + torch.exp(-margin) * torch.sigmoid(margin / tau)
+        ),
+        "sigmoid_norm": lambda: -F.logsigmoid(beta * (chosen_avg - rejected_avg)),
+    }
+    return table[loss_type]()
+
+
 def fused_linear_dpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -466,23 +496,48 @@ def fused_linear_dpo(
     ref_bias: torch.Tensor | None = None,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    loss_type: str | list[str] | tuple[str, ...] = "sigmoid",
+    loss_weights: list[float] | tuple[float, ...] | None = None,
+    average_log_prob: bool = False,
+    rpo_alpha: float | None = None,
+    discopop_tau: float = 0.05,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's DPO sigmoid loss on the full logits: `z = beta * ((c - r) - (ref_c - ref_r))` on summed log-probs,
-    mean over pairs of `-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)`; rewards `beta * (logp - ref)`."""
-    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    """TRL's DPO on the full logits: with log-ratios `x = logp - ref` (summed log-probs, or averaged over the
+    target tokens with `average_log_prob`), the mean over pairs of each `loss_type`'s per-pair loss (TRL's
+    formulas; "sft" is the chosen tokens' mean NLL), weighted by `loss_weights` and summed, plus `rpo_alpha`
+    times that NLL; rewards `beta * x`."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
+    if average_log_prob:
+        logps, ref = _average(logps, counts), _average(ref, counts)
     pairs = hidden.shape[0] // 2
-    chosen, rejected, ref_chosen, ref_rejected = logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:]
-    z = beta * ((chosen - rejected) - (ref_chosen - ref_rejected))
+    ratios = logps - ref
+    averages = _average(ratios, counts)
+    summed, _ = sequence_logps(hidden[:pairs], weight, target[:pairs], bias, ignore_index=ignore_index)
+    nll = _chosen_nll(summed, counts[:pairs])
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = list(loss_weights) if loss_weights is not None else [1.0] * len(types)
+    loss = rpo_alpha * nll if rpo_alpha is not None else 0
+    for name, type_weight in zip(types, weights, strict=True):
+        if name == "sft":
+            loss = loss + type_weight * nll
+        else:
+            per_pair = _dpo_pair_loss(
+                name, ratios[:pairs], ratios[pairs:], averages[:pairs], averages[pairs:], beta, label_smoothing,
+                discopop_tau,
+            )  # fmt: skip
+            loss = loss + type_weight * per_pair.mean()
     metrics = {
-        "chosen_rewards": (beta * (chosen - ref_chosen)).detach(),
-        "rejected_rewards": (beta * (rejected - ref_rejected)).detach(),
-        "chosen_logps": chosen.detach(),
-        "rejected_logps": rejected.detach(),
+        "chosen_rewards": (beta * ratios[:pairs]).detach(),
+        "rejected_rewards": (beta * ratios[pairs:]).detach(),
+        "chosen_logps": logps[:pairs].detach(),
+        "rejected_logps": logps[pairs:].detach(),
         **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
-    return _sigmoid_preference(z, label_smoothing).mean(), metrics
+    if rpo_alpha is not None or "sft" in types:
+        metrics["nll_loss"] = nll.detach()
+    return loss, metrics
 
 
 def fused_linear_cpo(
@@ -598,28 +653,41 @@ def fused_linear_kto(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+    average_log_prob: bool = False,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's KTO on summed log-probs: with `x = logp - ref`, the mean over samples of
-    `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable samples) or
+    """TRL's KTO on summed (or with `average_log_prob` averaged) log-probs: with `x = logp - ref`, the mean over
+    samples of `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable samples) or
     `undesirable_weight * (1 - sigmoid(beta * (kl - x)))` (undesirable ones). `kl` is given,
-    or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached."""
-    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached.
+    `loss_type="apo_zero_unpaired"`: `1 - sigmoid(beta * x)` (desirable) or `sigmoid(beta * x)` (undesirable)."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
-    if kl is None:
+    if average_log_prob:
+        logps, ref = _average(logps, counts), _average(ref, counts)
+    if kl is None and loss_type == "kto":
         with torch.no_grad():
-            kl_logps, _ = sequence_logps(kl_hidden, weight, kl_target, bias, ignore_index=ignore_index)
+            kl_logps, kl_counts = sequence_logps(kl_hidden, weight, kl_target, bias, ignore_index=ignore_index)
             ref_kl = _preference_ref_logps(
                 kl_target, ref_kl_logps, ref_kl_hidden, ref_weight, ref_bias, ignore_index, logps.dtype
             )
+            if average_log_prob:
+                kl_logps, ref_kl = _average(kl_logps, kl_counts), _average(ref_kl, kl_counts)
             kl = (kl_logps - ref_kl).mean().clamp(min=0)
-    kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
     x = logps - ref
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
-        undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
-    )
+    if loss_type == "apo_zero_unpaired":
+        kl = torch.zeros((), dtype=logps.dtype, device=logps.device)
+        losses = torch.where(
+            desirable, desirable_weight * (1 - torch.sigmoid(beta * x)), undesirable_weight * torch.sigmoid(beta * x)
+        )
+    else:
+        kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
+        losses = torch.where(
+            desirable,
+            desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
+        )
     metrics = {
         "rewards": (beta * x).detach(),
         "logps": logps.detach(),
