@@ -123,12 +123,22 @@ class _GatedLinears(nn.Module):
         return new
 
 
+def mlp_multipliers(config) -> tuple[float, float]:
+    """Falcon-H1's `config.mlp_multipliers` (gate, down), or (1.0, 1.0) for a config without them."""
+    multipliers = tuple(float(m) for m in getattr(config, "mlp_multipliers", None) or (1.0, 1.0))
+    if len(multipliers) != 2:
+        raise ValueError(f"config.mlp_multipliers={multipliers} must be (gate_multiplier, down_multiplier)")
+    return multipliers
+
+
 class GatedMLP(_GatedLinears):
     """`down_proj(act(gate_proj(x)) * up_proj(x))`: drop-in for the Llama, Mistral, Qwen and Gemma MLPs.
 
     The activation comes from `config.hidden_activation` or `config.hidden_act`. Its backward
     recomputes the activation and writes its gradients over the two projections' outputs,
-    which only it reads, so the MLP holds no extra activation-sized buffer.
+    which only it reads, so the MLP holds no extra activation-sized buffer. A config with Falcon-H1's
+    `mlp_multipliers` `(gate, down)` gives `down_proj(up * act(gate * m_gate)) * m_down`, both multipliers
+    inside the activation kernel (the down multiplier moved before the linear `down_proj`).
     """
 
     LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -141,16 +151,42 @@ class GatedMLP(_GatedLinears):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.activation, self.approximate = gated_activation_for(config)
+        self.multipliers = mlp_multipliers(config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> GatedMLP:
+        """Wrap an HF MLP, keeping its Linear layers (and any adapters on them)."""
+        new = super().from_module(module, config)
+        new.multipliers = mlp_multipliers(config)
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), self.activation, self.approximate))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_gated(gate, up, self.activation, self.approximate, self.multipliers))
 
 
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, approximate: str | None) -> torch.Tensor:
-    """act(gate) * up with the in-place backward: the two projections' outputs are read by nothing else."""
+def _gated(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    approximate: str | None,
+    multipliers: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
+    """act(gate * m_g) * up * m_o with the in-place backward: the two projections' outputs are read by nothing
+    else."""
+    gate_multiplier, output_multiplier = multipliers
     if activation == "swiglu":
-        return F.swiglu(gate, up, in_place_backward=True)
-    return F.geglu(gate, up, approximate=approximate, in_place_backward=True)
+        return F.swiglu(
+            gate, up, in_place_backward=True, gate_multiplier=gate_multiplier, output_multiplier=output_multiplier
+        )
+    return F.geglu(
+        gate,
+        up,
+        approximate=approximate,
+        in_place_backward=True,
+        gate_multiplier=gate_multiplier,
+        output_multiplier=output_multiplier,
+    )
 
 
 def _gated_packed(gate_up: torch.Tensor, activation: str, approximate: str | None, in_place: bool) -> torch.Tensor:

@@ -82,14 +82,27 @@ def rope(
     return q_out, k_out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up`."""
-    return F.silu(gate) * up
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, output_multiplier: float = 1.0
+) -> torch.Tensor:
+    """`silu(gate) * up`; with Falcon-H1's multipliers `up * silu(gate * gate_multiplier) * output_multiplier`."""
+    if gate_multiplier == 1.0 and output_multiplier == 1.0:
+        return F.silu(gate) * up
+    return up * F.silu(gate * gate_multiplier) * output_multiplier
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """`gelu(gate) * up`, with the tanh approximation or the exact erf form (`approximate="none"`)."""
-    return F.gelu(gate, approximate=approximate) * up
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: str = "tanh",
+    gate_multiplier: float = 1.0,
+    output_multiplier: float = 1.0,
+) -> torch.Tensor:
+    """`gelu(gate) * up`, with the tanh approximation or the exact erf form (`approximate="none"`); the
+    multipliers as in `swiglu`."""
+    if gate_multiplier == 1.0 and output_multiplier == 1.0:
+        return F.gelu(gate, approximate=approximate) * up
+    return up * F.gelu(gate * gate_multiplier, approximate=approximate) * output_multiplier
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
