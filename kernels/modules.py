@@ -468,13 +468,15 @@ class FusedLinearSimPOLoss(_PreferenceLoss):
 
 
 class FusedLinearORPOLoss(_PreferenceLoss):
-    """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None)`."""
+    """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None, nll_target=None)`."""
 
     def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int | None = None) -> None:
         super().__init__(beta=beta, ignore_index=ignore_index, chunk_size=chunk_size)
 
-    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_orpo(hidden, weight, target, bias, **self.options)
+    def forward(
+        self, hidden, weight, target, bias=None, nll_target=None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_orpo(hidden, weight, target, bias, nll_target=nll_target, **self.options)
 
 
 class FusedLinearKTOLoss(_PreferenceLoss):

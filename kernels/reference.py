@@ -620,11 +620,13 @@ def fused_linear_orpo(
     bias: torch.Tensor | None = None,
     *,
     beta: float = 0.1,
+    nll_target: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's ORPO: chosen NLL `- beta * mean(log sigmoid(log_odds))` with, on length-normalized log-probs,
     `log_odds = (c - r) - (log1p(-exp(c)) - log1p(-exp(r)))`. A pair whose odds are undefined (a sequence
-    without targets, or of probability 1) has log-odds and ratio 0."""
+    without targets, or of probability 1) has log-odds and ratio 0. `nll_target` (its chosen half) replaces
+    `target` in the NLL."""
     logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     pairs = hidden.shape[0] // 2
     average = _average(logps, counts)
@@ -633,7 +635,12 @@ def fused_linear_orpo(
     c, r = torch.where(defined, chosen, -1.0), torch.where(defined, rejected, -1.0)
     log_odds = torch.where(defined, (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r))), 0)
     ratio = torch.where(defined, F.logsigmoid(log_odds), 0)
-    nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    if nll_target is None:
+        nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    else:
+        h_chosen = hidden[:pairs]
+        nll_logps, nll_counts = sequence_logps(h_chosen, weight, nll_target[:pairs], bias, ignore_index=ignore_index)
+        nll = _chosen_nll(nll_logps, nll_counts)
     metrics = {
         "chosen_rewards": (beta * chosen).detach(),
         "rejected_rewards": (beta * rejected).detach(),

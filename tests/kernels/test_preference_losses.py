@@ -196,6 +196,19 @@ def test_kto_bad_options(device):
         functional.fused_linear_kto(h, w, target, desirable, ref_logps=ref, kl=0.0, loss_type="apo_zero_unpaired")
 
 
+@pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_orpo_nll_target(dtype, chunk_size, device):
+    """The NLL term against targets of its own: tokens where both, either or neither target counts."""
+    torch.manual_seed(10)
+    nll_target = torch.randint(0, 61, (6, 9), device=device)
+    nll_target[:, -2:] = IGNORE
+    nll_target[1] = IGNORE  # a chosen sequence with no NLL targets
+    loss, metrics = run_case("orpo", 3, 9, 24, 61, dtype, device, seed=11, chunk_size=chunk_size, nll_target=nll_target)
+    h, w, _, target = make_inputs(6, 9, 24, 61, dtype, device, 11)
+    _, plain_metrics = functional.fused_linear_orpo(h, w, target, beta=0.5)
+    assert metrics["nll_loss"] != plain_metrics["nll_loss"]
+
+
 def test_dpo_bad_options(device):
     h, w, _, target = make_inputs(4, 5, 8, 33, torch.float32, device, 0, with_bias=False)
     ref = torch.zeros(4, device=device)
@@ -211,6 +224,8 @@ def test_dpo_bad_options(device):
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
             functional.fused_linear_dpo(h, w, target, ref_logps=ref, **options)
+    with pytest.raises(ValueError, match=r"nll_target has shape \(4, 4\)"):
+        functional.fused_linear_orpo(h, w, target, nll_target=target[:, :4])
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
