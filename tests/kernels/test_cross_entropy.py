@@ -450,6 +450,30 @@ def test_gpu_real_size_against_float32_reference(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "reduction": "none"}])
+def test_gpu_token_accuracy_and_predicted_tokens(options):
+    """8192 tokens x Llama 3's vocabulary in bf16 (ties for the maximum included): the kernel's argmax is
+    torch.argmax's, and the loss and gradient are unchanged."""
+    torch.manual_seed(1)
+    rows, vocab = 8192, 128256
+    logits = (torch.randn(rows, vocab, device="cuda") * 2).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    target[::7] = IGNORE
+    flags = {"return_token_accuracy": True, "return_predicted_tokens": True, **options}
+    x = logits.clone().requires_grad_(True)
+    out = cross_entropy(x, target, **flags)
+    x32 = logits.float().requires_grad_(True)
+    ref = reference.cross_entropy(x32, target, **flags)
+    torch.testing.assert_close(out.predicted_tokens, ref.predicted_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(out.token_accuracy, ref.token_accuracy, rtol=0, atol=1e-6)
+    grad = torch.randn_like(out.loss)
+    out.loss.backward(grad)
+    ref.loss.backward(grad)
+    assert_close(out.loss, ref.loss, torch.bfloat16, "loss")
+    assert_close(x.grad, x32.grad, torch.bfloat16, "dlogits")
+
+
+@pytest.mark.gpu
 def test_gpu_no_memory_beyond_the_logits():
     rows, vocab = 8192, 128256
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)

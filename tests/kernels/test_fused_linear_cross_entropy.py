@@ -396,6 +396,26 @@ def test_gpu_real_size(options):
 
 
 @pytest.mark.gpu
+def test_gpu_token_scaling_and_token_accuracy():
+    """4096 tokens x 4096 hidden x Llama 3's vocabulary in bf16 with token scaling and the token accuracy,
+    against a float32 reference; the argmax may differ from float32's only where bf16 rounding ties the top two."""
+    h, w, _, target = make_inputs(4096, 4096, 128256, torch.bfloat16, "cuda", 0, with_bias=False)
+    flags = {"use_token_scaling": True, "return_token_accuracy": True, "return_predicted_tokens": True}
+    hl, wl = leaves(h, w)
+    out = fused_linear_cross_entropy(hl, wl, target, **flags)
+    out.loss.backward()
+    h32, w32 = leaves(h, w, dtype=torch.float32)
+    ref = reference.fused_linear_cross_entropy(h32, w32, target, **flags)
+    ref.loss.backward()
+    assert_close(out.loss, ref.loss, torch.bfloat16, "loss")
+    assert_close(hl.grad, h32.grad, torch.bfloat16, "dhidden")
+    assert_close(wl.grad, w32.grad, torch.bfloat16, "dweight")
+    agree = (out.predicted_tokens == ref.predicted_tokens).float().mean().item()
+    assert agree > 0.99, f"argmax agrees with float32's on {agree:.4f} of the tokens"
+    assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_memory_flat_in_tokens():
     """Peak memory beyond the inputs: the gradients and one chunk of logits, whatever the token count."""
     hidden, vocab = 4096, 128256

@@ -148,6 +148,7 @@ def test_weight_on_another_device():
 def test_gpu_real_sizes(shape, dtype):
     run_case(*shape, dtype, "cuda")
     run_case(*shape, dtype, "cuda", casting="gemma", offset=1.0)
+    run_case(*shape, dtype, "cuda", casting="none")
 
 
 def test_cpu_without_interpreter_uses_reference_and_logs_once():
