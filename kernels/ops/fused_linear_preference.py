@@ -81,8 +81,8 @@ class PassResult:
 @dataclass(frozen=True)
 class PassSettings:
     """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation, and an
-    NLL term of the chosen sequences against targets of their own (`nll_target`, the batch's shape; its chosen
-    half is read), added to the loss times `nll_weight` and divided by its non-ignored chosen tokens."""
+    NLL term of a paired batch's chosen sequences against targets of their own (`nll_target`, the batch's shape;
+    its chosen half is read), added to the loss times `nll_weight` and divided by its non-ignored chosen tokens."""
 
     paired: bool
     ignore_index: int = -100
