@@ -123,12 +123,22 @@ class _GatedLinears(nn.Module):
         return new
 
 
+def mlp_multipliers(config) -> tuple[float, float]:
+    """Falcon-H1's `config.mlp_multipliers` (gate, down), or (1.0, 1.0) for a config without them."""
+    multipliers = tuple(float(m) for m in getattr(config, "mlp_multipliers", None) or (1.0, 1.0))
+    if len(multipliers) != 2:
+        raise ValueError(f"config.mlp_multipliers={multipliers} must be (gate_multiplier, down_multiplier)")
+    return multipliers
+
+
 class GatedMLP(_GatedLinears):
     """`down_proj(act(gate_proj(x)) * up_proj(x))`: drop-in for the Llama, Mistral, Qwen and Gemma MLPs.
 
     The activation comes from `config.hidden_activation` or `config.hidden_act`. Its backward
     recomputes the activation and writes its gradients over the two projections' outputs,
-    which only it reads, so the MLP holds no extra activation-sized buffer.
+    which only it reads, so the MLP holds no extra activation-sized buffer. A config with Falcon-H1's
+    `mlp_multipliers` `(gate, down)` gives `down_proj(up * act(gate * m_gate)) * m_down`, both multipliers
+    inside the activation kernel (the down multiplier moved before the linear `down_proj`).
     """
 
     LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -141,16 +151,42 @@ class GatedMLP(_GatedLinears):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.activation, self.approximate = gated_activation_for(config)
+        self.multipliers = mlp_multipliers(config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config) -> GatedMLP:
+        """Wrap an HF MLP, keeping its Linear layers (and any adapters on them)."""
+        new = super().from_module(module, config)
+        new.multipliers = mlp_multipliers(config)
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), self.activation, self.approximate))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(_gated(gate, up, self.activation, self.approximate, self.multipliers))
 
 
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, approximate: str | None) -> torch.Tensor:
-    """act(gate) * up with the in-place backward: the two projections' outputs are read by nothing else."""
+def _gated(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    approximate: str | None,
+    multipliers: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
+    """act(gate * m_g) * up * m_o with the in-place backward: the two projections' outputs are read by nothing
+    else."""
+    gate_multiplier, output_multiplier = multipliers
     if activation == "swiglu":
-        return F.swiglu(gate, up, in_place_backward=True)
-    return F.geglu(gate, up, approximate=approximate, in_place_backward=True)
+        return F.swiglu(
+            gate, up, in_place_backward=True, gate_multiplier=gate_multiplier, output_multiplier=output_multiplier
+        )
+    return F.geglu(
+        gate,
+        up,
+        approximate=approximate,
+        in_place_backward=True,
+        gate_multiplier=gate_multiplier,
+        output_multiplier=output_multiplier,
+    )
 
 
 def _gated_packed(gate_up: torch.Tensor, activation: str, approximate: str | None, in_place: bool) -> torch.Tensor:
@@ -360,9 +396,28 @@ class FusedLinearDPOLoss(_PreferenceLoss):
     """`F.fused_linear_dpo`; call with `(hidden, weight, target, bias=None, ref_logps=... or ref_hidden=..., ...)`."""
 
     def __init__(
-        self, beta: float = 0.1, label_smoothing: float = 0.0, ignore_index: int = -100, chunk_size: int | None = None
+        self,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: str | list[str] = "sigmoid",
+        loss_weights: list[float] | None = None,
+        average_log_prob: bool = False,
+        rpo_alpha: float | None = None,
+        discopop_tau: float = 0.05,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
     ) -> None:
-        super().__init__(beta=beta, label_smoothing=label_smoothing, ignore_index=ignore_index, chunk_size=chunk_size)
+        super().__init__(
+            beta=beta,
+            label_smoothing=label_smoothing,
+            loss_type=loss_type,
+            loss_weights=loss_weights,
+            average_log_prob=average_log_prob,
+            rpo_alpha=rpo_alpha,
+            discopop_tau=discopop_tau,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+        )
 
     def forward(self, hidden, weight, target, bias=None, **reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return F.fused_linear_dpo(hidden, weight, target, bias, **reference, **self.options)
@@ -413,13 +468,15 @@ class FusedLinearSimPOLoss(_PreferenceLoss):
 
 
 class FusedLinearORPOLoss(_PreferenceLoss):
-    """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None)`."""
+    """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None, nll_target=None)`."""
 
     def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int | None = None) -> None:
         super().__init__(beta=beta, ignore_index=ignore_index, chunk_size=chunk_size)
 
-    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_orpo(hidden, weight, target, bias, **self.options)
+    def forward(
+        self, hidden, weight, target, bias=None, nll_target=None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.fused_linear_orpo(hidden, weight, target, bias, nll_target=nll_target, **self.options)
 
 
 class FusedLinearKTOLoss(_PreferenceLoss):
@@ -430,6 +487,8 @@ class FusedLinearKTOLoss(_PreferenceLoss):
         beta: float = 0.1,
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
+        loss_type: str = "kto",
+        average_log_prob: bool = False,
         ignore_index: int = -100,
         chunk_size: int | None = None,
     ) -> None:
@@ -437,6 +496,8 @@ class FusedLinearKTOLoss(_PreferenceLoss):
             beta=beta,
             desirable_weight=desirable_weight,
             undesirable_weight=undesirable_weight,
+            loss_type=loss_type,
+            average_log_prob=average_log_prob,
             ignore_index=ignore_index,
             chunk_size=chunk_size,
         )

@@ -7,6 +7,7 @@ float64 inputs it is the exact function and on low-precision inputs it rounds wh
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,11 @@ def rms_norm(
     offset: float = 0.0,
     casting: str = "llama",
 ) -> torch.Tensor:
-    """Llama: `w * (x / rms(x)).to(x.dtype)`; Gemma: `(x / rms(x) * (offset + w)).to(x.dtype)`, in fp32."""
+    """Llama: `w * (x / rms(x)).to(x.dtype)`; Gemma: `(x / rms(x) * (offset + w)).to(x.dtype)`, in fp32;
+    "none": `x / rms(x) * (offset + w)` in the inputs' own dtypes, no casts."""
+    if casting == "none":
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return normed if weight is None else normed * (offset + weight)
     input_dtype = x.dtype
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -77,14 +82,27 @@ def rope(
     return q_out, k_out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up`."""
-    return F.silu(gate) * up
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, gate_multiplier: float = 1.0, output_multiplier: float = 1.0
+) -> torch.Tensor:
+    """`silu(gate) * up`; with Falcon-H1's multipliers `up * silu(gate * gate_multiplier) * output_multiplier`."""
+    if gate_multiplier == 1.0 and output_multiplier == 1.0:
+        return F.silu(gate) * up
+    return up * F.silu(gate * gate_multiplier) * output_multiplier
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """`gelu(gate) * up`, with the tanh approximation or the exact erf form (`approximate="none"`)."""
-    return F.gelu(gate, approximate=approximate) * up
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: str = "tanh",
+    gate_multiplier: float = 1.0,
+    output_multiplier: float = 1.0,
+) -> torch.Tensor:
+    """`gelu(gate) * up`, with the tanh approximation or the exact erf form (`approximate="none"`); the
+    multipliers as in `swiglu`."""
+    if gate_multiplier == 1.0 and output_multiplier == 1.0:
+        return F.gelu(gate, approximate=approximate) * up
+    return up * F.gelu(gate * gate_multiplier, approximate=approximate) * output_multiplier
 
 
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
@@ -144,6 +162,20 @@ def _safe_divide(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor
     return torch.where(nonzero, total / torch.where(nonzero, denominator, 1), 0)
 
 
+class CrossEntropyOutput(NamedTuple):
+    """What the cross-entropy ops return when asked for the token accuracy or the predicted tokens.
+
+    `token_accuracy` is the fraction of non-ignored tokens whose logits' argmax is the target (TRL's
+    `mean_token_accuracy`; 0 without such tokens), or with reduction "none" 1.0/0.0 per token (0 where ignored);
+    `predicted_tokens` `(N,)` int64 is each token's argmax (-1 where ignored). Absent ones are None.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -156,8 +188,11 @@ def cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
     check_targets: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """`F.cross_entropy` on logits `(N, V)` in at least float32, plus softcapping, z-loss and `num_items_in_batch`.
 
     - `softcap`: the logits become `softcap * tanh(logits / softcap)` first (Gemma 2).
@@ -170,6 +205,9 @@ def cross_entropy(
       Trainer passes for gradient accumulation). All targets ignored gives 0, not NaN.
     - With `return_z_loss`, returns `(loss, z_loss)`: `loss` includes the z-loss; `z_loss` is reduced
       the same way and detached (for logging).
+    - `use_token_scaling`: each token's loss (z-loss included) times its target's probability, detached.
+    - `return_token_accuracy` / `return_predicted_tokens`: a `CrossEntropyOutput` with the argmax of the
+      (softcapped) logits and its accuracy over the non-ignored tokens (per token with reduction "none").
     """
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
@@ -183,6 +221,10 @@ def cross_entropy(
         x, target, weight=class_weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
     z = lse_square_scale * torch.logsumexp(x, dim=-1).square() * valid
+    if use_token_scaling:
+        probability = x.softmax(-1).gather(-1, torch.where(valid, target, 0)[:, None]).squeeze(-1)
+        scale = torch.where(valid, probability, 0).detach()
+        ce, z = ce * scale, z * scale
     if reduction == "none":
         loss, z_loss = ce + z, z
     elif reduction == "sum":
@@ -199,6 +241,16 @@ def cross_entropy(
                 ce_denominator = torch.where(valid, class_weight[target.clamp(0, x.shape[-1] - 1)], 0).sum()
         loss, z_loss = _safe_divide(ce.sum(), ce_denominator), _safe_divide(z.sum(), z_denominator)
         loss = loss + z_loss
+    if return_token_accuracy or return_predicted_tokens:
+        predicted = torch.where(valid, x.argmax(-1), -1).detach()
+        correct = ((predicted == target) & valid).float()
+        accuracy = correct if reduction == "none" else correct.sum() / valid.sum().clamp_min(1)
+        return CrossEntropyOutput(
+            loss,
+            z_loss.detach() if return_z_loss else None,
+            accuracy if return_token_accuracy else None,
+            predicted if return_predicted_tokens else None,
+        )
     return (loss, z_loss.detach()) if return_z_loss else loss
 
 
@@ -216,11 +268,14 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    use_token_scaling: bool = False,
     check_targets: bool = True,
     accumulate_in_fp32: bool = True,
     chunk_size: int | None = None,
     borrow_weight_grad: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """`cross_entropy(F.linear(hidden, weight, bias), target, weight=class_weight, ...)`, full logits at once.
 
     `accumulate_in_fp32`, `chunk_size` and `borrow_weight_grad` only steer the fused op's memory use; they are
@@ -237,6 +292,9 @@ def fused_linear_cross_entropy(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        use_token_scaling=use_token_scaling,
         check_targets=check_targets,
     )
 
@@ -409,6 +467,36 @@ def _sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+def _dpo_pair_loss(
+    loss_type: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_avg: torch.Tensor,
+    rejected_avg: torch.Tensor, beta: float, eps: float, tau: float,
+) -> torch.Tensor:  # fmt: skip
+    """TRL's per-pair DPO loss of `loss_type` on the log-ratios (and their per-token averages)."""
+    margin = beta * (chosen - rejected)
+    table = {
+        "sigmoid": lambda: _sigmoid_preference(margin, eps),
+        "hinge": lambda: (1 - margin).clamp_min(0),
+        "ipo": lambda: (chosen_avg - rejected_avg - 1 / (2 * beta)).square(),
+        "exo_pair": lambda: (
+            torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log(1 - eps))
+            + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(eps))
+        ),
+        "nca_pair": lambda: (
+            -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * chosen) / 2 - F.logsigmoid(-beta * rejected) / 2
+        ),
+        "robust": lambda: (-(1 - eps) * F.logsigmoid(margin) + eps * F.logsigmoid(-margin)) / (1 - 2 * eps),
+        "bco_pair": lambda: -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected),
+        "sppo_hard": lambda: (chosen - 1 / (2 * beta)).square() + (rejected + 1 / (2 * beta)).square(),
+        "apo_zero": lambda: 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected),
+        "apo_down": lambda: torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(margin),
+        "discopop": lambda: (
+            -F.logsigmoid(margin) * (1 - torch.sigmoid(margin / tau)) + torch.exp(-margin) * torch.sigmoid(margin / tau)
+        ),
+        "sigmoid_norm": lambda: -F.logsigmoid(beta * (chosen_avg - rejected_avg)),
+    }
+    return table[loss_type]()
+
+
 def fused_linear_dpo(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -421,23 +509,48 @@ def fused_linear_dpo(
     ref_bias: torch.Tensor | None = None,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    loss_type: str | list[str] | tuple[str, ...] = "sigmoid",
+    loss_weights: list[float] | tuple[float, ...] | None = None,
+    average_log_prob: bool = False,
+    rpo_alpha: float | None = None,
+    discopop_tau: float = 0.05,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's DPO sigmoid loss on the full logits: `z = beta * ((c - r) - (ref_c - ref_r))` on summed log-probs,
-    mean over pairs of `-(1 - eps) log sigmoid(z) - eps log sigmoid(-z)`; rewards `beta * (logp - ref)`."""
-    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    """TRL's DPO on the full logits: with log-ratios `x = logp - ref` (summed log-probs, or averaged over the
+    target tokens with `average_log_prob`), the mean over pairs of each `loss_type`'s per-pair loss (TRL's
+    formulas; "sft" is the chosen tokens' mean NLL), weighted by `loss_weights` and summed, plus `rpo_alpha`
+    times that NLL; rewards `beta * x`."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
+    if average_log_prob:
+        logps, ref = _average(logps, counts), _average(ref, counts)
     pairs = hidden.shape[0] // 2
-    chosen, rejected, ref_chosen, ref_rejected = logps[:pairs], logps[pairs:], ref[:pairs], ref[pairs:]
-    z = beta * ((chosen - rejected) - (ref_chosen - ref_rejected))
+    ratios = logps - ref
+    averages = _average(ratios, counts)
+    summed, _ = sequence_logps(hidden[:pairs], weight, target[:pairs], bias, ignore_index=ignore_index)
+    nll = _chosen_nll(summed, counts[:pairs])
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = list(loss_weights) if loss_weights is not None else [1.0] * len(types)
+    loss = rpo_alpha * nll if rpo_alpha is not None else 0
+    for name, type_weight in zip(types, weights, strict=True):
+        if name == "sft":
+            loss = loss + type_weight * nll
+        else:
+            per_pair = _dpo_pair_loss(
+                name, ratios[:pairs], ratios[pairs:], averages[:pairs], averages[pairs:], beta, label_smoothing,
+                discopop_tau,
+            )  # fmt: skip
+            loss = loss + type_weight * per_pair.mean()
     metrics = {
-        "chosen_rewards": (beta * (chosen - ref_chosen)).detach(),
-        "rejected_rewards": (beta * (rejected - ref_rejected)).detach(),
-        "chosen_logps": chosen.detach(),
-        "rejected_logps": rejected.detach(),
+        "chosen_rewards": (beta * ratios[:pairs]).detach(),
+        "rejected_rewards": (beta * ratios[pairs:]).detach(),
+        "chosen_logps": logps[:pairs].detach(),
+        "rejected_logps": logps[pairs:].detach(),
         **_paired_logits_means(hidden, weight, bias, target, ignore_index),
     }
-    return _sigmoid_preference(z, label_smoothing).mean(), metrics
+    if rpo_alpha is not None or "sft" in types:
+        metrics["nll_loss"] = nll.detach()
+    return loss, metrics
 
 
 def fused_linear_cpo(
@@ -507,11 +620,13 @@ def fused_linear_orpo(
     bias: torch.Tensor | None = None,
     *,
     beta: float = 0.1,
+    nll_target: torch.Tensor | None = None,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's ORPO: chosen NLL `- beta * mean(log sigmoid(log_odds))` with, on length-normalized log-probs,
     `log_odds = (c - r) - (log1p(-exp(c)) - log1p(-exp(r)))`. A pair whose odds are undefined (a sequence
-    without targets, or of probability 1) has log-odds and ratio 0."""
+    without targets, or of probability 1) has log-odds and ratio 0. `nll_target` (its chosen half) replaces
+    `target` in the NLL."""
     logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     pairs = hidden.shape[0] // 2
     average = _average(logps, counts)
@@ -520,7 +635,12 @@ def fused_linear_orpo(
     c, r = torch.where(defined, chosen, -1.0), torch.where(defined, rejected, -1.0)
     log_odds = torch.where(defined, (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r))), 0)
     ratio = torch.where(defined, F.logsigmoid(log_odds), 0)
-    nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    if nll_target is None:
+        nll = _chosen_nll(logps[:pairs], counts[:pairs])
+    else:
+        h_chosen = hidden[:pairs]
+        nll_logps, nll_counts = sequence_logps(h_chosen, weight, nll_target[:pairs], bias, ignore_index=ignore_index)
+        nll = _chosen_nll(nll_logps, nll_counts)
     metrics = {
         "chosen_rewards": (beta * chosen).detach(),
         "rejected_rewards": (beta * rejected).detach(),
@@ -553,28 +673,41 @@ def fused_linear_kto(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+    average_log_prob: bool = False,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's KTO on summed log-probs: with `x = logp - ref`, the mean over samples of
-    `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable samples) or
+    """TRL's KTO on summed (or with `average_log_prob` averaged) log-probs: with `x = logp - ref`, the mean over
+    samples of `desirable_weight * (1 - sigmoid(beta * (x - kl)))` (desirable samples) or
     `undesirable_weight * (1 - sigmoid(beta * (kl - x)))` (undesirable ones). `kl` is given,
-    or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached."""
-    logps, _ = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
+    or `clamp(mean(kl_logps - ref_kl_logps), min=0)` over the mismatched KL batch, detached.
+    `loss_type="apo_zero_unpaired"`: `1 - sigmoid(beta * x)` (desirable) or `sigmoid(beta * x)` (undesirable)."""
+    logps, counts = sequence_logps(hidden, weight, target, bias, ignore_index=ignore_index)
     ref = _preference_ref_logps(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, logps.dtype)
-    if kl is None:
+    if average_log_prob:
+        logps, ref = _average(logps, counts), _average(ref, counts)
+    if kl is None and loss_type == "kto":
         with torch.no_grad():
-            kl_logps, _ = sequence_logps(kl_hidden, weight, kl_target, bias, ignore_index=ignore_index)
+            kl_logps, kl_counts = sequence_logps(kl_hidden, weight, kl_target, bias, ignore_index=ignore_index)
             ref_kl = _preference_ref_logps(
                 kl_target, ref_kl_logps, ref_kl_hidden, ref_weight, ref_bias, ignore_index, logps.dtype
             )
+            if average_log_prob:
+                kl_logps, ref_kl = _average(kl_logps, kl_counts), _average(ref_kl, kl_counts)
             kl = (kl_logps - ref_kl).mean().clamp(min=0)
-    kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
     x = logps - ref
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
-        undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
-    )
+    if loss_type == "apo_zero_unpaired":
+        kl = torch.zeros((), dtype=logps.dtype, device=logps.device)
+        losses = torch.where(
+            desirable, desirable_weight * (1 - torch.sigmoid(beta * x)), undesirable_weight * torch.sigmoid(beta * x)
+        )
+    else:
+        kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
+        losses = torch.where(
+            desirable,
+            desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
+        )
     metrics = {
         "rewards": (beta * x).detach(),
         "logps": logps.detach(),

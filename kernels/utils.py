@@ -69,6 +69,17 @@ def gather_dtensors(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
     return tuple(t.full_tensor() if is_dtensor(t) else t for t in tensors)
 
 
+def autocast_operands(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The operands of a fused op's matrix products as `nn.Linear` gets them: under an enabled `torch.autocast` for
+    the first tensor's device type, each floating tensor cast (differentiably, so that each input's gradient comes
+    back in its own dtype) to the autocast dtype; otherwise unchanged."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
+
+
 def reject_dtensor(op: str, **tensors: torch.Tensor | None) -> None:
     """A clear error for a DTensor argument of an op that takes plain tensors only."""
     for name, tensor in tensors.items():

@@ -27,7 +27,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     logits_mean,
     run_preference,
 )
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 @eager_under_compile
@@ -51,6 +51,7 @@ def fused_linear_cpo(
     tokens (`ignore_index` elsewhere). `alpha` weighs the NLL term (TRL's `cpo_alpha`); `chunk_size` is
     pairs per chunk. Returns `(loss, metrics)`; one backward per forward.
     """
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     settings = PassSettings(
         paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
-from tigon.kernels.reference import check_target_range
+from tigon.kernels.reference import CrossEntropyOutput, check_target_range
 from tigon.kernels.utils import (
     LAUNCH_OPTIONS,
     check_float,
@@ -148,6 +148,8 @@ def _cross_entropy_kernel(
     LOSS,
     Z_LOSS,
     LSE,
+    PRED,
+    TOKEN_SCALE,
     n_rows,
     n_cols,
     ignore_index,
@@ -161,6 +163,8 @@ def _cross_entropy_kernel(
     HAS_ROW_SCALE: tl.constexpr,
     STORE_Z: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    STORE_PRED: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LANE: tl.constexpr,
@@ -177,6 +181,10 @@ def _cross_entropy_kernel(
                 tl.store(Z_LOSS + row, 0.0)
             if STORE_LSE:
                 tl.store(LSE + row, 0.0)
+            if STORE_PRED:
+                tl.store(PRED + row, -1)
+            if TOKEN_SCALING:
+                tl.store(TOKEN_SCALE + row, 0.0)
             if WRITE_GRAD:
                 zeros = tl.zeros((BLOCK_V,), dtype=X.dtype.element_ty)
                 for start in range(0, n_cols, BLOCK_V):
@@ -200,6 +208,7 @@ def _cross_entropy_kernel(
             m = tl.full((BLOCK_V // LANE,), float("-inf"), tl.float32)
             d = tl.zeros((BLOCK_V // LANE,), tl.float32)
             smooth = tl.zeros((BLOCK_V // LANE, LANE), dtype=tl.float32)
+            best = tl.zeros((BLOCK_V // LANE,), tl.int32)  # with STORE_PRED: each lane's first column at its max m
             x_next = tl.load(x_row + tile, mask=tile < n_cols, other=float("-inf"), eviction_policy="evict_last")
             for start in range(0, n_cols, BLOCK_V):
                 cols = start + tile
@@ -221,7 +230,11 @@ def _cross_entropy_kernel(
                         else:
                             smooth += z
                     z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, axis=1))
+                z_max = tl.max(z, axis=1)
+                if STORE_PRED:
+                    first = tl.min(tl.where(z == z_max[:, None], cols, n_cols), axis=1)
+                    best = tl.where(z_max > m, first, best)
+                m_new = tl.maximum(m, z_max)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of only -inf logits stays finite
                 d = d * tl.exp2((m - m_ref) * LOG2E) + tl.sum(tl.exp2(z * LOG2E - (m_ref * LOG2E)[:, None]), axis=1)
                 m = m_new
@@ -244,11 +257,18 @@ def _cross_entropy_kernel(
             if HAS_Z:
                 z_loss = lse * lse * lse_square_scale * z_scale
                 loss += z_loss
+            if TOKEN_SCALING:  # the row's loss and gradient times its target's probability, a constant
+                token_scale = tl.exp(z_t - lse)
+                loss *= token_scale
+                z_loss *= token_scale
+                tl.store(TOKEN_SCALE + row, token_scale + poison)
             tl.store(LOSS + row, loss + poison)
             if STORE_Z:
                 tl.store(Z_LOSS + row, z_loss + poison)
             if STORE_LSE:
                 tl.store(LSE + row, lse)
+            if STORE_PRED:  # the first column holding the row's maximum, as torch.argmax
+                tl.store(PRED + row, tl.min(tl.where(m == m_row, best, n_cols), axis=0).to(tl.int64))
 
             # Pass 2: overwrite the logits with the gradient of the (reduced) loss. It walks the row backwards,
             # so that the chunks pass 1 read last are re-read while still in L2, prefetching as pass 1 does. The
@@ -259,6 +279,10 @@ def _cross_entropy_kernel(
                     lse, w_t, SCALES, ROW_SCALE + row * stride_row_scale, poison, label_smoothing, lse_square_scale,
                     n_cols, HAS_SMOOTHING, HAS_Z, HAS_ROW_SCALE,
                 )  # fmt: skip
+                if TOKEN_SCALING:
+                    p_coef *= token_scale
+                    uniform_coef *= token_scale
+                    target_coef *= token_scale
                 lse_log2 = lse * LOG2E
                 t_local = t_index.to(tl.int32)
                 last = (n_cols - 1) // BLOCK_V * BLOCK_V
@@ -370,6 +394,40 @@ class LossOptions:
     softcap: float | None = None
     num_items_in_batch: int | float | torch.Tensor | None = None
     return_z_loss: bool = False
+    token_scaling: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
+
+    @property
+    def wants_predictions(self) -> bool:
+        """Whether the kernel stores each row's argmax (for the token accuracy or the predicted tokens)."""
+        return self.return_token_accuracy or self.return_predicted_tokens
+
+
+def token_accuracy(predicted: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """float32 accuracy of the argmax `predicted` against `target` over the non-ignored tokens (see
+    `CrossEntropyOutput`), with no host sync."""
+    valid = target != ignore_index
+    correct = (predicted == target) & valid
+    if reduction == "none":
+        return correct.float()
+    return correct.sum(dtype=torch.float32) / valid.sum(dtype=torch.float32).clamp_min(1)
+
+
+def loss_output(
+    loss: torch.Tensor,
+    z_loss: torch.Tensor | None,
+    predicted: torch.Tensor | None,
+    target: torch.Tensor,
+    options: LossOptions,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
+    """The loss alone, `(loss, z_loss)` with `return_z_loss` only, else a `CrossEntropyOutput`."""
+    if not options.wants_predictions:
+        return (loss, z_loss) if options.return_z_loss else loss
+    accuracy = None
+    if options.return_token_accuracy:
+        accuracy = token_accuracy(predicted, target, options.ignore_index, options.reduction)
+    return CrossEntropyOutput(loss, z_loss, accuracy, predicted if options.return_predicted_tokens else None)
 
 
 def check_loss_options(options: LossOptions, class_weight: torch.Tensor | None, weight_name: str) -> None:
@@ -377,6 +435,9 @@ def check_loss_options(options: LossOptions, class_weight: torch.Tensor | None, 
         raise ValueError(f"reduction={options.reduction!r} is not one of {REDUCTIONS}")
     if isinstance(options.ignore_index, bool) or not isinstance(options.ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {options.ignore_index!r}")
+    for flag in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens", "token_scaling"):
+        if not isinstance(getattr(options, flag), bool):
+            raise TypeError(f"{flag} must be True or False, got {getattr(options, flag)!r}")
     if not 0.0 <= options.label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={options.label_smoothing} must lie in [0, 1] (as in F.cross_entropy)")
     if not 0.0 <= options.lse_square_scale < float("inf"):
@@ -523,13 +584,19 @@ def cross_entropy_rows(
     z_out: torch.Tensor | None = None,
     row_scale: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    pred_out: torch.Tensor | None = None,
+    token_scale_out: torch.Tensor | None = None,
 ) -> None:
     """Launch the kernel on logits (rows, V) with a unit column stride.
 
-    Writes each row's scaled loss into `loss_out` (z-loss into `z_out`, logsumexp into `lse_out`); with
-    `write_grad`, the gradient of the reduced loss (times `row_scale[row]` if given) overwrites `logits`.
+    Writes each row's scaled loss into `loss_out` (z-loss into `z_out`, logsumexp into `lse_out`, the argmax
+    column into `pred_out`, -1 for an ignored row); with `write_grad`, the gradient of the reduced loss (times
+    `row_scale[row]` if given) overwrites `logits`. With `options.token_scaling` each row's loss and gradient are
+    multiplied by its target's probability, written into `token_scale_out` (0 for an ignored row) if given.
     """
     n_rows, n_cols = logits.shape
+    if options.token_scaling and token_scale_out is None:
+        token_scale_out = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     programs, block_v, num_warps, lane = _launch_config(n_rows, n_cols, logits.element_size(), logits.device)
     _cross_entropy_kernel[(programs,)](
         logits,
@@ -542,6 +609,8 @@ def cross_entropy_rows(
         loss_out,
         z_out if z_out is not None else loss_out,
         lse_out if lse_out is not None else loss_out,
+        pred_out if pred_out is not None else target,
+        token_scale_out if token_scale_out is not None else loss_out,
         n_rows,
         n_cols,
         options.ignore_index,
@@ -551,6 +620,8 @@ def cross_entropy_rows(
         **_option_flags(options, class_weight, row_scale),
         STORE_Z=z_out is not None,
         STORE_LSE=lse_out is not None,
+        STORE_PRED=pred_out is not None,
+        TOKEN_SCALING=options.token_scaling,
         WRITE_GRAD=write_grad,
         BLOCK_V=block_v,
         LANE=lane,
@@ -665,13 +736,17 @@ def cross_entropy_forward(
     class_weight: torch.Tensor | None,
     options: LossOptions,
     write_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, z_loss or None, each row's argmax or None) of the kernel on `logits2d`."""
     n_rows, n_cols = logits2d.shape
     scales = loss_scales(target, class_weight, n_cols, options)
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=logits2d.device)
     z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
-    cross_entropy_rows(logits2d, target, class_weight, scales, options, write_grad, loss_rows, z_rows)
-    return reduce_rows(loss_rows, z_rows, options)
+    predicted = torch.empty(n_rows, dtype=torch.int64, device=logits2d.device) if options.wants_predictions else None
+    cross_entropy_rows(
+        logits2d, target, class_weight, scales, options, write_grad, loss_rows, z_rows, pred_out=predicted
+    )
+    return *reduce_rows(loss_rows, z_rows, options), predicted
 
 
 def unit_column_stride(logits: torch.Tensor) -> torch.Tensor:
@@ -685,15 +760,13 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, options):
         logits2d = unit_column_stride(logits)
-        loss, z_loss = cross_entropy_forward(logits2d, target.contiguous(), weight, options, write_grad=True)
+        loss, z_loss, predicted = cross_entropy_forward(logits2d, target, weight, options, write_grad=True)
         # The logits now hold the gradient: tell autograd, so that a node that saved them for its own
         # backward (tanh, softmax, ...) fails loudly there instead of computing with the wrong numbers.
         torch.autograd.graph.increment_version(logits2d)
         ctx.save_for_backward(logits2d)
-        if z_loss is None:
-            return loss
-        ctx.mark_non_differentiable(z_loss)
-        return loss, z_loss
+        ctx.mark_non_differentiable(*(t for t in (z_loss, predicted) if t is not None))
+        return loss, z_loss, predicted
 
     @staticmethod
     @once_differentiable
@@ -717,8 +790,10 @@ def cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     check_targets: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """Cross entropy of logits `(N, V)` against class indices `target` `(N,)`, as `F.cross_entropy`.
 
     `weight` (class weights, `(V,)`), `ignore_index`, `label_smoothing` and `reduction` ("mean", "sum",
@@ -728,7 +803,10 @@ def cross_entropy(
     divides it by the token count); `return_z_loss=True` returns `(loss, z_loss)`, where `loss` already
     includes the z-loss and `z_loss` (detached) is for logging. `num_items_in_batch` (reduction "mean")
     divides the summed loss by that number instead of by the number of target tokens, as HF Trainer
-    does for gradient accumulation. The loss is float32.
+    does for gradient accumulation. The loss is float32. `return_token_accuracy` and `return_predicted_tokens`
+    return a `CrossEntropyOutput` (loss, z_loss, token_accuracy, predicted_tokens): the argmax of each row comes
+    from the kernel's first pass over the logits (the first column at the maximum, as `torch.argmax`; after
+    `softcap`, which keeps the order), so asking for it costs no extra read.
 
     When `logits` requires a gradient, the forward writes the gradient into the logits' own memory
     (so no second `(N, V)` tensor exists): `logits` holds `dloss/dlogits` afterwards, not the logits.
@@ -749,6 +827,8 @@ def cross_entropy(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
     )
     check_cross_entropy_inputs(logits, target, weight, options)
     if check_targets:
@@ -765,9 +845,13 @@ def cross_entropy(
             softcap=softcap,
             num_items_in_batch=num_items_in_batch,
             return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
             check_targets=False,
         )
+    target = target.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
-        return CrossEntropyFunction.apply(logits, target, weight, options)
-    loss, z_loss = cross_entropy_forward(unit_column_stride(logits), target.contiguous(), weight, options, False)
-    return (loss, z_loss) if return_z_loss else loss
+        loss, z_loss, predicted = CrossEntropyFunction.apply(logits, target, weight, options)
+    else:
+        loss, z_loss, predicted = cross_entropy_forward(unit_column_stride(logits), target, weight, options, False)
+    return loss_output(loss, z_loss, predicted, target, options)

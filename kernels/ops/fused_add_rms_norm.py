@@ -56,7 +56,7 @@ def fused_add_rms_norm_op(
 
 @fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset, casting):
-    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting == "llama" else x.dtype
+    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting != "gemma" else x.dtype
     rows = x.numel() // x.shape[-1]
     return x.new_empty(x.shape, dtype=dtype), torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
 

@@ -49,6 +49,7 @@ accumulator and its final cast hold 3 bytes more per weight element (3.2 GB peak
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -56,17 +57,20 @@ from torch.autograd.function import once_differentiable
 
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import (
+    CrossEntropyOutput,
     LossOptions,
     check_loss_options,
     check_target,
     cross_entropy_rows,
     gradient_columns,
+    loss_output,
     loss_scales,
     reduce_rows,
     scale_saved_gradients,
 )
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
+    autocast_operands,
     check_chunk_size,
     check_float,
     check_same_device,
@@ -215,8 +219,9 @@ def chunked_pass(
     want: tuple[bool, bool, bool],
     row_scale: torch.Tensor | None = None,
     borrow_weight_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """One pass over the token chunks; returns (loss_rows, z_rows, grad_hidden, grad_weight, grad_bias).
+) -> tuple[torch.Tensor | None, ...]:
+    """One pass over the token chunks; returns (loss_rows, z_rows, predicted, grad_hidden, grad_weight, grad_bias),
+    `predicted` each token's argmax where `options` asks for it, else None.
 
     `want` says which of (hidden, weight, bias) get a gradient; `row_scale` multiplies each token's
     logits gradient (the `reduction="none"` backward); `borrow_weight_grad` holds the logits in the weight
@@ -229,6 +234,7 @@ def chunked_pass(
     write_grad = want_hidden or want_weight or want_bias
     loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
     z_rows = torch.empty_like(loss_rows) if options.return_z_loss else None
+    predicted = torch.empty(n_tokens, dtype=torch.int64, device=device) if options.wants_predictions else None
     accumulate_dtype = torch.float32 if accumulate_in_fp32 else weight.dtype
     grad_hidden = torch.empty((n_tokens, hidden_size), dtype=hidden.dtype, device=device) if want_hidden else None
     grad_weight = torch.empty((vocab, hidden_size), dtype=accumulate_dtype, device=device) if want_weight else None
@@ -239,9 +245,11 @@ def chunked_pass(
     if want_weight and borrow_weight_grad:
         itemsize = hidden.element_size()
         borrowed = borrowed_rows(n_tokens, chunk, vocab, hidden_size, itemsize, grad_weight.element_size())
+    token_scales = None
     if borrowed:
         buffer = grad_weight.view(-1).view(hidden.dtype)[: chunk * vocab].view(chunk, vocab)
         lse_rows = torch.empty_like(loss_rows)
+        token_scales = torch.empty_like(loss_rows) if options.token_scaling else None
     else:
         buffer = torch.empty((chunk, vocab), dtype=hidden.dtype, device=device)
         lse_rows = None
@@ -262,6 +270,8 @@ def chunked_pass(
             z_rows[start:end] if z_rows is not None else None,
             row_scale[start:end] if row_scale is not None else None,
             lse_rows[start:end] if lse_rows is not None else None,
+            predicted[start:end] if predicted is not None else None,
+            token_scales[start:end] if token_scales is not None else None,
         )
         if want_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
@@ -271,6 +281,8 @@ def chunked_pass(
             grad_bias += logits.sum(0, dtype=torch.float32)
     logits = buffer = None  # free the chunk buffer before the weight gradient's cast
     if borrowed:
+        if token_scales is not None:  # the filling applies each token's scale as a row factor
+            row_scale = token_scales if row_scale is None else token_scales * row_scale
         fill_borrowed_rows(
             grad_weight[:borrowed], hidden, weight, target, bias, class_weight, scales, options, lse_rows, row_scale
         )
@@ -278,7 +290,7 @@ def chunked_pass(
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss_rows, z_rows, grad_hidden, grad_weight, grad_bias
+    return loss_rows, z_rows, predicted, grad_hidden, grad_weight, grad_bias
 
 
 def fill_borrowed_rows(
@@ -325,51 +337,32 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             if options.reduction == "none":
                 # Per-token incoming gradients: the backward repeats the pass with them (see module docstring).
-                loss_rows, z_rows, *_ = chunked_pass(
-                    hidden,
-                    weight,
-                    target,
-                    bias,
-                    class_weight,
-                    scales,
-                    options,
-                    chunk_size,
-                    accumulate_in_fp32,
+                loss_rows, z_rows, predicted, *_ = chunked_pass(
+                    hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32,
                     (False, False, False),
-                )
+                )  # fmt: skip
                 ctx.save_for_backward(hidden, weight, target, bias, class_weight, scales)
             else:
-                loss_rows, z_rows, grad_hidden, grad_weight, grad_bias = chunked_pass(
+                loss_rows, z_rows, predicted, grad_hidden, grad_weight, grad_bias = chunked_pass(
                     hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
                     borrow_weight_grad=borrow,
                 )  # fmt: skip
                 ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         loss, z_loss = reduce_rows(loss_rows, z_rows, options)
-        if z_loss is None:
-            return loss
-        ctx.mark_non_differentiable(z_loss)
-        return loss, z_loss
+        ctx.mark_non_differentiable(*(t for t in (z_loss, predicted) if t is not None))
+        return loss, z_loss, predicted
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, *_):
         if ctx.options.reduction == "none":
             hidden, weight, target, bias, class_weight, scales = ctx.saved_tensors
+            options = dataclasses.replace(ctx.options, return_token_accuracy=False, return_predicted_tokens=False)
             with torch.autocast(hidden.device.type, enabled=False):
-                _, _, grad_hidden, grad_weight, grad_bias = chunked_pass(
-                    hidden,
-                    weight,
-                    target,
-                    bias,
-                    class_weight,
-                    scales,
-                    ctx.options,
-                    ctx.chunk_size,
-                    ctx.accumulate_in_fp32,
-                    ctx.want,
-                    row_scale=grad_loss,
-                    borrow_weight_grad=ctx.borrow,
-                )
+                _, _, _, grad_hidden, grad_weight, grad_bias = chunked_pass(
+                    hidden, weight, target, bias, class_weight, scales, options, ctx.chunk_size,
+                    ctx.accumulate_in_fp32, ctx.want, row_scale=grad_loss, borrow_weight_grad=ctx.borrow,
+                )  # fmt: skip
         else:
             grad_hidden, grad_weight, grad_bias = scale_saved_gradients(ctx, "fused_linear_cross_entropy", grad_loss)
         return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
@@ -389,45 +382,50 @@ def fused_linear_cross_entropy_op(
     lse_square_scale: float,
     softcap: float | None,
     return_z_loss: bool,
+    token_scaling: bool,
+    want_predictions: bool,
     check_targets: bool,
     accumulate_in_fp32: bool,
     chunk_size: int | None,
     borrow_weight_grad: bool,
     want: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward as an opaque op for torch.compile: (loss, z_loss, grad_hidden, grad_weight, grad_bias).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as an opaque op for torch.compile: (loss, z_loss, predicted, grad_hidden, grad_weight, grad_bias).
 
     The gradients are those of the reduced loss (empty where not wanted, and always with reduction "none",
-    whose backward is `fused_linear_cross_entropy_backward_op`); the target check runs inside.
+    whose backward is `fused_linear_cross_entropy_backward_op`); `predicted` is each token's argmax with
+    `want_predictions`, else empty. The target check runs inside.
     """
     options = LossOptions(
-        ignore_index, label_smoothing, reduction, lse_square_scale, softcap, num_items_in_batch, return_z_loss
-    )
+        ignore_index, label_smoothing, reduction, lse_square_scale, softcap, num_items_in_batch, return_z_loss,
+        token_scaling, return_predicted_tokens=want_predictions,
+    )  # fmt: skip
     if check_targets:
         check_target_range(target, weight.shape[0], ignore_index)
     target = target.contiguous()
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     want = tuple(want) if reduction != "none" else (False, False, False)
     with torch.autocast(hidden.device.type, enabled=False):
-        loss_rows, z_rows, *grads = chunked_pass(
+        loss_rows, z_rows, *rest = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, want,
             borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
-    fresh = [loss, z_loss, *grads]  # outputs may not alias each other: a new empty tensor per missing one
+    fresh = [loss, z_loss, *rest]  # outputs may not alias each other: a new empty tensor per missing one
     return tuple(t if t is not None else loss_rows.new_empty(0) for t in fresh)
 
 
 @fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
-      lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad,
-      want):  # fmt: skip
+      lse_square_scale, softcap, return_z_loss, token_scaling, want_predictions, check_targets, accumulate_in_fp32,
+      chunk_size, borrow_weight_grad, want):  # fmt: skip
     rows = hidden.new_empty(() if reduction != "none" else hidden.shape[:1], dtype=torch.float32)
+    predicted = target.new_empty(target.shape if want_predictions else 0, dtype=torch.int64)
     grads = [
         t.new_empty(t.shape) if on and reduction != "none" else rows.new_empty(0)
         for t, on in zip((hidden, weight, bias), want, strict=True)
     ]
-    return rows, rows.new_empty(rows.shape if return_z_loss else 0), *grads
+    return rows, rows.new_empty(rows.shape if return_z_loss else 0), predicted, *grads
 
 
 @torch.library.custom_op("tigon::fused_linear_cross_entropy_backward", mutates_args=())
@@ -442,17 +440,18 @@ def fused_linear_cross_entropy_backward_op(
     label_smoothing: float,
     lse_square_scale: float,
     softcap: float | None,
+    token_scaling: bool,
     accumulate_in_fp32: bool,
     chunk_size: int | None,
     borrow_weight_grad: bool,
     want: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reduction="none": the chunked pass again, each token's logits gradient scaled by its incoming gradient."""
-    options = LossOptions(ignore_index, label_smoothing, "none", lse_square_scale, softcap)
+    options = LossOptions(ignore_index, label_smoothing, "none", lse_square_scale, softcap, token_scaling=token_scaling)
     target = target.contiguous()
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     with torch.autocast(hidden.device.type, enabled=False):
-        _, _, *grads = chunked_pass(
+        _, _, _, *grads = chunked_pass(
             hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32, tuple(want),
             row_scale=grad_rows.contiguous(), borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
@@ -461,7 +460,7 @@ def fused_linear_cross_entropy_backward_op(
 
 @fused_linear_cross_entropy_backward_op.register_fake
 def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, lse_square_scale, softcap,
-      accumulate_in_fp32, chunk_size, borrow_weight_grad, want):  # fmt: skip
+      token_scaling, accumulate_in_fp32, chunk_size, borrow_weight_grad, want):  # fmt: skip
     return tuple(
         t.new_empty(t.shape) if on else hidden.new_empty(0) for t, on in zip((hidden, weight, bias), want, strict=True)
     )
@@ -469,15 +468,16 @@ def _(grad_rows, hidden, weight, target, bias, class_weight, ignore_index, label
 
 def _flce_setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, _, ignore_index, label_smoothing, reduction = inputs[:9]
-    lse_square_scale, softcap, _, _, accumulate_in_fp32, chunk_size, borrow_weight_grad, want = inputs[9:]
-    ctx.want, ctx.reduction = want, reduction
+    lse_square_scale, softcap, _, token_scaling, _, _, accumulate_in_fp32, chunk_size, borrow_weight_grad = inputs[9:18]
+    ctx.want, ctx.reduction = inputs[18], reduction
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias, class_weight)
         ctx.options = (
-            ignore_index, label_smoothing, lse_square_scale, softcap, accumulate_in_fp32, chunk_size, borrow_weight_grad
+            ignore_index, label_smoothing, lse_square_scale, softcap, token_scaling, accumulate_in_fp32, chunk_size,
+            borrow_weight_grad,
         )  # fmt: skip
     else:
-        ctx.save_for_backward(*output[2:])
+        ctx.save_for_backward(*output[3:])
 
 
 def _flce_grad(ctx, grad_loss, *_):
@@ -489,7 +489,7 @@ def _flce_grad(ctx, grad_loss, *_):
     else:
         grads = [grad * grad_loss.to(grad.dtype) for grad in ctx.saved_tensors]
     grad_hidden, grad_weight, grad_bias = (grad if on else None for grad, on in zip(grads, ctx.want, strict=True))
-    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 13
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 15
 
 
 fused_linear_cross_entropy_op.register_autograd(_flce_grad, setup_context=_flce_setup)
@@ -519,7 +519,7 @@ def check_fused_linear_cross_entropy_inputs(
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"weight has dtype {weight.dtype} but hidden has dtype {hidden.dtype}; cast one to the other "
-            "(e.g. hidden.to(weight.dtype))"
+            "(e.g. hidden.to(weight.dtype)), or run under torch.autocast, which casts both as it does for nn.Linear"
         )
     check_vector("bias", bias, weight.shape[0], "the vocabulary size (weight.shape[0])")
     if bias is not None and bias.dtype != hidden.dtype:
@@ -545,16 +545,22 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     return_z_loss: bool = False,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
     check_targets: bool = True,
     accumulate_in_fp32: bool = False,
     chunk_size: int | None = None,
     borrow_weight_grad: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | CrossEntropyOutput:
     """`cross_entropy(hidden @ weight.T + bias, target, ...)` for hidden `(N, H)`, weight `(V, H)`, target `(N,)`.
 
-    Takes every option of `tigon.kernels.functional.cross_entropy`; the class weights are called
-    `class_weight` here because `weight` is the head's. The full `(N, V)` logits never exist: see the
-    module docstring for the chunking and the chunk-size rule (`chunk_size` overrides it). The input
+    Takes every option of `tigon.kernels.functional.cross_entropy` (`return_token_accuracy` and
+    `return_predicted_tokens` included: the argmax comes from the kernel's pass over each chunk); the class weights
+    are called `class_weight` here because `weight` is the head's. `use_token_scaling` multiplies each token's loss
+    and gradient by its target's predicted probability, detached (Liger-Kernel's option of that name). The full
+    `(N, V)` logits never exist: see the module docstring for the chunking and the chunk-size rule (`chunk_size`
+    overrides it). The input
     gradients are computed during the forward (when `hidden`, `weight` or `bias` require them), so
     the backward is a scale by the incoming gradient; one backward per forward. `accumulate_in_fp32`
     sums the weight gradient over chunks in float32 (cast to the weight's dtype at the end).
@@ -562,7 +568,9 @@ def fused_linear_cross_entropy(
     quarter of it and outweigh the hidden gradient, and fills those rows at the end (the module docstring):
     no logits buffer, for a quarter of the vocabulary's logits product again; `False` gives the chunk a buffer
     of its own. A frozen head (`weight.requires_grad=False`) skips its gradient; a head tied to the embedding works as
-    autograd adds both gradients. Autocast is off inside: pass hidden and weight in the same dtype.
+    autograd adds both gradients. Under an enabled `torch.autocast` for their device, hidden, weight and bias are
+    cast to the autocast dtype first, as `nn.Linear`'s operands are (each gradient comes back in its input's
+    dtype); outside autocast they must share one dtype.
     A DTensor argument (a sharded weight) is gathered with `full_tensor()`, which is differentiable: the
     weight gradient returns to each rank's shard (this rank's gradient, not summed over ranks).
     """
@@ -574,8 +582,12 @@ def fused_linear_cross_entropy(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         return_z_loss=return_z_loss,
+        token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
     )
     hidden, weight, target, bias, class_weight = gather_dtensors(hidden, weight, target, bias, class_weight)
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     check_fused_linear_cross_entropy_inputs(hidden, weight, target, bias, class_weight, options, chunk_size)
     if not use_triton("fused_linear_cross_entropy", hidden):
         return reference.fused_linear_cross_entropy(
@@ -591,6 +603,9 @@ def fused_linear_cross_entropy(
             softcap=softcap,
             num_items_in_batch=num_items_in_batch,
             return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+            use_token_scaling=use_token_scaling,
             check_targets=check_targets,
         )
     tensors = (hidden, weight, bias)
@@ -598,32 +613,26 @@ def fused_linear_cross_entropy(
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = torch.tensor(float(num_items_in_batch))
         grad = torch.is_grad_enabled()
-        loss, z_loss, *_ = fused_linear_cross_entropy_op(
+        loss, z_loss, predicted, *_ = fused_linear_cross_entropy_op(
             hidden, weight, target, bias, class_weight, num_items_in_batch, ignore_index, label_smoothing, reduction,
-            lse_square_scale, softcap, return_z_loss, check_targets, accumulate_in_fp32, chunk_size, borrow_weight_grad,
+            lse_square_scale, softcap, return_z_loss, use_token_scaling, options.wants_predictions, check_targets,
+            accumulate_in_fp32, chunk_size, borrow_weight_grad,
             [grad and t is not None and t.requires_grad for t in tensors],
         )  # fmt: skip
-        return (loss, z_loss) if return_z_loss else loss
+        return loss_output(loss, z_loss if return_z_loss else None, predicted, target, options)
     if check_targets:
         check_target_range(target, weight.shape[0], ignore_index)
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return FusedLinearCrossEntropyFunction.apply(
+        loss, z_loss, predicted = FusedLinearCrossEntropyFunction.apply(
             hidden, weight, target, bias, class_weight, options, accumulate_in_fp32, chunk_size, borrow_weight_grad
         )
+        return loss_output(loss, z_loss, predicted, target, options)
     scales = loss_scales(target, class_weight, weight.shape[0], options)
     with torch.autocast(hidden.device.type, enabled=False):
-        loss_rows, z_rows, *_ = chunked_pass(
-            hidden,
-            weight,
-            target,
-            bias,
-            class_weight,
-            scales,
-            options,
-            chunk_size,
-            accumulate_in_fp32,
+        loss_rows, z_rows, predicted, *_ = chunked_pass(
+            hidden, weight, target, bias, class_weight, scales, options, chunk_size, accumulate_in_fp32,
             (False, False, False),
-        )
+        )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
-    return (loss, z_loss) if return_z_loss else loss
+    return loss_output(loss, z_loss, predicted, target, options)

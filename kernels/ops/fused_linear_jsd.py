@@ -35,6 +35,7 @@ from tigon.kernels.ops.cross_entropy import scale_saved_gradients
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, even_chunk_size, max_chunk_tokens
 from tigon.kernels.ops.jsd import JSDOptions, check_jsd_options, check_label, jsd_rows, loss_scale, reduce_rows
 from tigon.kernels.utils import (
+    autocast_operands,
     check_chunk_size,
     check_float,
     check_same_device,
@@ -164,7 +165,7 @@ def _check_head(role: str, hidden: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"{role}_weight has dtype {weight.dtype} but {role}_hidden has dtype {hidden.dtype}; cast one to the "
-            f"other (e.g. {role}_hidden.to({role}_weight.dtype))"
+            f"other (e.g. {role}_hidden.to({role}_weight.dtype)), or run under torch.autocast, which casts both"
         )
 
 
@@ -234,12 +235,17 @@ def fused_linear_jsd(
     full `(N, V)` logits never exist (see the module docstring for the chunking; `chunk_size`
     overrides it). Gradients go to the student's hidden states and weight only, computed in the
     forward; one backward per forward. `accumulate_in_fp32` sums the weight gradient over chunks in
-    float32. Autocast is off inside: pass each hidden state in its head's dtype. DTensor arguments (sharded
+    float32. Under an enabled `torch.autocast` for their device, the hidden states and heads are cast to the
+    autocast dtype first, as `nn.Linear`'s operands are (each gradient comes back in its input's dtype); outside
+    autocast each hidden state must have its head's dtype. DTensor arguments (sharded
     heads) are gathered with `full_tensor()`, as in `fused_linear_cross_entropy`.
     """
     options = JSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index, reduction=reduction)
     student_hidden, student_weight, teacher_hidden, teacher_weight, label = gather_dtensors(
         student_hidden, student_weight, teacher_hidden, teacher_weight, label
+    )
+    student_hidden, student_weight, teacher_hidden, teacher_weight = autocast_operands(
+        student_hidden, student_weight, teacher_hidden, teacher_weight
     )
     check_fused_linear_jsd_inputs(
         student_hidden, student_weight, teacher_hidden, teacher_weight, label, options, chunk_size

@@ -47,6 +47,7 @@ from tigon.kernels.ops.cross_entropy import LossOptions, cross_entropy_rows, los
 from tigon.kernels.ops.fused_linear_cross_entropy import accumulate_product, choose_chunk_size, logits_into
 from tigon.kernels.reference import check_target_range
 from tigon.kernels.utils import (
+    autocast_operands,
     check_chunk_size,
     check_float,
     check_same_device,
@@ -74,16 +75,21 @@ class PassResult:
     logps: torch.Tensor
     ref_logps: torch.Tensor | None
     logits_sums: torch.Tensor
+    nll: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class PassSettings:
-    """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation."""
+    """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation, and an
+    NLL term of a paired batch's chosen sequences against targets of their own (`nll_target`, the batch's shape;
+    its chosen half is read), added to the loss times `nll_weight` and divided by its non-ignored chosen tokens."""
 
     paired: bool
     ignore_index: int = -100
     chunk_size: int | None = None
     accumulate_in_fp32: bool = False
+    nll_target: torch.Tensor | None = None
+    nll_weight: float = 0.0
 
 
 def safe_average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -160,6 +166,10 @@ def chunked_pass(
         n_sequences, seq_len, group, vocab, hidden_size, hidden.element_size(), device
     )
     chunks = _chunks(n_sequences, settings.paired, per_chunk, device)
+    nll_target = settings.nll_target
+    if nll_target is not None:  # d(weight * NLL) / d(-logp of a chosen token under its NLL target): one factor
+        nll_scale = settings.nll_weight / chosen_token_count(nll_target, settings.ignore_index)
+        nll = torch.zeros((), dtype=torch.float64, device=device)
 
     logps = torch.empty(n_sequences, dtype=torch.float64, device=device)
     logits_sums = torch.empty_like(logps)
@@ -196,6 +206,14 @@ def chunked_pass(
         logps[rows] = chunk_logps
         if loss_fn is None:
             continue
+        if nll_target is not None:  # the chosen half's logits against the NLL targets, before the gradient
+            chosen = n // 2 * seq_len
+            nll_rows = nll_target.index_select(0, rows[: n // 2]).reshape(-1)
+            nll_loss = torch.empty(chosen, dtype=torch.float32, device=device)
+            cross_entropy_rows(logits[:chosen], nll_rows, None, scales, options, False, nll_loss)
+            chunk_nll = nll_loss.sum(dtype=torch.float64)
+            nll += chunk_nll
+            loss += nll_scale * chunk_nll
         chunk_ref = ref_logps[rows] if ref_logps is not None else None
         if not write_grad:
             loss += loss_fn(chunk_logps, counts[rows], chunk_ref, rows)
@@ -207,7 +225,10 @@ def chunked_pass(
         loss += chunk_loss.detach()
         # d loss / d logits = dL/dlogp[b] * (onehot - softmax) = -dL/dlogp[b] * (gradient of the token's CE)
         row_scale = (-dloss_dlogp).to(torch.float32).repeat_interleave(seq_len)
-        cross_entropy_rows(logits, target_rows, None, scales, options, True, token_loss, row_scale=row_scale)
+        if nll_target is None:
+            cross_entropy_rows(logits, target_rows, None, scales, options, True, token_loss, row_scale=row_scale)
+        else:
+            _write_gradient_with_nll(logits, target_rows, nll_rows, row_scale, nll_scale, scales, options, token_loss)
         if want_hidden:
             grad_hidden.index_copy_(0, rows, torch.mm(logits, weight).view(n, seq_len, hidden_size))
         if want_weight:
@@ -219,7 +240,37 @@ def chunked_pass(
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
-    return PassResult(loss, logps, ref_logps, logits_sums), (grad_hidden, grad_weight, grad_bias)
+    result = PassResult(loss, logps, ref_logps, logits_sums, nll if nll_target is not None else None)
+    return result, (grad_hidden, grad_weight, grad_bias)
+
+
+def _write_gradient_with_nll(
+    logits: torch.Tensor,
+    target_rows: torch.Tensor,
+    nll_rows: torch.Tensor,
+    row_scale: torch.Tensor,
+    nll_scale: torch.Tensor,
+    scales: torch.Tensor,
+    options: LossOptions,
+    token_loss: torch.Tensor,
+) -> None:
+    """Overwrite a chunk's logits with `a (softmax - onehot(t)) + c (softmax - onehot(t_nll))` on its chosen half
+    (`a` the row's preference factor, `c = nll_scale`, each term only where its target is not ignored) and the
+    preference term alone on its rejected half: one kernel pass with target `t` (or `t_nll` where `t` is ignored)
+    and factor `a + c`, then two elements a row moved where both targets count."""
+    ignore = options.ignore_index
+    chosen = nll_rows.shape[0]
+    main_valid = target_rows[:chosen] != ignore
+    nll_valid = nll_rows != ignore
+    combined = target_rows.clone()
+    combined[:chosen] = torch.where(main_valid, target_rows[:chosen], nll_rows)
+    scale = row_scale.clone()
+    scale[:chosen] = torch.where(main_valid, row_scale[:chosen], 0.0) + torch.where(nll_valid, nll_scale, 0.0)
+    cross_entropy_rows(logits, combined, None, scales, options, True, token_loss, row_scale=scale)
+    shift = torch.where(main_valid & nll_valid, nll_scale, 0.0).to(logits.dtype)  # no host sync: 0 elsewhere
+    row = torch.arange(chosen, device=logits.device)
+    logits.index_put_((row, torch.where(main_valid, target_rows[:chosen], 0)), shift, accumulate=True)
+    logits.index_put_((row, torch.where(nll_valid, nll_rows, 0)), -shift, accumulate=True)
 
 
 class FusedLinearPreferenceFunction(torch.autograd.Function):
@@ -229,10 +280,8 @@ class FusedLinearPreferenceFunction(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             result, grads = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, want)
         ctx.save_for_backward(*grads)
-        outputs = (result.logps, result.logits_sums)
-        if result.ref_logps is not None:
-            outputs += (result.ref_logps,)
-        ctx.mark_non_differentiable(*outputs)
+        outputs = (result.logps, result.logits_sums, result.ref_logps, result.nll)
+        ctx.mark_non_differentiable(*(t for t in outputs if t is not None))
         return (result.loss.float(), *outputs)
 
     @staticmethod
@@ -253,10 +302,10 @@ def run_preference(
     """The loss (float32, differentiable) and the detached per-sequence results of one chunked pass."""
     target = target.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        loss, logps, logits_sums, *rest = FusedLinearPreferenceFunction.apply(
+        loss, logps, logits_sums, ref_logps, nll = FusedLinearPreferenceFunction.apply(
             hidden, weight, bias, target, ref, loss_fn, settings
         )
-        return PassResult(loss, logps, rest[0] if rest else None, logits_sums)
+        return PassResult(loss, logps, ref_logps, logits_sums, nll)
     with torch.autocast(hidden.device.type, enabled=False):
         result, _ = chunked_pass(hidden, weight, bias, target, ref, loss_fn, settings, (False, False, False))
     result.loss = result.loss.float()
@@ -278,6 +327,7 @@ def sequence_logps(
     hidden `(B, T, H)`, target `(B, T)` with `ignore_index` where no token is scored; `chunk_size` is
     sequences per chunk. This is what the losses take as `ref_logps` (e.g. precomputed once per dataset).
     """
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     settings = PassSettings(paired=False, ignore_index=ignore_index, chunk_size=chunk_size)
     check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, True)
     if not use_triton("sequence_logps", hidden):
@@ -314,7 +364,7 @@ def check_head(
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"{weight_name} has dtype {weight.dtype} but {hidden_name} has dtype {hidden.dtype}; cast one to the other "
-            f"(e.g. {hidden_name}.to({weight_name}.dtype))"
+            f"(e.g. {hidden_name}.to({weight_name}.dtype)), or run under torch.autocast, which casts both"
         )
     check_vector(bias_name, bias, weight.shape[0], f"the vocabulary size ({weight_name}.shape[0])")
     if bias is not None and bias.dtype != hidden.dtype:

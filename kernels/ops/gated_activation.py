@@ -72,49 +72,98 @@ def _activation_and_derivative(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _gated_forward_kernel(GATE, UP, OUT, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_forward_kernel(
+    GATE,
+    UP,
+    OUT,
+    n_elements,
+    gate_multiplier,
+    output_multiplier,
+    ACTIVATION: tl.constexpr,
+    HAS_MULTIPLIERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     g = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIERS:
+        g = g * gate_multiplier
+        u = u * output_multiplier
     out = _activation(g, ACTIVATION) * u
     tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gated_backward_kernel(GRAD, GATE, UP, DGATE, DUP, n_elements, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_backward_kernel(
+    GRAD,
+    GATE,
+    UP,
+    DGATE,
+    DUP,
+    n_elements,
+    gate_multiplier,
+    output_multiplier,
+    ACTIVATION: tl.constexpr,
+    HAS_MULTIPLIERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     grad = tl.load(GRAD + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(UP + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MULTIPLIERS:  # out = act(m_g g) * (m_o u): d gate = grad m_o u act' m_g, d up = grad act m_o
+        g = g * gate_multiplier
+        grad = grad * output_multiplier
     act, derivative = _activation_and_derivative(g, ACTIVATION)
-    tl.store(DGATE + offsets, (grad * u * derivative).to(DGATE.dtype.element_ty), mask=mask)
+    dgate = grad * u * derivative
+    if HAS_MULTIPLIERS:
+        dgate = dgate * gate_multiplier
+    tl.store(DGATE + offsets, dgate.to(DGATE.dtype.element_ty), mask=mask)
     tl.store(DUP + offsets, (grad * act).to(DUP.dtype.element_ty), mask=mask)
 
 
-def gated_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Launch the forward kernel on contiguous `gate` and `up`; returns act(gate) * up."""
+def gated_forward(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, multipliers: tuple[float, float] = (1.0, 1.0)
+) -> torch.Tensor:
+    """Launch the forward kernel on contiguous `gate` and `up`; returns act(gate * m_g) * up * m_o for
+    `multipliers` (m_g, m_o)."""
     out = torch.empty_like(gate)
     n = gate.numel()
     if n > 0:
         _gated_forward_kernel[(triton.cdiv(n, BLOCK),)](
-            gate, up, out, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS
-        )
+            gate, up, out, n, *multipliers, ACTIVATION=activation, HAS_MULTIPLIERS=multipliers != (1.0, 1.0),
+            BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS,
+        )  # fmt: skip
     return out
 
 
 def gated_backward(
-    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, in_place: bool
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    in_place: bool,
+    multipliers: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel on contiguous tensors; with `in_place`, (dgate, dup) reuse (gate, up)."""
     dgate, dup = (gate, up) if in_place else (torch.empty_like(gate), torch.empty_like(up))
     n = gate.numel()
     if n > 0:
         _gated_backward_kernel[(triton.cdiv(n, BLOCK),)](
-            grad, gate, up, dgate, dup, n, ACTIVATION=activation, BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS
-        )
+            grad, gate, up, dgate, dup, n, *multipliers, ACTIVATION=activation,
+            HAS_MULTIPLIERS=multipliers != (1.0, 1.0), BLOCK=BLOCK, num_warps=NUM_WARPS, **LAUNCH_OPTIONS,
+        )  # fmt: skip
     return dgate, dup
+
+
+def check_multipliers(gate_multiplier: float, output_multiplier: float) -> tuple[float, float]:
+    """(gate_multiplier, output_multiplier) as finite floats; raise naming a bad one."""
+    for name, value in (("gate_multiplier", gate_multiplier), ("output_multiplier", output_multiplier)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number (1.0 for none)")
+    return float(gate_multiplier), float(output_multiplier)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -148,88 +197,122 @@ def check_gated_inputs(gate: torch.Tensor, up: torch.Tensor, in_place_backward: 
 
 class GatedActivationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation, in_place_backward):
-        out = gated_forward(gate.contiguous(), up.contiguous(), activation)
+    def forward(ctx, gate, up, activation, in_place_backward, multipliers):
+        out = gated_forward(gate.contiguous(), up.contiguous(), activation, multipliers)
         ctx.save_for_backward(gate, up)
-        ctx.activation, ctx.in_place = activation, in_place_backward
+        ctx.activation, ctx.in_place, ctx.multipliers = activation, in_place_backward, multipliers
         return out.view(gate.shape)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        dgate, dup = gated_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), ctx.activation, ctx.in_place)
-        return dgate.view(gate.shape), dup.view(up.shape), None, None
+        dgate, dup = gated_backward(
+            grad.contiguous(), gate.contiguous(), up.contiguous(), ctx.activation, ctx.in_place, ctx.multipliers
+        )
+        return dgate.view(gate.shape), dup.view(up.shape), None, None, None
 
 
 @torch.library.custom_op("tigon::gated_activation", mutates_args=())
-def gated_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """`act(gate) * up` as an opaque op for torch.compile (out-of-place backward)."""
-    return gated_forward(gate.contiguous(), up.contiguous(), activation).view(gate.shape)
+def gated_op(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, gate_multiplier: float, output_multiplier: float
+) -> torch.Tensor:
+    """`act(gate * m_g) * up * m_o` as an opaque op for torch.compile (out-of-place backward)."""
+    multipliers = (gate_multiplier, output_multiplier)
+    return gated_forward(gate.contiguous(), up.contiguous(), activation, multipliers).view(gate.shape)
 
 
 @gated_op.register_fake
-def _(gate, up, activation):
+def _(gate, up, activation, gate_multiplier, output_multiplier):
     return gate.new_empty(gate.shape)
 
 
 @torch.library.custom_op("tigon::gated_activation_backward", mutates_args=())
 def gated_backward_op(
-    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    gate_multiplier: float,
+    output_multiplier: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dgate, dup = gated_backward(grad.contiguous(), gate.contiguous(), up.contiguous(), activation, in_place=False)
+    multipliers = (gate_multiplier, output_multiplier)
+    dgate, dup = gated_backward(
+        grad.contiguous(), gate.contiguous(), up.contiguous(), activation, in_place=False, multipliers=multipliers
+    )
     return dgate.view(gate.shape), dup.view(up.shape)
 
 
 @gated_backward_op.register_fake
-def _(grad, gate, up, activation):
+def _(grad, gate, up, activation, gate_multiplier, output_multiplier):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
 def _gated_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.activation = inputs[2]
+    ctx.options = inputs[2:]
 
 
 def _gated_grad(ctx, grad):
     gate, up = ctx.saved_tensors
-    return *gated_backward_op(grad, gate, up, ctx.activation), None
+    return *gated_backward_op(grad, gate, up, *ctx.options), None, None, None
 
 
 gated_op.register_autograd(_gated_grad, setup_context=_gated_setup)
 
 
-def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool) -> torch.Tensor:
+def _gated(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, in_place_backward: bool, multipliers: tuple[float, float]
+) -> torch.Tensor:
     if torch.compiler.is_compiling():  # an opaque op; the in-place backward is an eager-mode saving
-        return gated_op(gate, up, activation)
-    return GatedActivationFunction.apply(gate, up, activation, in_place_backward)
+        return gated_op(gate, up, activation, *multipliers)
+    return GatedActivationFunction.apply(gate, up, activation, in_place_backward, multipliers)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
-    """`silu(gate) * up` elementwise; `gate` and `up` share shape, dtype and device.
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    in_place_backward: bool = False,
+    *,
+    gate_multiplier: float = 1.0,
+    output_multiplier: float = 1.0,
+) -> torch.Tensor:
+    """`silu(gate * gate_multiplier) * up * output_multiplier` elementwise; `gate` and `up` share shape, dtype and
+    device.
 
-    Non-contiguous inputs are copied to contiguous memory first. `in_place_backward=True` (contiguous
-    inputs only) writes dgate into gate's memory and dup into up's: the caller must not read gate or up
-    after the backward (fine for the outputs of the gate/up projections, which nothing else reads).
+    The multipliers are Falcon-H1's `mlp_multipliers` (its down multiplier moved before the linear
+    `down_proj`); at 1.0 the kernel compiles without them. Non-contiguous inputs are copied to contiguous
+    memory first. `in_place_backward=True` (contiguous inputs only) writes dgate into gate's memory and dup
+    into up's: the caller must not read gate or up after the backward (fine for the outputs of the gate/up
+    projections, which nothing else reads).
     """
     check_gated_inputs(gate, up, in_place_backward)
+    multipliers = check_multipliers(gate_multiplier, output_multiplier)
     if not use_triton("swiglu", gate):
-        return reference.swiglu(gate, up)
-    return _gated(gate, up, "silu", in_place_backward)
+        return reference.swiglu(gate, up, *multipliers)
+    return _gated(gate, up, "silu", in_place_backward, multipliers)
 
 
 def geglu(
-    gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", in_place_backward: bool = False
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: str = "tanh",
+    in_place_backward: bool = False,
+    *,
+    gate_multiplier: float = 1.0,
+    output_multiplier: float = 1.0,
 ) -> torch.Tensor:
-    """`gelu(gate, approximate) * up` elementwise, `approximate` "tanh" or "none" as in `F.gelu`.
+    """`gelu(gate * gate_multiplier, approximate) * up * output_multiplier` elementwise, `approximate` "tanh" or
+    "none" as in `F.gelu`.
 
-    Inputs, non-contiguous copies and `in_place_backward` behave as in `swiglu`.
+    Inputs, multipliers, non-contiguous copies and `in_place_backward` behave as in `swiglu`.
     """
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate={approximate!r} is not one of {tuple(APPROXIMATIONS)} (as in F.gelu)")
     check_gated_inputs(gate, up, in_place_backward)
+    multipliers = check_multipliers(gate_multiplier, output_multiplier)
     if not use_triton("geglu", gate):
-        return reference.geglu(gate, up, approximate)
-    return _gated(gate, up, APPROXIMATIONS[approximate], in_place_backward)
+        return reference.geglu(gate, up, approximate, *multipliers)
+    return _gated(gate, up, APPROXIMATIONS[approximate], in_place_backward, multipliers)
 
 
 # Packed variant: one `gate_up` tensor [..., 2 * I], gate in the first half of the last dimension and up

@@ -1,11 +1,16 @@
-"""KTO (Ethayarajh et al., 2024), fused with the linear head: TRL's KTO trainer (`loss_type="kto"`).
+"""KTO (Ethayarajh et al., 2024), fused with the linear head: TRL's KTO trainer (`loss_type` "kto" and
+"apo_zero_unpaired").
 
-Unpaired: each sequence is flagged desirable or undesirable. With summed target log-probs ``logp`` of
-the policy and ``ref`` of the reference model, ``x = logp - ref``, and the reference point ``kl``:
+Unpaired: each sequence is flagged desirable or undesirable. With target log-probs ``logp`` of the policy
+and ``ref`` of the reference model (summed over the target tokens, or with ``average_log_prob`` averaged over
+them, the KL batch's too), ``x = logp - ref``, and the reference point ``kl``:
 
     desirable:    loss_i = desirable_weight   * (1 - sigmoid(beta * (x_i - kl)))
     undesirable:  loss_i = undesirable_weight * (1 - sigmoid(beta * (kl - x_i)))
     loss = mean over all sequences of loss_i
+
+``loss_type="apo_zero_unpaired"`` (the unpaired APO-zero) has no reference point: ``1 - sigmoid(beta * x_i)``
+for a desirable sequence and ``sigmoid(beta * x_i)`` for an undesirable one, weighted and averaged alike.
 
 ``kl`` is detached: passed in (a number or a one-element tensor; 0 turns the reference point off), or
 computed as TRL does, ``clamp(mean(kl_logps - ref_kl_logps), min=0)``, from the mismatched
@@ -29,10 +34,11 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_sequence_target,
     reference_source,
     run_preference,
+    safe_average,
     sequence_logps,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 def _check_kl_inputs(
@@ -98,6 +104,8 @@ def fused_linear_kto(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+    average_log_prob: bool = False,
     ignore_index: int = -100,
     check_targets: bool = True,
     accumulate_in_fp32: bool = False,
@@ -107,9 +115,13 @@ def fused_linear_kto(
 
     hidden `(B, T, H)`, target `(B, T)` (`ignore_index` on prompt and padding), `desirable` `(B,)` bool.
     The reference log-probs are `ref_logps` `(B,)` (summed) or computed in the same chunked pass from
-    `ref_hidden` with `ref_weight`/`ref_bias` (no gradient). `chunk_size` is sequences per chunk. Returns
-    `(loss, metrics)`; one backward per forward.
+    `ref_hidden` with `ref_weight`/`ref_bias` (no gradient). `loss_type` is "kto" or "apo_zero_unpaired" (which
+    takes no `kl`); `average_log_prob` averages every log-prob over its sequence's target tokens. `chunk_size` is
+    sequences per chunk. Returns `(loss, metrics)`; one backward per forward.
     """
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden = autocast_operands(
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden
+    )
     settings = PassSettings(
         paired=False, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )
@@ -119,9 +131,15 @@ def fused_linear_kto(
     check_per_sequence("desirable", desirable, hidden.shape[0], hidden)
     if desirable.dtype != torch.bool:
         raise TypeError(f"desirable has dtype {desirable.dtype}; it must be a bool tensor (True = desirable)")
-    _check_kl_inputs(
-        hidden, weight, ref_hidden, kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden, ignore_index, check_targets
-    )
+    if loss_type not in ("kto", "apo_zero_unpaired"):
+        raise ValueError(f"loss_type={loss_type!r} is not one of ('kto', 'apo_zero_unpaired')")
+    if loss_type == "kto":
+        _check_kl_inputs(
+            hidden, weight, ref_hidden, kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden, ignore_index,
+            check_targets,
+        )  # fmt: skip
+    elif any(t is not None for t in (kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden)):
+        raise ValueError("loss_type='apo_zero_unpaired' has no reference point: drop kl and the KL batch (kl_*)")
     check_positive("beta", beta)
     if not (desirable_weight >= 0 and undesirable_weight >= 0):
         raise ValueError(
@@ -146,13 +164,20 @@ def fused_linear_kto(
             beta=beta,
             desirable_weight=desirable_weight,
             undesirable_weight=undesirable_weight,
+            loss_type=loss_type,
+            average_log_prob=average_log_prob,
             ignore_index=ignore_index,
         )
-    if kl is None:
+    if loss_type == "apo_zero_unpaired":
+        kl = 0.0
+    elif kl is None:
         kl_logps = sequence_logps(kl_hidden.detach(), weight.detach(), kl_target, bias, ignore_index=ignore_index)
         if ref_kl_logps is None:
             ref_kl_logps = sequence_logps(ref_kl_hidden, ref_weight, kl_target, ref_bias, ignore_index=ignore_index)
-        kl = (kl_logps - ref_kl_logps.to(torch.float64)).mean().clamp(min=0)
+        kl_ratios = kl_logps - ref_kl_logps.to(torch.float64)
+        if average_log_prob:
+            kl_ratios = safe_average(kl_ratios, (kl_target != ignore_index).sum(1).to(torch.float64))
+        kl = kl_ratios.mean().clamp(min=0)
     kl = torch.as_tensor(kl, dtype=torch.float64, device=hidden.device).detach().reshape(())
     n_sequences = hidden.shape[0]
 
@@ -160,7 +185,7 @@ def fused_linear_kto(
         logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
     ) -> torch.Tensor:
         """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
-        x = logps - ref
+        x = safe_average(logps - ref, counts) if average_log_prob else logps - ref
         losses = torch.where(
             desirable[rows],
             desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
@@ -171,9 +196,12 @@ def fused_linear_kto(
     source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
     result = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
     counts = (target != ignore_index).sum(1)
+    logps, ref = result.logps, result.ref_logps
+    if average_log_prob:
+        logps, ref = safe_average(logps, counts), safe_average(ref, counts)
     metrics = {
-        "rewards": (beta * (result.logps - result.ref_logps)).float(),
-        "logps": result.logps.float(),
+        "rewards": (beta * (logps - ref)).float(),
+        "logps": logps.float(),
         "logits_mean": (result.logits_sums / (counts * weight.shape[0]).clamp_min(1)).float(),
         "kl": kl.float(),
     }

@@ -1,8 +1,12 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * (offset + weight), one read and one write per pass.
 
-Two casting conventions, both exact matches of their Hugging Face modules:
+Three casting conventions, the first two exact matches of their Hugging Face modules:
 - ``"llama"``: normalize in float32, cast to the input dtype, then multiply by the weight.
 - ``"gemma"``: normalize and scale in float32, cast once at the end (Gemma also uses offset 1).
+- ``"none"``: no casts, the module written plainly in the input's dtype (Liger-Kernel's casting mode of that
+  name): each step (square, mean, ``+ eps``, rsqrt, the product with the weight) is rounded to the input dtype
+  where PyTorch rounds it; the kernel computes each step in float32 and rounds it there. The backward is
+  Llama's, from the rounded ``rstd`` and normalized rows the forward used.
 
 The forward kernel also serves the fused residual add (``fused_add_rms_norm.py``): with
 ``HAS_RESIDUAL`` it adds the residual first and writes the new residual stream beside the output.
@@ -28,7 +32,7 @@ from tigon.kernels.utils import (
     use_triton,
 )
 
-CASTING_MODES = ("llama", "gemma")
+CASTING_MODES = ("llama", "gemma", "none")
 MAX_HIDDEN = 65536
 
 
@@ -51,6 +55,7 @@ def _rms_norm_forward_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     GEMMA_CASTING: tl.constexpr,
+    NO_CASTING: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -65,7 +70,13 @@ def _rms_norm_forward_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(S + rows[:, None] * stride_s + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    if NO_CASTING:  # every step rounded to the input dtype, as PyTorch computes the module in that dtype
+        dtype = X.dtype.element_ty
+        square = (x * x).to(dtype).to(tl.float32)
+        mean_square = (tl.sum(square, axis=1) / n_cols).to(dtype).to(tl.float32)
+        rstd = tl.math.rsqrt((mean_square + eps).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     normed = x * rstd[:, None]
 
@@ -74,6 +85,8 @@ def _rms_norm_forward_kernel(
         if GEMMA_CASTING:
             y = normed * w[None, :]
         else:
+            if NO_CASTING:  # offset + weight in the weight's dtype
+                w = w.to(W.dtype.element_ty).to(tl.float32)
             y = normed.to(X.dtype.element_ty).to(tl.float32) * w[None, :]
     else:
         y = normed
@@ -175,7 +188,7 @@ def rms_norm_forward(
     """Launch the forward kernel on a (rows, hidden) view; returns (y, rstd, new_residual)."""
     n_rows, n_cols = x2d.shape
     out_dtype = x2d.dtype
-    if weight is not None and casting == "llama":
+    if weight is not None and casting != "gemma":
         out_dtype = torch.promote_types(weight.dtype, x2d.dtype)
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2d.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
@@ -199,6 +212,7 @@ def rms_norm_forward(
         HAS_WEIGHT=weight is not None,
         HAS_RESIDUAL=residual2d is not None,
         GEMMA_CASTING=casting == "gemma",
+        NO_CASTING=casting == "none",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
@@ -283,7 +297,7 @@ def rms_norm_op(
 
 @rms_norm_op.register_fake
 def _(x, weight, eps, offset, casting):
-    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting == "llama" else x.dtype
+    dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting != "gemma" else x.dtype
     return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
@@ -341,7 +355,8 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of `x`.
 
-    `weight=None` gives the weightless variant; Gemma is `offset=1.0, casting="gemma"`.
+    `weight=None` gives the weightless variant; Gemma is `offset=1.0, casting="gemma"`; `casting="none"` computes
+    the plain module in the input's dtype, rounding where PyTorch would (the module docstring).
     `in_place_backward` writes the input gradient into the incoming gradient's memory, which
     saves one activation-sized buffer when nothing else reads that gradient.
     """

@@ -29,7 +29,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     run_preference,
     safe_average,
 )
-from tigon.kernels.utils import eager_under_compile, use_triton
+from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
 
 
 @eager_under_compile
@@ -54,6 +54,7 @@ def fused_linear_simpo(
     tokens (`ignore_index` elsewhere). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one
     backward per forward.
     """
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)
     settings = PassSettings(
         paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
     )

@@ -69,11 +69,6 @@ def causal_lm_loss(
     softcap = config.final_logit_softcapping if family.final_logit_softcapping else None
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
     return fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,

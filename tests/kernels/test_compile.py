@@ -102,6 +102,8 @@ def test_packed_gated_activation_compiles_without_graph_breaks(activation):
         dict(num_items_in_batch=11, softcap=3.0),
         dict(reduction="sum", lse_square_scale=1e-3),
         dict(reduction="none"),
+        dict(use_token_scaling=True),
+        dict(use_token_scaling=True, reduction="none"),
     ],
 )
 def test_fused_linear_cross_entropy_compiles_without_graph_breaks(options):
@@ -122,6 +124,22 @@ def test_fused_linear_cross_entropy_compiles_without_graph_breaks(options):
     compiled = torch.compile(lambda h, w: F.fused_linear_cross_entropy(h, w, bad), backend="aot_eager", fullgraph=True)
     with pytest.raises(ValueError, match=r"target\[0\] = 37 is out of range"):
         compiled(hidden, weight)  # the target check runs inside the op, so it needs no graph break
+
+
+def test_fused_linear_cross_entropy_token_accuracy_compiles_without_graph_breaks():
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(13, 16), torch.randn(37, 16)
+    target = torch.randint(0, 37, (13,))
+    target[3] = -100
+    flags = dict(return_token_accuracy=True, return_predicted_tokens=True, return_z_loss=True, lse_square_scale=0.1)
+
+    def ours(h, w):
+        return tuple(F.fused_linear_cross_entropy(h, w, target, **flags))
+
+    out = torch.compile(ours, backend="aot_eager", fullgraph=True)(hidden, weight)
+    expected = reference.fused_linear_cross_entropy(hidden, weight, target, **flags)
+    for got, want in zip(out, expected, strict=True):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-6)
 
 
 MODELS = {

@@ -117,6 +117,59 @@ def test_many_vocabulary_chunks(name, lane, device, monkeypatch):
     run_case(11, 203, torch.float32, device, **COMBINED.get(name, {}))  # 16 float32 values a chunk
 
 
+def tied_inputs(rows: int, vocab: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with exact ties for the maximum: a row of equal logits, one whose maximum sits in two chunks and
+    lanes, one whose maximum is the last column; the others random (bf16 rounding makes more ties)."""
+    logits, target = make_inputs(rows, vocab, dtype, device, 3)
+    logits[2] = 1.0
+    logits[3, [5, vocab - 3]] = 9.0
+    logits[4, vocab - 1] = 9.0
+    target[3], target[4], target[5] = 5, vocab - 1, vocab - 1
+    return logits, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("reduction", "options", "chunked"),
+    [("mean", {}, False), ("none", {"softcap": 30.0, "label_smoothing": 0.1, "lse_square_scale": 0.01}, True)],
+)
+def test_token_accuracy_and_predicted_tokens(reduction, options, chunked, dtype, device, monkeypatch):
+    """The argmax (first column at the maximum, as torch.argmax) from the kernel's first pass, across vocabulary
+    chunks and lanes, and its accuracy over the non-ignored tokens; loss and gradient unchanged."""
+    if chunked:  # 256-byte chunks: 64 float32 or 128 bf16 logits, lanes of 8
+        launch = ce_module.ChunkLaunch(chunk_bytes=256, warps=1, programs_per_sm=64, lane=8)
+        monkeypatch.setattr(ce_module, "DEFAULT_LAUNCH", launch)
+        monkeypatch.setattr(ce_module, "LAUNCH_BY_GPU", {})
+    logits, target = tied_inputs(37, 203, dtype, device)
+    x = logits.clone().requires_grad_(True)
+    x64 = logits.double().requires_grad_(True)
+    flags = {"return_token_accuracy": True, "return_predicted_tokens": True, "reduction": reduction, **options}
+    out = cross_entropy(x, target, **flags)
+    ref = reference.cross_entropy(x64, target, **flags)
+    assert isinstance(out, ce_module.CrossEntropyOutput) and out.z_loss is None
+    assert out.predicted_tokens.dtype == torch.int64
+    torch.testing.assert_close(out.predicted_tokens, ref.predicted_tokens, rtol=0, atol=0)
+    assert out.predicted_tokens[0] == -1 and out.predicted_tokens[2] == 0 and out.predicted_tokens[3] == 5
+    assert out.predicted_tokens[4] == 202
+    torch.testing.assert_close(out.token_accuracy, ref.token_accuracy.float(), rtol=0, atol=1e-7)
+    grad = torch.randn(37, device=device, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0)
+    out.loss.backward(grad.float().to(device))
+    ref.loss.backward(grad.to(device))
+    assert_close(out.loss, ref.loss, dtype, "loss")
+    assert_close(x.grad, x64.grad, dtype, "dlogits")
+
+
+def test_token_accuracy_alone_and_with_z_loss(device):
+    logits, target = tied_inputs(9, 31, torch.float32, device)
+    target[:] = logits.argmax(-1)
+    target[::2] = IGNORE
+    out = cross_entropy(logits, target, return_token_accuracy=True, return_z_loss=True, lse_square_scale=0.1)
+    assert out.token_accuracy.item() == 1.0 and out.predicted_tokens is None
+    torch.testing.assert_close(out.z_loss, cross_entropy(logits, target, lse_square_scale=0.1, return_z_loss=True)[1])
+    target[:] = IGNORE
+    assert cross_entropy(logits, target, return_token_accuracy=True).token_accuracy.item() == 0.0
+
+
 @pytest.mark.parametrize(
     ("gpu", "element_size", "launch"),
     [
@@ -362,6 +415,7 @@ def test_bad_inputs(device):
         (ValueError, "positive number", {}, dict(num_items_in_batch=0)),
         (ValueError, "detach", {}, dict(weight=torch.ones(8, device=device, requires_grad=True))),
         (TypeError, "ignore_index", {}, dict(ignore_index=1.0)),
+        (TypeError, "return_token_accuracy must be True or False", {}, dict(return_token_accuracy=1)),
     ]
     for error, message, tensors, options in cases:
         args = {"logits": logits, "target": target, **tensors}
@@ -393,6 +447,30 @@ def test_gpu_real_size_against_float32_reference(dtype):
         assert_close(out, ref, dtype, "loss")
         assert_close(x.grad, x32.grad, dtype, "dlogits")
         del x32, ref, x, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"softcap": 30.0, "reduction": "none"}])
+def test_gpu_token_accuracy_and_predicted_tokens(options):
+    """8192 tokens x Llama 3's vocabulary in bf16 (ties for the maximum included): the kernel's argmax is
+    torch.argmax's, and the loss and gradient are unchanged."""
+    torch.manual_seed(1)
+    rows, vocab = 8192, 128256
+    logits = (torch.randn(rows, vocab, device="cuda") * 2).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    target[::7] = IGNORE
+    flags = {"return_token_accuracy": True, "return_predicted_tokens": True, **options}
+    x = logits.clone().requires_grad_(True)
+    out = cross_entropy(x, target, **flags)
+    x32 = logits.float().requires_grad_(True)
+    ref = reference.cross_entropy(x32, target, **flags)
+    torch.testing.assert_close(out.predicted_tokens, ref.predicted_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(out.token_accuracy, ref.token_accuracy, rtol=0, atol=1e-6)
+    grad = torch.randn_like(out.loss)
+    out.loss.backward(grad)
+    ref.loss.backward(grad)
+    assert_close(out.loss, ref.loss, torch.bfloat16, "loss")
+    assert_close(x.grad, x32.grad, torch.bfloat16, "dlogits")
 
 
 @pytest.mark.gpu

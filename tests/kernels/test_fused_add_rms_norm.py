@@ -40,6 +40,11 @@ def test_gemma_and_no_weight(dtype, device):
     run_case(37, 129, dtype, device, with_weight=False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_casting(dtype, device):
+    run_case(37, 129, dtype, device, casting="none")
+
+
 def test_in_place_backward_and_many_rows(device):
     run_case(1031, 64, torch.float32, device, in_place=True)
 

@@ -21,6 +21,7 @@ OPTIONS = {
     "num_items_in_batch": {"num_items_in_batch": 50},
     "return_z_loss": {"return_z_loss": True, "lse_square_scale": 0.05},
     "fp32_accumulation": {"accumulate_in_fp32": True},
+    "token_scaling": {"use_token_scaling": True},
 }
 COMBINED = {
     "weight+smoothing+z+softcap": {
@@ -32,6 +33,14 @@ COMBINED = {
     },
     "none+weight+smoothing": {"class_weight": "random", "label_smoothing": 0.2, "reduction": "none"},
     "sum+softcap+z": {"softcap": 2.0, "lse_square_scale": 0.02, "reduction": "sum"},
+    "token_scaling+none+weight+smoothing+z+softcap": {
+        "use_token_scaling": True,
+        "reduction": "none",
+        "class_weight": "random",
+        "label_smoothing": 0.1,
+        "lse_square_scale": 0.01,
+        "softcap": 3.0,
+    },
 }
 
 
@@ -111,12 +120,55 @@ def test_combined_options(name, device):
     run_case(23, 16, 513, torch.float16, device, seed=2, **COMBINED[name])
 
 
-@pytest.mark.parametrize("name", ["none", "class_weight", "label_smoothing"])
+@pytest.mark.parametrize("name", ["none", "class_weight", "label_smoothing", "token_scaling"])
 def test_borrowed_rows_filled_in_tiles_of_tokens(name, device, monkeypatch):
     """The filling in tiles of 5 tokens x 8 columns (a ragged last tile of each), accumulating over the tiles."""
     monkeypatch.setattr(flce_module, "STRIPE_TILE_BYTES", 8 * 5 * 4)
     assert flce_module.stripe_tile(37, 32, 32, 4) == (8, 5)
     run_case(37, 32, 257, torch.float32, device, chunk_size=8, **OPTIONS[name])
+
+
+@pytest.mark.parametrize("borrow", [True, False])
+@pytest.mark.parametrize(("dtype", "reduction"), [(torch.float32, "mean"), (torch.bfloat16, "none")])
+def test_token_accuracy_and_predicted_tokens(dtype, reduction, borrow, device):
+    """Each token's argmax from the kernel's pass over its chunk, its accuracy over the non-ignored tokens, with
+    token scaling on; loss and gradients as the reference's. In float32 the argmax is the float64 logits' own;
+    in bf16 (logits rounded by the chunk's matmul) it is a column within rounding of the float64 maximum."""
+    h, w, b, target = make_inputs(37, 32, 257, dtype, device, 7)
+    h, w, b = leaves(h, w, b)
+    h64, w64, b64 = leaves(h, w, b, dtype=torch.float64)
+    flags = {"return_token_accuracy": True, "return_predicted_tokens": True, "reduction": reduction}
+    flags["use_token_scaling"] = True
+    out = fused_linear_cross_entropy(h, w, target, b, chunk_size=8, borrow_weight_grad=borrow, **flags)
+    ref = reference.fused_linear_cross_entropy(h64, w64, target, b64, **flags)
+    assert isinstance(out, reference.CrossEntropyOutput) and out.z_loss is None
+    valid = target != IGNORE
+    predicted = out.predicted_tokens
+    assert predicted.dtype == torch.int64 and (predicted[~valid] == -1).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(predicted, ref.predicted_tokens, rtol=0, atol=0)
+    else:
+        logits64 = torch.nn.functional.linear(h64, w64, b64).detach()[valid]
+        chosen = logits64.gather(1, predicted[valid, None]).squeeze(1)
+        assert (chosen >= logits64.max(1).values - 2**-7 * logits64.abs().max()).all()
+    correct = ((predicted == target) & valid).float()
+    expected = correct if reduction == "none" else correct.sum() / valid.sum()
+    torch.testing.assert_close(out.token_accuracy, expected, rtol=0, atol=1e-7)
+    grad = torch.randn(37, dtype=torch.float64, device=device) if reduction == "none" else torch.tensor(1.0)
+    out.loss.backward(grad.float().to(device))
+    ref.loss.backward(grad.to(device))
+    assert_close(out.loss, ref.loss, dtype, "loss")
+    assert_close(h.grad, h64.grad, dtype, "dhidden")
+    assert_close(w.grad, w64.grad, dtype, "dweight")
+    assert_close(b.grad, b64.grad, dtype, "dbias")
+
+
+def test_predictions_without_gradients(device):
+    h, w, b, target = make_inputs(13, 16, 50, torch.float32, device, 8)
+    out = fused_linear_cross_entropy(h, w, target, b, return_predicted_tokens=True, chunk_size=4)
+    expected = torch.where(target != IGNORE, torch.nn.functional.linear(h, w, b).argmax(-1), -1)
+    torch.testing.assert_close(out.predicted_tokens, expected, rtol=0, atol=0)
+    assert out.token_accuracy is None
 
 
 def test_logits_live_in_the_weight_gradient_when_a_quarter_of_it_holds_them(device, monkeypatch):
@@ -315,6 +367,8 @@ def test_bad_inputs(device):
         (ValueError, "chunk_size", dict(chunk_size=0)),
         (ValueError, "reduction", dict(reduction="avg")),
         (ValueError, "reduction='mean'", dict(num_items_in_batch=3, reduction="none")),
+        (TypeError, "use_token_scaling|token_scaling must be True or False", dict(use_token_scaling="yes")),
+        (TypeError, "return_predicted_tokens must be True or False", dict(return_predicted_tokens=None)),
     ]
     for error, message, changes in cases:
         args = {"hidden": h, "weight": w, "target": target, "bias": b, **changes}
@@ -339,6 +393,26 @@ def test_gpu_real_size(options):
     assert_close(loss, ref, torch.bfloat16, "loss")
     assert_close(hl.grad, h32.grad, torch.bfloat16, "dhidden")
     assert_close(wl.grad, w32.grad, torch.bfloat16, "dweight")
+
+
+@pytest.mark.gpu
+def test_gpu_token_scaling_and_token_accuracy():
+    """4096 tokens x 4096 hidden x Llama 3's vocabulary in bf16 with token scaling and the token accuracy,
+    against a float32 reference; the argmax may differ from float32's only where bf16 rounding ties the top two."""
+    h, w, _, target = make_inputs(4096, 4096, 128256, torch.bfloat16, "cuda", 0, with_bias=False)
+    flags = {"use_token_scaling": True, "return_token_accuracy": True, "return_predicted_tokens": True}
+    hl, wl = leaves(h, w)
+    out = fused_linear_cross_entropy(hl, wl, target, **flags)
+    out.loss.backward()
+    h32, w32 = leaves(h, w, dtype=torch.float32)
+    ref = reference.fused_linear_cross_entropy(h32, w32, target, **flags)
+    ref.loss.backward()
+    assert_close(out.loss, ref.loss, torch.bfloat16, "loss")
+    assert_close(hl.grad, h32.grad, torch.bfloat16, "dhidden")
+    assert_close(wl.grad, w32.grad, torch.bfloat16, "dweight")
+    agree = (out.predicted_tokens == ref.predicted_tokens).float().mean().item()
+    assert agree > 0.99, f"argmax agrees with float32's on {agree:.4f} of the tokens"
+    assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) < 1e-2
 
 
 @pytest.mark.gpu

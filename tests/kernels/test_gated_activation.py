@@ -131,8 +131,40 @@ def test_scalar(device):
     check_against_reference(gate, up, "silu", torch.float32)
 
 
+MULTIPLIED = {
+    "silu": (swiglu, reference.swiglu, {}),
+    "gelu_tanh": (geglu, reference.geglu, {"approximate": "tanh"}),
+    "gelu_erf": (geglu, reference.geglu, {"approximate": "none"}),
+}
+
+
+@pytest.mark.parametrize("activation", list(MULTIPLIED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_gate_and_output_multipliers(in_place, dtype, activation, device):
+    """Falcon-H1's MLP multipliers: `act(gate * m_g) * up * m_o`, forward and both gradients, at an odd size."""
+    op, ref_op, options = MULTIPLIED[activation]
+    torch.manual_seed(5)
+    gate = leaf(torch.randn(37, 127, device=device), dtype)
+    up = leaf(torch.randn(37, 127, device=device), dtype)
+    multipliers = {"gate_multiplier": 0.71875, "output_multiplier": 1.3}
+    gate64, up64 = as_float64(gate), as_float64(up)  # before an in-place backward overwrites gate and up
+    y = op(gate, up, in_place_backward=in_place, **options, **multipliers)
+    grad = torch.randn_like(y)
+    y.backward(grad.clone())
+    y64 = ref_op(gate64, up64, *options.values(), *multipliers.values())
+    y64.backward(grad.double())
+    assert_close(y, y64, dtype, f"{activation} y")
+    assert_close(gate.grad, gate64.grad, dtype, f"{activation} dgate")
+    assert_close(up.grad, up64.grad, dtype, f"{activation} dup")
+
+
 def test_bad_inputs(device):
     x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match="gate_multiplier=nan must be a finite number"):
+        swiglu(x, x, gate_multiplier=float("nan"))
+    with pytest.raises(ValueError, match="output_multiplier='2' must be a finite number"):
+        geglu(x, x, output_multiplier="2")
     with pytest.raises(ValueError, match=r"gate has shape \(4, 8\) but up has shape \(4, 7\)"):
         swiglu(x, torch.randn(4, 7, device=device))
     with pytest.raises(TypeError, match="dtype torch.int64"):

@@ -81,6 +81,16 @@ def test_gated_mlp_matches_llama_mlp(activation, device):
     compare_modules(theirs, ours, torch.randn(2, 9, 48, device=device))
 
 
+def test_gated_mlp_matches_falcon_h1_mlp_with_its_multipliers(device):
+    modeling_falcon_h1 = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
+    torch.manual_seed(4)
+    config = transformers.FalconH1Config(hidden_size=48, intermediate_size=136, mlp_multipliers=[0.8, 1.7])
+    theirs = modeling_falcon_h1.FalconH1MLP(config).to(device)
+    ours = modules.GatedMLP.from_module(copy.deepcopy(theirs), config)
+    assert ours.multipliers == (0.8, 1.7)
+    compare_modules(theirs, ours, torch.randn(2, 9, 48, device=device))
+
+
 def test_gated_mlp_built_fresh_has_llama_layout():
     mlp = modules.GatedMLP(llama_config())
     assert mlp.gate_proj.weight.shape == (136, 48) and mlp.down_proj.weight.shape == (48, 136)

@@ -136,6 +136,97 @@ def test_options(name, index, dtype, device):
     run_case(name, 3, 9, 24, 61, dtype, device, seed=index + 1, chunk_size=2, **OPTIONS[name][index])
 
 
+DPO_TYPES = {
+    "sigmoid": {},
+    "hinge": {},
+    "ipo": {},
+    "exo_pair": {"label_smoothing": 1e-3},
+    "nca_pair": {},
+    "robust": {"label_smoothing": 0.1},
+    "bco_pair": {},
+    "sppo_hard": {},
+    "apo_zero": {},
+    "apo_down": {},
+    "discopop": {"discopop_tau": 0.5},
+    "sigmoid_norm": {"beta": 2.0},
+    "sft": {},
+}
+
+
+@pytest.mark.parametrize("loss_type", list(DPO_TYPES))
+def test_dpo_loss_types(loss_type, device):
+    """Each of TRL's DPO loss types, in one chunk (the combined cases below run several)."""
+    run_case("dpo", 2, 5, 16, 31, torch.float32, device, seed=5, loss_type=loss_type, **DPO_TYPES[loss_type])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [0.5, 2.0, 0.3], "ref": "logps"},
+        {"loss_type": "apo_zero", "average_log_prob": True, "rpo_alpha": 0.7, "beta": 1.0},
+        {"loss_type": "bco_pair", "average_log_prob": True, "beta": 2.0},
+    ],
+)
+def test_dpo_combined_types_average_log_prob_and_rpo(options, dtype, device):
+    run_case("dpo", 3, 9, 24, 61, dtype, device, seed=6, chunk_size=2, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"average_log_prob": True, "beta": 1.0, "ref": "logps", "kl": "computed"},
+        {"loss_type": "apo_zero_unpaired", "kl": None, "ref": "logps", "desirable_weight": 1.3},
+        {"loss_type": "apo_zero_unpaired", "kl": None, "average_log_prob": True, "beta": 2.0},
+    ],
+)
+def test_kto_average_log_prob_and_apo_zero_unpaired(options, dtype, device):
+    run_case("kto", 3, 9, 24, 61, dtype, device, seed=9, chunk_size=2, **options)
+
+
+def test_kto_bad_options(device):
+    h, w, _, target = make_inputs(3, 5, 8, 33, torch.float32, device, 0, with_bias=False)
+    desirable = torch.tensor([True, False, True], device=device)
+    ref = torch.zeros(3, device=device)
+    with pytest.raises(ValueError, match="is not one of"):
+        functional.fused_linear_kto(h, w, target, desirable, ref_logps=ref, kl=0.0, loss_type="bco")
+    with pytest.raises(ValueError, match="no reference point"):
+        functional.fused_linear_kto(h, w, target, desirable, ref_logps=ref, kl=0.0, loss_type="apo_zero_unpaired")
+
+
+@pytest.mark.parametrize(("dtype", "chunk_size"), [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_orpo_nll_target(dtype, chunk_size, device):
+    """The NLL term against targets of its own: tokens where both, either or neither target counts."""
+    torch.manual_seed(10)
+    nll_target = torch.randint(0, 61, (6, 9), device=device)
+    nll_target[:, -2:] = IGNORE
+    nll_target[1] = IGNORE  # a chosen sequence with no NLL targets
+    loss, metrics = run_case("orpo", 3, 9, 24, 61, dtype, device, seed=11, chunk_size=chunk_size, nll_target=nll_target)
+    h, w, _, target = make_inputs(6, 9, 24, 61, dtype, device, 11)
+    _, plain_metrics = functional.fused_linear_orpo(h, w, target, beta=0.5)
+    assert metrics["nll_loss"] != plain_metrics["nll_loss"]
+
+
+def test_dpo_bad_options(device):
+    h, w, _, target = make_inputs(4, 5, 8, 33, torch.float32, device, 0, with_bias=False)
+    ref = torch.zeros(4, device=device)
+    cases = [
+        ({"loss_type": "aot"}, "sorts the log-ratios over the whole batch"),
+        ({"loss_type": "kto_pair"}, "is not one of"),
+        ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}, "one per type"),
+        ({"loss_type": "exo_pair"}, "0 < label_smoothing < 1"),
+        ({"loss_type": "robust", "label_smoothing": 0.5}, "0 <= label_smoothing < 0.5"),
+        ({"loss_type": "discopop", "discopop_tau": 0.0}, "discopop_tau"),
+        ({"rpo_alpha": -1.0}, "rpo_alpha"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            functional.fused_linear_dpo(h, w, target, ref_logps=ref, **options)
+    with pytest.raises(ValueError, match=r"nll_target has shape \(4, 4\)"):
+        functional.fused_linear_orpo(h, w, target, nll_target=target[:, :4])
+
+
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_odd_shapes_chunks_and_no_bias(name, device):
     """Odd sequence length, one pair (or sequence) per chunk, no bias, fp32 weight-gradient accumulation."""

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf
+from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf, relative_error
 from tigon.kernels import reference
 from tigon.kernels.ops.rms_norm import rms_norm
 
@@ -40,6 +40,30 @@ def test_llama_casting(hidden, dtype, device):
 @pytest.mark.parametrize("hidden", [3, 127, 4097])
 def test_gemma_casting_with_offset(hidden, dtype, device):
     run_case(ROWS, hidden, dtype, device, casting="gemma", offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [3, 127])
+def test_no_casting(hidden, dtype, device):
+    run_case(ROWS, hidden, dtype, device, casting="none")
+    run_case(ROWS, hidden, dtype, device, casting="none", offset=1.0, with_weight=False)
+
+
+def test_no_casting_rounds_where_pytorch_rounds(device):
+    """In fp16 (which Triton's interpreter rounds to nearest, as the GPU does) "none" is the plain module computed
+    in fp16: within one fp16 rounding of it (a row's mean square may land one unit apart, summed in another
+    order), and as close to the float64 result as it is. An fp32 weight promotes the output, as in PyTorch."""
+    torch.manual_seed(2)
+    x = torch.randn(ROWS, 127, device=device).half() * 3
+    weight = (torch.rand(127, device=device) + 0.5).half()
+    plain = reference.rms_norm(x, weight, eps=1e-6, offset=1.0, casting="none")
+    y = rms_norm(x, weight, eps=1e-6, offset=1.0, casting="none")
+    exact = reference.rms_norm(x.double(), weight.double(), eps=1e-6, offset=1.0, casting="none")
+    assert relative_error(y, plain) < 2**-11
+    assert relative_error(y, exact) < 1.1 * relative_error(plain, exact)
+    y32 = rms_norm(x, weight.float(), casting="none")
+    assert y32.dtype == torch.float32
+    assert relative_error(y32, reference.rms_norm(x, weight.float(), casting="none")) < 2**-11
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,6 +148,7 @@ def test_weight_on_another_device():
 def test_gpu_real_sizes(shape, dtype):
     run_case(*shape, dtype, "cuda")
     run_case(*shape, dtype, "cuda", casting="gemma", offset=1.0)
+    run_case(*shape, dtype, "cuda", casting="none")
 
 
 def test_cpu_without_interpreter_uses_reference_and_logs_once():
