@@ -64,7 +64,8 @@ softmax's input gradient (8 x heads x T); the larger counts.
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2
 shards weights, gradients and states over the world size and gathers two layers (and the embedding
-and head) at a time. DeepSpeed ZeRO shards states (stage 1), gradients (2) and weights (3) and
+and head) at a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches
+every rank keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards states (stage 1), gradients (2) and weights (3) and
 keeps float32 master weights (4 per trainable parameter, sharded) for bf16/fp16 weights. CPU
 offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
@@ -532,6 +533,8 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
     activations = s.layers * kept_per_layer + head + per_batch + mask
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
+    if work.strategy == "fsdp" and setting.accumulation > 1:
+        carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
     moments = {
         "loss": {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried},
         "backward (top layer)": {

@@ -410,8 +410,16 @@ def test_gpu_token_scaling_and_token_accuracy():
     assert_close(out.loss, ref.loss, torch.bfloat16, "loss")
     assert_close(hl.grad, h32.grad, torch.bfloat16, "dhidden")
     assert_close(wl.grad, w32.grad, torch.bfloat16, "dweight")
-    agree = (out.predicted_tokens == ref.predicted_tokens).float().mean().item()
-    assert agree > 0.99, f"argmax agrees with float32's on {agree:.4f} of the tokens"
+    # Among 128256 random logits the top two often lie within a bf16 rounding of each other (2.4% of the
+    # tokens on an H200), so the check is on values: every predicted token's float32 logit is within two bf16
+    # roundings (2^-7 relative) of the float32 maximum.
+    logits = h32.detach() @ w32.detach().T
+    top = logits.max(dim=-1).values
+    predicted = logits.gather(1, out.predicted_tokens.clamp_min(0)[:, None]).squeeze(1)
+    kept = out.predicted_tokens >= 0
+    assert torch.equal(kept, ref.predicted_tokens >= 0)
+    gap = (top - predicted)[kept] / top[kept].abs()
+    assert gap.max().item() <= 2**-7, f"a predicted token's logit is {gap.max().item():.2e} under the maximum"
     assert abs(out.token_accuracy.item() - ref.token_accuracy.item()) < 1e-2
 
 
