@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _setup_logging(args.quiet)
+    from tigon.runtime.checkpoint import CheckpointError
     from tigon.runtime.data import DataError
     from tigon.runtime.planner import TrainingOutOfMemory
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         from tigon.runtime.trainer import train
 
         train(config)
-    except (ConfigError, DataError, FileNotFoundError, TrainingOutOfMemory) as error:
+    except (ConfigError, CheckpointError, DataError, FileNotFoundError, TrainingOutOfMemory) as error:
         return _fail(str(error))
     return 0
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
@@ -172,12 +173,17 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         schedule = {SCHEDULE: self.scheduler.state_dict()}
         self.engine.save_checkpoint(str(directory), tag=TAG, client_state=schedule, save_latest=False)
 
+    def checkpoint_estimate(self) -> int:
+        """The module's weights plus fp32 master weights and Adam's two moments (12 bytes) per trainable parameter;
+        ZeRO-3's partitioned parameters count whole (`ds_numel`)."""
+        total = 0
+        for parameter in self.module.parameters():
+            numel = getattr(parameter, "ds_numel", parameter.numel())
+            total += numel * (parameter.element_size() + (12 if parameter.requires_grad else 0))
+        return total
+
     def read_state(self, directory: Path) -> None:
-        if not (directory / TAG).is_dir():
-            raise FileNotFoundError(
-                f"{directory} has no {TAG}/ directory: it was not written with parallelism.strategy 'deepspeed'; "
-                "resume with the strategy that wrote it, or set checkpoint.resume: false to start over"
-            )
+        ckpt.require_layout(directory, TAG, "deepspeed")
         loaded, client_state = self.engine.load_checkpoint(str(directory), tag=TAG, load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory / TAG}")

@@ -125,7 +125,7 @@ class AdapterCheckpoints:
         self.latest: Path | None = None
         if config.checkpoint.resume:
             storage.fetch_for_resume(config.checkpoint.remote_dir, self.run_dir, env.local_rank, lambda: barrier(env))
-            self.latest = ckpt.latest_checkpoint(self.run_dir)
+            self.latest = ckpt.resume_checkpoint(self.run_dir, env)
         if self.latest is not None:
             check_resumable(self.latest, config)
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
