@@ -39,11 +39,13 @@ from tigon.runtime.distributed import (
     all_reduce_sum,
     barrier,
     check_strategy,
+    env_from_environ,
     init_distributed,
     shutdown,
     unwrap,
     wait_for_idle_process_groups,
 )
+from tigon.runtime.lock import RunDirLock
 from tigon.runtime.model import build_model, count_parameters
 from tigon.runtime.parallel import build_strategy
 from tigon.runtime.profiling import profile_step
@@ -502,7 +504,11 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     # DeepSpeed's ZeRO-3 swaps in its own torch.nn.functional.linear for the rest of the process; a later run in
     # this process (a notebook, a sweep) would then save every linear layer's input, frozen weights' too.
     functional_linear = torch.nn.functional.linear
+    main = env_from_environ().is_main
+    lock = RunDirLock(config.logging.run_dir).acquire() if main else None  # one run per run directory
     try:
+        if main:
+            ckpt.clean_temporaries(config.logging.run_dir)
         if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
             if config.trainer == "hf":
                 from tigon.runtime.hf_trainer import train_with_hf as adapter
@@ -518,6 +524,8 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     finally:
         torch.nn.functional.linear = functional_linear
         shutdown()
+        if lock is not None:
+            lock.release()
 
 
 def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
@@ -562,7 +570,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     resumed_from = None
     if config.checkpoint.resume:
         storage.fetch_for_resume(config.checkpoint.remote_dir, run_dir, env.local_rank, lambda: barrier(env))
-    latest = ckpt.latest_checkpoint(run_dir) if config.checkpoint.resume else None
+    latest = ckpt.resume_checkpoint(run_dir, env) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
         state = strategy.load_checkpoint(latest)
