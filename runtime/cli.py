@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.quiet)
     from tigon.runtime.checkpoint import CheckpointError
     from tigon.runtime.data import DataError
+    from tigon.runtime.lock import RunDirInUse
     from tigon.runtime.planner import TrainingOutOfMemory
 
     try:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         from tigon.runtime.trainer import train
 
         train(config)
-    except (ConfigError, CheckpointError, DataError, FileNotFoundError, TrainingOutOfMemory) as error:
+    except (ConfigError, CheckpointError, DataError, FileNotFoundError, RunDirInUse, TrainingOutOfMemory) as error:
         return _fail(str(error))
     return 0
 
