@@ -152,7 +152,16 @@ class CheckpointConfig(Section):
 
     every_steps: int = Field(0, ge=0, description="0 turns periodic checkpoints off")
     keep_last: int = Field(2, gt=0)
-    resume: bool = Field(True, description="continue from the newest checkpoint in the run directory, if any")
+    resume: bool = Field(
+        True,
+        description="continue from the newest checkpoint (that verifies) in the run directory, if any; false starts "
+        "over, removing the earlier checkpoints",
+    )
+    overwrite: bool = Field(
+        False,
+        description="with resume: false, allow removing the checkpoints of a finished run (one that wrote "
+        "summary.json); without it such a run directory is refused",
+    )
     export: bool = Field(True, description="write the final model as a save_pretrained directory")
     merge_lora: bool = Field(True, description="merge LoRA adapters into the exported weights")
     remote_dir: str | None = Field(

@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from tigon.runtime.trainer import (
     collate,
     plan_steps,
     prepare,
+    start_over,
 )
 
 logger = logging.getLogger("tigon.runtime")
@@ -131,12 +131,7 @@ class AdapterCheckpoints:
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
             self.state.world_size = env.world_size
         else:
-            stale = ckpt.checkpoint_root(self.run_dir)
-            if env.is_main and stale.is_dir():
-                logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
-                shutil.rmtree(stale)
-            if env.is_main and self.remote is not None:
-                self.remote.clear_checkpoints()
+            start_over(config, env, self.remote)
         barrier(env)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

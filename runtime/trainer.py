@@ -38,6 +38,7 @@ from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
     barrier,
+    broadcast_object,
     check_strategy,
     env_from_environ,
     init_distributed,
@@ -52,6 +53,7 @@ from tigon.runtime.profiling import profile_step
 from tigon.runtime.reporting import (
     PROFILE_FILE,
     PROFILE_TRACE,
+    SUMMARY_FILE,
     Reporter,
     memory_bytes,
     summary_text,
@@ -477,6 +479,34 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         )
 
 
+def start_over(config: RunConfig, env: DistEnv, remote) -> None:
+    """Without resume: remove the run directory's (and remote_dir's) earlier checkpoints and summary, on rank 0.
+
+    A finished run's (one that wrote summary.json) are removed only with checkpoint.overwrite; otherwise every rank
+    raises a ConfigError saying so. Call on every rank."""
+    run_dir = Path(config.logging.run_dir)
+    stale = ckpt.checkpoint_root(run_dir)
+    problem = None
+    if env.is_main:
+        held = ckpt.list_checkpoints(run_dir) or (remote is not None and remote.checkpoint_steps())
+        if held and (run_dir / SUMMARY_FILE).is_file() and not config.checkpoint.overwrite:
+            problem = (
+                f"checkpoint.resume is false, but logging.run_dir {run_dir} holds a finished run's checkpoints, which "
+                "starting over would delete: set checkpoint.resume: true to continue it, use another "
+                "logging.run_dir, or set checkpoint.overwrite: true to delete them"
+            )
+    problem = broadcast_object(problem, env)
+    if problem is not None:
+        raise ConfigError(problem)
+    if env.is_main:
+        if stale.is_dir():
+            logger.warning("starting over (checkpoint.resume: false): removing the earlier checkpoints in %s", stale)
+            shutil.rmtree(stale)
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        if remote is not None:
+            remote.clear_checkpoints()
+
+
 def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[int, int]:
     """(optimizer steps in the run, global batches per epoch)."""
     training = config.training
@@ -580,12 +610,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             logger.info("resumed from %s (step %d, epoch %d)", latest, state.step, state.epoch)
     else:
         torch.manual_seed(training.seed + env.rank)  # per-rank randomness (dropout) from here on
-        stale = ckpt.checkpoint_root(run_dir)
-        if env.is_main and stale.is_dir():
-            logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
-            shutil.rmtree(stale)
-        if env.is_main and remote is not None:
-            remote.clear_checkpoints()
+        start_over(config, env, remote)
     barrier(env)
 
     config_json = config.model_dump_json(indent=2)

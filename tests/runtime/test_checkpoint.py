@@ -73,8 +73,12 @@ def _names(run_dir: Path) -> list[tuple[int, str]]:
     return [(step, path.name) for step, path in ckpt.list_checkpoints(run_dir)]
 
 
-def test_half_written_checkpoint_is_ignored_and_resume_is_off_when_asked(tmp_path):
-    config = tiny_config(tmp_path, training={"max_steps": 2}, checkpoint={"every_steps": 1, "keep_last": 1})
+def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_asked(tmp_path):
+    from tigon.runtime.config import ConfigError
+
+    config = tiny_config(
+        tmp_path, training={"max_steps": 2}, checkpoint={"every_steps": 1, "keep_last": 1, "resume": True}
+    )
     train(config)
     run_dir = Path(config.logging.run_dir)
     assert _names(run_dir) == [(2, "step-2")]
@@ -85,9 +89,28 @@ def test_half_written_checkpoint_is_ignored_and_resume_is_off_when_asked(tmp_pat
     (run_dir / "checkpoints" / "step-7").mkdir()
     assert ckpt.latest_checkpoint(run_dir).name == "step-2"
 
-    again = train(config)  # checkpoint.resume is false in tiny_config: starts over, dropping the old checkpoints
-    assert again.resumed_from_step is None and again.steps == 2
+    again = train(config)  # resume is the default: the finished run is continued (nothing left), not deleted
+    assert again.resumed_from_step == 2 and again.steps == 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-7"]
+
+    fresh = config.model_copy(deep=True)
+    fresh.checkpoint.resume = False
+    with pytest.raises(ConfigError, match="holds a finished run's checkpoints, which starting over would delete"):
+        train(fresh)
+    assert _names(run_dir) == [(2, "step-2")]
+    fresh.checkpoint.overwrite = True
+    over = train(fresh)
+    assert over.resumed_from_step is None and over.steps == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_resume_is_the_default_everywhere():
+    from tigon.runtime.config import CheckpointConfig, load_config
+
+    assert CheckpointConfig().resume is True
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "examples").glob("*.yaml")):
+        assert load_config(path).checkpoint.resume is True, path
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
