@@ -395,3 +395,78 @@ def test_old_checkpoints_are_pruned_before_the_new_one_is_written(tmp_path):
     ckpt.save_checkpoint(tmp_path, ckpt.TrainState(step=3), None, None, None, DistEnv(), 2, write_state=write_state)
     assert seen == [".tmp-step-3", "step-2"]
     assert [name for _, name in _names(tmp_path)] == ["step-2", "step-3"]
+
+
+FULL_DISK = """
+import json, sys
+from pathlib import Path
+import torch
+from tigon.runtime import checkpoint as ckpt, cli
+from tigon.runtime.distributed import DistEnv
+
+small, roomy, spill = (Path(arg) for arg in sys.argv[1:4])
+report = {"small": cli.main(["train", str(small.parent / "small.yaml"), "--quiet"])}
+report["small_left"] = sorted(p.name for p in (small / "run" / "checkpoints").iterdir())
+report["roomy"] = cli.main(["train", str(roomy.parent / "roomy.yaml"), "--quiet"])
+report["roomy_left"] = sorted(p.name for p in (roomy / "run" / "checkpoints").iterdir())
+model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights into a 1 MiB filesystem, with no estimate to stop it
+try:
+    ckpt.save_checkpoint(spill, ckpt.TrainState(step=1), model, torch.optim.SGD(model.parameters()), None, DistEnv(), 1)
+except ckpt.CheckpointError as error:
+    report["spill"] = str(error)
+report["spill_left"] = sorted(p.name for p in (spill / "checkpoints").iterdir())
+print(json.dumps(report))
+"""
+
+
+def _tmpfs_in_a_namespace(tmp_path: Path) -> bool:
+    """True when this machine lets an unprivileged user mount a tmpfs in its own user and mount namespace."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    command = ["unshare", "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "tmpfs", str(probe)]
+    return subprocess.run(command, capture_output=True).returncode == 0
+
+
+def test_full_disk_fails_with_the_space_and_pruning_first_needs_room_for_keep_last_only(tmp_path):
+    """Real small filesystems (tmpfs): a checkpoint is ~0.35 MB.
+
+    - 600 KB, keep_last 1: step 1 fits; step 2 would need room for two, so the run stops with the directory and
+      the space named, exit status 2, step 1 intact and nothing half-written.
+    - 900 KB, keep_last 2, 3 steps: the oldest checkpoint goes before the third is written, so two fit.
+    - 1 MB and a 4 MiB model with no estimate: the disk fills mid-write; the error says so, the partial checkpoint
+      is removed.
+    """
+    if not _tmpfs_in_a_namespace(tmp_path):
+        pytest.skip("no unprivileged tmpfs mounts (unshare --user --mount) on this machine")
+    dirs = {name: tmp_path / name / "disk" for name in ("small", "roomy", "spill")}
+    for name, keep, steps in (("small", 1, 2), ("roomy", 2, 3)):
+        dirs[name].mkdir(parents=True)
+        config = tiny_config(
+            tmp_path,
+            training={"max_steps": steps},
+            checkpoint={"every_steps": 1, "keep_last": keep, "resume": True},
+            eval={"metrics": []},
+            logging={**_logging(dirs[name] / "run"), "every_steps": 10},
+        )
+        (tmp_path / name / f"{name}.yaml").write_text(json.dumps(config.model_dump(mode="json")))
+    dirs["spill"].mkdir(parents=True)
+    mounts = " && ".join(
+        f"mount -t tmpfs -o size={size} tmpfs {dirs[name]}"
+        for name, size in (("small", "600k"), ("roomy", "900k"), ("spill", "1m"))
+    )
+    script = f'{mounts} && exec "$0" -c "$1" {" ".join(map(str, dirs.values()))}'
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, sys.executable, FULL_DISK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["small"] == 2 and report["small_left"] == ["step-1"], report
+    assert f"error: not enough disk space for a checkpoint in {dirs['small'] / 'run' / 'checkpoints'}" in done.stderr
+    assert "lower checkpoint.keep_last" in done.stderr and "Traceback" not in done.stderr
+    assert report["roomy"] == 0 and report["roomy_left"] == ["step-2", "step-3"], report
+    assert "filled up while writing checkpoint step-1" in report["spill"] and report["spill_left"] == [], report
