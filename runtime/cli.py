@@ -102,13 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     from tigon.runtime.data import DataError
     from tigon.runtime.lock import RunDirInUse
     from tigon.runtime.planner import TrainingOutOfMemory
+    from tigon.runtime.storage import StorageError
 
     try:
         config = load_config(args.config, args.overrides)
         from tigon.runtime.trainer import train
 
         train(config)
-    except (ConfigError, CheckpointError, DataError, FileNotFoundError, RunDirInUse, TrainingOutOfMemory) as error:
+    except (
+        ConfigError,
+        CheckpointError,
+        DataError,
+        FileNotFoundError,
+        RunDirInUse,
+        StorageError,
+        TrainingOutOfMemory,
+    ) as error:
         return _fail(str(error))
     return 0
 

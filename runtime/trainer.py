@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
+from tigon.runtime import storage
 from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.distributed import (
     DistEnv,
@@ -536,8 +537,11 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     functional_linear = torch.nn.functional.linear
     main = env_from_environ().is_main
     lock = RunDirLock(config.logging.run_dir).acquire() if main else None  # one run per run directory
+    lease = None
     try:
         if main:
+            if config.checkpoint.remote_dir:  # and per object-store prefix
+                lease = storage.RunLease(storage.RunStorage(config.checkpoint.remote_dir)).acquire()
             ckpt.clean_temporaries(config.logging.run_dir)
         if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
             if config.trainer == "hf":
@@ -554,6 +558,8 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     finally:
         torch.nn.functional.linear = functional_linear
         shutdown()
+        if lease is not None:
+            lease.release()
         if lock is not None:
             lock.release()
 
@@ -592,8 +598,6 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             config.data.max_seq_len,
             per_epoch,
         )
-
-    from tigon.runtime import storage
 
     remote = storage.run_storage(config.checkpoint.remote_dir)
     state = ckpt.TrainState(world_size=env.world_size)
