@@ -20,6 +20,17 @@ import sys
 EXIT_CONFIG_ERROR = 2
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number; give 1 or more")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tigon", description=__doc__.split("\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -41,14 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="estimate peak GPU memory and pick the fastest setting that fits")
     plan.add_argument("config", help="YAML config file, e.g. examples/demo.yaml")
     plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 141GiB (default: this machine's GPU)")
-    plan.add_argument("--gpus", type=int, default=None, help="GPUs the run spreads over (default: $WORLD_SIZE or 1)")
+    plan.add_argument(
+        "--gpus", type=_positive, default=None, help="GPUs the run spreads over (default: $WORLD_SIZE or 1)"
+    )
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     commands.add_parser("schema", help="print the config file's JSON schema")
 
     demo = commands.add_parser("demo-data", help="write the arithmetic demo task (instruction/response JSONL)")
     demo.add_argument("path", help="output file, e.g. data/arithmetic-train.jsonl")
-    demo.add_argument("--examples", type=int, default=2000, help="number of problems (default 2000)")
+    demo.add_argument("--examples", type=_positive, default=2000, help="number of problems (default 2000)")
     demo.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -114,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         DataError,
         FileNotFoundError,
+        FloatingPointError,
         RunDirInUse,
         StorageError,
         TrainingOutOfMemory,

@@ -10,30 +10,34 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, ValidationError, model_validator
+
+Text = Annotated[str, StringConstraints(min_length=1)]  # an empty name, path or field is always a mistake
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+    """Base of every config section: unknown keys are errors, types are strict (`true` is no number, `"8"` no
+    integer), values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ModelConfig(Section):
     """Which model to train: a local directory, or a transformers config built from scratch."""
 
-    path: str | None = Field(None, description="local directory with config.json (and weights) for from_pretrained")
-    config_name: str | None = Field(
+    path: Text | None = Field(None, description="local directory with config.json (and weights) for from_pretrained")
+    config_name: Text | None = Field(
         None, description="transformers model_type to build from a config (random init), e.g. 'llama'"
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict, description="config fields set inline, e.g. hidden_size, num_hidden_layers"
     )
-    tokenizer: str | None = Field(
+    tokenizer: Text | None = Field(
         None, description="local tokenizer directory; defaults to `path`; 'char' builds tigon's character tokenizer"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights")
@@ -51,13 +55,13 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where the examples come from and how they become fixed-length training sequences."""
 
-    train: str = Field(description="JSONL or Parquet file, or a directory saved by datasets.save_to_disk")
-    eval: str | None = Field(None, description="held-out examples in the same format")
+    train: Text = Field(description="JSONL or Parquet file, or a directory saved by datasets.save_to_disk")
+    eval: Text | None = Field(None, description="held-out examples in the same format")
     format: Literal["text", "instruction", "chat"] = "text"
-    text_field: str = "text"
-    prompt_field: str = "instruction"
-    response_field: str = "response"
-    messages_field: str = "messages"
+    text_field: Text = "text"
+    prompt_field: Text = "instruction"
+    response_field: Text = "response"
+    messages_field: Text = "messages"
     max_seq_len: int = Field(512, gt=0)
     packing: bool = Field(True, description="pack documents into full sequences; positions restart per document")
     skip_malformed: bool = Field(False, description="skip malformed records (and report how many) instead of failing")
@@ -88,7 +92,18 @@ class TrainingConfig(Section):
     def _one_length(self) -> TrainingConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of training.max_steps or training.epochs")
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(warmup_error(self.warmup_steps, self.max_steps))
         return self
+
+
+def warmup_error(warmup_steps: int, total_steps: int) -> str:
+    """The message for a warmup longer than the run (checked at load for max_steps, once the data is read for
+    epochs)."""
+    return (
+        f"training.warmup_steps ({warmup_steps}) is longer than the run ({total_steps} steps): the learning rate "
+        f"would never reach training.learning_rate; lower warmup_steps below {total_steps}, or lengthen the run"
+    )
 
 
 class KernelsConfig(Section):
@@ -112,8 +127,10 @@ class ParallelismConfig(Section):
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard; deepspeed: ZeRO (zero_stage)"
     )
-    zero_stage: Literal[1, 2, 3] = Field(
-        2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None,
+        description="DeepSpeed ZeRO stage (strategy deepspeed only; default 2): 1 shards optimizer state, 2 also "
+        "gradients, 3 also parameters",
     )
     cpu_offload: bool = Field(
         False,
@@ -121,6 +138,15 @@ class ParallelismConfig(Section):
         "on the CPU (ZeRO-3: parameters too)",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+
+    @model_validator(mode="after")
+    def _zero_stage_with_deepspeed(self) -> ParallelismConfig:
+        if self.zero_stage is not None and self.strategy != "deepspeed":
+            raise ValueError(
+                f"parallelism.zero_stage is a DeepSpeed setting and strategy is {self.strategy!r}, which would ignore "
+                "it; set strategy: deepspeed, or remove zero_stage"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> ParallelismConfig:
@@ -132,9 +158,14 @@ class ParallelismConfig(Section):
         return self
 
     @property
+    def stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs: `zero_stage`, else 2."""
+        return self.zero_stage if self.zero_stage is not None else 2
+
+    @property
     def shards_parameters(self) -> bool:
         """True when each rank holds only a shard of the weights, so every forward pass is a collective."""
-        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.zero_stage == 3)
+        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.stage == 3)
 
 
 class LoraConfig(Section):
@@ -144,7 +175,7 @@ class LoraConfig(Section):
     r: int = Field(8, gt=0)
     alpha: int = Field(16, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[Text] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 class CheckpointConfig(Section):
@@ -164,7 +195,7 @@ class CheckpointConfig(Section):
     )
     export: bool = Field(True, description="write the final model as a save_pretrained directory")
     merge_lora: bool = Field(True, description="merge LoRA adapters into the exported weights")
-    remote_dir: str | None = Field(
+    remote_dir: Text | None = Field(
         None,
         description="fsspec URL (s3://, gs://, file://) that finished checkpoints and the export are copied to, "
         "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster",
@@ -174,7 +205,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     """Where a run writes, and how often it reports."""
 
-    run_dir: str = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
+    run_dir: Text = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
     every_steps: int = Field(10, gt=0)
     tensorboard: bool = True
     progress_bar: bool = True
@@ -197,7 +228,7 @@ class EvalConfig(Section):
 class RunConfig(Section):
     """Everything one training run needs."""
 
-    name: str = "run"
+    name: Text = "run"
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig
@@ -252,6 +283,20 @@ def format_errors(
     return "\n".join(lines)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe YAML 1.1, plus YAML 1.2's floats without a dot (`1e-4`), which 1.1 leaves as strings."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML as config files are read (types are strict, so `learning_rate: 1e-4` must be a number)."""
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def apply_override(raw: dict, override: str) -> None:
     """Set `a.b.c=value` in a raw config dict; the value is parsed as YAML (numbers, booleans, lists)."""
     if "=" not in override:
@@ -263,7 +308,7 @@ def apply_override(raw: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    node[parts[-1]] = read_yaml(value)
 
 
 def parse_config(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -276,10 +321,12 @@ def parse_config(raw: dict, source: str = "<dict>") -> RunConfig:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply `key.path=value` overrides, and validate it."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory; give a YAML file in it (examples: examples/*.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (examples: examples/*.yaml)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
     if not isinstance(raw, dict):

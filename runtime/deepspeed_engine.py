@@ -47,7 +47,7 @@ def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool
     adapter gives the Trainer `trainer.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
     over the same groups under ZeRO-Offload, as this config's optimizer section does."""
     training, parallelism = config.training, config.parallelism
-    stage = parallelism.zero_stage
+    stage = parallelism.stage
     zero: dict = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -195,7 +195,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         self.scheduler.load_state_dict(client_state[SCHEDULE])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.config.parallelism.zero_stage == 3:
+        if self.config.parallelism.stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict()  # collective; a dict on rank 0 only
         if not self.env.is_main:
             return None

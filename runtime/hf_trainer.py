@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ from tigon.runtime.trainer import (
     check_config,
     check_resumable,
     collate,
+    non_finite_loss_message,
     plan_steps,
     prepare,
     start_over,
@@ -154,6 +156,8 @@ class AdapterCheckpoints:
     def advance(self, loss: float, tokens: int) -> None:
         """Record an optimizer step: the position, the tokens and the loss."""
         state = self.state
+        if not math.isfinite(loss):
+            raise FloatingPointError(non_finite_loss_message(loss, state.step + 1, self.config))
         if state.batches_in_epoch >= self.per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
         state.step += 1

@@ -99,7 +99,7 @@ class RunDirLock:
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv),
         }
         os.ftruncate(fd, 0)

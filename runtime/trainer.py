@@ -34,7 +34,7 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import storage
-from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig, warmup_error
 from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -48,7 +48,7 @@ from tigon.runtime.distributed import (
     wait_for_idle_process_groups,
 )
 from tigon.runtime.lock import RunDirLock
-from tigon.runtime.model import build_model, count_parameters
+from tigon.runtime.model import build_model, check_model_config, count_parameters
 from tigon.runtime.parallel import build_strategy
 from tigon.runtime.profiling import profile_step
 from tigon.runtime.reporting import (
@@ -106,6 +106,7 @@ def check_config(config: RunConfig) -> None:
     """Settings that cannot run together, named with the fix: checked before anything is built, by every trainer
     and by `tigon submit` on the laptop (through `check_submission`)."""
     check_strategy(config)
+    check_model_config(config)
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
@@ -118,6 +119,21 @@ def check_config(config: RunConfig) -> None:
         )
     if config.data.eval is None and config.eval.every_steps > 0:
         raise ConfigError("eval.every_steps is set but data.eval is not: add a held-out file or set every_steps: 0")
+
+
+def non_finite_loss_message(loss: float, step: int, config: RunConfig) -> str:
+    """Why a loss may have become NaN or infinite, for the precision the run uses, with the fixes."""
+    advice = "lower training.learning_rate"
+    if config.training.max_grad_norm is None:
+        advice += ", set training.max_grad_norm (e.g. 1.0)"
+    if config.training.precision == "fp16" or config.model.dtype == "float16":
+        advice += ", or use bf16 instead of fp16 (its range is float32's)"
+    else:
+        advice += (
+            f", raise training.warmup_steps (now {config.training.warmup_steps}), or check the data for extreme "
+            "values; the run is not in fp16, so this is not an fp16 overflow"
+        )
+    return f"the loss became {loss} at step {step}; {advice}"
 
 
 def seed_everything(seed: int) -> None:
@@ -519,8 +535,10 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[in
             f"{global_batch} (training.micro_batch_size x gradient_accumulation_steps x {world_size} processes); "
             "lower those, shorten data.max_seq_len, or add data"
         )
-    total = training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch)
-    return max(1, total), per_epoch
+    total = max(1, training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch))
+    if training.warmup_steps > total:
+        raise ConfigError(warmup_error(training.warmup_steps, total))
+    return total, per_epoch
 
 
 def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
@@ -661,10 +679,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             state.tokens_seen += tokens
             state.losses.append(loss)
             if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"the loss became {loss} at step {state.step}; lower training.learning_rate, enable "
-                    "training.max_grad_norm, or use bf16 instead of fp16"
-                )
+                raise FloatingPointError(non_finite_loss_message(loss, state.step, config))
             reporter.step(
                 state.step,
                 {
