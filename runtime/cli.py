@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo-data", help="write the arithmetic demo task (instruction/response JSONL)")
     demo.add_argument("path", help="output file, e.g. data/arithmetic-train.jsonl")
-    demo.add_argument("--examples", type=_positive, default=2000, help="number of problems (default 2000)")
+    demo.add_argument("--examples", type=int, default=2000, help="number of problems (default 2000)")
     demo.add_argument("--seed", type=int, default=0)
     return parser
 

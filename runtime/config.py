@@ -102,7 +102,7 @@ def warmup_error(warmup_steps: int, total_steps: int) -> str:
     epochs)."""
     return (
         f"training.warmup_steps ({warmup_steps}) is longer than the run ({total_steps} steps): the learning rate "
-        f"would never reach training.learning_rate; lower warmup_steps below {total_steps}, or lengthen the run"
+        f"would never reach training.learning_rate; lower warmup_steps to at most {total_steps}, or lengthen the run"
     )
 
 
