@@ -191,7 +191,7 @@ class CheckpointConfig(Section):
     overwrite: bool = Field(
         False,
         description="with resume: false, allow removing the checkpoints of a finished run (one that wrote "
-        "summary.json); without it such a run directory is refused",
+        "summary.json, or whose export is in remote_dir); without it such a run directory is refused",
     )
     export: bool = Field(True, description="write the final model as a save_pretrained directory")
     merge_lora: bool = Field(True, description="merge LoRA adapters into the exported weights")

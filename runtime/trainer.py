@@ -499,14 +499,15 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
 def start_over(config: RunConfig, env: DistEnv, remote) -> None:
     """Without resume: remove the run directory's (and remote_dir's) earlier checkpoints and summary, on rank 0.
 
-    A finished run's (one that wrote summary.json) are removed only with checkpoint.overwrite; otherwise every rank
-    raises a ConfigError saying so. Call on every rank."""
+    A finished run's (one that wrote summary.json, or whose export is in remote_dir) are removed only with
+    checkpoint.overwrite; otherwise every rank raises a ConfigError saying so. Call on every rank."""
     run_dir = Path(config.logging.run_dir)
     stale = ckpt.checkpoint_root(run_dir)
     problem = None
     if env.is_main:
         held = ckpt.list_checkpoints(run_dir) or (remote is not None and remote.checkpoint_steps())
-        if held and (run_dir / SUMMARY_FILE).is_file() and not config.checkpoint.overwrite:
+        finished = (run_dir / SUMMARY_FILE).is_file() or (remote is not None and remote.committed(ckpt.EXPORT))
+        if held and finished and not config.checkpoint.overwrite:
             problem = (
                 f"checkpoint.resume is false, but logging.run_dir {run_dir} holds a finished run's checkpoints, which "
                 "starting over would delete: set checkpoint.resume: true to continue it, use another "
