@@ -92,18 +92,7 @@ class TrainingConfig(Section):
     def _one_length(self) -> TrainingConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of training.max_steps or training.epochs")
-        if self.max_steps is not None and self.warmup_steps > self.max_steps:
-            raise ValueError(warmup_error(self.warmup_steps, self.max_steps))
         return self
-
-
-def warmup_error(warmup_steps: int, total_steps: int) -> str:
-    """The message for a warmup longer than the run (checked at load for max_steps, once the data is read for
-    epochs)."""
-    return (
-        f"training.warmup_steps ({warmup_steps}) is longer than the run ({total_steps} steps): the learning rate "
-        f"would never reach training.learning_rate; lower warmup_steps to at most {total_steps}, or lengthen the run"
-    )
 
 
 class KernelsConfig(Section):

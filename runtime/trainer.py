@@ -34,7 +34,7 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import storage
-from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig, warmup_error
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -525,8 +525,9 @@ def start_over(config: RunConfig, env: DistEnv, remote) -> None:
             remote.clear_checkpoints()
 
 
-def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[int, int]:
-    """(optimizer steps in the run, global batches per epoch)."""
+def plan_steps(config: RunConfig, n_sequences: int, world_size: int, warn: bool = True) -> tuple[int, int]:
+    """(optimizer steps in the run, global batches per epoch); `warn` (rank 0) logs a warmup longer than the run,
+    which a shortened smoke run of a real config may mean on purpose."""
     training = config.training
     global_batch = training.micro_batch_size * training.gradient_accumulation_steps * world_size
     per_epoch = n_sequences // global_batch
@@ -537,8 +538,15 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[in
             "lower those, shorten data.max_seq_len, or add data"
         )
     total = max(1, training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch))
-    if training.warmup_steps > total:
-        raise ConfigError(warmup_error(training.warmup_steps, total))
+    if warn and training.warmup_steps > total:
+        logger.warning(
+            "training.warmup_steps (%d) is longer than the run (%d steps): the learning rate ends at %.0f%% of "
+            "training.learning_rate and never reaches it; lower warmup_steps to at most %d for a full schedule",
+            training.warmup_steps,
+            total,
+            100 * total / training.warmup_steps,
+            total,
+        )
     return total, per_epoch
 
 
@@ -589,7 +597,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
     training = config.training
     run_dir = Path(config.logging.run_dir)
-    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     if config.logging.profile_step is not None and config.logging.profile_step > total_steps:
         raise ConfigError(
             f"logging.profile_step: {config.logging.profile_step} is past the run's last step ({total_steps})"

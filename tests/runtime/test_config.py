@@ -192,7 +192,6 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
         ("logging", "run_dir", "", "logging.run_dir: String should have at least 1 character"),
         ("data", "text_field", "", "data.text_field: String should have at least 1 character"),
         ("parallelism", "zero_stage", 3, "parallelism.zero_stage is a DeepSpeed setting and strategy is 'ddp'"),
-        ("training", "warmup_steps", 11, "training.warmup_steps (11) is longer than the run (10 steps)"),
     ],
 )
 def test_silent_mistakes_are_errors(tmp_path, section, key, value, expected):

@@ -385,10 +385,6 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
             "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
         ),
         ({"model": {"config_name": "lama"}}, "model.config_name: unknown model type 'lama' (did you mean 'llama'?)"),
-        (
-            {"training": {"max_steps": None, "epochs": 1, "warmup_steps": 500}},
-            "training.warmup_steps (500) is longer than the run (8 steps)",
-        ),
     ],
 )
 def test_setup_errors_name_the_setting(tmp_path, sections, message):
@@ -404,6 +400,13 @@ def test_a_diverging_fp32_run_is_not_blamed_on_fp16(tmp_path):
     message = str(error.value)
     assert "lower training.learning_rate, set training.max_grad_norm" in message
     assert "not an fp16 overflow" in message and "use bf16" not in message
+
+
+def test_a_warmup_longer_than_the_run_is_stated(tmp_path, caplog):
+    config = tiny_config(tmp_path, training={"max_steps": None, "epochs": 0.25, "warmup_steps": 8})
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert train(config).steps == 2
+    assert "training.warmup_steps (8) is longer than the run (2 steps): the learning rate ends at 25%" in caplog.text
 
 
 def test_examples_train_for_two_steps(tmp_path, monkeypatch):
