@@ -128,9 +128,11 @@ class DDPStrategy:
     def checkpoint_estimate(self) -> int:
         """Bytes the first checkpoint will take, for the free-space check: the saved weights (only the trainable
         ones when part of the model is frozen) and the optimizer's state (sharded tensors count whole)."""
-        weights, _ = ckpt.model_state(self.module)
+        parameters = list(self.module.parameters())  # local reads only: no collective (FSDP2's are DTensors)
+        partial = any(not p.requires_grad for p in parameters)
+        weights = [p for p in parameters if p.requires_grad or not partial]
         moments = [value for entry in self.optimizer.state.values() for value in entry.values()]
-        tensors = [t for t in [*weights.values(), *moments] if isinstance(t, torch.Tensor)]
+        tensors = [t for t in [*weights, *moments] if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def save_checkpoint(self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str) -> Path:
