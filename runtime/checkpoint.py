@@ -293,9 +293,16 @@ def _pick_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
     """(the newest checkpoint that verifies, an error when checkpoints exist but none verifies); rank 0 only.
 
     Each damaged checkpoint newer than the one picked is renamed `damaged-step-N`, with a warning naming what is
-    wrong, so that it is neither resumed from nor counted among the kept checkpoints."""
+    wrong, so that it is neither resumed from nor counted among the kept checkpoints. A checkpoint with no manifest
+    at all was written before manifests existed (a checkpoint is renamed into place whole, manifest included): it is
+    taken unverified, with a warning."""
     damaged = []
     for step, path in reversed(list_checkpoints(run_dir)):
+        if not (path / MANIFEST).exists():  # renamed into place whole, by a version that wrote no manifest
+            logger.warning(
+                "%s has no %s (written before checkpoints had one); resuming from it unverified", path, MANIFEST
+            )
+            return path, None
         problems = verify_checkpoint(path)
         if not problems:
             if damaged:

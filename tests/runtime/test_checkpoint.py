@@ -297,6 +297,14 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, capl
         ckpt.resume_checkpoint(tmp_path, DistEnv())
 
 
+def test_a_checkpoint_from_before_manifests_is_resumed_unverified(tmp_path, caplog):
+    directory = _small_checkpoint(tmp_path, 4)
+    (directory / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert ckpt.resume_checkpoint(tmp_path, DistEnv()) == directory
+    assert "has no manifest.json (written before checkpoints had one); resuming from it unverified" in caplog.text
+
+
 def test_a_missing_model_file_is_called_damage_not_another_strategy(tmp_path):
     directory = _small_checkpoint(tmp_path, 1)
     (directory / "model.pt").unlink()
