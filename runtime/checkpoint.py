@@ -338,6 +338,15 @@ def resume_checkpoint(run_dir: str | Path, env: DistEnv) -> Path | None:
 # ---------------------------------------------------------------- writing
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint: first renamed out of the listing (a dot name, which the next start removes), so a run
+    killed while deleting it leaves no half checkpoint under a `step-N` name."""
+    doomed = path.with_name(f".prune-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def free_space_problem(directory: Path, needed: int) -> str | None:
     """Why `needed` bytes do not fit in `directory`'s filesystem, or None when they do."""
     free = shutil.disk_usage(directory).free
@@ -391,7 +400,7 @@ def save_checkpoint(
         earlier = [path for step, path in list_checkpoints(run_dir) if step != state.step]
         if keep_last > 1:  # the newest stays until the new one is whole
             for old in earlier[: -(keep_last - 1)]:
-                shutil.rmtree(old, ignore_errors=True)
+                remove_checkpoint(old)
         needed = checkpoint_bytes(earlier[-1]) if earlier else estimated_bytes
         problem = free_space_problem(root, needed)
         if problem is None:
@@ -424,7 +433,7 @@ def save_checkpoint(
     if env.is_main:
         replace_dir(temporary, final)
         for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
         logger.info("checkpoint written: %s", final)
     barrier(env)
     return final
