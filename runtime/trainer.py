@@ -639,6 +639,15 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         state.world_size = env.world_size
         if env.is_main:
             logger.info("resumed from %s (step %d, epoch %d)", latest, state.step, state.epoch)
+            if state.step > total_steps:
+                logger.warning(
+                    "%s is at step %d, past this run's %d steps: nothing is trained, the run is evaluated and "
+                    "exported as it stands; to train a new run, use another logging.run_dir or set "
+                    "checkpoint.resume: false",
+                    latest,
+                    state.step,
+                    total_steps,
+                )
     else:
         torch.manual_seed(training.seed + env.rank)  # per-rank randomness (dropout) from here on
         start_over(config, env, remote)

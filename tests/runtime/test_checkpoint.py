@@ -73,7 +73,7 @@ def _names(run_dir: Path) -> list[tuple[int, str]]:
     return [(step, path.name) for step, path in ckpt.list_checkpoints(run_dir)]
 
 
-def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_asked(tmp_path):
+def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_asked(tmp_path, caplog):
     from tigon.runtime.config import ConfigError
 
     config = tiny_config(
@@ -92,6 +92,11 @@ def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_as
     again = train(config)  # resume is the default: the finished run is continued (nothing left), not deleted
     assert again.resumed_from_step == 2 and again.steps == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-7"]
+    shorter = config.model_copy(deep=True)
+    shorter.training.max_steps = 1
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert train(shorter).steps == 2
+    assert "is at step 2, past this run's 1 steps: nothing is trained" in caplog.text
 
     fresh = config.model_copy(deep=True)
     fresh.checkpoint.resume = False
