@@ -13,10 +13,12 @@ last: `COMMITTED.json`, listing every file and its size. Readers only take commi
 and check the sizes of what they download; an upload cut short is never resumed from, and is
 replaced by the next upload of the same step.
 
-A run holds its prefix with a lease, `<remote_dir>/LEASE.json` (`RunLease`): the holder's host, pid
-and a counter it bumps every `ttl / 3` seconds. A run that finds another holder's lease watches it
-for `ttl` seconds: if the counter moves, the holder is alive and the run fails naming it; if not,
-the holder died (kill -9, a lost node) and the lease is taken over. No clocks are compared. Object
+A run holds its prefix with a lease, `<remote_dir>/LEASE.json` (`RunLease`): the holder's host, pid,
+torchrun job id and a counter it bumps every `ttl / 3` seconds. A run that finds another holder's
+lease watches it for `ttl` seconds: if the counter moves, the holder is alive and the run fails
+naming it; if not, the holder died (kill -9, a lost node) and the lease is taken over. No clocks are
+compared. A restart of the same torchrun job (same `TORCHELASTIC_RUN_ID`, other than the default
+`none`) takes its earlier attempt's lease at once: torchrun stops a job's workers before restarting it. Object
 stores offer no compare-and-swap through fsspec, so two runs starting within the same moment can
 both take it; the lease is read back after writing, which catches most such races.
 
@@ -240,6 +242,7 @@ class RunLease:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "command": " ".join(sys.argv),
+            "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),  # the same across torchrun's restarts of one job
             "renewals": 0,
         }
         self._stop = threading.Event()
@@ -256,6 +259,12 @@ class RunLease:
     def _write(self) -> None:
         self.storage.fs.pipe_file(self.path, json.dumps(self.record).encode())
 
+    def _same_job(self, lease: dict) -> bool:
+        """True for a lease left by an earlier attempt of this torchrun job (its workers were stopped to restart
+        them): torchrun's run id, unless it is the shared default 'none'."""
+        job = self.record["job"]
+        return job not in ("", "none") and lease.get("job") == job
+
     def _holder_text(self, lease: dict) -> str:
         return f"pid {lease.get('pid')} on host {lease.get('host')} ({lease.get('command')})"
 
@@ -267,7 +276,9 @@ class RunLease:
         url = self.storage.url
         try:
             held = self._read()
-            if held is not None and held.get("token") != self.record["token"]:
+            if held is not None and self._same_job(held):
+                logger.info("taking over the lease on %s from an earlier attempt of this job", url)
+            elif held is not None and held.get("token") != self.record["token"]:
                 logger.info("%s holds a lease on %s; watching it for %.0f s", self._holder_text(held), url, self.ttl)
                 waited, step = 0.0, self.ttl / 6
                 while waited < self.ttl:

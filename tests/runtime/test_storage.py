@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -167,6 +168,27 @@ def test_lease_refuses_a_second_run_and_lapses_when_its_holder_is_killed(tmp_pat
     assert f"took over the lease on {url} from pid {holder.pid}" in caplog.text
     lease.release()
     assert not storage.fs.exists(storage._path(LEASE))
+
+
+def test_a_restart_of_the_same_torchrun_job_takes_its_lease_at_once(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from tigon.runtime.storage import RunLease
+
+    url = f"file://{tmp_path / 'bucket' / 'run'}"
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job-7"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LEASE_HOLDER, url, "60"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert holder.stdout.readline().strip() == "holding"
+    holder.kill()
+    holder.wait()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    started = time.monotonic()
+    RunLease(RunStorage(url), ttl=60).acquire().release()
+    assert time.monotonic() - started < 10, "no 60 s wait for its own earlier attempt"
 
 
 def test_missing_object_store_credentials_name_the_setting_and_the_fix(tmp_path, monkeypatch):
