@@ -7,6 +7,7 @@ A checkpoint `<run_dir>/checkpoints/step-N/` holds
     scheduler.pt      the learning-rate schedule (and the fp16 GradScaler, when one is used)
     rng-rank{R}.pt    python, numpy, torch and CUDA random states of each rank
     state.json        step, data position (epoch and batches consumed in it), the losses so far
+    manifest.json     every other file with its size and SHA-256, written last
 
 With `parallelism.strategy: fsdp` the model and optimizer are instead a sharded
 torch.distributed.checkpoint directory `dcp/` (every rank writes its shard); with `deepspeed`
@@ -15,10 +16,19 @@ they are DeepSpeed's own checkpoint under `deepspeed/` (see tigon.runtime.parall
 It is written into a temporary directory and renamed into place (`os.replace`), so a run killed
 mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With several nodes the
 run directory must be on a filesystem every rank sees (each rank writes its own RNG file).
+
+Resume (`resume_checkpoint`) verifies the manifest of the newest checkpoint (sizes, then checksums)
+and falls back to the newest one that verifies, naming what is wrong with each it skips; a skipped
+checkpoint is renamed `damaged-step-N`, kept for inspection. Before writing, the free space is
+checked against the previous checkpoint's size (or an estimate of the state), and with
+`keep_last` of 2 or more the oldest checkpoint is removed first, so the run needs room for no more
+than `keep_last` checkpoints.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -26,19 +36,27 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tigon.runtime.distributed import DistEnv, barrier, unwrap
+from tigon.runtime.distributed import DistEnv, barrier, broadcast_object, unwrap
 
 logger = logging.getLogger("tigon.runtime")
 
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 STATE_FILE = "state.json"
+MANIFEST = "manifest.json"
+DAMAGED_PREFIX = "damaged-"
+GIB = 1024**3
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written (no space) or resumed from (damaged); the message names the fix."""
 
 
 @dataclass
@@ -168,6 +186,190 @@ def write_torch_state(
     torch.save(schedule, directory / "scheduler.pt")
 
 
+# ---------------------------------------------------------------- manifests: what a whole checkpoint holds
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(8 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digests(directory: Path, names: list[str]) -> dict[str, str]:
+    """Checksums of several files at once (hashlib releases the GIL, so the threads share the cores)."""
+    with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+        return dict(zip(names, pool.map(lambda name: file_sha256(directory / name), names), strict=True))
+
+
+def write_manifest(directory: Path) -> dict:
+    """List every file of a checkpoint directory with its size and SHA-256 in `manifest.json` (call last)."""
+    paths = [p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST]
+    names = sorted(p.relative_to(directory).as_posix() for p in paths)
+    digests = _digests(directory, names)
+    files = {name: {"size": (directory / name).stat().st_size, "sha256": digests[name]} for name in names}
+    manifest = {"files": files, "bytes": sum(entry["size"] for entry in files.values())}
+    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a checkpoint; CheckpointError when it is missing or unreadable."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{MANIFEST} is missing (a checkpoint never finished, or written before manifests)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict) or not all({"size", "sha256"} <= set(entry) for entry in files.values()):
+            raise ValueError("an entry lacks its size or sha256")
+        return manifest
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{MANIFEST} is damaged ({error})") from None
+
+
+def verify_checkpoint(directory: str | Path) -> list[str]:
+    """What is wrong with a checkpoint, one line per file (missing, truncated, resized, corrupted); [] when whole."""
+    directory = Path(directory)
+    try:
+        files = read_manifest(directory)["files"]
+    except CheckpointError as error:
+        return [str(error)]
+    problems, intact = [], []
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif (size := path.stat().st_size) < entry["size"]:
+            problems.append(f"{name} is truncated ({size} of {entry['size']} bytes)")
+        elif size != entry["size"]:
+            problems.append(f"{name} has {size} bytes, its manifest says {entry['size']}")
+        else:
+            intact.append(name)
+    for name, digest in _digests(directory, intact).items():
+        if digest != files[name]["sha256"]:
+            problems.append(f"{name} is corrupted (its SHA-256 differs from the manifest's)")
+    return problems
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes a checkpoint takes on disk (its manifest's total, else the files' sizes)."""
+    try:
+        return int(read_manifest(directory)["bytes"])
+    except (CheckpointError, KeyError, ValueError):
+        return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------- resume: the newest checkpoint that verifies
+
+
+def clean_temporaries(run_dir: str | Path) -> list[Path]:
+    """Remove what a run killed mid-write left behind: temporary checkpoint, download and export directories and
+    temporary files. Call only while holding the run directory (tigon.runtime.lock); returns what was removed."""
+    run_dir = Path(run_dir)
+    stale = []
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        stale += [entry for entry in root.iterdir() if entry.name.startswith(".")]
+    if run_dir.is_dir():
+        stale += [
+            entry
+            for entry in run_dir.iterdir()
+            if entry.name.startswith((".tmp-", ".old-")) or (entry.name.startswith(".") and entry.name.endswith(".tmp"))
+        ]
+    for entry in stale:
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if stale:
+        logger.warning("removed what an interrupted run left: %s", ", ".join(map(str, stale)))
+    return stale
+
+
+def _pick_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
+    """(the newest checkpoint that verifies, an error when checkpoints exist but none verifies); rank 0 only.
+
+    Each damaged checkpoint newer than the one picked is renamed `damaged-step-N`, with a warning naming what is
+    wrong, so that it is neither resumed from nor counted among the kept checkpoints. A checkpoint with no manifest
+    at all was written before manifests existed (a checkpoint is renamed into place whole, manifest included): it is
+    taken unverified, with a warning."""
+    damaged = []
+    for step, path in reversed(list_checkpoints(run_dir)):
+        if not (path / MANIFEST).exists():  # renamed into place whole, by a version that wrote no manifest
+            logger.warning(
+                "%s has no %s (written before checkpoints had one); resuming from it unverified", path, MANIFEST
+            )
+            return path, None
+        problems = verify_checkpoint(path)
+        if not problems:
+            if damaged:
+                logger.warning("resuming from %s, the newest checkpoint that verifies", path)
+            return path, None
+        aside = path.with_name(f"{DAMAGED_PREFIX}{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        damaged.append(f"step {step}: {'; '.join(problems)}")
+        logger.warning(
+            "checkpoint %s is damaged (%s); moved it to %s (delete it once inspected)", path, "; ".join(problems), aside
+        )
+    if not damaged:
+        return None, None
+    return None, (
+        f"no checkpoint in {checkpoint_root(run_dir)} verifies against its manifest: "
+        + " | ".join(damaged)
+        + f". They were renamed {DAMAGED_PREFIX}step-N. To start over, set checkpoint.resume: false; to resume, "
+        "restore a whole checkpoint (e.g. from checkpoint.remote_dir) into that directory"
+    )
+
+
+def resume_checkpoint(run_dir: str | Path, env: DistEnv) -> Path | None:
+    """The checkpoint to resume from, the same on every rank (call on all): rank 0 verifies the newest and falls
+    back to older ones; None when the run directory holds none. Raises CheckpointError when none verifies."""
+    picked, error = _pick_checkpoint(Path(run_dir)) if env.is_main else (None, None)
+    picked, error = broadcast_object((str(picked) if picked else None, error), env)
+    if error is not None:
+        raise CheckpointError(error)
+    return Path(picked) if picked else None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint: first renamed out of the listing (a dot name, which the next start removes), so a run
+    killed while deleting it leaves no half checkpoint under a `step-N` name."""
+    doomed = path.with_name(f".prune-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def free_space_problem(directory: Path, needed: int) -> str | None:
+    """Why `needed` bytes do not fit in `directory`'s filesystem, or None when they do."""
+    free = shutil.disk_usage(directory).free
+    if needed <= free:
+        return None
+    return (
+        f"not enough disk space for a checkpoint in {directory}: it needs about {needed / GIB:.2f} GiB "
+        f"({needed} bytes), {free / GIB:.2f} GiB ({free} bytes) is free; free space there, lower "
+        "checkpoint.keep_last, or point logging.run_dir at a larger disk"
+    )
+
+
+def _disk_full(error: BaseException, directory: Path) -> bool:
+    """True when a failed write ran out of space (torch's writer reports it as a RuntimeError without errno)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return shutil.disk_usage(directory).free < 16 * 1024 * 1024
+
+
 def save_checkpoint(
     run_dir: str | Path,
     state: TrainState,
@@ -179,47 +381,89 @@ def save_checkpoint(
     scaler=None,
     config_json: str | None = None,
     write_state: Callable[[Path], None] | None = None,
+    estimated_bytes: int = 0,
 ) -> Path:
     """Write `step-N` atomically on every rank's behalf (call on all ranks); prune to `keep_last`.
 
     `write_state(directory)` runs on every rank and writes the model and optimizer state there (a sharded
-    strategy's own format); by default rank 0 writes the torch files of `write_torch_state`.
+    strategy's own format); by default rank 0 writes the torch files of `write_torch_state`. Before writing, with
+    `keep_last` >= 2, the oldest checkpoints are removed down to `keep_last - 1`, and the free space is checked
+    against the newest checkpoint's size (`estimated_bytes` when there is none); CheckpointError when it lacks.
     """
     root = checkpoint_root(run_dir)
     final = root / f"step-{state.step}"
     temporary = root / f".tmp-step-{state.step}"
+    problem = None
     if env.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir()
-    barrier(env)
-    torch.save(rng_state(), temporary / f"rng-rank{env.rank}.pt")
-    if write_state is None:
-        write_torch_state(temporary, model, optimizer, scheduler, env, scaler)
-    else:
-        write_state(temporary)
-    barrier(env)
+        earlier = [path for step, path in list_checkpoints(run_dir) if step != state.step]
+        if keep_last > 1:  # the newest stays until the new one is whole
+            for old in earlier[: -(keep_last - 1)]:
+                remove_checkpoint(old)
+        needed = checkpoint_bytes(earlier[-1]) if earlier else estimated_bytes
+        problem = free_space_problem(root, needed)
+        if problem is None:
+            temporary.mkdir()
+    problem = broadcast_object(problem, env)
+    if problem is not None:
+        raise CheckpointError(problem)
+    try:
+        torch.save(rng_state(), temporary / f"rng-rank{env.rank}.pt")
+        if write_state is None:
+            write_torch_state(temporary, model, optimizer, scheduler, env, scaler)
+        else:
+            write_state(temporary)
+        barrier(env)
+        if env.is_main:
+            if config_json is not None:
+                atomic_write_text(temporary / "config.json", config_json)
+            atomic_write_text(temporary / STATE_FILE, json.dumps(asdict(state), indent=1))
+            write_manifest(temporary)  # last: it vouches for every file above
+    except Exception as error:
+        if env.is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        if _disk_full(error, root):
+            raise CheckpointError(
+                f"the disk of {root} filled up while writing checkpoint step-{state.step} "
+                f"({shutil.disk_usage(root).free} bytes free); the partial checkpoint was removed. Free space there, "
+                "lower checkpoint.keep_last, or point logging.run_dir at a larger disk"
+            ) from error
+        raise
     if env.is_main:
-        if config_json is not None:
-            (temporary / "config.json").write_text(config_json)
-        (temporary / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))  # written last: marks it whole
         replace_dir(temporary, final)
         for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_checkpoint(old)
         logger.info("checkpoint written: %s", final)
     barrier(env)
     return final
+
+
+LAYOUTS = {"model.pt": "ddp", "dcp": "fsdp", "deepspeed": "deepspeed"}
+
+
+def require_layout(directory: Path, entry: str, strategy: str) -> None:
+    """Fail clearly when a checkpoint lacks the model state `strategy` reads (`entry`): written by another strategy
+    (another layout is there), or damaged (nothing is)."""
+    if (directory / entry).exists():
+        return
+    others = [f"{name} ({LAYOUTS[name]})" for name in LAYOUTS if name != entry and (directory / name).exists()]
+    if others:
+        raise CheckpointError(
+            f"{directory} has no {entry}: it holds {', '.join(others)}, written by another parallelism.strategy; "
+            "resume with that strategy, or set checkpoint.resume: false to start over"
+        )
+    raise CheckpointError(
+        f"{directory} has no {entry} (parallelism.strategy {strategy}'s model state) and no other strategy's: the "
+        "checkpoint is damaged; delete it to resume from an earlier one, or set checkpoint.resume: false to start over"
+    )
 
 
 def read_torch_state(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, scaler=None
 ) -> None:
     """Restore what `write_torch_state` wrote."""
-    if not (directory / "model.pt").is_file():
-        raise FileNotFoundError(
-            f"{directory} has no model.pt: it was written by another parallelism.strategy (fsdp or deepspeed); "
-            "resume with that strategy, or set checkpoint.resume: false to start over"
-        )
+    require_layout(directory, "model.pt", "ddp")
     saved = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
     target = unwrap(model)
     result = target.load_state_dict(saved["weights"], strict=not saved["partial"])

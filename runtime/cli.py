@@ -20,6 +20,17 @@ import sys
 EXIT_CONFIG_ERROR = 2
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number; give 1 or more")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tigon", description=__doc__.split("\n", 1)[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -41,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="estimate peak GPU memory and pick the fastest setting that fits")
     plan.add_argument("config", help="YAML config file, e.g. examples/demo.yaml")
     plan.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 141GiB (default: this machine's GPU)")
-    plan.add_argument("--gpus", type=int, default=None, help="GPUs the run spreads over (default: $WORLD_SIZE or 1)")
+    plan.add_argument(
+        "--gpus", type=_positive, default=None, help="GPUs the run spreads over (default: $WORLD_SIZE or 1)"
+    )
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     commands.add_parser("schema", help="print the config file's JSON schema")
@@ -98,15 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _setup_logging(args.quiet)
+    from tigon.runtime.checkpoint import CheckpointError
     from tigon.runtime.data import DataError
+    from tigon.runtime.lock import RunDirInUse
     from tigon.runtime.planner import TrainingOutOfMemory
+    from tigon.runtime.storage import StorageError
 
     try:
         config = load_config(args.config, args.overrides)
         from tigon.runtime.trainer import train
 
         train(config)
-    except (ConfigError, DataError, FileNotFoundError, TrainingOutOfMemory) as error:
+    except (
+        ConfigError,
+        CheckpointError,
+        DataError,
+        FileNotFoundError,
+        FloatingPointError,
+        RunDirInUse,
+        StorageError,
+        TrainingOutOfMemory,
+    ) as error:
         return _fail(str(error))
     return 0
 

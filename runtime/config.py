@@ -10,43 +10,47 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, ValidationError, model_validator
+
+Text = Annotated[str, StringConstraints(min_length=1)]  # an empty name, path or field is always a mistake
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+    """Base of every config section: unknown keys are errors, types are strict (`true` is no number, `"8"` no
+    integer), values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ModelConfig(Section):
     """Which model to train: a Hub id, a local or object-store directory, or a config built from scratch."""
 
-    path: str | None = Field(
+    path: Text | None = Field(
         None,
         description="what from_pretrained loads: a Hugging Face Hub id (org/name), a local directory with config.json, "
         "or an object-store URL of one (s3://, gs://)",
     )
-    revision: str | None = Field(
+    revision: Text | None = Field(
         None, description="branch, tag or commit of a Hub id in path and tokenizer (pin a commit for reproducibility)"
     )
-    cache_dir: str | None = Field(
+    cache_dir: Text | None = Field(
         None, description="where Hub and object-store downloads go; default: the Hugging Face cache (HF_HOME)"
     )
     trust_remote_code: bool = Field(
         False, description="run modeling/tokenizer code shipped inside the model repository (off unless you trust it)"
     )
-    config_name: str | None = Field(
+    config_name: Text | None = Field(
         None, description="transformers model_type to build from a config (random init), e.g. 'llama'"
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict, description="config fields set inline, e.g. hidden_size, num_hidden_layers"
     )
-    tokenizer: str | None = Field(
+    tokenizer: Text | None = Field(
         None,
         description="tokenizer Hub id, local or object-store directory; defaults to `path`; 'char' builds tigon's "
         "character tokenizer",
@@ -68,28 +72,28 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Where the examples come from and how they become fixed-length training sequences."""
 
-    train: str = Field(
+    train: Text = Field(
         description="a Hub dataset name (org/name), a JSONL, Parquet, CSV, Arrow or text file, a glob of them, a "
         "dataset directory, or a directory saved by datasets.save_to_disk; read with datasets.load_dataset"
     )
-    eval: str | None = Field(
+    eval: Text | None = Field(
         None, description="held-out examples in the same format; unset with eval_split set: data.train's eval_split"
     )
-    split: str = Field("train", description="the split of data.train, e.g. 'train' or 'train[:90%]'")
-    eval_split: str | None = Field(
+    split: Text = Field("train", description="the split of data.train, e.g. 'train' or 'train[:90%]'")
+    eval_split: Text | None = Field(
         None, description="the split of data.eval (default 'train'), or of data.train when data.eval is unset"
     )
-    subset: str | None = Field(None, description="the dataset's configuration (load_dataset's name), e.g. 'main'")
+    subset: Text | None = Field(None, description="the dataset's configuration (load_dataset's name), e.g. 'main'")
     data_files: str | list[str] | dict[str, str | list[str]] | None = Field(
         None, description="files or globs inside data.train's dataset (load_dataset's data_files)"
     )
-    revision: str | None = Field(None, description="branch, tag or commit of a Hub dataset")
-    cache_dir: str | None = Field(None, description="datasets' cache; default HF_DATASETS_CACHE")
+    revision: Text | None = Field(None, description="branch, tag or commit of a Hub dataset")
+    cache_dir: Text | None = Field(None, description="datasets' cache; default HF_DATASETS_CACHE")
     format: Literal["text", "instruction", "chat"] = "text"
-    text_field: str = "text"
-    prompt_field: str = "instruction"
-    response_field: str = "response"
-    messages_field: str = "messages"
+    text_field: Text = "text"
+    prompt_field: Text = "instruction"
+    response_field: Text = "response"
+    messages_field: Text = "messages"
     max_seq_len: int = Field(512, gt=0)
     packing: bool = Field(True, description="pack documents into full sequences; positions restart per document")
     skip_malformed: bool = Field(False, description="skip malformed records (and report how many) instead of failing")
@@ -144,8 +148,10 @@ class ParallelismConfig(Section):
     strategy: Literal["ddp", "fsdp", "deepspeed"] = Field(
         "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard; deepspeed: ZeRO (zero_stage)"
     )
-    zero_stage: Literal[1, 2, 3] = Field(
-        2, description="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"
+    zero_stage: Literal[1, 2, 3] | None = Field(
+        None,
+        description="DeepSpeed ZeRO stage (strategy deepspeed only; default 2): 1 shards optimizer state, 2 also "
+        "gradients, 3 also parameters",
     )
     cpu_offload: bool = Field(
         False,
@@ -153,6 +159,15 @@ class ParallelismConfig(Section):
         "on the CPU (ZeRO-3: parameters too)",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+
+    @model_validator(mode="after")
+    def _zero_stage_with_deepspeed(self) -> ParallelismConfig:
+        if self.zero_stage is not None and self.strategy != "deepspeed":
+            raise ValueError(
+                f"parallelism.zero_stage is a DeepSpeed setting and strategy is {self.strategy!r}, which would ignore "
+                "it; set strategy: deepspeed, or remove zero_stage"
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_sharding(self) -> ParallelismConfig:
@@ -164,9 +179,14 @@ class ParallelismConfig(Section):
         return self
 
     @property
+    def stage(self) -> int:
+        """The ZeRO stage DeepSpeed runs: `zero_stage`, else 2."""
+        return self.zero_stage if self.zero_stage is not None else 2
+
+    @property
     def shards_parameters(self) -> bool:
         """True when each rank holds only a shard of the weights, so every forward pass is a collective."""
-        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.zero_stage == 3)
+        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.stage == 3)
 
 
 class LoraConfig(Section):
@@ -176,7 +196,7 @@ class LoraConfig(Section):
     r: int = Field(8, gt=0)
     alpha: int = Field(16, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[Text] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 class HubPushConfig(Section):
@@ -192,10 +212,19 @@ class CheckpointConfig(Section):
 
     every_steps: int = Field(0, ge=0, description="0 turns periodic checkpoints off")
     keep_last: int = Field(2, gt=0)
-    resume: bool = Field(True, description="continue from the newest checkpoint in the run directory, if any")
+    resume: bool = Field(
+        True,
+        description="continue from the newest checkpoint (that verifies) in the run directory, if any; false starts "
+        "over, removing the earlier checkpoints",
+    )
+    overwrite: bool = Field(
+        False,
+        description="with resume: false, allow removing the checkpoints of a finished run (one that wrote "
+        "summary.json, or whose export is in remote_dir); without it such a run directory is refused",
+    )
     export: bool = Field(True, description="write the final model as a save_pretrained directory")
     merge_lora: bool = Field(True, description="merge LoRA adapters into the exported weights")
-    remote_dir: str | None = Field(
+    remote_dir: Text | None = Field(
         None,
         description="fsspec URL (s3://, gs://, file://) that finished checkpoints and the export are copied to, "
         "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster",
@@ -208,7 +237,7 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     """Where a run writes, and how often it reports."""
 
-    run_dir: str = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
+    run_dir: Text = Field("runs/default", description="checkpoints, metrics.jsonl, TensorBoard logs, loss curve")
     every_steps: int = Field(10, gt=0)
     tensorboard: bool = Field(True, description="TensorBoard logs in run_dir/tensorboard (when trackers is unset)")
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
@@ -247,7 +276,7 @@ class EvalConfig(Section):
 class RunConfig(Section):
     """Everything one training run needs."""
 
-    name: str = "run"
+    name: Text = "run"
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig
@@ -302,6 +331,20 @@ def format_errors(
     return "\n".join(lines)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe YAML 1.1, plus YAML 1.2's floats without a dot (`1e-4`), which 1.1 leaves as strings."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
+)
+
+
+def read_yaml(text: str) -> Any:
+    """Parse YAML as config files are read (types are strict, so `learning_rate: 1e-4` must be a number)."""
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def apply_override(raw: dict, override: str) -> None:
     """Set `a.b.c=value` in a raw config dict; the value is parsed as YAML (numbers, booleans, lists)."""
     if "=" not in override:
@@ -313,7 +356,7 @@ def apply_override(raw: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    node[parts[-1]] = read_yaml(value)
 
 
 def parse_config(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -326,10 +369,12 @@ def parse_config(raw: dict, source: str = "<dict>") -> RunConfig:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply `key.path=value` overrides, and validate it."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory; give a YAML file in it (examples: examples/*.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (examples: examples/*.yaml)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
     if not isinstance(raw, dict):

@@ -31,6 +31,7 @@ markers falls back to `apply_chat_template(..., return_assistant_tokens_mask=Tru
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from .config import DataConfig, RunConfig
+
+logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -303,17 +306,23 @@ def _read_saved_dataset(path: Path, split: str) -> list[dict]:
 
 
 def _field(record: dict, name: str, setting: str, where: str, kind: type | tuple[type, ...] = str) -> Any:
-    if name not in record or record[name] is None:
+    """The record's `name` field (data.`setting`), of type `kind`; MalformedRecordError when it is absent, null
+    (a Parquet null or JSON null), of another type, or an empty or blank string."""
+    if name not in record:
         raise MalformedRecordError(
             f"{where}: record has no field {name!r} (data.{setting}); its fields are {sorted(record)}; "
             f"set data.{setting} to the right field name, or {SKIP_HINT}"
         )
     value = record[name]
+    if value is None:
+        raise MalformedRecordError(f"{where}: field {name!r} (data.{setting}) is null; {SKIP_HINT}")
     if not isinstance(value, kind):
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise MalformedRecordError(
             f"{where}: field {name!r} (data.{setting}) is a {type(value).__name__}, expected {expected}; {SKIP_HINT}"
         )
+    if isinstance(value, str) and not value.strip():
+        raise MalformedRecordError(f"{where}: field {name!r} (data.{setting}) is an empty string; {SKIP_HINT}")
     return value
 
 
@@ -392,7 +401,11 @@ def encode_prompt(
 
 
 def _messages(record: dict, data_config: DataConfig, where: str) -> list[dict]:
+    """The record's conversation, checked: a non-empty list of {role, content} strings, not opening with the
+    assistant (its first turn would have no prompt to answer)."""
     messages = _field(record, data_config.messages_field, "messages_field", where, list)
+    if not messages:
+        raise MalformedRecordError(f"{where}: {data_config.messages_field!r} holds no messages; {SKIP_HINT}")
     for index, message in enumerate(messages):
         if not (
             isinstance(message, dict)
@@ -403,6 +416,11 @@ def _messages(record: dict, data_config: DataConfig, where: str) -> list[dict]:
                 f"{where}: message {index} of {data_config.messages_field!r} must be an object with string 'role' "
                 f"and 'content', got {message!r}; {SKIP_HINT}"
             )
+    if messages[0]["role"] == "assistant":
+        raise MalformedRecordError(
+            f"{where}: the conversation starts with an assistant message; it needs a user (or system) message "
+            f"first; {SKIP_HINT}"
+        )
     return messages
 
 
@@ -417,7 +435,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation
 
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as error:
+    except (TemplateError, ValueError) as error:
         raise MalformedRecordError(
             f"{where}: the chat template rejects this conversation: {error}; {SKIP_HINT}"
         ) from None
@@ -675,6 +693,7 @@ class DataSummary:
     tokens: int  # real tokens in the sequences (padding excluded)
     loss_tokens: int  # tokens with a label
     padding_tokens: int
+    unknown_tokens: int = 0  # tokens the tokenizer could only map to its unknown token
     loss_fraction: float = field(init=False)  # loss_tokens / tokens
     eval: DataSummary | None = None
 
@@ -719,6 +738,7 @@ def _build(
             skipped += 1
     if not documents:
         raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
+    unknown = _warn_unknown_tokens(path, records, locations, documents, tokenizer)
     dataset = PackedDataset(documents, data_config.max_seq_len, pad_token_id, data_config.packing)
     if not len(dataset):
         raise DataError(
@@ -735,8 +755,51 @@ def _build(
         tokens=dataset.num_tokens,
         loss_tokens=dataset.num_loss_tokens,
         padding_tokens=dataset.num_padding_tokens,
+        unknown_tokens=unknown,
     )
     return dataset, summary
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a record (its fields, and the contents of nested messages)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [text for item in value.values() for text in _strings(item)]
+    if isinstance(value, list):
+        return [text for item in value for text in _strings(item)]
+    return []
+
+
+def _warn_unknown_tokens(
+    path: str, records: list[dict], locations: list[str], documents: list, tokenizer: PreTrainedTokenizerBase
+) -> int:
+    """Count the tokens that became the tokenizer's unknown token and say where, with the characters it lacks;
+    returns the count. (Skipped records are not in `documents`, so the first record is found by its text.)"""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return 0
+    count = sum(ids.count(unk) for ids, _ in documents)
+    if not count:
+        return 0
+    vocab = tokenizer.get_vocab()
+    where, missing = "a record", []
+    for record, location in zip(records, locations, strict=True):
+        missing = sorted({c for text in _strings(record) for c in text if c not in vocab})
+        if missing:
+            where = location
+            break
+    logger.warning(
+        "%s: %d tokens became the unknown token %s, which the model cannot learn from (first in %s: characters %s); "
+        "tigon's character tokenizer (model.tokenizer: char) covers printable ASCII and newline only: use a "
+        "tokenizer directory for other text, or clean the data",
+        path,
+        count,
+        tokenizer.unk_token,
+        where,
+        ", ".join(repr(c) for c in missing[:8]) or "unknown",
+    )
+    return count
 
 
 def build_datasets(

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
@@ -46,7 +47,7 @@ def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool
     adapter gives the Trainer `trainer.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
     over the same groups under ZeRO-Offload, as this config's optimizer section does."""
     training, parallelism = config.training, config.parallelism
-    stage = parallelism.zero_stage
+    stage = parallelism.stage
     zero: dict = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -172,12 +173,17 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         schedule = {SCHEDULE: self.scheduler.state_dict()}
         self.engine.save_checkpoint(str(directory), tag=TAG, client_state=schedule, save_latest=False)
 
+    def checkpoint_estimate(self) -> int:
+        """The module's weights plus fp32 master weights and Adam's two moments (12 bytes) per trainable parameter;
+        ZeRO-3's partitioned parameters count whole (`ds_numel`)."""
+        total = 0
+        for parameter in self.module.parameters():
+            numel = getattr(parameter, "ds_numel", parameter.numel())
+            total += numel * (parameter.element_size() + (12 if parameter.requires_grad else 0))
+        return total
+
     def read_state(self, directory: Path) -> None:
-        if not (directory / TAG).is_dir():
-            raise FileNotFoundError(
-                f"{directory} has no {TAG}/ directory: it was not written with parallelism.strategy 'deepspeed'; "
-                "resume with the strategy that wrote it, or set checkpoint.resume: false to start over"
-            )
+        ckpt.require_layout(directory, TAG, "deepspeed")
         loaded, client_state = self.engine.load_checkpoint(str(directory), tag=TAG, load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory / TAG}")
@@ -189,7 +195,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         self.scheduler.load_state_dict(client_state[SCHEDULE])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.config.parallelism.zero_stage == 3:
+        if self.config.parallelism.stage == 3:
             return self.engine._zero3_consolidated_16bit_state_dict()  # collective; a dict on rank 0 only
         if not self.env.is_main:
             return None

@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -53,9 +53,11 @@ from tigon.runtime.trainer import (
     check_config,
     check_resumable,
     collate,
+    non_finite_loss_message,
     plan_steps,
     prepare,
     publish_result,
+    start_over,
 )
 
 logger = logging.getLogger("tigon.runtime")
@@ -127,18 +129,13 @@ class AdapterCheckpoints:
         self.latest: Path | None = None
         if config.checkpoint.resume:
             storage.fetch_for_resume(config.checkpoint.remote_dir, self.run_dir, env.local_rank, lambda: barrier(env))
-            self.latest = ckpt.latest_checkpoint(self.run_dir)
+            self.latest = ckpt.resume_checkpoint(self.run_dir, env)
         if self.latest is not None:
             check_resumable(self.latest, config)
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
             self.state.world_size = env.world_size
         else:
-            stale = ckpt.checkpoint_root(self.run_dir)
-            if env.is_main and stale.is_dir():
-                logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
-                shutil.rmtree(stale)
-            if env.is_main and self.remote is not None:
-                self.remote.clear_checkpoints()
+            start_over(config, env, self.remote)
         barrier(env)
         if env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +158,8 @@ class AdapterCheckpoints:
     def advance(self, loss: float, tokens: int) -> None:
         """Record an optimizer step: the position, the tokens and the loss."""
         state = self.state
+        if not math.isfinite(loss):
+            raise FloatingPointError(non_finite_loss_message(loss, state.step + 1, self.config))
         if state.batches_in_epoch >= self.per_epoch:
             state.epoch, state.batches_in_epoch = state.epoch + 1, 0
         state.step += 1
@@ -371,7 +370,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
 
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
-    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
     steps = checkpoints.remaining(total_steps)
     if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does

@@ -166,7 +166,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
 
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
-    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     checkpoints = AdapterCheckpoints(config, env, per_epoch)
     steps = checkpoints.remaining(total_steps)
     if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does

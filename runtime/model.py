@@ -12,6 +12,8 @@ adapters are added through peft when `lora.enabled`.
 from __future__ import annotations
 
 import contextlib
+import copy
+import difflib
 import logging
 
 import torch
@@ -88,6 +90,70 @@ def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights:
         logger.info("resizing the embeddings from %d to the tokenizer's %d tokens", embeddings, vocab_size)
         model.resize_token_embeddings(vocab_size, mean_resizing=weights)  # the mean needs values
     return model
+
+
+def config_fields(config_class: type) -> set[str]:
+    """The fields a transformers config class knows: its and PretrainedConfig's arguments, its defaults' keys and
+    its attribute aliases."""
+    import inspect
+
+    from transformers import PretrainedConfig
+
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for cls in (config_class, PretrainedConfig):
+        known |= {name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "kwargs")}
+    return known
+
+
+def check_model_config(config: RunConfig) -> None:
+    """Mistakes in `model.config_overrides` that transformers would take silently or report obscurely: a key close
+    to a known field's name (a typo; transformers would keep it as an unused attribute), and head counts that do
+    not divide the widths. An unknown key unlike any field is kept, with a warning."""
+    name = config.model.config_name
+    if name is None:
+        return
+    from transformers import CONFIG_MAPPING
+
+    if name not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(name, list(CONFIG_MAPPING.keys()), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "a transformers model_type such as 'llama'"
+        raise ConfigError(f"model.config_name: unknown model type {name!r} ({hint})")
+    config_class = CONFIG_MAPPING[name]
+    overrides = config.model.config_overrides
+    known = config_fields(config_class)
+    for key in overrides:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if key not in known and close:
+            raise ConfigError(
+                f"model.config_overrides.{key}: not a field of {config_class.__name__} (did you mean '{close[0]}'?); "
+                "transformers would keep it as an attribute no layer reads"
+            )
+    values = {**config_class().to_dict(), **overrides}
+    hidden, heads, kv_heads = (values.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and overrides.get("head_dim") is None:
+        if hidden % heads:
+            raise ConfigError(
+                f"model.config_overrides: hidden_size {hidden} is not divisible by num_attention_heads {heads}, so "
+                "the heads cannot split it; pick hidden_size = num_attention_heads x head size (e.g. "
+                f"{heads * max(1, round(hidden / heads))}), or set head_dim"
+            )
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        raise ConfigError(
+            f"model.config_overrides: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads}; each key/value head must serve the same number of query heads"
+        )
+    try:
+        built = config_class(**copy.deepcopy(overrides))
+    except Exception as error:  # transformers' own validation (strict dataclasses in 5.x), named with the key
+        raise ConfigError(f"model.config_overrides: {config_class.__name__} rejects them: {error}") from None
+    for key in overrides:
+        if key not in known and key in vars(built):  # kept as is, not taken up under another name (rope_theta)
+            logger.warning(
+                "model.config_overrides.%s is not a field of %s; transformers keeps it as an attribute, which the "
+                "model may not read",
+                key,
+                config_class.__name__,
+            )
 
 
 def build_from_config(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:

@@ -125,9 +125,28 @@ class DDPStrategy:
     def read_state(self, directory: Path) -> None:
         ckpt.read_torch_state(directory, self.model, self.optimizer, self.scheduler, self.scaler)
 
+    def checkpoint_estimate(self) -> int:
+        """Bytes the first checkpoint will take, for the free-space check: the saved weights (only the trainable
+        ones when part of the model is frozen) and the optimizer's state (sharded tensors count whole)."""
+        parameters = list(self.module.parameters())  # local reads only: no collective (FSDP2's are DTensors)
+        partial = any(not p.requires_grad for p in parameters)
+        weights = [p for p in parameters if p.requires_grad or not partial]
+        moments = [value for entry in self.optimizer.state.values() for value in entry.values()]
+        tensors = [t for t in [*weights, *moments] if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def save_checkpoint(self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str) -> Path:
         return ckpt.save_checkpoint(
-            run_dir, state, None, None, None, self.env, keep_last, config_json=config_json, write_state=self.write_state
+            run_dir,
+            state,
+            None,
+            None,
+            None,
+            self.env,
+            keep_last,
+            config_json=config_json,
+            write_state=self.write_state,
+            estimated_bytes=self.checkpoint_estimate() if self.env.is_main else 0,
         )
 
     def load_checkpoint(self, path: Path) -> ckpt.TrainState:
@@ -283,11 +302,7 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        if not (directory / "dcp").is_dir():
-            raise FileNotFoundError(
-                f"{directory} has no dcp/ directory: it was not written with parallelism.strategy 'fsdp'; resume "
-                "with the strategy that wrote it, or set checkpoint.resume: false to start over"
-            )
+        ckpt.require_layout(directory, "dcp", "fsdp")
         state = self._state()
         dcp.load(state, checkpoint_id=directory / "dcp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

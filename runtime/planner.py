@@ -62,11 +62,12 @@ and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediat
 too); attention's are 3 c q + 4 q, and for eager attention also the scores' gradient in float32 and the
 softmax's input gradient (8 x heads x T); the larger counts.
 
-Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2
-shards weights, gradients and states over the world size and gathers two layers (and the embedding
-and head) at a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches
-every rank keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards states (stage 1), gradients (2) and weights (3) and
-keeps float32 master weights (4 per trainable parameter, sharded) for bf16/fp16 weights. CPU
+Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2 shards
+weights, gradients and states over the world size and gathers two layers (and the embedding and head) at
+a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches every rank
+keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards
+states (stage 1), gradients (2) and weights (3) and keeps float32 master weights (4 per trainable
+parameter, sharded) for bf16/fp16 weights. CPU
 offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
 Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate:
@@ -333,7 +334,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         lora_rank=lora.r if lora.enabled else 0,
         lora_targets=tuple(lora.target_modules) if lora.enabled else (),
         strategy=config.parallelism.strategy,
-        zero_stage=config.parallelism.zero_stage,
+        zero_stage=config.parallelism.stage,
         cpu_offload=config.parallelism.cpu_offload,
         world_size=world_size or detect_world_size(),
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward

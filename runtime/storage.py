@@ -12,15 +12,33 @@ Object stores cannot rename a directory atomically, so an upload is committed by
 last: `COMMITTED.json`, listing every file and its size. Readers only take committed directories
 and check the sizes of what they download; an upload cut short is never resumed from, and is
 replaced by the next upload of the same step.
+
+A run holds its prefix with a lease, `<remote_dir>/LEASE.json` (`RunLease`): the holder's host, pid,
+torchrun job id and a counter it bumps every `ttl / 3` seconds. A run that finds another holder's
+lease watches it for `ttl` seconds: if the counter moves, the holder is alive and the run fails
+naming it; if not, the holder died (kill -9, a lost node) and the lease is taken over. No clocks are
+compared. A restart of the same torchrun job (same `TORCHELASTIC_RUN_ID`, other than the default
+`none`) takes its earlier attempt's lease at once: torchrun stops a job's workers before restarting it. Object
+stores offer no compare-and-swap through fsspec, so two runs starting within the same moment can
+both take it; the lease is read back after writing, which catches most such races.
+
+Store errors at start (the lease is the first write) name `checkpoint.remote_dir` and the fix:
+missing credentials, no write permission, or no fsspec filesystem installed for the URL's scheme.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import posixpath
 import shutil
+import socket
+import sys
 import tempfile
+import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +51,8 @@ from tigon.runtime.checkpoint import CHECKPOINTS, STATE_FILE, checkpoint_root, l
 logger = logging.getLogger("tigon.runtime")
 
 MARKER = "COMMITTED.json"
+LEASE = "LEASE.json"
+LEASE_TTL = 30.0  # seconds a lease that stops being renewed takes to lapse
 EXPORT = "export"
 LOCAL_PROTOCOLS = ("file", "local")
 
@@ -46,12 +66,36 @@ def is_local_url(url: str) -> bool:
     return fsspec.utils.get_protocol(url) in LOCAL_PROTOCOLS
 
 
+def remote_problem(url: str, error: BaseException) -> str:
+    """What went wrong talking to `checkpoint.remote_dir`, with the fix."""
+    scheme = fsspec.utils.get_protocol(url)
+    names = " ".join(type(cause).__name__ for cause in (error, error.__cause__, error.__context__) if cause)
+    if "Credential" in names or "credentials" in str(error).lower():
+        return (
+            f"checkpoint.remote_dir {url}: no credentials for {scheme}:// ({error}); provide them the way the "
+            "provider's SDK reads them (for s3: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; for gs: "
+            "GOOGLE_APPLICATION_CREDENTIALS), or the pod's service account, or unset checkpoint.remote_dir"
+        )
+    read_only = isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+    if read_only or "AccessDenied" in names or "Forbidden" in str(error):
+        return (
+            f"checkpoint.remote_dir {url} is not writable ({error}); grant this run write access there, or set "
+            "checkpoint.remote_dir to a prefix it may write"
+        )
+    if isinstance(error, ImportError | ValueError) and ("protocol" in str(error).lower() or "install" in str(error)):
+        return f"checkpoint.remote_dir {url}: no filesystem for {scheme}:// is installed ({error}); install it"
+    return f"checkpoint.remote_dir {url} cannot be written ({type(error).__name__}: {error}); check the URL and access"
+
+
 class RunStorage:
     """One run's prefix in an object store: committed checkpoints and the exported model."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.fs, self.root = url_to_fs(self.url)
+        try:
+            self.fs, self.root = url_to_fs(self.url)
+        except (ImportError, ValueError) as error:
+            raise StorageError(remote_problem(self.url, error)) from None
         self.root = self.root.rstrip("/")
 
     def _path(self, *parts: str) -> str:
@@ -144,9 +188,14 @@ class RunStorage:
         checkpoint_dir = Path(checkpoint_dir)
         if not (checkpoint_dir / STATE_FILE).is_file():
             raise StorageError(f"{checkpoint_dir} is not a finished checkpoint (no {STATE_FILE}); not uploading it")
-        url = self.upload_dir(checkpoint_dir, CHECKPOINTS, checkpoint_dir.name)
-        for step in self.checkpoint_steps()[:-keep_last]:
-            self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
+        try:
+            url = self.upload_dir(checkpoint_dir, CHECKPOINTS, checkpoint_dir.name)
+            for step in self.checkpoint_steps()[:-keep_last]:
+                self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
+        except StorageError:
+            raise
+        except Exception as error:
+            raise StorageError(remote_problem(self.url, error)) from error
         logger.info("checkpoint uploaded: %s", url)
         return url
 
@@ -182,6 +231,109 @@ class RunStorage:
         return url
 
 
+class RunLease:
+    """A run's hold on its object-store prefix (see the module docstring); `acquire`, then `release` at the end."""
+
+    def __init__(self, storage: RunStorage, ttl: float = LEASE_TTL):
+        self.storage, self.ttl = storage, ttl
+        self.path = storage._path(LEASE)
+        self.record = {
+            "token": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "command": " ".join(sys.argv),
+            "job": os.environ.get("TORCHELASTIC_RUN_ID", ""),  # the same across torchrun's restarts of one job
+            "renewals": 0,
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.storage.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return None  # a lease half-written by a killed holder: nobody holds it
+
+    def _write(self) -> None:
+        self.storage.fs.pipe_file(self.path, json.dumps(self.record).encode())
+
+    def _same_job(self, lease: dict) -> bool:
+        """True for a lease left by an earlier attempt of this torchrun job (its workers were stopped to restart
+        them): torchrun's run id, unless it is the shared default 'none'."""
+        job = self.record["job"]
+        return job not in ("", "none") and lease.get("job") == job
+
+    def _holder_text(self, lease: dict) -> str:
+        return f"pid {lease.get('pid')} on host {lease.get('host')} ({lease.get('command')})"
+
+    def acquire(self) -> RunLease:
+        """Take the lease, waiting up to `ttl` seconds for a silent holder's to lapse; RunDirInUse when a live run
+        holds it, StorageError (with the fix) when the store cannot be read or written."""
+        from tigon.runtime.lock import RunDirInUse
+
+        url = self.storage.url
+        try:
+            held = self._read()
+            if held is not None and self._same_job(held):
+                logger.info("taking over the lease on %s from an earlier attempt of this job", url)
+            elif held is not None and held.get("token") != self.record["token"]:
+                logger.info("%s holds a lease on %s; watching it for %.0f s", self._holder_text(held), url, self.ttl)
+                waited, step = 0.0, self.ttl / 6
+                while waited < self.ttl:
+                    threading.Event().wait(step)
+                    waited += step
+                    now = self._read()
+                    if now is not None and now != held:
+                        raise RunDirInUse(
+                            f"checkpoint.remote_dir {url} is in use by another run: {self._holder_text(now)}, which "
+                            "keeps renewing its lease. Wait for it to finish or stop it, or set another "
+                            "checkpoint.remote_dir (and logging.run_dir)"
+                        )
+                    if now is None:
+                        break
+                logger.warning(
+                    "took over the lease on %s from %s, which stopped renewing it", url, self._holder_text(held)
+                )
+            self.storage.fs.makedirs(self.storage.root, exist_ok=True)
+            self._write()
+            threading.Event().wait(min(1.0, self.ttl / 10))
+            if (now := self._read()) is None or now.get("token") != self.record["token"]:
+                raise RunDirInUse(
+                    f"checkpoint.remote_dir {url} was claimed at the same moment by another run: "
+                    f"{self._holder_text(now or {})}; stop one of the two"
+                )
+        except (RunDirInUse, StorageError):
+            raise
+        except Exception as error:
+            raise StorageError(remote_problem(url, error)) from None
+        self._thread = threading.Thread(target=self._renew, name="tigon-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            self.record["renewals"] += 1
+            try:
+                self._write()
+            except Exception as error:  # a store hiccup: the next renewal tries again
+                logger.warning("could not renew the lease on %s: %s", self.storage.url, error)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease (when it is still this run's)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        try:
+            if (self._read() or {}).get("token") == self.record["token"]:
+                self.storage.fs.rm_file(self.path)
+        except Exception as error:
+            logger.warning("could not remove the lease %s: %s", self.path, error)
+
+
 def run_storage(remote_dir: str | None) -> RunStorage | None:
     """The run's object-store prefix (`checkpoint.remote_dir`), or None when checkpoints stay local only."""
     return RunStorage(remote_dir) if remote_dir else None
@@ -193,7 +345,12 @@ def fetch_for_resume(remote_dir: str | None, run_dir: str | Path, local_rank: in
     if storage is None:
         return
     if local_rank == 0:
-        storage.fetch_latest_checkpoint(run_dir)
+        try:
+            storage.fetch_latest_checkpoint(run_dir)
+        except StorageError:
+            raise
+        except Exception as error:
+            raise StorageError(remote_problem(storage.url, error)) from error
     barrier()
 
 

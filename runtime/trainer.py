@@ -34,23 +34,28 @@ from pydantic import ValidationError
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
+from tigon.runtime import storage
 from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
     barrier,
+    broadcast_object,
     check_strategy,
+    env_from_environ,
     init_distributed,
     shutdown,
     unwrap,
     wait_for_idle_process_groups,
 )
-from tigon.runtime.model import build_model, count_parameters
+from tigon.runtime.lock import RunDirLock
+from tigon.runtime.model import build_model, check_model_config, count_parameters
 from tigon.runtime.parallel import build_strategy
 from tigon.runtime.profiling import profile_step
 from tigon.runtime.reporting import (
     PROFILE_FILE,
     PROFILE_TRACE,
+    SUMMARY_FILE,
     Reporter,
     final_values,
     make_reporter,
@@ -105,6 +110,7 @@ def check_config(config: RunConfig) -> None:
     """Settings that cannot run together, named with the fix: checked before anything is built, by every trainer
     and by `tigon submit` on the laptop (through `check_submission`)."""
     check_strategy(config)
+    check_model_config(config)
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
@@ -120,6 +126,21 @@ def check_config(config: RunConfig) -> None:
             "eval.every_steps is set but data.eval is not: add held-out data (data.eval or data.eval_split) or set "
             "every_steps: 0"
         )
+
+
+def non_finite_loss_message(loss: float, step: int, config: RunConfig) -> str:
+    """Why a loss may have become NaN or infinite, for the precision the run uses, with the fixes."""
+    advice = "lower training.learning_rate"
+    if config.training.max_grad_norm is None:
+        advice += ", set training.max_grad_norm (e.g. 1.0)"
+    if config.training.precision == "fp16" or config.model.dtype == "float16":
+        advice += ", or use bf16 instead of fp16 (its range is float32's)"
+    else:
+        advice += (
+            f", raise training.warmup_steps (now {config.training.warmup_steps}), or check the data for extreme "
+            "values; the run is not in fp16, so this is not an fp16 overflow"
+        )
+    return f"the loss became {loss} at step {step}; {advice}"
 
 
 def seed_everything(seed: int) -> None:
@@ -505,8 +526,38 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         )
 
 
-def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[int, int]:
-    """(optimizer steps in the run, global batches per epoch)."""
+def start_over(config: RunConfig, env: DistEnv, remote) -> None:
+    """Without resume: remove the run directory's (and remote_dir's) earlier checkpoints and summary, on rank 0.
+
+    A finished run's (one that wrote summary.json, or whose export is in remote_dir) are removed only with
+    checkpoint.overwrite; otherwise every rank raises a ConfigError saying so. Call on every rank."""
+    run_dir = Path(config.logging.run_dir)
+    stale = ckpt.checkpoint_root(run_dir)
+    problem = None
+    if env.is_main:
+        held = ckpt.list_checkpoints(run_dir) or (remote is not None and remote.checkpoint_steps())
+        finished = (run_dir / SUMMARY_FILE).is_file() or (remote is not None and remote.committed(ckpt.EXPORT))
+        if held and finished and not config.checkpoint.overwrite:
+            problem = (
+                f"checkpoint.resume is false, but logging.run_dir {run_dir} holds a finished run's checkpoints, which "
+                "starting over would delete: set checkpoint.resume: true to continue it, use another "
+                "logging.run_dir, or set checkpoint.overwrite: true to delete them"
+            )
+    problem = broadcast_object(problem, env)
+    if problem is not None:
+        raise ConfigError(problem)
+    if env.is_main:
+        if stale.is_dir():
+            logger.warning("starting over (checkpoint.resume: false): removing the earlier checkpoints in %s", stale)
+            shutil.rmtree(stale)
+        (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        if remote is not None:
+            remote.clear_checkpoints()
+
+
+def plan_steps(config: RunConfig, n_sequences: int, world_size: int, warn: bool = True) -> tuple[int, int]:
+    """(optimizer steps in the run, global batches per epoch); `warn` (rank 0) logs a warmup longer than the run,
+    which a shortened smoke run of a real config may mean on purpose."""
     training = config.training
     global_batch = training.micro_batch_size * training.gradient_accumulation_steps * world_size
     per_epoch = n_sequences // global_batch
@@ -516,8 +567,17 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int) -> tuple[in
             f"{global_batch} (training.micro_batch_size x gradient_accumulation_steps x {world_size} processes); "
             "lower those, shorten data.max_seq_len, or add data"
         )
-    total = training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch)
-    return max(1, total), per_epoch
+    total = max(1, training.max_steps if training.max_steps is not None else math.ceil(training.epochs * per_epoch))
+    if warn and training.warmup_steps > total:
+        logger.warning(
+            "training.warmup_steps (%d) is longer than the run (%d steps): the learning rate ends at %.0f%% of "
+            "training.learning_rate and never reaches it; lower warmup_steps to at most %d for a full schedule",
+            training.warmup_steps,
+            total,
+            100 * total / training.warmup_steps,
+            total,
+        )
+    return total, per_epoch
 
 
 def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
@@ -532,7 +592,14 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     # DeepSpeed's ZeRO-3 swaps in its own torch.nn.functional.linear for the rest of the process; a later run in
     # this process (a notebook, a sweep) would then save every linear layer's input, frozen weights' too.
     functional_linear = torch.nn.functional.linear
+    main = env_from_environ().is_main
+    lock = RunDirLock(config.logging.run_dir).acquire() if main else None  # one run per run directory
+    lease = None
     try:
+        if main:
+            if config.checkpoint.remote_dir:  # and per object-store prefix
+                lease = storage.RunLease(storage.RunStorage(config.checkpoint.remote_dir)).acquire()
+            ckpt.clean_temporaries(config.logging.run_dir)
         if config.trainer in ("hf", "lightning"):  # thin adapters over the pieces above, imported only when chosen
             if config.trainer == "hf":
                 from tigon.runtime.hf_trainer import train_with_hf as adapter
@@ -548,6 +615,10 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     finally:
         torch.nn.functional.linear = functional_linear
         shutdown()
+        if lease is not None:
+            lease.release()
+        if lock is not None:
+            lock.release()
 
 
 def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
@@ -556,7 +627,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
     training = config.training
     run_dir = Path(config.logging.run_dir)
-    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size)
+    total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     if config.logging.profile_step is not None and config.logging.profile_step > total_steps:
         raise ConfigError(
             f"logging.profile_step: {config.logging.profile_step} is past the run's last step ({total_steps})"
@@ -585,14 +656,12 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             per_epoch,
         )
 
-    from tigon.runtime import storage
-
     remote = storage.run_storage(config.checkpoint.remote_dir)
     state = ckpt.TrainState(world_size=env.world_size)
     resumed_from = None
     if config.checkpoint.resume:
         storage.fetch_for_resume(config.checkpoint.remote_dir, run_dir, env.local_rank, lambda: barrier(env))
-    latest = ckpt.latest_checkpoint(run_dir) if config.checkpoint.resume else None
+    latest = ckpt.resume_checkpoint(run_dir, env) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
         state = strategy.load_checkpoint(latest)
@@ -600,14 +669,18 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         state.world_size = env.world_size
         if env.is_main:
             logger.info("resumed from %s (step %d, epoch %d)", latest, state.step, state.epoch)
+            if state.step > total_steps:
+                logger.warning(
+                    "%s is at step %d, past this run's %d steps: nothing is trained, the run is evaluated and "
+                    "exported as it stands; to train a new run, use another logging.run_dir or set "
+                    "checkpoint.resume: false",
+                    latest,
+                    state.step,
+                    total_steps,
+                )
     else:
         torch.manual_seed(training.seed + env.rank)  # per-rank randomness (dropout) from here on
-        stale = ckpt.checkpoint_root(run_dir)
-        if env.is_main and stale.is_dir():
-            logger.warning("starting over (no resume): removing the earlier run's checkpoints in %s", stale)
-            shutil.rmtree(stale)
-        if env.is_main and remote is not None:
-            remote.clear_checkpoints()
+        start_over(config, env, remote)
     barrier(env)
 
     config_json = config.model_dump_json(indent=2)
@@ -645,10 +718,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             state.tokens_seen += tokens
             state.losses.append(loss)
             if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"the loss became {loss} at step {state.step}; lower training.learning_rate, enable "
-                    "training.max_grad_norm, or use bf16 instead of fp16"
-                )
+                raise FloatingPointError(non_finite_loss_message(loss, state.step, config))
             reporter.step(
                 state.step,
                 {

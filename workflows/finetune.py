@@ -44,7 +44,7 @@ from tigon.platform.jobs import flyte_task_options, job_name
 from tigon.platform.submit import check_submission, resolve_data_path
 from tigon.platform.templates import JobTemplate, load_templates
 from tigon.runtime.checkpoint import atomic_write_text
-from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config
+from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config, read_yaml
 from tigon.runtime.data import is_hub_dataset
 from tigon.runtime.storage import default_remote_dir, is_local_url
 
@@ -70,7 +70,7 @@ def resolve_config(config: str, steps: int, run_dir: str, config_yaml: str = "",
     if run_dir:
         overrides.append(f"logging.run_dir={run_dir}")
     if config_yaml:
-        raw = yaml.safe_load(config_yaml) or {}
+        raw = read_yaml(config_yaml) or {}
         for override in overrides:
             apply_override(raw, override)
         loaded, config_dir = parse_config(raw, "--config_yaml"), Path.cwd()
@@ -187,7 +187,7 @@ def prepare_data(config_yaml: str, fingerprint: str) -> FlyteDirectory:
     from tigon.runtime.tokenizer import load_tokenizer
 
     working = Path(current_context().working_directory)
-    config = _local_data(parse_config(yaml.safe_load(config_yaml)), working / "data")
+    config = _local_data(parse_config(read_yaml(config_yaml)), working / "data")
     packed = pack(config, load_tokenizer(config.model), fingerprint)
     return FlyteDirectory(str(save_packed(packed, working / "packed")))
 
@@ -196,7 +196,7 @@ def train_worker(config_yaml: str, packed: FlyteDirectory) -> str:
     """One torch elastic worker: train on the packed data (resuming from the latest checkpoint)."""
     from tigon.runtime.trainer import train
 
-    config = parse_config(yaml.safe_load(config_yaml))
+    config = parse_config(read_yaml(config_yaml))
     try:
         result = train(config, datasets=packed.download())
     except Exception as error:
@@ -324,7 +324,7 @@ def report(config_yaml: str, outcome: str) -> FlyteDirectory:
     exported = result["export_url"] or result["export_dir"]
     current_context().default_deck.append(f"Model exported to {exported}")
     page = f"<html><body>{training}{config_html}</body></html>"
-    remote = parse_config(yaml.safe_load(config_yaml)).checkpoint.remote_dir
+    remote = parse_config(read_yaml(config_yaml)).checkpoint.remote_dir
     if remote:
         fs, root = fsspec.core.url_to_fs(remote)
         fs.pipe_file(f"{root.rstrip('/')}/report.html", page.encode())

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ import torch
 
 from tests.runtime.test_trainer import tiny_config
 from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.distributed import DistEnv
 from tigon.runtime.trainer import train
 
 OVERRIDES = {
@@ -68,8 +73,12 @@ def _names(run_dir: Path) -> list[tuple[int, str]]:
     return [(step, path.name) for step, path in ckpt.list_checkpoints(run_dir)]
 
 
-def test_half_written_checkpoint_is_ignored_and_resume_is_off_when_asked(tmp_path):
-    config = tiny_config(tmp_path, training={"max_steps": 2}, checkpoint={"every_steps": 1, "keep_last": 1})
+def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_asked(tmp_path, caplog):
+    from tigon.runtime.config import ConfigError
+
+    config = tiny_config(
+        tmp_path, training={"max_steps": 2}, checkpoint={"every_steps": 1, "keep_last": 1, "resume": True}
+    )
     train(config)
     run_dir = Path(config.logging.run_dir)
     assert _names(run_dir) == [(2, "step-2")]
@@ -80,9 +89,33 @@ def test_half_written_checkpoint_is_ignored_and_resume_is_off_when_asked(tmp_pat
     (run_dir / "checkpoints" / "step-7").mkdir()
     assert ckpt.latest_checkpoint(run_dir).name == "step-2"
 
-    again = train(config)  # checkpoint.resume is false in tiny_config: starts over, dropping the old checkpoints
-    assert again.resumed_from_step is None and again.steps == 2
+    again = train(config)  # resume is the default: the finished run is continued (nothing left), not deleted
+    assert again.resumed_from_step == 2 and again.steps == 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-7"]
+    shorter = config.model_copy(deep=True)
+    shorter.training.max_steps = 1
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert train(shorter).steps == 2
+    assert "is at step 2, past this run's 1 steps: nothing is trained" in caplog.text
+
+    fresh = config.model_copy(deep=True)
+    fresh.checkpoint.resume = False
+    with pytest.raises(ConfigError, match="holds a finished run's checkpoints, which starting over would delete"):
+        train(fresh)
+    assert _names(run_dir) == [(2, "step-2")]
+    fresh.checkpoint.overwrite = True
+    over = train(fresh)
+    assert over.resumed_from_step is None and over.steps == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_resume_is_the_default_everywhere():
+    from tigon.runtime.config import CheckpointConfig, load_config
+
+    assert CheckpointConfig().resume is True
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "examples").glob("*.yaml")):
+        assert load_config(path).checkpoint.resume is True, path
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
@@ -113,8 +146,6 @@ def test_resume_accepts_a_checkpoint_from_before_new_settings_and_another_cache(
 
 
 def test_checkpoint_round_trip_restores_everything(tmp_path):
-    from tigon.runtime.distributed import DistEnv
-
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (step + 1))
@@ -205,3 +236,266 @@ def test_lora_export_is_merged_into_plain_weights(tmp_path, monkeypatch):
     with torch.no_grad():
         got = loaded(input_ids=ids).logits
     assert torch.allclose(got, captured["logits"], atol=1e-5)
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+def _small_checkpoint(root: Path, step: int, keep_last: int = 5) -> Path:
+    """A real checkpoint of a small model, with a nested file as the sharded layouts (dcp/, deepspeed/) have."""
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+
+    def write_state(directory: Path) -> None:
+        ckpt.write_torch_state(directory, model, optimizer, scheduler, DistEnv())
+        (directory / "shards").mkdir()
+        (directory / "shards" / "rank0.bin").write_bytes(bytes(range(256)) * 16)
+
+    state = ckpt.TrainState(step=step, losses=[1.0] * step)
+    return ckpt.save_checkpoint(root, state, None, None, None, DistEnv(), keep_last, write_state=write_state)
+
+
+def _flip_bytes(path: Path, offset: int, count: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    for index in range(offset, offset + count):
+        data[index] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (
+            lambda d: (d / "model.pt").write_bytes((d / "model.pt").read_bytes()[:100]),
+            r"model.pt is truncated \(100 of",
+        ),
+        (lambda d: (d / "model.pt").unlink(), "model.pt is missing"),
+        (lambda d: _flip_bytes(d / "model.pt", 2000), "model.pt is corrupted"),
+        (lambda d: _flip_bytes(d / "optimizer.pt", 1500), "optimizer.pt is corrupted"),
+        (lambda d: (d / "state.json").write_text("{"), "state.json is truncated"),
+        (lambda d: _flip_bytes(d / "shards" / "rank0.bin", 7, 1), "shards/rank0.bin is corrupted"),
+        (lambda d: (d / "rng-rank0.pt").write_bytes(b"x" * 10**5), "rng-rank0.pt has 100000 bytes"),
+        (lambda d: (d / "manifest.json").unlink(), "manifest.json is missing"),
+        (lambda d: (d / "manifest.json").write_text("[1"), "manifest.json is damaged"),
+    ],
+    ids=["truncated", "deleted", "bytes-flipped", "optimizer-flipped", "state", "shard", "grown", "no-manifest", "bad"],
+)
+def test_verify_names_what_is_wrong_with_each_file(tmp_path, damage, expected):
+    directory = _small_checkpoint(tmp_path, 1)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert set(manifest["files"]) == {
+        "model.pt",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng-rank0.pt",
+        "state.json",
+        "shards/rank0.bin",
+    }
+    assert ckpt.verify_checkpoint(directory) == []
+    damage(directory)
+    problems = ckpt.verify_checkpoint(directory)
+    assert len(problems) == 1 and re.search(expected, problems[0]), problems
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    for step in (2, 4, 6):
+        _small_checkpoint(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    _flip_bytes(root / "step-6" / "model.pt", 1000)
+    (root / "step-4" / "optimizer.pt").write_bytes((root / "step-4" / "optimizer.pt").read_bytes()[:-10])
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert ckpt.resume_checkpoint(tmp_path, DistEnv()) == root / "step-2"
+    assert "step-6 is damaged (model.pt is corrupted" in caplog.text
+    assert "step-4 is damaged (optimizer.pt is truncated" in caplog.text
+    assert "resuming from" in caplog.text and "step-2, the newest checkpoint that verifies" in caplog.text
+    assert sorted(p.name for p in root.iterdir()) == ["damaged-step-4", "damaged-step-6", "step-2"]
+
+    (root / "step-2" / "model.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint in .* verifies .*step 2: model.pt is missing"):
+        ckpt.resume_checkpoint(tmp_path, DistEnv())
+
+
+def test_a_checkpoint_from_before_manifests_is_resumed_unverified(tmp_path, caplog):
+    directory = _small_checkpoint(tmp_path, 4)
+    (directory / "manifest.json").unlink()
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert ckpt.resume_checkpoint(tmp_path, DistEnv()) == directory
+    assert "has no manifest.json (written before checkpoints had one); resuming from it unverified" in caplog.text
+
+
+def test_a_missing_model_file_is_called_damage_not_another_strategy(tmp_path):
+    directory = _small_checkpoint(tmp_path, 1)
+    (directory / "model.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="no model.pt .* and no other strategy's: the checkpoint is damaged"):
+        ckpt.require_layout(directory, "model.pt", "ddp")
+    (directory / "dcp").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"it holds dcp \(fsdp\), written by another parallelism.strategy"):
+        ckpt.require_layout(directory, "model.pt", "ddp")
+
+
+def test_training_resumes_from_the_newest_whole_checkpoint(tmp_path, caplog):
+    """A run whose newest checkpoint has random bytes in model.pt resumes from the one before, exactly."""
+
+    def config(run_dir: Path, max_steps: int):
+        return tiny_config(
+            tmp_path,
+            training={"max_steps": max_steps},
+            checkpoint={"every_steps": 2, "keep_last": 3, "resume": True},
+            eval={"metrics": []},
+            logging=_logging(run_dir),
+        )
+
+    full = train(config(tmp_path / "full", 6))
+    train(config(tmp_path / "run", 4))
+    model_file = tmp_path / "run" / "checkpoints" / "step-4" / "model.pt"
+    data = bytearray(model_file.read_bytes())
+    data[3000:7000] = random.Random(0).randbytes(4000)
+    model_file.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        resumed = train(config(tmp_path / "run", 6))
+    assert "step-4 is damaged (model.pt is corrupted" in caplog.text
+    assert resumed.resumed_from_step == 2 and resumed.losses == full.losses
+    assert [name for _, name in _names(tmp_path / "run")] == ["step-2", "step-4", "step-6"]
+
+
+# ---------------------------------------------------------------- interrupted writes and full disks
+
+
+KILLED_MID_WRITE = """
+import os, sys, time
+from pathlib import Path
+import torch
+from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.distributed import DistEnv
+from tigon.runtime.distributed import DistEnv
+
+def write_state(directory: Path) -> None:
+    torch.save(torch.zeros(1000), directory / "model.pt")
+    (directory / "optimizer.pt").write_bytes(b"half")
+    print("writing", flush=True)
+    time.sleep(60)
+
+ckpt.save_checkpoint(sys.argv[1], ckpt.TrainState(step=9), None, None, None, DistEnv(), 2, write_state=write_state)
+"""
+
+
+def test_a_run_killed_mid_write_leaves_its_previous_checkpoint_and_no_temporary(tmp_path):
+    """kill -9 while the model state is being written: the next start removes the temporary and resumes."""
+    _small_checkpoint(tmp_path, 3)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout.readline().strip() == "writing"
+    writer.kill()
+    writer.wait()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step-9", "step-3"]
+    removed = ckpt.clean_temporaries(tmp_path)
+    assert [p.name for p in removed] == [".tmp-step-9"]
+    assert ckpt.resume_checkpoint(tmp_path, DistEnv()) == root / "step-3"
+
+
+def test_free_space_is_checked_before_writing(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    assert ckpt.free_space_problem(tmp_path, free // 2) is None
+    problem = ckpt.free_space_problem(tmp_path, free + 2 * ckpt.GIB)
+    assert f"not enough disk space for a checkpoint in {tmp_path}" in problem
+    assert f"({free + 2 * ckpt.GIB} bytes)" in problem and "lower checkpoint.keep_last" in problem
+
+    state = ckpt.TrainState(step=1)
+    with pytest.raises(ckpt.CheckpointError, match="not enough disk space"):
+        ckpt.save_checkpoint(tmp_path, state, None, None, None, DistEnv(), 2, estimated_bytes=free + 2 * ckpt.GIB)
+    assert list((tmp_path / "checkpoints").iterdir()) == [], "nothing half-written is left"
+
+
+def test_old_checkpoints_are_pruned_before_the_new_one_is_written(tmp_path):
+    """keep_last 2: while step 3 is written only step 2 is on disk, so the run never needs room for 3."""
+    for step in (1, 2):
+        _small_checkpoint(tmp_path, step, keep_last=2)
+    seen = []
+
+    def write_state(directory: Path) -> None:
+        seen.extend(sorted(p.name for p in (tmp_path / "checkpoints").iterdir()))
+        torch.save({}, directory / "model.pt")
+
+    ckpt.save_checkpoint(tmp_path, ckpt.TrainState(step=3), None, None, None, DistEnv(), 2, write_state=write_state)
+    assert seen == [".tmp-step-3", "step-2"]
+    assert [name for _, name in _names(tmp_path)] == ["step-2", "step-3"]
+
+
+FULL_DISK = """
+import json, sys
+from pathlib import Path
+import torch
+from tigon.runtime import checkpoint as ckpt, cli
+from tigon.runtime.distributed import DistEnv
+
+small, roomy, spill = (Path(arg) for arg in sys.argv[1:4])
+report = {"small": cli.main(["train", str(small.parent / "small.yaml"), "--quiet"])}
+report["small_left"] = sorted(p.name for p in (small / "run" / "checkpoints").iterdir())
+report["roomy"] = cli.main(["train", str(roomy.parent / "roomy.yaml"), "--quiet"])
+report["roomy_left"] = sorted(p.name for p in (roomy / "run" / "checkpoints").iterdir())
+model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights into a 1 MiB filesystem, with no estimate to stop it
+try:
+    ckpt.save_checkpoint(spill, ckpt.TrainState(step=1), model, torch.optim.SGD(model.parameters()), None, DistEnv(), 1)
+except ckpt.CheckpointError as error:
+    report["spill"] = str(error)
+report["spill_left"] = sorted(p.name for p in (spill / "checkpoints").iterdir())
+print(json.dumps(report))
+"""
+
+
+def _tmpfs_in_a_namespace(tmp_path: Path) -> bool:
+    """True when this machine lets an unprivileged user mount a tmpfs in its own user and mount namespace."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    command = ["unshare", "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "tmpfs", str(probe)]
+    return subprocess.run(command, capture_output=True).returncode == 0
+
+
+def test_full_disk_fails_with_the_space_and_pruning_first_needs_room_for_keep_last_only(tmp_path):
+    """Real small filesystems (tmpfs): a checkpoint is ~0.35 MB.
+
+    - 600 KB, keep_last 1: step 1 fits; step 2 would need room for two, so the run stops with the directory and
+      the space named, exit status 2, step 1 intact and nothing half-written.
+    - 900 KB, keep_last 2, 3 steps: the oldest checkpoint goes before the third is written, so two fit.
+    - 1 MB and a 4 MiB model with no estimate: the disk fills mid-write; the error says so, the partial checkpoint
+      is removed.
+    """
+    if not _tmpfs_in_a_namespace(tmp_path):
+        pytest.skip("no unprivileged tmpfs mounts (unshare --user --mount) on this machine")
+    dirs = {name: tmp_path / name / "disk" for name in ("small", "roomy", "spill")}
+    for name, keep, steps in (("small", 1, 2), ("roomy", 2, 3)):
+        dirs[name].mkdir(parents=True)
+        config = tiny_config(
+            tmp_path,
+            training={"max_steps": steps},
+            checkpoint={"every_steps": 1, "keep_last": keep, "resume": True},
+            eval={"metrics": []},
+            logging={**_logging(dirs[name] / "run"), "every_steps": 10},
+        )
+        (tmp_path / name / f"{name}.yaml").write_text(json.dumps(config.model_dump(mode="json")))
+    dirs["spill"].mkdir(parents=True)
+    mounts = " && ".join(
+        f"mount -t tmpfs -o size={size} tmpfs {dirs[name]}"
+        for name, size in (("small", "600k"), ("roomy", "900k"), ("spill", "1m"))
+    )
+    script = f'{mounts} && exec "$0" -c "$1" {" ".join(map(str, dirs.values()))}'
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, sys.executable, FULL_DISK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["small"] == 2 and report["small_left"] == ["step-1"], report
+    assert f"error: not enough disk space for a checkpoint in {dirs['small'] / 'run' / 'checkpoints'}" in done.stderr
+    assert "lower checkpoint.keep_last" in done.stderr and "Traceback" not in done.stderr
+    assert report["roomy"] == 0 and report["roomy_left"] == ["step-2", "step-3"], report
+    assert "filled up while writing checkpoint step-1" in report["spill"] and report["spill_left"] == [], report

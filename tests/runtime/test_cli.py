@@ -98,3 +98,29 @@ def test_console_script_and_module_entry_point(tmp_path):
     if script.exists():
         done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "demo-data" in done.stdout
+
+
+@pytest.mark.parametrize("gpus", ["-2", "0", "two"])
+def test_plan_refuses_a_gpu_count_below_one(tmp_path, capsys, gpus):
+    config = write_config(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", str(config), "--gpus", gpus])
+    assert exit_.value.code == 2
+    assert "argument --gpus" in capsys.readouterr().err
+
+
+def test_config_directory_and_locked_run_dir_exit_2_without_a_traceback(tmp_path, capsys):
+    from tigon.runtime.lock import RunDirLock
+
+    assert cli.main(["train", str(tmp_path)]) == 2
+    assert f"error: config path {tmp_path} is a directory" in capsys.readouterr().err
+    config = write_config(tmp_path)
+    run_dir = tmp_path / "held"
+    lock = RunDirLock(run_dir).acquire()
+    try:
+        assert cli.main(["train", str(config), "--set", f"logging.run_dir={run_dir}"]) == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err
+    assert f"error: logging.run_dir {run_dir} is in use by another run: pid {os.getpid()}" in err
+    assert "Traceback" not in err

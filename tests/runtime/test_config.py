@@ -181,3 +181,38 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
     assert "exact_match" in config.eval.metrics
     sizes = [(ROOT / name).stat().st_size for name in (config.data.train, config.data.eval)]
     assert sum(sizes) < 300_000
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("training", "max_steps", True, "training.max_steps: Input should be a valid integer (got True)"),
+        ("training", "micro_batch_size", 4.0, "training.micro_batch_size: Input should be a valid integer (got 4.0)"),
+        ("training", "learning_rate", "3e-4x", "training.learning_rate: Input should be a valid number"),
+        ("data", "packing", "no way", "data.packing: Input should be a valid boolean"),
+        ("data", "train", "", "data.train: String should have at least 1 character"),
+        ("logging", "run_dir", "", "logging.run_dir: String should have at least 1 character"),
+        ("data", "text_field", "", "data.text_field: String should have at least 1 character"),
+        ("parallelism", "zero_stage", 3, "parallelism.zero_stage is a DeepSpeed setting and strategy is 'ddp'"),
+    ],
+)
+def test_silent_mistakes_are_errors(tmp_path, section, key, value, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, with_change(section, key, value)))
+    assert expected in str(error.value)
+
+
+def test_yaml_floats_without_a_dot_are_numbers_and_zero_stage_round_trips(tmp_path):
+    raw = with_change("training", "learning_rate", 1)
+    text = yaml.safe_dump(raw).replace("learning_rate: 1", "learning_rate: 1e-4")
+    config = load_config(write(tmp_path, text), ["training.weight_decay=5E-2"])
+    assert config.training.learning_rate == 1e-4 and config.training.weight_decay == 0.05
+    dumped = load_config(write(tmp_path, yaml.safe_dump(config.model_dump(mode="json"))))
+    assert dumped == config and dumped.parallelism.zero_stage is None and dumped.parallelism.stage == 2
+    fsdp = with_change("parallelism", "strategy", "fsdp")
+    assert load_config(write(tmp_path, fsdp)).parallelism.shards_parameters
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"config path {tmp_path} is a directory; give a YAML file in it"):
+        load_config(tmp_path)

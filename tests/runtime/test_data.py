@@ -527,3 +527,53 @@ def test_exact_match():
     assert tasks.exact_match(" 81\n", "81")
     assert not tasks.exact_match("810", "81")
     assert not tasks.exact_match("", "81")
+
+
+def test_bad_chat_records_nulls_and_empty_strings_are_skippable_and_named(tmp_path, tokenizer):
+    """Parquet nulls, empty strings, empty conversations and conversations opening with the assistant: each is a
+    malformed record naming its row, and data.skip_malformed skips and counts them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assistant_first = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "1+1="}]
+    chat = [
+        {"messages": CONVERSATION},
+        {"messages": []},
+        {"messages": assistant_first},
+        {"messages": None},
+    ]
+    pq.write_table(pa.Table.from_pylist(chat), tmp_path / "chat.parquet")
+    expected = [
+        "'messages' holds no messages",
+        "the conversation starts with an assistant message",
+        "field 'messages' (data.messages_field) is null",
+    ]
+    chat_config = DataConfig(train="x", format="chat")
+    for row, message in zip(chat[1:], expected, strict=True):
+        with pytest.raises(MalformedRecordError, match=re.escape(f"chat.parquet, row 9: {message}")):
+            tokenize_record(row, chat_config, tokenizer, where="chat.parquet, row 9")
+    config = run_config(tmp_path / "chat.parquet", format="chat", skip_malformed=True, max_seq_len=96)
+    _, _, summary = build_datasets(config, tokenizer)
+    assert summary.records == 4 and summary.skipped == 3
+    with pytest.raises(MalformedRecordError, match=r"chat.parquet, row 2: 'messages' holds no messages"):
+        build_datasets(run_config(tmp_path / "chat.parquet", format="chat", max_seq_len=96), tokenizer)
+
+    text = [{"text": "12+3=15"}, {"text": None}, {"text": ""}, {"text": "  "}]
+    pq.write_table(pa.Table.from_pylist(text), tmp_path / "text.parquet")
+    with pytest.raises(MalformedRecordError, match=r"text.parquet, row 2: field 'text' \(data.text_field\) is null"):
+        build_datasets(run_config(tmp_path / "text.parquet", format="text"), tokenizer)
+    _, _, summary = build_datasets(run_config(tmp_path / "text.parquet", format="text", skip_malformed=True), tokenizer)
+    assert summary.skipped == 3
+    instruction = DataConfig(train="x", format="instruction")
+    with pytest.raises(MalformedRecordError, match="field 'response' \\(data.response_field\\) is an empty string"):
+        tokenize_record({"instruction": "1+1=", "response": ""}, instruction, tokenizer)
+
+
+def test_text_outside_the_char_tokenizers_alphabet_is_counted_and_named(tmp_path, tokenizer, caplog):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"text": "1+1=2"}, {"text": "café 中文\tok"}])
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        _, _, summary = build_datasets(run_config(train, format="text"), tokenizer)
+    assert summary.unknown_tokens == 4
+    assert f"{train}: 4 tokens became the unknown token <unk>" in caplog.text
+    assert f"first in {train}, line 2: characters '\\t', 'é', '中', '文'" in caplog.text
+    assert "covers printable ASCII and newline only" in caplog.text

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from tests.runtime.test_trainer import tiny_config
+from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.deepspeed_engine import import_deepspeed, supports_precision
 from tigon.runtime.trainer import train
@@ -159,16 +160,33 @@ def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dic
     assert runs["resumed"]["resumed_from"] == 3 and runs["resumed"]["losses"] == full, (runs["resumed"], full)
     checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert checkpoints == ["step-3", "step-6"], checkpoints
+    manifest = json.loads((tmp_path / "resumed" / "checkpoints" / "step-6" / "manifest.json").read_text())
+    assert {"state.json", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest["files"]), manifest
 
     got, want = exported_logits(runs["full"]["export_dir"]), exported_logits(single.export_dir)
     assert (got - want).abs().max() < LOGITS_TOLERANCE, (got - want).abs().max()
     return runs
 
 
+def assert_damage_is_named(step: Path, layout: str) -> None:
+    """Every file of a strategy's layout is in the checkpoint's manifest; a shard with flipped bytes is named."""
+    files = sorted(
+        name for name in json.loads((step / "manifest.json").read_text())["files"] if name.startswith(layout)
+    )
+    on_disk = sorted(p.relative_to(step).as_posix() for p in (step / layout).rglob("*") if p.is_file())
+    assert files == on_disk and files, (files, on_disk)
+    shard = max(files, key=lambda name: (step / name).stat().st_size)
+    data = bytearray((step / shard).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step / shard).write_bytes(bytes(data))
+    assert ckpt.verify_checkpoint(step) == [f"{shard} is corrupted (its SHA-256 differs from the manifest's)"]
+
+
 def test_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
     check_parallel_run(tmp_path, parallelism={"strategy": "fsdp"})
     step = tmp_path / "full" / "checkpoints" / "step-6"
     assert (step / "dcp" / ".metadata").is_file() and (step / "rng-rank1.pt").is_file()
+    assert_damage_is_named(step, "dcp")
     assert not [p for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
@@ -176,6 +194,7 @@ def test_deepspeed_zero2_matches_one_process_resumes_exactly_and_exports(tmp_pat
     check_parallel_run(tmp_path, parallelism={"strategy": "deepspeed", "zero_stage": 2})
     step = tmp_path / "full" / "checkpoints" / "step-6"
     assert (step / "deepspeed" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    assert_damage_is_named(step, "deepspeed")
 
 
 def test_deepspeed_zero3_matches_one_process_resumes_exactly_and_exports(tmp_path):

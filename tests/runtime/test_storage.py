@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -132,3 +133,116 @@ def test_resume_from_the_object_store_on_a_new_pod(tmp_path):
     assert resumed.export_url == storage.export_url
     assert set(storage.committed("export")) >= {"config.json", "model.safetensors", "tokenizer.json"}
     fsspec.filesystem("memory").rm(remote, recursive=True)
+
+
+LEASE_HOLDER = """
+import sys, time
+from tigon.runtime.storage import RunLease, RunStorage
+RunLease(RunStorage(sys.argv[1]), ttl=float(sys.argv[2])).acquire()
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def test_lease_refuses_a_second_run_and_lapses_when_its_holder_is_killed(tmp_path, caplog):
+    import json
+    import subprocess
+    import sys
+
+    from tigon.runtime.lock import RunDirInUse
+    from tigon.runtime.storage import LEASE, RunLease
+
+    url, ttl = f"file://{tmp_path / 'bucket' / 'run'}", 1.5
+    storage = RunStorage(url)
+    holder = subprocess.Popen([sys.executable, "-c", LEASE_HOLDER, url, str(ttl)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(RunDirInUse, match=rf"remote_dir {url} is in use by another run: pid {holder.pid} on host"):
+            RunLease(storage, ttl=ttl).acquire()
+    finally:
+        holder.kill()  # -9: the lease stays behind, no longer renewed
+        holder.wait()
+    assert json.loads(storage.fs.cat_file(storage._path(LEASE)))["pid"] == holder.pid
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        lease = RunLease(storage, ttl=ttl).acquire()
+    assert f"took over the lease on {url} from pid {holder.pid}" in caplog.text
+    lease.release()
+    assert not storage.fs.exists(storage._path(LEASE))
+
+
+def test_a_restart_of_the_same_torchrun_job_takes_its_lease_at_once(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from tigon.runtime.storage import RunLease
+
+    url = f"file://{tmp_path / 'bucket' / 'run'}"
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job-7"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LEASE_HOLDER, url, "60"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert holder.stdout.readline().strip() == "holding"
+    holder.kill()
+    holder.wait()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    started = time.monotonic()
+    RunLease(RunStorage(url), ttl=60).acquire().release()
+    assert time.monotonic() - started < 10, "no 60 s wait for its own earlier attempt"
+
+
+def test_missing_object_store_credentials_name_the_setting_and_the_fix(tmp_path, monkeypatch):
+    """s3fs's real client with no credentials anywhere (no variables, files or instance metadata)."""
+    pytest.importorskip("s3fs")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    url = f"s3://tigon-no-such-bucket/{uuid.uuid4().hex}"
+    config = tiny_config(tmp_path, checkpoint={"remote_dir": url})
+    with pytest.raises(
+        StorageError, match=rf"checkpoint.remote_dir {url}: no credentials for s3:// .*AWS_ACCESS_KEY_ID"
+    ):
+        train(config)
+
+
+READ_ONLY_REMOTE = """
+import sys
+from tigon.runtime.storage import RunLease, RunStorage, StorageError
+try:
+    RunLease(RunStorage(sys.argv[1])).acquire()
+except StorageError as error:
+    print(error)
+"""
+
+
+def test_unwritable_remote_dir_names_the_setting(tmp_path):
+    """A real read-only filesystem (a tmpfs mounted read-only in a user and mount namespace) as the remote."""
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    mount = tmp_path / "store"
+    mount.mkdir()
+    url = f"file://{mount}/run"
+    done = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o ro tmpfs {mount} && exec "$0" -c "$1" {url}',
+            sys.executable,
+            READ_ONLY_REMOTE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0 and "mount" in done.stderr:
+        pytest.skip(f"no unprivileged tmpfs mounts here: {done.stderr.strip()}")
+    assert f"checkpoint.remote_dir {url} is not writable" in done.stdout, (done.stdout, done.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,16 @@ from tigon.runtime.trainer import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
+TINY_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+}
+
+
 def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
     """A run small enough for the CPU test suite; `sections` update the YAML sections (nested dicts merge)."""
     data_dir = tmp_path / "data"
@@ -42,18 +53,7 @@ def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
             train_file, n_train, seed=0, max_operand=49, exclude={r["instruction"] for r in held_out}
         )
     raw = {
-        "model": {
-            "config_name": "llama",
-            "config_overrides": {
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "max_position_embeddings": 64,
-            },
-            "tokenizer": "char",
-        },
+        "model": {"config_name": "llama", "config_overrides": dict(TINY_MODEL), "tokenizer": "char"},
         "data": {"train": str(train_file), "eval": str(eval_file), "format": "instruction", "max_seq_len": 48},
         "training": {
             "max_steps": 8,
@@ -372,11 +372,41 @@ def test_weight_decay_skips_norms_and_biases(tmp_path):
         ({"model": {"path": "/nonexistent/model", "config_name": None}}, "/nonexistent/model does not exist"),
         ({"logging": {"profile_step": 99}}, "logging.profile_step: 99 is past the run's last step"),
         ({"trainer": "lightning", "logging": {"profile_step": 1}}, "profiles a step of the torch trainer"),
+        (
+            {"model": {"config_overrides": {**TINY_MODEL, "hidden_sizee": 48}}},
+            "model.config_overrides.hidden_sizee: not a field of LlamaConfig (did you mean 'hidden_size'?)",
+        ),
+        (
+            {"model": {"config_overrides": {**TINY_MODEL, "hidden_size": 33}}},
+            "hidden_size 33 is not divisible by num_attention_heads 2",
+        ),
+        (
+            {"model": {"config_overrides": {**TINY_MODEL, "num_attention_heads": 4, "num_key_value_heads": 3}}},
+            "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+        ),
+        ({"model": {"config_name": "lama"}}, "model.config_name: unknown model type 'lama' (did you mean 'llama'?)"),
     ],
 )
 def test_setup_errors_name_the_setting(tmp_path, sections, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         train(tiny_config(tmp_path, **sections))
+
+
+def test_a_diverging_fp32_run_is_not_blamed_on_fp16(tmp_path):
+    """A learning rate of 1e30 without clipping makes the fp32 loss non-finite within a few steps."""
+    config = tiny_config(tmp_path, training={"learning_rate": 1e30, "max_grad_norm": None, "max_steps": 8})
+    with pytest.raises(FloatingPointError) as error:
+        train(config)
+    message = str(error.value)
+    assert "lower training.learning_rate, set training.max_grad_norm" in message
+    assert "not an fp16 overflow" in message and "use bf16" not in message
+
+
+def test_a_warmup_longer_than_the_run_is_stated(tmp_path, caplog):
+    config = tiny_config(tmp_path, training={"max_steps": None, "epochs": 0.25, "warmup_steps": 8})
+    with caplog.at_level("WARNING", logger="tigon.runtime"):
+        assert train(config).steps == 2
+    assert "training.warmup_steps (8) is longer than the run (2 steps): the learning rate ends at 25%" in caplog.text
 
 
 def test_examples_train_for_two_steps(tmp_path, monkeypatch):
