@@ -67,8 +67,7 @@ weights, gradients and states over the world size and gathers two layers (and th
 a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches every rank
 keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards
 states (stage 1), gradients (2) and weights (3) and keeps float32 master weights (4 per trainable
-parameter, sharded) for bf16/fp16 weights. CPU
-offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
+parameter, sharded) for bf16/fp16 weights. CPU offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
 Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate:
 micro-batch among its divisors, gradient checkpointing off and on, tigon's kernels on and off. The
