@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -499,3 +501,67 @@ def test_full_disk_fails_with_the_space_and_pruning_first_needs_room_for_keep_la
     assert "lower checkpoint.keep_last" in done.stderr and "Traceback" not in done.stderr
     assert report["roomy"] == 0 and report["roomy_left"] == ["step-2", "step-3"], report
     assert "filled up while writing checkpoint step-1" in report["spill"] and report["spill_left"] == [], report
+
+
+KILLED_AT_STAGE = """
+import os, signal, sys
+from pathlib import Path
+from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.config import load_config
+from tigon.runtime.trainer import train
+
+function, config = sys.argv[1], load_config(sys.argv[2])
+root = Path(config.logging.run_dir) / "checkpoints"
+original = getattr(ckpt, function)
+
+
+def killed_while_writing_step_6(*args, **kwargs):
+    if any((root / name).exists() for name in (".tmp-step-6", "step-6")) or function == "remove_checkpoint":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kwargs)
+
+
+setattr(ckpt, function, killed_while_writing_step_6)
+train(config)
+"""
+KILL_STAGES = {  # stage of writing step-6 (checkpoints every 2 steps): (function killed in, keep_last, resumed from)
+    "pruning-before": ("remove_checkpoint", 2, 4),  # step-2 goes before step-6 is written
+    "model-state": ("write_torch_state", 2, 4),
+    "manifest": ("write_manifest", 2, 4),
+    "rename": ("replace_dir", 2, 4),
+    "pruning-after": ("remove_checkpoint", 1, 4),  # keep_last 1: step-2 goes once step-4 is in place
+}
+
+
+def stage_config(directory: Path, name: str, keep_last: int):
+    return tiny_config(
+        directory,
+        training={"max_steps": 8},
+        checkpoint={"every_steps": 2, "keep_last": keep_last, "resume": True},
+        logging={"run_dir": str(directory / name)},
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> list[float]:
+    return train(stage_config(tmp_path_factory.mktemp("uninterrupted"), "run", 2)).losses
+
+
+@pytest.mark.parametrize("stage", list(KILL_STAGES))
+def test_a_run_killed_at_each_stage_of_a_checkpoint_write_resumes_exactly(tmp_path, stage, uninterrupted_losses):
+    """kill -9 inside each step of writing a checkpoint; started again, the run resumes from the newest whole
+    checkpoint, leaves no temporary, and ends with the uninterrupted run's losses bit for bit."""
+    function, keep_last, resumed_from = KILL_STAGES[stage]
+    killed = stage_config(tmp_path, "killed", keep_last)
+    path = tmp_path / "killed.yaml"
+    path.write_text(json.dumps(killed.model_dump(mode="json")))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", KILLED_AT_STAGE, function, str(path)], env=env, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-3000:]
+
+    resumed = train(killed)
+    assert resumed.resumed_from_step == resumed_from
+    assert resumed.losses == uninterrupted_losses
+    root = tmp_path / "killed" / "checkpoints"
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in sorted(root.iterdir())][-1] == "step-8"
