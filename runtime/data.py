@@ -178,7 +178,7 @@ def _builder(path: str) -> str | None:
 
 
 def _load_dataset(source: str, split: str, data_config: DataConfig | None) -> list[dict]:
-    """One split of `source` through `datasets.load_dataset`, as a list of records (None fields dropped)."""
+    """One split of `source` through `datasets.load_dataset`, as a list of records (Arrow's added None dropped)."""
     try:
         import datasets
     except ImportError:
@@ -226,12 +226,15 @@ def _load_dataset(source: str, split: str, data_config: DataConfig | None) -> li
         if builder is not None:
             raise _DatasetsCannotServe(f"dataset {source}: {error}") from None
         raise DataError(f"dataset {source}: cannot be read ({error.__cause__ or error})") from None
-    return [_without_none(row) for row in dataset.to_list()]
+    if builder == "json":  # JSON records differ in their keys: Arrow's None there is a key the record lacks
+        return [_without_none(row) for row in dataset.to_list()]
+    return [{key: _without_none(value) for key, value in row.items()} for row in dataset.to_list()]
 
 
 def _without_none(value: Any) -> Any:
-    """A record without the None fields Arrow adds where records differ (a message with no `name` gets
-    name=None when another has one), so records read as they were written; chat templates test `is defined`."""
+    """A value without the None entries Arrow adds where records differ (a message with no `name` gets name=None
+    when another has one), so records read as they were written; chat templates test `is defined`. Columnar
+    files keep a record's own null fields (a null column value is a malformed record)."""
     if isinstance(value, dict):
         return {key: _without_none(item) for key, item in value.items() if item is not None}
     if isinstance(value, list):
