@@ -12,7 +12,7 @@ which one small chunks slow down.
     python -m benchmarks.tune_fused_linear_cross_entropy --time-memory flce-time-memory.png
 
 instead plots time against peak memory: tigon at each chunk size, with the logits in a buffer of their own and
-held in the weight gradient, torch.compile and Liger-Kernel, with the loss issue's two bars (1.15x the matmul
+held in the weight gradient, torch.compile and Liger-Kernel, with two reference lines (1.15x the matmul
 floor, Liger-Kernel's memory) drawn in.
 
     python -m benchmarks.tune_fused_linear_cross_entropy --traffic-bound

@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md: folders mapped to tigon.*, and no shadowing of `platform`."""
+"""The package layout of docs/architecture.md: folders mapped to tigon.*, and no shadowing of `platform`."""
 
 import subprocess
 import sys
