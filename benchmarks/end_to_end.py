@@ -1,4 +1,4 @@
-"""End-to-end training benchmark (issues 4 and 5): tokens/s and peak memory through the runtime's own step.
+"""End-to-end training benchmark: tokens/s and peak memory through the runtime's own step.
 
     python -m benchmarks.end_to_end --out e2e.json                    # GPU: Llama, seq 4096 and 8192, every variant
     python -m benchmarks.end_to_end --family all --seqs 4096 --out families.json   # GPU: every model family

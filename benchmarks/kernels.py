@@ -1,6 +1,6 @@
 """Kernel benchmarks: tigon against HF eager, torch.compile and Liger-Kernel, forward+backward, bf16.
 
-    python -m benchmarks.kernels --out results.json            # the issue's shapes and the sweeps
+    python -m benchmarks.kernels --out results.json            # the main shapes and the sweeps
     python -m benchmarks.kernels --out r.json --only rms_norm  # one op
 
 Each step is timed twice: launched from Python (`triton.testing.do_bench` median, launch overhead
@@ -487,7 +487,7 @@ def main() -> None:
     parser.add_argument(
         "--only", default=None, help="run only ops whose name starts with one of these (comma-separated)"
     )
-    parser.add_argument("--no-sweeps", action="store_true", help="only the issue's shapes")
+    parser.add_argument("--no-sweeps", action="store_true", help="only the main shapes")
     parser.add_argument("--sweeps-only", action="store_true", help="only the size sweeps")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64

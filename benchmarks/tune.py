@@ -1,5 +1,5 @@
 """Launch-configuration sweep for the norm kernels: forward and backward launched and timed apart, and the
-forward+backward step replayed from a CUDA graph (GPU time alone, what the kernel benchmarks' bars judge).
+forward+backward step replayed from a CUDA graph (GPU time alone, what a training step sees).
 
     python -m benchmarks.tune --out tune.json                        # hidden 4096
     python -m benchmarks.tune --hidden 1024,2048,16384 --out tune.json

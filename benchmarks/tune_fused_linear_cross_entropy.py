@@ -12,13 +12,13 @@ which one small chunks slow down.
     python -m benchmarks.tune_fused_linear_cross_entropy --time-memory flce-time-memory.png
 
 instead plots time against peak memory: tigon at each chunk size, with the logits in a buffer of their own and
-held in the weight gradient, torch.compile and Liger-Kernel, with the loss issue's two bars (1.15x the matmul
+held in the weight gradient, torch.compile and Liger-Kernel, with two reference lines (1.15x the matmul
 floor, Liger-Kernel's memory) drawn in.
 
     python -m benchmarks.tune_fused_linear_cross_entropy --traffic-bound
 
-times the memory traffic alone that a pass at Liger-Kernel's memory (256-token chunks) must move, next to the
-time bar: per chunk, two reads of the weight (for the logits and for the hidden gradient's product) and a read
+times the memory traffic alone that a pass at Liger-Kernel's memory (256-token chunks) must move, next to 1.15x
+the matmul floor: per chunk, two reads of the weight (for the logits and for the hidden gradient's product) and a read
 and a write of the bf16 weight gradient; and the same with the two weight reads shared.
 """
 
@@ -76,7 +76,8 @@ def time_against_memory(
     borrowed_chunks: tuple[int, ...] = (512, 768, 1024),
 ) -> None:
     """Forward+backward time (graphed; launched for Liger-Kernel, which cannot be graphed) against peak memory
-    at 8192 x 4096 x 128256 bf16, printed and plotted to `path` with the two bars: tigon's chunk sizes with the
+    at 8192 x 4096 x 128256 bf16, printed and plotted to `path` with two reference lines
+    (1.15x the matmul floor, Liger-Kernel's peak): tigon's chunk sizes with the
     logits in a buffer of their own (`chunks`) and held in the weight gradient (`borrowed_chunks`, at most 1024
     tokens: a quarter of the weight gradient)."""
     import matplotlib

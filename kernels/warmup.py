@@ -42,7 +42,7 @@ OPS = (
     "fused_linear_cross_entropy",
 )
 DTYPES = ("float32", "bfloat16", "float16")
-# Relative error ||out - ref|| / ||ref|| allowed per dtype (DESIGN.md: fp32 1e-5, bf16 1e-2).
+# Relative error ||out - ref|| / ||ref|| allowed per dtype (docs/architecture.md, "Exactness": fp32 1e-5, bf16 1e-2).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 # On the CPU the interpreter runs each program in Python: shapes are clamped to these.
 TINY = {"tokens": 8, "hidden": 64, "intermediate": 96, "heads": 2, "kv_heads": 1, "head_dim": 16, "vocab": 37}

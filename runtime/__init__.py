@@ -1,1 +1,1 @@
-"""tigon.runtime: config schema, trainers, parallelism, data, checkpoints (see the runtime issue)."""
+"""tigon.runtime: config schema, trainers, parallelism, data, checkpoints (docs/runtime.md, docs/architecture.md)."""

@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
 # The whole CPU test suite: ruff, then pytest (Triton kernels run through the interpreter).
+# `--quick` runs ruff and the sample of every layer listed in tests/quick.txt instead: a few minutes on 2 cores.
 # GPU tests (marker `gpu`) are deselected here; run them on a GPU with `pytest -m gpu tests/kernels`.
 # Tests marked `serial` start their own distributed worker groups; they run alone, after the rest. The rest run
 # on 2 workers that steal from each other (`--dist worksteal`), so neither idles while the other has a queue.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-venv.sh test
 venv=${TIGON_VENV:-.venv}
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
+# The quick tier sets the environment up only when it is missing; the full suite always brings it up to date.
+if [ "$quick" = 0 ] || [ ! -x "$venv/bin/ruff" ]; then
+  bash scripts/setup-venv.sh test
+fi
 # A test process or worker that aborts prints every thread's Python stack (the tests show its stderr).
 export PYTHONFAULTHANDLER=1
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
+if [ "$quick" = 1 ]; then
+  mapfile -t sample < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' tests/quick.txt)
+  exec "$venv/bin/python" -m pytest -m "not gpu" -n 2 --dist worksteal -q "${sample[@]}" "$@"
+fi
 "$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 --dist worksteal -q --ignore=tests/compat "$@"
 "$venv/bin/python" -m pytest -m "serial" -q --ignore=tests/compat "$@"
 # The patching tests again, against the older transformers line (4.5x) that users still run.

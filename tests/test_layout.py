@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md: folders mapped to tigon.*, and no shadowing of `platform`."""
+"""The package layout of docs/architecture.md: folders mapped to tigon.*, and no shadowing of `platform`."""
 
 import subprocess
 import sys
@@ -33,3 +33,32 @@ def test_kernels_import_without_heavy_stacks():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# docs/architecture.md: dependencies point one way, workflows -> platform -> runtime -> kernels.
+FORBIDDEN_IMPORTS = {
+    "kernels": ("tigon.runtime", "tigon.platform", "workflows"),
+    "runtime": ("tigon.platform", "workflows"),
+    "platform": ("workflows",),
+}
+
+
+def test_layers_import_only_the_layers_below():
+    import ast
+
+    wrong = []
+    for layer, forbidden in FORBIDDEN_IMPORTS.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                wrong += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                    for name in names
+                    if any(name == f or name.startswith(f + ".") for f in forbidden)
+                ]
+    assert not wrong, "a layer imports one above it:\n" + "\n".join(wrong)

@@ -21,12 +21,10 @@ where free memory counts what the driver reports plus what PyTorch's caching all
 the tokens are split into equal chunks of at most that size. The weight term makes a chunk `hidden / 4`
 tokens (1,024 for a 4096-wide model), and never fewer than `MIN_CHUNK_TOKENS = 1024` while memory allows:
 each chunk re-reads and re-writes `grad_weight`, so smaller chunks cost time, and larger ones cost logits
-memory. Measured on an H200 at 8192 x 4096 x 128256 bf16 (benchmarks/tune_fused_linear_cross_entropy.py,
-session 9): 256-token chunks 51.7 ms / 1.18 GB, 512 -> 43.5 ms / 1.25 GB, 1024 -> 39.8 ms / 1.38 GB, 4096 ->
-36.6 ms / 2.17 GB, against a 37.6 ms matmul floor; at 256 tokens the weight gradient's accumulating matmul
-runs at half its rate (docs/benchmarks.md). In the 1B end-to-end step (hidden 2048, 32,768 tokens) `hidden / 4` alone
-gave 512-token chunks, and the step's matrix products took 6 ms longer than Liger-Kernel's (its rule gives
-1024 there): hence the floor. `chunk_size=` overrides the rule.
+memory. Below about 1024 tokens the weight gradient's accumulating matmul falls well under its full rate, which
+is why narrow models (hidden 2048 would give 512-token chunks) still take 1024. Time against memory per chunk
+size is in docs/benchmarks.md ("Fused linear cross entropy: time against memory"). `chunk_size=` overrides the
+rule.
 
 Where the chunk's logits live (`borrow_weight_grad=True`, the default): the weight gradient exists before the
 first chunk and fills only as chunks add to it, so its first `R` rows (the logits' bytes, rounded to 8 rows)
@@ -36,14 +34,13 @@ the first `R` rows in 16 MiB tiles (1024 columns by 8192 tokens): the tile's log
 the stored logsumexp (`gradient_columns`: bit for bit what the full-row kernel writes), and their product with
 the tile's hidden states. Exact, at `R / 3V` more matmul work. It applies when the chunk's logits take at most
 a quarter of the weight gradient and more than the hidden gradient (`borrowed_rows`): the filling costs time
-in proportion to the tokens while the memory it saves stays one chunk. Measured on an H100 at 8192 x 4096 x
-128256 bf16 (session 15, graphed): 1024-token chunks in the weight gradient 41.7 ms at 1134.6 MB beyond the
-inputs, against 38.4 ms at 1380.5 MB in a buffer of their own, a 37.3 ms matmul floor and Liger-Kernel's
-64.2 ms at 1183.5 MB. The filling's tiles are whole multiples of 8 columns: at 1002 columns (2004-byte rows,
-not 16-byte aligned) each of its matmuls ran 2.4x slower.
+in proportion to the tokens while the memory it saves stays one chunk. It trades a little time for memory:
+the step then peaks under Liger-Kernel's memory (docs/benchmarks.md has both, per GPU). The filling's tiles are
+whole multiples of 8 columns, so that their rows stay 16-byte aligned: cuBLAS falls back to much slower kernels
+on unaligned rows.
 
-`accumulate_in_fp32=False` (the default) sums the weight gradient in the weight's dtype: at that
-shape its error against an fp32 sum was 6.6e-4 (bf16 rounding itself is 3.9e-3), while the fp32
+`accumulate_in_fp32=False` (the default) sums the weight gradient in the weight's dtype: at 8192 x 4096 x
+128256 its error against an fp32 sum was 6.6e-4 (bf16 rounding itself is 3.9e-3), while the fp32
 accumulator and its final cast hold 3 bytes more per weight element (3.2 GB peak there).
 """
 

@@ -20,9 +20,8 @@ Chunk size (`choose_chunk_size` here): a quarter of the tokens, kept between `st
 quarter of the student weight's bytes at their itemsize); then capped by free GPU memory / 8 and split into equal
 chunks. `chunk_size=` overrides it. Each chunk re-reads and re-writes the whole weight gradient, in a product
 that runs at half its rate at 256 tokens (docs/benchmarks.md), so a pass takes four chunks until the upper bound
-takes over; large chunks cost memory that a few tokens do not pay back. Measured on an H200 at 4096 x 128256
-(session 12): 8192 tokens 74.5 -> 58.0 ms graphed against `hidden / 16` chunks at every length, 1643 MB, where
-Liger-Kernel takes 2.30 GB; 1024 tokens keep 256-token chunks and 1190 MB (Liger-Kernel 1.21 GB).
+takes over; large chunks cost memory that a few tokens do not pay back. With this rule the op stays under
+Liger-Kernel's memory at every benchmarked token count (docs/benchmarks.md, "Distillation losses").
 """
 
 from __future__ import annotations

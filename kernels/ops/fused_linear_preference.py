@@ -28,10 +28,10 @@ vocabulary are ``hidden . sum_v weight[v] + sum(bias)``, one matrix-vector produ
 
 Chunk size: ``choose_chunk_size`` of ``fused_linear_cross_entropy`` with logits of up to half the weight's
 bytes (``hidden / 2`` tokens, twice cross entropy's ``hidden / 4``) gives the tokens per chunk; a chunk holds
-as many whole groups as fit, and at least one. ``chunk_size=`` sets the groups per chunk. Measured on an H200
-at 16 pairs x 512 tokens x 4096 x 128256 bf16 (``benchmarks/tune_fused_linear_preference.py``): DPO with the
-reference head 112.8 ms / 1654 MB at one pair a chunk, 108.2 ms / 1925 MB at two (the rule's), 106.8 ms /
-2533 MB at four, where Liger-Kernel takes 2516 MB; ORPO 83.8 -> 81.2 -> 79.4 ms over the same memory.
+as many whole groups as fit, and at least one. ``chunk_size=`` sets the groups per chunk. Two pairs a chunk
+(512-token sequences at hidden 4096) is the most that keeps DPO with a reference head under Liger-Kernel's
+memory; one pair is slower, four are faster but larger (``benchmarks/tune_fused_linear_preference.py``; the
+table is in docs/benchmarks.md, "Alignment losses").
 """
 
 from __future__ import annotations

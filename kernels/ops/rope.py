@@ -186,8 +186,8 @@ def _launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, 
     block_hk = min(next_power_of_2(n_k_heads), max_heads)
     head_blocks = max(-(-n_q_heads // block_hq), -(-n_k_heads // block_hk), 1)
     # About 512 elements of each half per warp, rounded up to a power of two: measured best on H200 from tiny
-    # [4+4, 32] tiles (1 warp) to [16+16, 128] (8 warps), and Llama's [32+8, 64] (8 warps: 0.3317 ms against
-    # 0.3356 at 4 for 4 x 8192 tokens, and ahead at 1024-4096 too; session 6).
+    # [4+4, 32] tiles (1 warp) to [16+16, 128] (8 warps), and Llama's [32+8, 64] (8 warps, faster than 4 at
+    # 1024-8192 tokens).
     warps = next_power_of_2(max(1, -(-(block_hq + block_hk) * block_half // 512)))
     return block_hq, block_hk, block_half, head_blocks, min(16, warps)
 

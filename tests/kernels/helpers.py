@@ -1,4 +1,4 @@
-"""Comparison helpers shared by the kernel tests (DESIGN.md, "Exactness")."""
+"""Comparison helpers shared by the kernel tests (docs/architecture.md, "Exactness")."""
 
 from __future__ import annotations
 
