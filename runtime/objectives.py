@@ -173,7 +173,7 @@ def preference_loss(
         )  # fmt: skip
     if objective.type == "orpo":
         return F.fused_linear_orpo(hidden, weight, target, bias, beta=beta)
-    desirable = rows(batch["desirable"].unsqueeze(-1)).to(device)
+    desirable = rows(batch["desirable"]).to(device)
     return F.fused_linear_kto(
         hidden, weight, target, desirable, bias, beta=beta, kl=0.0, desirable_weight=objective.desirable_weight,
         undesirable_weight=objective.undesirable_weight, **reference,
