@@ -280,3 +280,76 @@ def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
         assert abs(got - want) <= 1e-5 * abs(want), (ranks[0]["losses"], single.losses)
     for name in ("loss", *TRL_METRICS):
         assert abs(ranks[0]["eval"][name] - single.eval_metrics[name]) <= 1e-5, name
+
+
+def _trl_experimental(objective: dict, tmp_path: Path) -> list[dict]:
+    """TRL's ORPOTrainer or CPOTrainer (SimPO through CPO's loss_type 'simpo') on PAIRS, as tigon trains them."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    common = {
+        "output_dir": str(tmp_path / "trl"),
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "max_steps": 4,
+        "logging_steps": 1,
+        "max_length": 32,
+        "adam_beta2": 0.95,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "bf16": False,
+        "report_to": "none",
+        "use_cpu": True,
+        "save_strategy": "no",
+        "seed": 0,
+    }
+    if objective["type"] == "orpo":
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+
+        args = Config(**common, beta=objective["beta"])
+    else:
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+
+        extra = {"loss_type": "simpo", "simpo_gamma": objective["gamma"]} if objective["type"] == "simpo" else {}
+        args = Config(**common, beta=objective["beta"], cpo_alpha=objective["alpha"], **extra)
+    model_dir = tiny_model_dir(tmp_path)
+    trainer = Trainer(
+        model=str(model_dir),
+        args=args,
+        train_dataset=Dataset.from_list(PAIRS),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer.train()
+    return [record for record in trainer.state.log_history if "loss" in record]
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        {"type": "orpo", "beta": 0.1},
+        {"type": "cpo", "beta": 0.1, "alpha": 1.0},
+        {"type": "simpo", "beta": 2.0, "gamma": 0.5, "alpha": 0.0},
+    ],
+    ids=lambda objective: objective["type"],
+)
+def test_orpo_cpo_simpo_match_trl_step_by_step(tmp_path, objective):
+    """As the DPO parity test (same tolerance), against TRL's ORPOTrainer and CPOTrainer (SimPO is CPO's loss_type
+    'simpo'). ORPO: TRL's ORPOTrainer takes its NLL term over the prompt and the chosen completion, tigon's op over
+    the completion only (where the loss masks are), so the loss and the training path differ; the odds-ratio terms
+    agree on the first step, before the two diverge."""
+    ours = logged_steps(train(preference_config(tmp_path, objective)).run_dir)
+    theirs = _trl_experimental(objective, tmp_path)
+    assert len(ours) == len(theirs) == 4
+    names = ["logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins"]
+    if objective["type"] == "orpo":
+        ours, theirs, names = ours[:1], theirs[:1], [*names, "log_odds_ratio", "log_odds_chosen"]
+    else:  # TRL logs an NLL of 0 where cpo_alpha is 0, tigon the chosen completions' NLL the loss leaves out
+        names += ["loss"] + (["nll_loss"] if objective["alpha"] > 0 else [])
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
+        for name in names:
+            assert abs(a[name] - b[name]) <= 1e-5 * max(1.0, abs(b[name])), (step, name, a[name], b[name])
+        assert a["rewards/accuracies"] == b["rewards/accuracies"], step
