@@ -181,6 +181,22 @@ class PreferenceDataset(Dataset):
         self.desirable = torch.tensor(flags, dtype=torch.bool).unsqueeze(1) if desirable is not None else None
         self.ref_logps: torch.Tensor | None = None
 
+    @classmethod
+    def from_arrays(
+        cls,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor,
+        desirable: torch.Tensor | None,
+        truncated: int,
+        dropped: int,
+    ) -> PreferenceDataset:
+        """A dataset from arrays written earlier (`tigon.runtime.packed`), without tokenizing."""
+        dataset = cls.__new__(cls)
+        dataset.input_ids, dataset.labels, dataset.attention_mask = input_ids, labels, attention_mask
+        dataset.desirable, dataset.truncated, dataset.dropped, dataset.ref_logps = desirable, truncated, dropped, None
+        return dataset
+
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 

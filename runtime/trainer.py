@@ -442,21 +442,21 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     seed_everything(config.training.seed)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None
-    if datasets is not None and config.objective.preference:
-        raise ConfigError(
-            f"objective.type {config.objective.type!r} tokenizes its preference records itself; train it from "
-            "config.data without pre-packed datasets"
-        )
-    if config.objective.preference:
-        from tigon.runtime.preference_data import build_preference_datasets
-
-        train_dataset, eval_dataset, data_summary = build_preference_datasets(config, tokenizer)
-    elif datasets is not None:
+    if datasets is not None:
         from tigon.runtime.packed import load_packed
 
         packed = load_packed(datasets, tokenizer)
+        if packed.manifest.get("objective", "sft") != config.objective.type:
+            raise ConfigError(
+                f"the data in {datasets} was prepared for objective.type {packed.manifest.get('objective', 'sft')!r}, "
+                f"not {config.objective.type!r}; prepare it again with this config"
+            )
         train_dataset, eval_dataset, data_summary = packed.train, packed.eval, packed.summary
         examples, manifest = packed.eval_examples, packed.manifest
+    elif config.objective.preference:
+        from tigon.runtime.preference_data import build_preference_datasets
+
+        train_dataset, eval_dataset, data_summary = build_preference_datasets(config, tokenizer)
     else:
         train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
     if env.is_main:

@@ -106,13 +106,16 @@ def _data_bytes(path: str):
 
 
 def data_fingerprint(config: RunConfig) -> str:
-    """Content hash of the data files, the tokenizer choice and the data options: the cache key."""
+    """Content hash of the data files, the tokenizer choice, the data options and a preference objective: the cache
+    key."""
     digest = hashlib.sha256()
     for path in filter(None, [config.data.train, config.data.eval]):
         for content in _data_bytes(path):
             digest.update(content)
     options = config.data.model_dump(mode="json", exclude={"train", "eval"})
     digest.update(json.dumps([config.model.tokenizer, config.model.path, options]).encode())
+    if config.objective.preference:  # preference records are tokenized per objective (pairs, or KTO's completions)
+        digest.update(config.objective.type.encode())
     return digest.hexdigest()
 
 

@@ -353,3 +353,19 @@ def test_orpo_cpo_simpo_match_trl_step_by_step(tmp_path, objective):
         for name in names:
             assert abs(a[name] - b[name]) <= 1e-5 * max(1.0, abs(b[name])), (step, name, a[name], b[name])
         assert a["rewards/accuracies"] == b["rewards/accuracies"], step
+
+
+def test_prepared_preference_data_trains_as_tokenized_here(tmp_path):
+    """What the workflow's prepare_data writes (`packed.pack` + `save_packed`) trains a KTO run to the losses of
+    tokenizing in the run; data prepared for another objective is refused."""
+    from tigon.runtime.packed import pack, save_packed
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    records = [{"prompt": p["prompt"], "completion": p["chosen"], "label": i % 3 != 0} for i, p in enumerate(PAIRS)]
+    config = preference_config(tmp_path, {"type": "kto", "reference": "precomputed"}, records)
+    save_packed(pack(config, load_tokenizer(config.model), "fingerprint"), tmp_path / "packed")
+    prepared = train(config, datasets=tmp_path / "packed")
+    assert prepared.data_manifest["objective"] == "kto"
+    assert prepared.losses == train(config).losses
+    with pytest.raises(ConfigError, match="prepared for objective.type 'kto', not 'dpo'"):
+        train(preference_config(tmp_path, "dpo"), datasets=tmp_path / "packed")
