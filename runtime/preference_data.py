@@ -107,8 +107,8 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generati
     return list(encoded["input_ids"])
 
 
-def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str, eos: bool) -> list[int]:
-    ids = list(tokenizer(text)["input_ids"])
+def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str, eos: bool, encoded: dict[str, list[int]]) -> list[int]:
+    ids = list(encoded[text]) if text in encoded else list(tokenizer(text)["input_ids"])
     if eos and tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids.append(tokenizer.eos_token_id)
     return ids
@@ -123,10 +123,27 @@ def _common_prefix(ids: list[int], other: list[int]) -> int:
     return length
 
 
+def record_texts(record: dict, objective: str) -> list[str]:
+    """The texts a text record is tokenized as (prompt, prompt + each completion), to encode many in one call."""
+    fields = [name for name in record_fields(objective) if name != "label"]
+    values = [record.get(name) for name in fields]
+    if not all(isinstance(value, str) for value in values):
+        return []
+    return [values[0]] + [values[0] + value for value in values[1:]]
+
+
 def tokenize_preference(
-    record: dict, objective: str, tokenizer: PreTrainedTokenizerBase, *, where: str = "record"
+    record: dict,
+    objective: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    where: str = "record",
+    encoded: dict[str, list[int]] | None = None,
 ) -> tuple[list[int], list[list[int]]]:
-    """(prompt ids, [completion ids per sequence]) of one record: chosen then rejected, or KTO's one completion."""
+    """(prompt ids, [completion ids per sequence]) of one record: chosen then rejected, or KTO's one completion.
+
+    `encoded` maps texts to their ids, tokenized beforehand in one batch (`record_texts`)."""
+    encoded = encoded or {}
     fields = record_fields(objective)
     conversational = _check_record(record, fields, where)
     completions = [name for name in fields[1:] if name != "label"]
@@ -134,8 +151,8 @@ def tokenize_preference(
         prompt_ids = _chat_ids(tokenizer, record["prompt"], True, where)
         full = [_chat_ids(tokenizer, record["prompt"] + record[name], False, where) for name in completions]
     else:
-        prompt_ids = _text_ids(tokenizer, record["prompt"], eos=False)
-        full = [_text_ids(tokenizer, record["prompt"] + record[name], eos=True) for name in completions]
+        prompt_ids = _text_ids(tokenizer, record["prompt"], False, encoded)
+        full = [_text_ids(tokenizer, record["prompt"] + record[name], True, encoded) for name in completions]
     start = min(_common_prefix(prompt_ids, ids) for ids in full)
     if any(len(ids) <= start for ids in full):
         empty = [name for name, ids in zip(completions, full, strict=True) if len(ids) <= start]
@@ -254,10 +271,12 @@ class PreferenceSummary:
 def _build(path: str, config: RunConfig, tokenizer: PreTrainedTokenizerBase, pad_token_id: int):
     objective, data = config.objective.type, config.data
     records, locations, skipped = _read_located(path, data.skip_malformed)
+    texts = sorted({text for record in records for text in record_texts(record, objective)})
+    encoded = dict(zip(texts, tokenizer(texts)["input_ids"], strict=True)) if texts else {}
     tokenized, desirable = [], []
     for record, where in zip(records, locations, strict=True):
         try:
-            tokenized.append(tokenize_preference(record, objective, tokenizer, where=where))
+            tokenized.append(tokenize_preference(record, objective, tokenizer, where=where, encoded=encoded))
         except MalformedRecordError:
             if not data.skip_malformed:
                 raise

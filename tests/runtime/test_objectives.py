@@ -205,16 +205,12 @@ def test_dpo_matches_trl_dpo_trainer_step_by_step(tmp_path):
 
 @pytest.mark.parametrize(
     "objective",
-    [
-        {"type": "orpo"},
-        {"type": "simpo", "gamma": 0.2},
-        {"type": "cpo", "label_smoothing": 0.1},
-        {"type": "kto", "reference": "precomputed"},
-        {"type": "dpo", "reference": "none"},
-    ],
+    [{"type": "kto", "reference": "precomputed"}, {"type": "dpo", "reference": "none", "label_smoothing": 0.1}],
     ids=lambda objective: f"{objective['type']}-{objective.get('reference', '')}".rstrip("-"),
 )
-def test_every_objective_trains_and_logs_trl_metrics(tmp_path, objective):
+def test_kto_and_reference_free_dpo_train_and_log_trl_metrics(tmp_path, objective):
+    """The objectives the parity tests leave out (ORPO, SimPO and CPO train there) lower the loss and log TRL's
+    metrics."""
     records = PAIRS
     if objective["type"] == "kto":
         records = [
