@@ -129,9 +129,10 @@ def _in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None
 
 
 def preference_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device
+    model: nn.Module, batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device, env: DistEnv | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics."""
+    """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
+    ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     from tigon.kernels import functional as F
 
     objective = config.objective
@@ -173,11 +174,38 @@ def preference_loss(
         )  # fmt: skip
     if objective.type == "orpo":
         return F.fused_linear_orpo(hidden, weight, target, bias, beta=beta)
-    desirable = rows(batch["desirable"]).to(device)
+    n = input_ids.shape[0] // 2  # the completions, then the mismatched (KL) sequences
+    kl = kto_reference_point(hidden[n:], weight, bias, target[n:], reference, n, env)
+    reference = {name: value[:n] if name in ("ref_hidden", "ref_logps") else value for name, value in reference.items()}
     return F.fused_linear_kto(
-        hidden, weight, target, desirable, bias, beta=beta, kl=0.0, desirable_weight=objective.desirable_weight,
-        undesirable_weight=objective.undesirable_weight, **reference,
+        hidden[:n], weight, target[:n], rows(batch["desirable"]).to(device), bias, beta=beta, kl=kl,
+        desirable_weight=objective.desirable_weight, undesirable_weight=objective.undesirable_weight, **reference,
     )  # fmt: skip
+
+
+def kto_reference_point(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    n: int,
+    env: DistEnv | None,
+) -> torch.Tensor:
+    """KTO's reference point as TRL estimates it: the mean of policy minus reference log-probs of the mismatched
+    sequences, averaged over the ranks (`env`; None: this rank's), at least 0; no gradient."""
+    from tigon.kernels import functional as F
+
+    with torch.no_grad():
+        logps = F.sequence_logps(hidden.detach(), weight.detach(), target, bias)
+        if "ref_logps" in reference:
+            ref = reference["ref_logps"][n:]
+        else:
+            ref = F.sequence_logps(reference["ref_hidden"][n:], reference["ref_weight"], target, reference["ref_bias"])
+        kl = (logps - ref).mean().reshape(1)
+        if env is not None:
+            kl = all_reduce_sum(kl, env) / env.world_size
+    return kl.clamp(min=0).reshape(())
 
 
 def _metric_sums(objective: str, metrics: dict[str, torch.Tensor], batch: dict, device) -> dict[str, torch.Tensor]:
@@ -192,6 +220,8 @@ def _metric_sums(objective: str, metrics: dict[str, torch.Tensor], batch: dict, 
             "logps/rejected": logps[~desirable].sum(),
             "count/chosen": desirable.sum().double(),
             "count/rejected": (~desirable).sum().double(),
+            "kl": metrics["kl"].double().reshape(()) * desirable.numel(),
+            "count/sequences": torch.tensor(float(desirable.numel()), dtype=torch.float64, device=device),
         }
     chosen, rejected = metrics["chosen_rewards"].double(), metrics["rejected_rewards"].double()
     sums = {
@@ -219,13 +249,14 @@ def _averages(sums: dict[str, torch.Tensor], objective: str) -> dict[str, float]
                 averages[name] = float(sums[name]) / count
         if "rewards/chosen" in averages and "rewards/rejected" in averages:
             averages["rewards/margins"] = averages["rewards/chosen"] - averages["rewards/rejected"]
+        averages["kl"] = float(sums["kl"]) / float(sums["count/sequences"])
         return averages
     pairs = float(sums["count/pairs"])
     return {name: float(value) / pairs for name, value in sums.items() if not name.startswith("count/")}
 
 
 def global_pairs(micro_batches: list[dict], env: DistEnv, device: torch.device) -> tuple[float, int]:
-    """(pairs, or KTO sequences, in the global batch; tokens processed), summed over ranks."""
+    """(pairs, or KTO completions, in the global batch; tokens processed), summed over ranks."""
     counts = torch.tensor(
         [
             sum(batch["input_ids"].shape[0] for batch in micro_batches),
@@ -252,7 +283,7 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
         share = batch["input_ids"].shape[0] / n_pairs
         with strategy.accumulating(last=index == len(micro_batches) - 1):
             with autocast(device, config.training.precision):
-                loss, metrics = preference_loss(strategy.model, batch, config, device)
+                loss, metrics = preference_loss(strategy.model, batch, config, device, env)
             strategy.backward(loss.float() * (share * env.world_size))  # gradients are averaged over the ranks
         loss_sum += loss.detach().double() * share
         for name, value in _metric_sums(objective, metrics, batch, device).items():
@@ -331,7 +362,7 @@ def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEn
     for chunk in batches:
         batch = collate([dataset[i] for i in chunk])
         with autocast(device, config.training.precision):
-            loss, metrics = preference_loss(model, batch, config, device)
+            loss, metrics = preference_loss(model, batch, config, device, None)
         loss_sum += loss.double() * len(chunk)
         for name, value in _metric_sums(config.objective.type, metrics, batch, device).items():
             sums[name] = sums.get(name, 0) + value

@@ -14,9 +14,12 @@ chat template that renders the prompt alone differently, or tokens merging acros
 left). Each sequence is cut to `data.max_seq_len` from the end (TRL's `keep_start`); a record whose prompt
 fills `data.max_seq_len` has no completion token left and is dropped (and counted).
 
-Items hold one row per sequence, `(2, max_seq_len)` for a pair (chosen, rejected) and `(1, max_seq_len)` for
-KTO: `input_ids`, `labels` (-100 on the prompt and the padding; aligned with input_ids, the model shifts) and
-`attention_mask`; KTO items also hold `desirable` `(1,)`. The trainer cuts a micro-batch to its longest row.
+Items hold one row per sequence, `(2, max_seq_len)`: `input_ids`, `labels` (-100 on the prompt and the padding;
+aligned with input_ids, the model shifts) and `attention_mask`. A pair's rows are chosen then rejected. A KTO
+item's rows are its completion, then its prompt with a mismatched completion, from which the trainer estimates
+KTO's reference point (the KL term) as TRL does: within each run of `training.micro_batch_size` records in file
+order, record i takes record i-1's completion (the first takes the last). KTO items also hold `desirable` `(1,)`.
+The trainer cuts a micro-batch to its longest row.
 """
 
 from __future__ import annotations
@@ -163,6 +166,21 @@ def tokenize_preference(
     return prompt_ids[:start], [ids[start:] for ids in full]
 
 
+def with_mismatched_completions(
+    records: list[tuple[list[int], list[list[int]]]], max_seq_len: int, group: int
+) -> list[tuple[list[int], list[list[int]]]]:
+    """KTO records with a second completion, another record's (TRL's KL pairs): among the records that fit (a prompt
+    shorter than max_seq_len), in runs of `group` in file order, each takes the previous one's, the first the last's."""
+    kept = [index for index, (prompt, _) in enumerate(records) if len(prompt) < max_seq_len]
+    result = [(prompt, completions * 2) for prompt, completions in records]  # records that do not fit are dropped
+    for start in range(0, len(kept), group):
+        run = kept[start : start + group]
+        for position, index in enumerate(run):
+            other = records[run[position - 1]][1][0]
+            result[index] = (records[index][0], [records[index][1][0], other])
+    return result
+
+
 class PreferenceDataset(Dataset):
     """Tokenized preference records as fixed-size rows (see the module docstring); `ref_logps` `(N, rows)` float64
     holds the reference model's summed completion log-probs once `objectives.precompute_reference` filled it."""
@@ -185,7 +203,7 @@ class PreferenceDataset(Dataset):
             rows_of.append(([(prompt + c)[:max_seq_len] for c in completions], [len(prompt)] * len(completions)))
             if desirable is not None:
                 flags.append(desirable[index])
-        n, rows = len(rows_of), len(records[0][1]) if records else 1
+        n, rows = len(rows_of), max((len(completions) for _, completions in records), default=1)
         self.input_ids = torch.full((n, rows, max_seq_len), pad_token_id, dtype=torch.long)
         self.labels = torch.full((n, rows, max_seq_len), IGNORE_INDEX, dtype=torch.long)
         self.attention_mask = torch.zeros((n, rows, max_seq_len), dtype=torch.long)
@@ -285,6 +303,8 @@ def _build(path: str, config: RunConfig, tokenizer: PreTrainedTokenizerBase, pad
         desirable.append(record.get("label") is True)
     if not tokenized:
         raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
+    if objective == "kto":
+        tokenized = with_mismatched_completions(tokenized, data.max_seq_len, config.training.micro_batch_size)
     dataset = PreferenceDataset(tokenized, desirable if objective == "kto" else None, data.max_seq_len, pad_token_id)
     if not len(dataset):
         raise DataError(

@@ -308,6 +308,7 @@ def report(config_yaml: str, outcome: str) -> FlyteDirectory:
         "steps": len(losses),
         "loss": f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-",
         "evaluation": ", ".join(f"{k} {v:.4f}" for k, v in result["eval_metrics"].items()) or "-",
+        "last step": ", ".join(f"{k} {v:.4f}" for k, v in (result.get("objective_metrics") or {}).items()) or "-",
         "tokens/s": f"{result['tokens_per_second']:.0f}",
         "peak memory": f"{result['peak_memory_bytes'] / 2**30:.2f} GiB",
         "resumed from step": result["resumed_from_step"] or "-",

@@ -135,10 +135,12 @@ def test_preference_records_as_text_and_chat_with_masks_and_clear_errors(tmp_pat
     config = preference_config(tmp_path, "kto", kto)
     dataset, _, summary = build_preference_datasets(config, tokenizer)
     item = dataset[1]
-    assert item["input_ids"].shape == (1, 32) and not bool(item["desirable"])
-    labelled = item["labels"][0][item["labels"][0] != -100].tolist()
-    assert labelled == [*tokenizer.encode("4", add_special_tokens=False), eos]  # the completion only
-    assert summary.examples == 2 and summary.loss_tokens == 4
+    assert item["input_ids"].shape == (2, 32) and not bool(item["desirable"])
+    completion, mismatched = (row[row != -100].tolist() for row in item["labels"])
+    assert completion == [*tokenizer.encode("4", add_special_tokens=False), eos]  # the completion only
+    assert mismatched == [*tokenizer.encode("2", add_special_tokens=False), eos]  # the other record's (TRL's KL)
+    assert tokenizer.decode(item["input_ids"][1][item["attention_mask"][1] == 1]) == "<bos>1+2=2<eos>"
+    assert summary.examples == 2 and summary.loss_tokens == 8
 
     bad = [PAIRS[0], {"prompt": "2+2=", "chosen": "4"}, {"prompt": "1+1=", "chosen": "2", "rejected": [1]}]
     config = preference_config(tmp_path, "dpo", bad)
@@ -365,3 +367,53 @@ def test_prepared_preference_data_trains_as_tokenized_here(tmp_path):
     assert prepared.losses == train(config).losses
     with pytest.raises(ConfigError, match="prepared for objective.type 'kto', not 'dpo'"):
         train(preference_config(tmp_path, "dpo"), datasets=tmp_path / "packed")
+
+
+def test_kto_matches_trl_kto_trainer_step_by_step(tmp_path):
+    """As the DPO parity test (same tolerances), against TRL's KTOTrainer with its KL estimate: 4 desirable and 4
+    undesirable completions, one micro-batch of 8 per step (TRL's KL term is a mean over a micro-batch, so both
+    sides must batch the same records together; the whole data set is one micro-batch here)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    records = [
+        {"prompt": pair["prompt"], "completion": pair["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+        for i, pair in enumerate(PAIRS)
+    ]
+    batch = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
+    ours = logged_steps(train(preference_config(tmp_path, {"type": "kto"}, records, training=batch)).run_dir)
+    args = KTOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        max_steps=4,
+        logging_steps=1,
+        beta=0.1,
+        max_length=32,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        bf16=False,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+    model_dir = tiny_model_dir(tmp_path)
+    trainer = KTOTrainer(
+        model=str(model_dir),
+        args=args,
+        train_dataset=Dataset.from_list(records),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer.train()
+    theirs = [record for record in trainer.state.log_history if "loss" in record]
+    assert len(ours) == len(theirs) == 4
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
+        for name in ("loss", "logps/chosen", "logps/rejected"):
+            assert abs(a[name] - b[name]) <= 1e-5 * abs(b[name]), (step, name, a[name], b[name])
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"):
+            assert abs(a[name] - b[name]) <= 1e-5, (step, name, a[name], b[name])
+    assert any(record["kl"] > 0 for record in ours)  # the KL term took part
