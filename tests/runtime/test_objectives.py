@@ -27,6 +27,15 @@ PAIRS = [
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one thread is faster than two that other processes' threads contend with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
