@@ -111,6 +111,15 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 
 
 def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head's weight and bias, for a head the fused preference ops compute exactly (a plain linear map)."""
+    config = unwrap(model).config
+    quirks = [name for name in ("final_logit_softcapping", "logits_scaling") if getattr(config, name, None)]
+    if quirks:
+        raise ConfigError(
+            f"the fused preference losses compute a plain linear head, and this model's head applies "
+            f"{' and '.join(quirks)} (e.g. Gemma 2/3, Granite); train it with objective.type 'sft', or set "
+            f"{quirks[0]} to null in model.config_overrides if the model was trained without it"
+        )
     head = unwrap(model).get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ConfigError(

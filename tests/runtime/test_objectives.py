@@ -426,3 +426,13 @@ def test_kto_matches_trl_kto_trainer_step_by_step(tmp_path):
         for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "kl"):
             assert abs(a[name] - b[name]) <= 1e-5, (step, name, a[name], b[name])
     assert any(record["kl"] > 0 for record in ours)  # the KL term took part
+
+
+def test_lora_with_gradient_checkpointing_and_bf16(tmp_path):
+    """LoRA adapters (the reference precomputed, as a frozen copy is refused with LoRA), gradient checkpointing and
+    bf16 autocast: the decoder hook still hands the fused op its hidden states, and the loss falls."""
+    sections = {"lora": {"enabled": True, "r": 4}, "training": {"gradient_checkpointing": True, "precision": "bf16"}}
+    with pytest.raises(ConfigError, match="set objective.reference: precomputed"):
+        train(preference_config(tmp_path, {"type": "dpo"}, **sections))
+    result = train(preference_config(tmp_path, {"type": "dpo", "reference": "precomputed"}, **sections))
+    assert result.losses[-1] < result.losses[0] and result.objective_metrics["rewards/margins"] > 0
