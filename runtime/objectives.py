@@ -29,20 +29,13 @@ import torch
 from torch import nn
 
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.data import DataError
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 
 logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
 STATE = "_tigon_objective"  # the unwrapped model's __dict__ key of its ObjectiveState (not a submodule)
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
 
 
 @dataclass
@@ -366,6 +359,11 @@ def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEn
     batches = [indices[i : i + size] for i in range(0, len(indices), size)]
     if config.eval.max_batches is not None:
         batches = batches[: config.eval.max_batches]
+    if not batches:
+        raise DataError(
+            f"data.eval: {len(dataset)} held-out examples leave rank {env.rank} of {env.world_size} none to evaluate; "
+            "add examples to data.eval, or drop it"
+        )
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in batches:
