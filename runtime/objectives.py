@@ -75,6 +75,11 @@ def check_objective(config: RunConfig) -> None:
             f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
             f"or chat messages, so data.format {config.data.format!r} does not apply; remove data.format"
         )
+    if config.training.plan == "auto":
+        raise ConfigError(
+            f"{name}: the memory planner (training.plan: auto) counts next-token training only, not a reference model "
+            "or paired rows; set training.plan: manual and size micro_batch_size yourself"
+        )
     if "exact_match" in config.eval.metrics:
         raise ConfigError(f"{name} evaluates the preference loss and rewards; set eval.metrics: [loss]")
     if config.lora.enabled and objective.reference_source == "model":
