@@ -118,6 +118,7 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
         ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
         ({"parallelism": {"strategy": "fsdp"}}, "set strategy: ddp instead of 'fsdp'"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
+        ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             train(parse_config({**base, "objective": "dpo", **sections}))
