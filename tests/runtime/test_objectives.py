@@ -438,3 +438,13 @@ def test_lora_with_gradient_checkpointing_and_bf16(tmp_path):
         train(preference_config(tmp_path, {"type": "dpo"}, **sections))
     result = train(preference_config(tmp_path, {"type": "dpo", "reference": "precomputed"}, **sections))
     assert result.losses[-1] < result.losses[0] and result.objective_metrics["rewards/margins"] > 0
+
+
+def test_a_resumed_run_keeps_the_starting_model_as_its_reference(tmp_path):
+    """Stopped at its step-2 checkpoint and resumed, a DPO run repeats the uninterrupted run's losses: its frozen
+    reference is the starting model (built before the checkpoint is loaded), not the checkpoint's weights."""
+    whole = train(preference_config(tmp_path, {"type": "dpo"})).losses
+    sections = {"checkpoint": {"every_steps": 2, "resume": True}, "logging": {"run_dir": str(tmp_path / "resumed")}}
+    train(preference_config(tmp_path, {"type": "dpo"}, training={"max_steps": 2}, **sections))
+    resumed = train(preference_config(tmp_path, {"type": "dpo"}, **sections))
+    assert resumed.resumed_from_step == 2 and resumed.losses == whole, (resumed.losses, whole)
