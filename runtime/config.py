@@ -273,6 +273,91 @@ class EvalConfig(Section):
     metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss"])
 
 
+OBJECTIVE_SETTINGS = {  # objective setting -> the objectives it applies to
+    "beta": ("dpo", "orpo", "simpo", "cpo", "kto"),
+    "loss_type": ("dpo", "cpo", "simpo"),
+    "label_smoothing": ("dpo", "cpo", "simpo"),
+    "alpha": ("cpo", "simpo"),
+    "gamma": ("simpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+    "reference": ("dpo", "kto"),
+}
+
+
+class ObjectiveConfig(Section):
+    """What the run optimizes: next-token prediction (sft) or a preference loss on pairs (or KTO's labelled
+    completions), computed by tigon's fused linear preference ops from the final hidden states."""
+
+    type: Literal["sft", "dpo", "orpo", "simpo", "cpo", "kto"] = Field(
+        "sft",
+        description="sft: next-token loss on data.format; dpo/orpo/simpo/cpo: prompt/chosen/rejected pairs; "
+        "kto: prompt/completion/label records",
+    )
+    beta: float | None = Field(None, gt=0, description="the loss's temperature; default 0.1 (simpo: 2.0); not for sft")
+    loss_type: Literal["sigmoid"] = Field(
+        "sigmoid", description="dpo, cpo, simpo: the preference loss -log sigmoid of the margin (TRL's 'sigmoid')"
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="dpo, cpo, simpo: conservative DPO's probability that a label is flipped"
+    )
+    alpha: float | None = Field(
+        None, ge=0, description="cpo, simpo: weight of the chosen completions' NLL (default cpo 1.0, simpo 0.0)"
+    )
+    gamma: float = Field(0.5, description="simpo: the target reward margin")
+    desirable_weight: float = Field(1.0, ge=0, description="kto: weight of desirable completions' losses")
+    undesirable_weight: float = Field(1.0, ge=0, description="kto: weight of undesirable completions' losses")
+    reference: Literal["model", "precomputed", "none"] | None = Field(
+        None,
+        description="dpo, kto: the reference log-probs from a frozen copy of the starting model run beside it "
+        "('model', the default), from one pass over the data before training ('precomputed'), or none (zero: "
+        "reference-free DPO, TRL's reference_free)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        """`objective: dpo` is `objective: {type: dpo}`."""
+        return {"type": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _settings_of_the_objective(self) -> ObjectiveConfig:
+        for name, applies in OBJECTIVE_SETTINGS.items():  # a default value is no setting (a dumped config has them all)
+            if self.type not in applies and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(
+                    f"objective.{name} applies to {', '.join(applies)}, not to objective.type {self.type!r}; "
+                    f"remove it or change the type"
+                )
+        if self.type == "kto" and self.reference == "none":
+            raise ValueError(
+                "objective.reference: none is not available for kto (its loss needs reference log-probs); "
+                "use 'model' or 'precomputed'"
+            )
+        return self
+
+    @property
+    def preference(self) -> bool:
+        """True for every objective but sft: the data are preference records and the loss a fused preference op."""
+        return self.type != "sft"
+
+    @property
+    def reference_source(self) -> str:
+        """Where the reference log-probs come from: 'model', 'precomputed' or 'none'."""
+        if self.type not in ("dpo", "kto"):
+            return "none"
+        return self.reference or "model"
+
+    @property
+    def resolved_beta(self) -> float:
+        """beta, or the objective's default (SimPO's paper uses 2.0, the others TRL's 0.1)."""
+        return self.beta if self.beta is not None else (2.0 if self.type == "simpo" else 0.1)
+
+    @property
+    def resolved_alpha(self) -> float:
+        """alpha, or the objective's default (TRL's cpo_alpha 1.0 for cpo, 0.0 for simpo)."""
+        return self.alpha if self.alpha is not None else (1.0 if self.type == "cpo" else 0.0)
+
+
 class RunConfig(Section):
     """Everything one training run needs."""
 
@@ -287,6 +372,7 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
 
     @model_validator(mode="after")
     def _profile_with_the_torch_trainer(self) -> RunConfig:

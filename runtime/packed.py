@@ -26,6 +26,7 @@ import torch
 
 from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.data import DataError, DataSummary, PackedDataset, build_datasets
+from tigon.runtime.preference_data import PreferenceDataset, PreferenceSummary, build_preference_datasets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,6 +38,7 @@ logger = logging.getLogger("tigon.runtime")
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAYS = ("input_ids", "labels", "position_ids")
+PREFERENCE_ARRAYS = ("input_ids", "labels", "attention_mask")
 COUNTERS = ("truncated", "dropped", "documents", "num_tokens", "num_loss_tokens", "num_padding_tokens")
 
 
@@ -64,9 +66,12 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
 
 def pack(config: RunConfig, tokenizer: PreTrainedTokenizerBase, fingerprint: str) -> PackedData:
     """Tokenize and pack the configured data; `fingerprint` is the data's content hash (the cache key)."""
-    train, evaluation, summary = build_datasets(config, tokenizer)
+    if config.objective.preference:  # preference pairs (or KTO's completions): padded rows, not packed
+        train, evaluation, summary = build_preference_datasets(config, tokenizer)
+    else:
+        train, evaluation, summary = build_datasets(config, tokenizer)
     examples = None
-    if evaluation is not None and config.data.format in ("instruction", "chat"):
+    if evaluation is not None and config.data.format in ("instruction", "chat") and not config.objective.preference:
         from tigon.runtime.trainer import generation_examples
 
         examples = generation_examples(config, tokenizer)
@@ -76,15 +81,25 @@ def pack(config: RunConfig, tokenizer: PreTrainedTokenizerBase, fingerprint: str
         "build_id": uuid.uuid4().hex,  # tells one packing from another of the same data (e.g. a cache hit)
         "tokenizer": tokenizer_identity(tokenizer),
         "data": config.data.model_dump(mode="json", exclude={"train", "eval"}),
+        "objective": config.objective.type,
         "sequences": {"train": len(train), "eval": len(evaluation) if evaluation is not None else 0},
         "summary": str(summary),
     }
     return PackedData(train, evaluation, summary, examples, manifest)
 
 
-def _save_split(dataset: PackedDataset, path: Path) -> None:
+def _save_split(dataset: PackedDataset | PreferenceDataset, path: Path) -> None:
     from safetensors.torch import save_file
 
+    if isinstance(dataset, PreferenceDataset):
+        arrays = {name: getattr(dataset, name).to(torch.int32).contiguous() for name in PREFERENCE_ARRAYS}
+        if dataset.desirable is not None:
+            arrays["desirable"] = dataset.desirable.to(torch.int32).contiguous()
+        metadata = {"kind": "preference", "truncated": str(dataset.truncated), "dropped": str(dataset.dropped)}
+        temporary = path.with_name(f".{path.name}.tmp")
+        save_file(arrays, str(temporary), metadata=metadata)
+        temporary.replace(path)
+        return
     arrays = {name: getattr(dataset, name).to(torch.int32).contiguous() for name in ARRAYS}
     metadata = {name: str(getattr(dataset, name)) for name in COUNTERS}
     metadata["max_seq_len"], metadata["packing"] = str(dataset.max_seq_len), str(dataset.packing)
@@ -93,11 +108,17 @@ def _save_split(dataset: PackedDataset, path: Path) -> None:
     temporary.replace(path)
 
 
-def _load_split(path: Path) -> PackedDataset:
+def _load_split(path: Path) -> PackedDataset | PreferenceDataset:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as file:
         metadata = file.metadata()
+        if metadata.get("kind") == "preference":
+            arrays = {name: file.get_tensor(name).long() for name in PREFERENCE_ARRAYS}
+            desirable = file.get_tensor("desirable").bool() if "desirable" in file.keys() else None
+            return PreferenceDataset.from_arrays(
+                **arrays, desirable=desirable, truncated=int(metadata["truncated"]), dropped=int(metadata["dropped"])
+            )
         arrays = {name: file.get_tensor(name).long() for name in ARRAYS}
     counters = {name: int(metadata[name]) for name in COUNTERS}
     return PackedDataset.from_arrays(
@@ -119,16 +140,21 @@ def save_packed(packed: PackedData, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _summary_dict(summary: DataSummary) -> dict[str, Any]:
+def _summary_dict(summary: DataSummary | PreferenceSummary) -> dict[str, Any]:
+    if isinstance(summary, PreferenceSummary):
+        result = {name: value for name, value in vars(summary).items() if name != "eval"}
+        result["kind"] = "preference"
+        result["eval"] = _summary_dict(summary.eval) if summary.eval is not None else None
+        return result
     fields = ("path", "records", "skipped", "truncated", "dropped", "sequences", "tokens", "loss_tokens")
     result: dict[str, Any] = {name: getattr(summary, name) for name in (*fields, "padding_tokens")}
     result["eval"] = _summary_dict(summary.eval) if summary.eval is not None else None
     return result
 
 
-def _summary_from_dict(raw: dict[str, Any]) -> DataSummary:
+def _summary_from_dict(raw: dict[str, Any]) -> DataSummary | PreferenceSummary:
     evaluation = raw.pop("eval")
-    summary = DataSummary(**raw)
+    summary = PreferenceSummary(**raw) if raw.pop("kind", None) == "preference" else DataSummary(**raw)
     summary.eval = _summary_from_dict(evaluation) if evaluation is not None else None
     return summary
 

@@ -32,6 +32,7 @@ LOSS_PLOT = "loss.png"
 SUMMARY_FILE = "summary.json"
 PROFILE_FILE = "profile.json"  # logging.profile_step's step by kind of kernel
 PROFILE_TRACE = "trace.json"  # and its Chrome trace
+PREFERENCE_BAR = {"acc": "rewards/accuracies", "margin": "rewards/margins"}  # a preference objective's progress bar
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -134,6 +135,7 @@ class Reporter:
                 loss=f"{metrics['loss']:.4f}",
                 tok_s=format_count(metrics.get("tokens_per_second", 0.0)),
                 mem=format_bytes(metrics.get("memory_bytes", 0)),
+                **{short: f"{metrics[name]:.3f}" for short, name in PREFERENCE_BAR.items() if name in metrics},
                 refresh=False,
             )
         if step % self.log_every == 0 or step == self.total_steps or step == 1:
@@ -244,6 +246,8 @@ def summary_text(result) -> str:
         lines[0] += f" (resumed from step {result.resumed_from_step})"
     if result.losses:
         lines.append(f"  train loss        {result.losses[0]:.4f} -> {result.final_loss:.4f} (first -> final step)")
+    for name, value in (result.objective_metrics or {}).items():
+        lines.append(f"  {name:<17} {value:.4f} (final step)")
     history = result.eval_history
     if history:
         first, last = history[0], history[-1]

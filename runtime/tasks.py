@@ -92,3 +92,26 @@ def exact_match(prediction: str, reference: str) -> bool:
     `tokenizer.decode(new_tokens, skip_special_tokens=True)` after generation stopped at eos.
     """
     return prediction.strip() == reference.strip()
+
+
+def write_arithmetic_preferences(
+    path: str | Path, n_examples: int, seed: int, kind: str = "paired", exclude: Iterable[str] = ()
+) -> list[dict]:
+    """Write arithmetic preference records as JSONL, atomically: the right sum is preferred over the right sum
+    followed by a stray digit ("81" over "817"), which a tiny model learns to tell apart in a few hundred steps.
+    `kind` 'paired': {"prompt", "chosen", "rejected"} (DPO, ORPO, SimPO, CPO); 'unpaired': {"prompt",
+    "completion", "label"}, right and wrong answers alternating (KTO). Returns the records written."""
+    if kind not in ("paired", "unpaired"):
+        raise ValueError(f"kind must be 'paired' or 'unpaired', got {kind!r}")
+    rng = random.Random(seed)
+    records: list[dict] = []
+    for index, problem in enumerate(write_arithmetic_dataset(path, n_examples, seed, exclude=exclude)):
+        right = problem["response"]
+        wrong = right + str(rng.randint(0, 9))
+        if kind == "paired":
+            records.append({"prompt": problem["instruction"], "chosen": right, "rejected": wrong})
+        else:
+            label = index % 2 == 0
+            records.append({"prompt": problem["instruction"], "completion": right if label else wrong, "label": label})
+    _write_atomically(Path(path), "".join(json.dumps(record) + "\n" for record in records))
+    return records

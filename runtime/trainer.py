@@ -50,6 +50,7 @@ from tigon.runtime.distributed import (
 )
 from tigon.runtime.lock import RunDirLock
 from tigon.runtime.model import build_model, check_model_config, count_parameters
+from tigon.runtime.objectives import check_objective, prepare_objective, state_of
 from tigon.runtime.parallel import build_strategy
 from tigon.runtime.profiling import profile_step
 from tigon.runtime.reporting import (
@@ -94,6 +95,7 @@ class TrainResult:
     export_url: str | None = None  # the export's copy under checkpoint.remote_dir
     profile: dict | None = None  # logging.profile_step's step, by kind of kernel (tigon.runtime.profiling)
     hub_url: str | None = None  # the commit that checkpoint.push_to_hub made
+    objective_metrics: dict | None = None  # a preference objective's last step: rewards/chosen, ... (TRL's names)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -111,6 +113,7 @@ def check_config(config: RunConfig) -> None:
     and by `tigon submit` on the laptop (through `check_submission`)."""
     check_strategy(config)
     check_model_config(config)
+    check_objective(config)
     if config.training.precision == "fp16" and config.model.dtype == "float16":
         raise ConfigError(
             "training.precision fp16 with model.dtype float16: the gradient scaler needs float32 master weights; "
@@ -379,7 +382,11 @@ def evaluate(
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        if "loss" in config.eval.metrics:
+        if "loss" in config.eval.metrics and config.objective.preference:
+            from tigon.runtime.objectives import evaluate_objective
+
+            metrics.update(evaluate_objective(unwrap(model), dataset, config, env, device))
+        elif "loss" in config.eval.metrics:
             metrics["loss"] = eval_loss(unwrap(model), dataset, config, env, device)
         if "exact_match" in config.eval.metrics and examples:
             metrics["exact_match"] = exact_match_rate(model, tokenizer, examples, config, env, device)
@@ -472,8 +479,17 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
         from tigon.runtime.packed import load_packed
 
         packed = load_packed(datasets, tokenizer)
+        if packed.manifest.get("objective", "sft") != config.objective.type:
+            raise ConfigError(
+                f"the data in {datasets} was prepared for objective.type {packed.manifest.get('objective', 'sft')!r}, "
+                f"not {config.objective.type!r}; prepare it again with this config"
+            )
         train_dataset, eval_dataset, data_summary = packed.train, packed.eval, packed.summary
         examples, manifest = packed.eval_examples, packed.manifest
+    elif config.objective.preference:
+        from tigon.runtime.preference_data import build_preference_datasets
+
+        train_dataset, eval_dataset, data_summary = build_preference_datasets(config, tokenizer)
     else:
         train_dataset, eval_dataset, data_summary = build_datasets(config, tokenizer)
     if env.is_main:
@@ -634,6 +650,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         )
 
     trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
+    prepare_objective(config, prepared.model, prepared.train_dataset, prepared.eval_dataset, env, device)
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
     sampler = GlobalBatchSampler(
         len(prepared.train_dataset),
@@ -729,6 +746,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
                     "tokens_per_second": tokens_this_run / max(train_seconds, 1e-9),
                     "memory_bytes": memory_bytes(device),
                     "tokens_seen": state.tokens_seen,
+                    **state_of(strategy.model).metrics,
                 },
             )
             evaluation.step_done(total_steps)
@@ -771,6 +789,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         data_manifest=prepared.data_manifest,
         export_url=export_url,
         profile=profile,
+        objective_metrics=dict(state_of(strategy.model).metrics) or None,
     )
     if env.is_main:
         reporter.plot(result.losses, result.eval_history)
@@ -808,6 +827,10 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
     Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
     before clipping, tokens processed); `step` (1-based) names the step in errors.
     """
+    if config.objective.preference:
+        from tigon.runtime import objectives
+
+        return objectives.run_global_batch(strategy, micro_batches, config, env, device, step)
     training = config.training
     n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

@@ -107,8 +107,9 @@ def _data_bytes(path: str):
 
 
 def data_fingerprint(config: RunConfig) -> str:
-    """Content hash of the data files (a Hub dataset's name and revision), the tokenizer choice and the data
-    options: the cache key. Pin data.revision for a Hub dataset, or a new upload may hit an old packing."""
+    """Content hash of the data files (a Hub dataset's name and revision), the tokenizer choice, the data options
+    and a preference objective: the cache key. Pin data.revision for a Hub dataset, or a new upload may hit an old
+    packing."""
     digest = hashlib.sha256()
     for path in filter(None, [config.data.train, config.data.eval]):
         if is_hub_dataset(path):  # named, not read here: its revision (data.revision) stands for its content
@@ -118,6 +119,8 @@ def data_fingerprint(config: RunConfig) -> str:
             digest.update(content)
     options = config.data.model_dump(mode="json", exclude={"train", "eval", "cache_dir"})
     digest.update(json.dumps([config.model.tokenizer, config.model.path, config.model.revision, options]).encode())
+    if config.objective.preference:  # preference records are tokenized per objective (pairs, or KTO's completions)
+        digest.update(config.objective.type.encode())
     return digest.hexdigest()
 
 
@@ -310,6 +313,7 @@ def report(config_yaml: str, outcome: str) -> FlyteDirectory:
         "steps": len(losses),
         "loss": f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-",
         "evaluation": ", ".join(f"{k} {v:.4f}" for k, v in result["eval_metrics"].items()) or "-",
+        "last step": ", ".join(f"{k} {v:.4f}" for k, v in (result.get("objective_metrics") or {}).items()) or "-",
         "tokens/s": f"{result['tokens_per_second']:.0f}",
         "peak memory": f"{result['peak_memory_bytes'] / 2**30:.2f} GiB",
         "resumed from step": result["resumed_from_step"] or "-",

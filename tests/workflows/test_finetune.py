@@ -212,3 +212,13 @@ def test_config_errors_fail_in_validation(tmp_path):
     with pytest.raises(Exception, match="did you mean 'learning_rate'"):
         wf.finetune(config=str(bad), steps=2, run_dir=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()
+
+
+def test_a_preference_objective_is_part_of_the_data_cache_key(monkeypatch):
+    """Preference records are tokenized per objective (pairs, or KTO's completions), so each gets its own cache
+    entry: data prepared for ORPO is never handed to a DPO run."""
+    from tigon.runtime.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    dpo, orpo = (load_config(ROOT / "examples" / name) for name in ("dpo.yaml", "orpo.yaml"))
+    assert dpo.data == orpo.data and wf.data_fingerprint(dpo) != wf.data_fingerprint(orpo)

@@ -1,0 +1,385 @@
+"""Preference objectives (DPO, ORPO, SimPO, CPO, KTO) in the torch trainer, through tigon's fused linear ops.
+
+    check_objective(config)                          # settings that cannot run, with the fix
+    prepare_objective(config, prepared)              # the reference: a frozen copy, or log-probs stored once
+    loss, grad_norm, tokens = run_global_batch(strategy, micro_batches, config, env, device, step)
+
+The model runs with no logit positions kept (`logits_to_keep` = an empty index); a forward hook on its decoder
+hands the final hidden states to the fused op (`tigon.kernels.functional.fused_linear_dpo`, ...), which reads
+the head's weight directly: the `(tokens, vocabulary)` logits never exist. A micro-batch holds the chosen rows
+then the rejected rows (as TRL and the ops order them), cut to its longest sequence.
+
+The reference log-probs (DPO, KTO) come from `objective.reference`: `model`, a frozen copy of the starting model
+run beside the policy in the same fused pass (`ref_hidden`); `precomputed`, one pass over the training data
+before the first step that stores each sequence's summed completion log-probs; `none`, zero (reference-free DPO).
+
+Normalization: each op averages over the pairs (KTO: sequences) it is given, so a micro-batch's loss is
+weighted by its share of the global batch's pairs; with equal micro-batches that is the mean over micro-batches
+and ranks, as TRL's trainers (HF's gradient accumulation) compute it. The metrics are TRL's names
+(`rewards/chosen`, `rewards/margins`, `logps/chosen`, ...), averaged over the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.data import DataError
+from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
+
+logger = logging.getLogger("tigon.runtime")
+
+IGNORE_INDEX = -100
+STATE = "_tigon_objective"  # the unwrapped model's __dict__ key of its ObjectiveState (not a submodule)
+
+
+@dataclass
+class ObjectiveState:
+    """What a preference run keeps beside the model: the frozen reference, and the last step's metrics."""
+
+    reference: nn.Module | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def state_of(model: nn.Module) -> ObjectiveState:
+    """The model's ObjectiveState (made on first use); kept out of its modules, parameters and state dict."""
+    module = unwrap(model)
+    if STATE not in module.__dict__:
+        module.__dict__[STATE] = ObjectiveState()
+    return module.__dict__[STATE]
+
+
+def check_objective(config: RunConfig) -> None:
+    """Settings a preference objective cannot run with, named with the fix."""
+    objective = config.objective
+    if not objective.preference:
+        return
+    name = f"objective.type {objective.type!r}"
+    if config.trainer != "torch":
+        raise ConfigError(
+            f"{name} trains with trainer: torch; the {config.trainer!r} trainer runs objective.type 'sft' only. "
+            "Set trainer: torch"
+        )
+    if config.parallelism.strategy != "ddp":
+        raise ConfigError(
+            f"{name} runs under parallelism.strategy 'ddp' (the fused preference ops read the whole head weight); "
+            f"set strategy: ddp instead of {config.parallelism.strategy!r}"
+        )
+    if config.data.format != "text":
+        raise ConfigError(
+            f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
+            f"or chat messages, so data.format {config.data.format!r} does not apply; remove data.format"
+        )
+    if config.training.plan == "auto":
+        raise ConfigError(
+            f"{name}: the memory planner (training.plan: auto) counts next-token training only, not a reference model "
+            "or paired rows; set training.plan: manual and size micro_batch_size yourself"
+        )
+    if "exact_match" in config.eval.metrics:
+        raise ConfigError(f"{name} evaluates the preference loss and rewards; set eval.metrics: [loss]")
+    if config.lora.enabled and objective.reference_source == "model":
+        raise ConfigError(
+            f"{name} with LoRA: a frozen reference copy would duplicate the base weights; set objective.reference: "
+            "precomputed (one pass before training)"
+        )
+
+
+def rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, R, ...) items -> (R * B, ...): every item's first row, then every item's second (chosen, then rejected)."""
+    return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
+
+
+def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states `(B, T, H)` from a forward (through any DDP wrapper) that keeps no logits."""
+    from tigon.kernels.patching.causal_lm import keep_last_hidden_state
+
+    box = keep_last_hidden_state(unwrap(model))
+    box.append(None)
+    no_positions = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_positions)
+        return box[-1]
+    finally:
+        box.pop()
+
+
+def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head's weight and bias, for a head the fused preference ops compute exactly (a plain linear map)."""
+    config = unwrap(model).config
+    quirks = [name for name in ("final_logit_softcapping", "logits_scaling") if getattr(config, name, None)]
+    if quirks:
+        raise ConfigError(
+            f"the fused preference losses compute a plain linear head, and this model's head applies "
+            f"{' and '.join(quirks)} (e.g. Gemma 2/3, Granite); train it with objective.type 'sft', or set "
+            f"{quirks[0]} to null in model.config_overrides if the model was trained without it"
+        )
+    head = unwrap(model).get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(
+            f"the fused preference loss reads lm_head's weight, but lm_head is a {type(head).__name__}; keep "
+            "adapters (lora.target_modules) off lm_head"
+        )
+    return head.weight, head.bias
+
+
+def _in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Under autocast the head runs in the autocast dtype, as nn.Linear would."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return [t.to(dtype) if t is not None else None for t in tensors]
+
+
+def preference_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device, env: DistEnv | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
+    ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
+    from tigon.kernels import functional as F
+
+    objective = config.objective
+    length = int(batch["attention_mask"].sum(-1).max())
+    input_ids = rows(batch["input_ids"][..., :length]).to(device)
+    attention_mask = rows(batch["attention_mask"][..., :length]).to(device)
+    labels = rows(batch["labels"][..., :length]).to(device)
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    hidden = final_hidden(model, input_ids, attention_mask)
+    weight, bias = _head(model)
+    hidden, weight, bias = _in_compute_dtype(hidden, weight, bias)
+    reference: dict[str, torch.Tensor] = {}
+    source = objective.reference_source if objective.type in ("dpo", "kto") else None
+    if source == "model":
+        frozen = state_of(model).reference
+        with torch.no_grad():
+            ref_hidden = final_hidden(frozen, input_ids, attention_mask)
+        ref_weight, ref_bias = _head(frozen)
+        ref_hidden, ref_weight, ref_bias = _in_compute_dtype(ref_hidden, ref_weight, ref_bias)
+        reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
+    elif source == "precomputed":
+        reference = {"ref_logps": rows(batch["ref_logps"]).to(device)}
+    elif source == "none":
+        reference = {"ref_logps": torch.zeros(input_ids.shape[0], dtype=torch.float64, device=device)}
+    beta = objective.resolved_beta
+    if objective.type == "dpo":
+        return F.fused_linear_dpo(
+            hidden, weight, target, bias, beta=beta, label_smoothing=objective.label_smoothing, **reference
+        )
+    if objective.type == "cpo":
+        return F.fused_linear_cpo(
+            hidden, weight, target, bias, beta=beta, alpha=objective.resolved_alpha,
+            label_smoothing=objective.label_smoothing,
+        )  # fmt: skip
+    if objective.type == "simpo":
+        return F.fused_linear_simpo(
+            hidden, weight, target, bias, beta=beta, gamma=objective.gamma, alpha=objective.resolved_alpha,
+            label_smoothing=objective.label_smoothing,
+        )  # fmt: skip
+    if objective.type == "orpo":
+        return F.fused_linear_orpo(hidden, weight, target, bias, beta=beta)
+    n = input_ids.shape[0] // 2  # the completions, then the mismatched (KL) sequences
+    kl = kto_reference_point(hidden[n:], weight, bias, target[n:], reference, n, env)
+    reference = {name: value[:n] if name in ("ref_hidden", "ref_logps") else value for name, value in reference.items()}
+    return F.fused_linear_kto(
+        hidden[:n], weight, target[:n], rows(batch["desirable"]).to(device), bias, beta=beta, kl=kl,
+        desirable_weight=objective.desirable_weight, undesirable_weight=objective.undesirable_weight, **reference,
+    )  # fmt: skip
+
+
+def kto_reference_point(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    n: int,
+    env: DistEnv | None,
+) -> torch.Tensor:
+    """KTO's reference point as TRL estimates it: the mean of policy minus reference log-probs of the mismatched
+    sequences, averaged over the ranks (`env`; None: this rank's), at least 0; no gradient."""
+    from tigon.kernels import functional as F
+
+    with torch.no_grad():
+        logps = F.sequence_logps(hidden.detach(), weight.detach(), target, bias)
+        if "ref_logps" in reference:
+            ref = reference["ref_logps"][n:]
+        else:
+            ref = F.sequence_logps(reference["ref_hidden"][n:], reference["ref_weight"], target, reference["ref_bias"])
+        kl = (logps - ref).mean().reshape(1)
+        if env is not None:
+            kl = all_reduce_sum(kl, env) / env.world_size
+    return kl.clamp(min=0).reshape(())
+
+
+def _metric_sums(objective: str, metrics: dict[str, torch.Tensor], batch: dict, device) -> dict[str, torch.Tensor]:
+    """Sums (and counts) of TRL's metrics over one micro-batch, to be averaged over the global batch."""
+    if objective == "kto":
+        desirable = batch["desirable"].reshape(-1).to(device)
+        rewards, logps = metrics["rewards"].double(), metrics["logps"].double()
+        return {
+            "rewards/chosen": rewards[desirable].sum(),
+            "rewards/rejected": rewards[~desirable].sum(),
+            "logps/chosen": logps[desirable].sum(),
+            "logps/rejected": logps[~desirable].sum(),
+            "count/chosen": desirable.sum().double(),
+            "count/rejected": (~desirable).sum().double(),
+            "kl": metrics["kl"].double().reshape(()) * desirable.numel(),
+            "count/sequences": torch.tensor(float(desirable.numel()), dtype=torch.float64, device=device),
+        }
+    chosen, rejected = metrics["chosen_rewards"].double(), metrics["rejected_rewards"].double()
+    sums = {
+        "rewards/chosen": chosen.sum(),
+        "rewards/rejected": rejected.sum(),
+        "rewards/accuracies": (chosen > rejected).double().sum(),
+        "rewards/margins": (chosen - rejected).sum(),
+        "logps/chosen": metrics["chosen_logps"].double().sum(),
+        "logps/rejected": metrics["rejected_logps"].double().sum(),
+        "count/pairs": torch.tensor(float(chosen.numel()), dtype=torch.float64, device=device),
+    }
+    for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):  # ORPO's and CPO's extra metrics, TRL's names
+        if name in metrics:
+            sums[name] = metrics[name].double().sum() * (chosen.numel() if metrics[name].dim() == 0 else 1)
+    return sums
+
+
+def _averages(sums: dict[str, torch.Tensor], objective: str) -> dict[str, float]:
+    """Global-batch averages from summed metrics: per pair, or (KTO) per desirable / undesirable completion."""
+    if objective == "kto":
+        averages = {}
+        for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+            count = float(sums["count/" + name.split("/")[1]])
+            if count > 0:
+                averages[name] = float(sums[name]) / count
+        if "rewards/chosen" in averages and "rewards/rejected" in averages:
+            averages["rewards/margins"] = averages["rewards/chosen"] - averages["rewards/rejected"]
+        averages["kl"] = float(sums["kl"]) / float(sums["count/sequences"])
+        return averages
+    pairs = float(sums["count/pairs"])
+    return {name: float(value) / pairs for name, value in sums.items() if not name.startswith("count/")}
+
+
+def global_pairs(micro_batches: list[dict], env: DistEnv, device: torch.device) -> tuple[float, int]:
+    """(pairs, or KTO completions, in the global batch; tokens processed), summed over ranks."""
+    counts = torch.tensor(
+        [
+            sum(batch["input_ids"].shape[0] for batch in micro_batches),
+            sum(int(batch["attention_mask"].sum()) for batch in micro_batches),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    all_reduce_sum(counts, env)
+    return float(counts[0]), int(counts[1])
+
+
+def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
+    """The preference counterpart of `trainer.run_global_batch`: forward and backward over this rank's
+    micro-batches, then the update. Returns (the step's loss, the gradient norm before clipping, tokens); the
+    step's metrics land in the model's `ObjectiveState.metrics`."""
+    from tigon.runtime.trainer import autocast
+
+    objective = config.objective.type
+    n_pairs, n_tokens = global_pairs(micro_batches, env, device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict[str, torch.Tensor] = {}
+    for index, batch in enumerate(micro_batches):
+        share = batch["input_ids"].shape[0] / n_pairs
+        with strategy.accumulating(last=index == len(micro_batches) - 1):
+            with autocast(device, config.training.precision):
+                loss, metrics = preference_loss(strategy.model, batch, config, device, env)
+            strategy.backward(loss.float() * (share * env.world_size))  # gradients are averaged over the ranks
+        loss_sum += loss.detach().double() * share
+        for name, value in _metric_sums(objective, metrics, batch, device).items():
+            sums[name] = sums.get(name, 0) + value
+    grad_norm = strategy.step()
+    names = sorted(sums)
+    stacked = all_reduce_sum(torch.stack([sums[name] for name in names] + [loss_sum]), env)
+    state_of(strategy.model).metrics = _averages(dict(zip(names, stacked[:-1], strict=True)), objective)
+    return float(stacked[-1]), float(grad_norm), n_tokens
+
+
+def sequence_reference_logps(model: nn.Module, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
+    """Summed completion log-probs `(B, R)` float64 of a batch of items under `model`, without gradient."""
+    from tigon.kernels import functional as F
+    from tigon.runtime.trainer import autocast
+
+    length = int(batch["attention_mask"].sum(-1).max())
+    input_ids = rows(batch["input_ids"][..., :length]).to(device)
+    labels = rows(batch["labels"][..., :length]).to(device)
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    with torch.no_grad(), autocast(device, precision):
+        hidden = final_hidden(model, input_ids, rows(batch["attention_mask"][..., :length]).to(device))
+        weight, bias = _in_compute_dtype(hidden, *_head(model))[1:]
+        hidden = _in_compute_dtype(hidden)[0]
+        logps = F.sequence_logps(hidden, weight, target, bias)
+    return logps.reshape(batch["input_ids"].shape[1], -1).transpose(0, 1)
+
+
+def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> None:
+    """Fill `dataset.ref_logps` with the starting model's log-probs: each rank scores its share, summed over ranks."""
+    from tigon.runtime.trainer import collate
+
+    n, width = len(dataset), dataset.input_ids.shape[1]
+    values = torch.zeros((n, width), dtype=torch.float64, device=device)
+    indices = list(range(env.rank, n, env.world_size))
+    size = config.training.micro_batch_size
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(indices), size):
+        chunk = indices[start : start + size]
+        batch = collate([dataset[i] for i in chunk])
+        values[chunk] = sequence_reference_logps(model, batch, device, config.training.precision)
+    model.train(was_training)
+    dataset.ref_logps = all_reduce_sum(values, env).cpu()
+
+
+def prepare_objective(config: RunConfig, model: nn.Module, train_dataset, eval_dataset, env: DistEnv, device) -> None:
+    """Before the strategy wraps the model: a frozen reference copy, or the reference log-probs stored in the data."""
+    objective = config.objective
+    if not objective.preference:
+        return
+    source = objective.reference_source
+    if source == "model":
+        reference = copy.deepcopy(unwrap(model)).eval()
+        reference.requires_grad_(False)
+        state_of(model).reference = reference
+    elif source == "precomputed":
+        for dataset in (train_dataset, eval_dataset):
+            if dataset is not None:
+                precompute_reference(model, dataset, config, env, device)
+        if env.is_main:
+            logger.info("reference log-probs precomputed for %d training examples", len(train_dataset))
+
+
+def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
+    """The preference loss and TRL's metrics over the held-out examples (this rank's share, summed over ranks)."""
+    from tigon.runtime.trainer import autocast, collate
+
+    indices = list(range(env.rank, len(dataset), env.world_size))
+    size = config.training.micro_batch_size
+    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
+    if config.eval.max_batches is not None:
+        batches = batches[: config.eval.max_batches]
+    if not batches:
+        raise DataError(
+            f"data.eval: {len(dataset)} held-out examples leave rank {env.rank} of {env.world_size} none to evaluate; "
+            "add examples to data.eval, or drop it"
+        )
+    sums: dict[str, torch.Tensor] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in batches:
+        batch = collate([dataset[i] for i in chunk])
+        with autocast(device, config.training.precision):
+            loss, metrics = preference_loss(model, batch, config, device, None)
+        loss_sum += loss.double() * len(chunk)
+        for name, value in _metric_sums(config.objective.type, metrics, batch, device).items():
+            sums[name] = sums.get(name, 0) + value
+    names = sorted(sums)
+    count = torch.tensor(float(sum(len(c) for c in batches)), dtype=torch.float64, device=device)
+    stacked = all_reduce_sum(torch.stack([sums[name] for name in names] + [loss_sum, count]), env)
+    averages = _averages(dict(zip(names, stacked[:-2], strict=True)), config.objective.type)
+    return {"loss": float(stacked[-2] / stacked[-1]), **averages}
