@@ -226,6 +226,10 @@ def _load_dataset(source: str, split: str, data_config: DataConfig | None) -> li
         if builder is not None:
             raise _DatasetsCannotServe(f"dataset {source}: {error}") from None
         raise DataError(f"dataset {source}: cannot be read ({error.__cause__ or error})") from None
+    if builder == "json" and "Json(" in repr(dataset.features):
+        # A field of mixed types (text in one record, a list in another) becomes datasets' Json feature, which decodes
+        # text that parses as JSON ("9" becomes 9): tigon's own reader keeps every value as written.
+        raise _DatasetsCannotServe(f"dataset {source}: fields of mixed types")
     if builder == "json":  # JSON records differ in their keys: Arrow's None there is a key the record lacks
         return [_without_none(row) for row in dataset.to_list()]
     return [{key: _without_none(value) for key, value in row.items()} for row in dataset.to_list()]

@@ -577,3 +577,12 @@ def test_text_outside_the_char_tokenizers_alphabet_is_counted_and_named(tmp_path
     assert f"{train}: 4 tokens became the unknown token <unk>" in caplog.text
     assert f"first in {train}, line 2: characters '\\t', 'é', '中', '文'" in caplog.text
     assert "covers printable ASCII and newline only" in caplog.text
+
+
+def test_a_field_of_mixed_types_keeps_its_text_as_written(tmp_path, tokenizer):
+    """A JSONL field that is text in one record and a list in another: datasets would read it as its Json feature
+    and decode the text "12" into the number 12; tigon reads such files itself, so "12" stays text and the error
+    names the list's line."""
+    path = write_jsonl(tmp_path / "train.jsonl", [{"text": "12"}, {"text": ["1", "2"]}, {"text": "3+4=7"}])
+    with pytest.raises(MalformedRecordError, match=r"train\.jsonl, line 2: field 'text' \(data.text_field\) is a list"):
+        build_datasets(run_config(path), tokenizer)
