@@ -14,13 +14,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
-mkdir -p "$out" /tmp/tigonpath/tigon
-for layer in kernels runtime platform; do ln -sfn "$PWD/$layer" "/tmp/tigonpath/tigon/$layer"; done
-export PYTHONPATH="/tmp/tigonpath:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+mkdir -p "$out"
+source benchmarks/python_path.sh
 python3 -c "import pydantic, yaml" 2> /dev/null \
   || echo "the runtime needs pydantic and pyyaml here: carry their wheels in .whl (see the device tool's README)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"

@@ -21,13 +21,8 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 TINY=${TINY:-}
 LIMIT=${LIMIT:-600}  # seconds per run
 out=${OUT:-bench-out}/scaling
-mkdir -p "$out" /tmp/tigonpath/tigon
-for layer in kernels runtime platform; do ln -sfn "$PWD/$layer" "/tmp/tigonpath/tigon/$layer"; done
-export PYTHONPATH="/tmp/tigonpath:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if command -v nvidia-smi > /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+mkdir -p "$out"
+source benchmarks/python_path.sh
 if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"; fi
 
 for strategy in $STRATEGIES; do
