@@ -172,40 +172,10 @@ def test_dpo_matches_trl_dpo_trainer_step_by_step(tmp_path):
     float32 forwards whose sums are taken in different orders (tigon's reference op accumulates in float64);
     measured: loss 1e-7, log-probs 2e-6 absolute (1.6e-7 relative), rewards 3e-7.
     """
-    from datasets import Dataset
-    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     ours = logged_steps(train(preference_config(tmp_path, {"type": "dpo", "beta": 0.1})).run_dir)
-
-    args = DPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        max_steps=4,
-        logging_steps=1,
-        beta=0.1,
-        max_length=32,
-        adam_beta2=0.95,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        bf16=False,  # TRL turns on bf16 autocast by default, on the CPU too
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-    )
-    model_dir = tiny_model_dir(tmp_path)
-    trainer = DPOTrainer(
-        model=str(model_dir),
-        args=args,
-        train_dataset=Dataset.from_list(PAIRS),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
-    trainer.train()
-    theirs = [record for record in trainer.state.log_history if "loss" in record]
+    theirs = trl_logged_steps(tmp_path, DPOConfig, DPOTrainer, PAIRS, beta=0.1)
     assert len(ours) == len(theirs) == 4
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
         for name in ("loss", "logps/chosen", "logps/rejected"):
@@ -291,49 +261,53 @@ def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
         assert abs(ranks[0]["eval"][name] - single.eval_metrics[name]) <= 1e-5, name
 
 
-def _trl_experimental(objective: dict, tmp_path: Path) -> list[dict]:
-    """TRL's ORPOTrainer or CPOTrainer (SimPO through CPO's loss_type 'simpo') on PAIRS, as tigon trains them."""
+TRL_ARGS = {  # the run preference_config describes: AdamW (betas 0.9/0.95), constant lr 1e-2, clipping at 1, fp32
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-2,
+    "lr_scheduler_type": "constant",
+    "max_steps": 4,
+    "logging_steps": 1,
+    "max_length": 32,
+    "adam_beta2": 0.95,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "bf16": False,  # TRL turns on bf16 autocast by default, on the CPU too
+    "report_to": "none",
+    "use_cpu": True,
+    "save_strategy": "no",
+    "seed": 0,
+}
+
+
+def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
+    """TRL's `trainer_class` trained on `records` from tiny_model_dir, with TRL_ARGS and `settings`; its step logs."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    common = {
-        "output_dir": str(tmp_path / "trl"),
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "learning_rate": 1e-2,
-        "lr_scheduler_type": "constant",
-        "max_steps": 4,
-        "logging_steps": 1,
-        "max_length": 32,
-        "adam_beta2": 0.95,
-        "weight_decay": 0.0,
-        "max_grad_norm": 1.0,
-        "bf16": False,
-        "report_to": "none",
-        "use_cpu": True,
-        "save_strategy": "no",
-        "seed": 0,
-    }
-    if objective["type"] == "orpo":
-        from trl.experimental.orpo import ORPOConfig as Config
-        from trl.experimental.orpo import ORPOTrainer as Trainer
-
-        args = Config(**common, beta=objective["beta"])
-    else:
-        from trl.experimental.cpo import CPOConfig as Config
-        from trl.experimental.cpo import CPOTrainer as Trainer
-
-        extra = {"loss_type": "simpo", "simpo_gamma": objective["gamma"]} if objective["type"] == "simpo" else {}
-        args = Config(**common, beta=objective["beta"], cpo_alpha=objective["alpha"], **extra)
     model_dir = tiny_model_dir(tmp_path)
-    trainer = Trainer(
+    trainer = trainer_class(
         model=str(model_dir),
-        args=args,
-        train_dataset=Dataset.from_list(PAIRS),
+        args=config_class(output_dir=str(tmp_path / "trl"), **{**TRL_ARGS, **settings}),
+        train_dataset=Dataset.from_list(records),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
+
+
+def _trl_experimental(objective: dict, tmp_path: Path) -> list[dict]:
+    """TRL's ORPOTrainer or CPOTrainer (SimPO through CPO's loss_type 'simpo') on PAIRS, as tigon trains them."""
+    if objective["type"] == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        return trl_logged_steps(tmp_path, ORPOConfig, ORPOTrainer, PAIRS, beta=objective["beta"])
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    extra = {"loss_type": "simpo", "simpo_gamma": objective["gamma"]} if objective["type"] == "simpo" else {}
+    return trl_logged_steps(
+        tmp_path, CPOConfig, CPOTrainer, PAIRS, beta=objective["beta"], cpo_alpha=objective["alpha"], **extra
+    )
 
 
 @pytest.mark.parametrize(
@@ -384,8 +358,6 @@ def test_kto_matches_trl_kto_trainer_step_by_step(tmp_path):
     """As the DPO parity test (same tolerances), against TRL's KTOTrainer with its KL estimate: 4 desirable and 4
     undesirable completions, one micro-batch of 8 per step (TRL's KL term is a mean over a micro-batch, so both
     sides must batch the same records together; the whole data set is one micro-batch here)."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
     from trl import KTOConfig, KTOTrainer
 
     records = [
@@ -394,33 +366,9 @@ def test_kto_matches_trl_kto_trainer_step_by_step(tmp_path):
     ]
     batch = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
     ours = logged_steps(train(preference_config(tmp_path, {"type": "kto"}, records, training=batch)).run_dir)
-    args = KTOConfig(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        max_steps=4,
-        logging_steps=1,
-        beta=0.1,
-        max_length=32,
-        adam_beta2=0.95,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        bf16=False,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
+    theirs = trl_logged_steps(
+        tmp_path, KTOConfig, KTOTrainer, records, per_device_train_batch_size=8, gradient_accumulation_steps=1, beta=0.1
     )
-    model_dir = tiny_model_dir(tmp_path)
-    trainer = KTOTrainer(
-        model=str(model_dir),
-        args=args,
-        train_dataset=Dataset.from_list(records),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
-    trainer.train()
-    theirs = [record for record in trainer.state.log_history if "loss" in record]
     assert len(ours) == len(theirs) == 4
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True), 1):
         for name in ("loss", "logps/chosen", "logps/rejected"):
