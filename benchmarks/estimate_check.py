@@ -47,18 +47,15 @@ def check(
         shape,
         strategy,
     )
-    overrides = {
-        "training.gradient_accumulation_steps": accumulation,
-        "training.gradient_checkpointing": checkpointing,
-        "training.max_steps": STEPS,
-    }
-    arguments = [word for key, value in overrides.items() for word in ("--set", f"{key}={json.dumps(value)}")]
-    done = subprocess.run([sys.executable, "-m", "tigon.runtime", "train", str(path), *arguments])
-    config = load_config(path)
-    training = config.training.model_copy(
-        update={"gradient_accumulation_steps": accumulation, "gradient_checkpointing": checkpointing}
+    overrides = [
+        f"training.gradient_accumulation_steps={accumulation}",
+        f"training.gradient_checkpointing={json.dumps(checkpointing)}",
+        f"training.max_steps={STEPS}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "tigon.runtime", "train", str(path), *(w for o in overrides for w in ("--set", o))]
     )
-    config = config.model_copy(update={"training": training})
+    config = load_config(path, overrides)
     estimate = planner.estimate(planner.workload(config, world_size=1), planner.setting_of(config))
     summary = path.parent / "summary.json"
     peak = json.loads(summary.read_text())["peak_memory_bytes"] if summary.is_file() else None
