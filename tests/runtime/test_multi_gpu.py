@@ -32,18 +32,13 @@ relative on the loss two steps later, on 4 H200s).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from tests.runtime.test_parallel import launch, python_path
+from tests.runtime.test_parallel import launch
 from tests.runtime.test_trainer_adapters import adapter_config
 
 RELATIVE_TOLERANCE = 1e-4
@@ -101,7 +96,8 @@ for path in sys.argv[2:]:
         checkpoint = os.path.join(config.logging.run_dir, "checkpoints", "step-3")
         threading.Thread(target=kill_after_first_checkpoint, args=(checkpoint, marker), daemon=True).start()
     result = train(config)
-    record = {"losses": result.losses, "resumed_from": result.resumed_from_step, "restarts": int(restart)}
+    record = {"losses": result.losses, "resumed_from": result.resumed_from_step, "restarts": int(restart),
+              "world_size": result.world_size}
     with open(f"{out}/{name}-rank{rank}.json", "w") as file:
         json.dump(record, file)
 dist.destroy_process_group()
@@ -156,25 +152,12 @@ def train_all(root: Path, sizes: dict[int, str], backend: str = "nccl") -> dict[
 def train_killed(directory: Path, gpus: int, devices: str | None, backend: str = "nccl") -> dict[str, dict]:
     """KILL_CASES under `torchrun --max-restarts`, each losing its last rank once; rank 0's record of each."""
     directory.mkdir(parents=True, exist_ok=True)
-    worker = directory / "kill_worker.py"
-    worker.write_text(KILL_WORKER)
-    files = []
-    for name in KILL_CASES:
-        path = directory / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(case_config(directory, name, gpus).model_dump(mode="json")))
-        files.append(str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), "TEST_BACKEND": backend}
-    env.pop("TRITON_INTERPRET", None)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = devices
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)]
-    command += ["--max-restarts", str(len(KILL_CASES)), str(worker), str(directory), *files]
-    done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    records = {}
+    configs = {name: case_config(directory, name, gpus) for name in KILL_CASES}
+    records = launch(
+        directory, configs, backend, gpus, devices, timeout=540, worker_source=KILL_WORKER, max_restarts=len(configs)
+    )
     for name in KILL_CASES:
         assert (directory / f"{name}.killed").is_file(), name
-        records[name] = json.loads((directory / f"{name}-rank0.json").read_text())
     return records
 
 

@@ -90,12 +90,16 @@ def launch(
     nproc: int = 2,
     devices: str | None = None,
     timeout: float = 300,
+    worker_source: str = WORKER,
+    max_restarts: int = 0,
 ) -> dict[str, dict]:
     """Train `configs` one after another in one `nproc`-process torchrun group; rank 0's record of each run.
 
-    `devices` sets CUDA_VISIBLE_DEVICES for the group (e.g. "2,3"), so that groups can share a machine."""
+    `devices` sets CUDA_VISIBLE_DEVICES for the group (e.g. "2,3"), so that groups can share a machine;
+    `worker_source` replaces WORKER (it writes the same records), and torch elastic restarts the group up to
+    `max_restarts` times."""
     worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+    worker.write_text(worker_source)
     files = []
     for name, config in configs.items():
         path = tmp_path / f"{name}.yaml"
@@ -106,6 +110,7 @@ def launch(
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += ["--max-restarts", str(max_restarts)]
     done = subprocess.run(
         [*command, str(worker), str(tmp_path), *files],
         cwd=tmp_path,
