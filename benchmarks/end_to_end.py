@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.headline import LLAMA_3_8B
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
@@ -436,6 +438,16 @@ PRESETS: dict[str, Preset] = {
 }
 LLAMA_32_1B = PRESETS["llama"].shape()
 TINY = PRESETS["llama"].tiny_shape()
+#: --shape: a larger Llama than the preset's (Llama-3-8B, random weights)
+LARGER_SHAPES = {"llama-3-8b": LLAMA_3_8B}
+#: --qlora: the base in 4 bits (NF4, double quantization), rank-16 adapters on every projection
+QLORA = {
+    "enabled": True,
+    "r": 16,
+    "alpha": 32,
+    "quantize_base": "nf4",
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 VARIANTS = ("eager", "liger", "tigon", "planner")
 
 
@@ -484,6 +496,7 @@ def bench_config(spec: dict, cuda: bool):
             "plan": "auto" if spec["variant"] == "planner" else "manual",
         },
         "kernels": {"enabled": spec["variant"] in ("tigon", "planner")},
+        "lora": QLORA if spec.get("qlora") else {"enabled": False},
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": "runs/e2e", "tensorboard": False, "progress_bar": False},
     }
@@ -543,10 +556,15 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
         torch.zeros((), device=device)  # initializes CUDA: resetting the peak before that is an error
         torch.cuda.reset_peak_memory_stats(device)
     trainer.seed_everything(training.seed)
+    adapters = config.lora.enabled
+    if liger is not None and adapters:
+        liger()  # patches the classes: the model built next has Liger's modules under peft's adapters
     with device:
         model = build_model(config, vocab)
-    if liger is not None:
+    if liger is not None and not adapters:
         liger(model=model)
+    if cuda:  # the step's peak: a 4-bit base is built in model.dtype first and quantized layer by layer after
+        torch.cuda.reset_peak_memory_stats(device)
     env = DistEnv()
     strategy = build_strategy(model, config, env, device, steps + warmup)  # one process: the model, AdamW
     strategy.model.train()
@@ -1071,6 +1089,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gpu-memory", help="planner variant: plan for this much memory (default: the GPU's)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run that works on the CPU")
+    parser.add_argument("--shape", choices=LARGER_SHAPES, help="--family llama only: this model's shape instead")
+    parser.add_argument("--qlora", action="store_true", help="QLoRA: the base in 4 bits (NF4), LoRA adapters train")
     parser.add_argument("--profile", action="store_true", help="one more step per run, profiled: time per kernel kind")
     parser.add_argument("--trace-dir", help="with --profile: write each profiled step's Chrome trace into this folder")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
@@ -1107,6 +1127,8 @@ def main(argv: list[str] | None = None) -> None:
         families = parse_families(args.family)
     except ValueError as error:
         parser.error(str(error))
+    if args.shape and families != ["llama"]:
+        parser.error("--shape replaces the llama preset's shape: use it with --family llama")
     tiny = args.tiny
     seqs = [int(s) for s in (args.seqs or ("64,128" if tiny else "4096,8192")).split(",")]
     settings = {
@@ -1117,6 +1139,7 @@ def main(argv: list[str] | None = None) -> None:
         "profile": args.profile,
         "trace_dir": args.trace_dir,
         "gpu_memory": args.gpu_memory,
+        "qlora": args.qlora,
     }
     environment_info = environment()
     cuda = environment_info["gpu"] is not None
@@ -1127,7 +1150,7 @@ def main(argv: list[str] | None = None) -> None:
                 "source": PRESETS[name].source,
                 "liger": PRESETS[name].liger,
                 "attention": PRESETS[name].attention,
-                "shape": PRESETS[name].tiny_shape() if tiny else PRESETS[name].shape(),
+                "shape": PRESETS[name].tiny_shape() if tiny else LARGER_SHAPES.get(args.shape) or PRESETS[name].shape(),
             }
             for name in families
         },

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.distributed import DistEnv, barrier, broadcast_object, unwrap
+from tigon.runtime.quantization import is_quantized, merge_into_dense
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -530,7 +531,10 @@ def export_model(model: nn.Module, tokenizer, out_dir: str | Path, merge_lora: b
     model = unwrap(model)
     if hasattr(model, "peft_config") and merge_lora:
         export_model(model, None, out_dir.with_name(f"{out_dir.name}-adapter"), merge_lora=False)  # the adapter alone
-        model = model.merge_and_unload()
+        if is_quantized(model):  # QLoRA: merged into dequantized weights, in the dtype of the unquantized ones
+            model = merge_into_dense(model, model.get_input_embeddings().weight.dtype)
+        else:
+            model = model.merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:

@@ -197,6 +197,23 @@ class LoraConfig(Section):
     alpha: int = Field(16, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[Text] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    quantize_base: Literal["nf4", "fp4"] | None = Field(
+        None,
+        description="QLoRA: store the frozen base model's decoder Linear layers in 4 bits (bitsandbytes NF4 or FP4; "
+        "embeddings, norms and the head stay in model.dtype); the adapters train in full precision",
+    )
+    double_quant: bool = Field(
+        True, description="with quantize_base: quantize the 4-bit blocks' scales too (about 0.4 bits a weight less)"
+    )
+
+    @model_validator(mode="after")
+    def _quantized_base_needs_adapters(self) -> LoraConfig:
+        if self.quantize_base and not self.enabled:
+            raise ValueError(
+                f"lora.quantize_base: {self.quantize_base!r} freezes the base in 4 bits and trains LoRA adapters on "
+                "it; set lora.enabled: true, or drop quantize_base"
+            )
+        return self
 
 
 class HubPushConfig(Section):

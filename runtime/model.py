@@ -5,7 +5,8 @@
 `model.path` loads a Hub id, a local `from_pretrained` directory or an object-store copy of one
 (`tigon.runtime.hub`); `model.config_name` builds a randomly initialized model from a transformers config
 (`config_overrides` inline). Then tigon's kernels are applied per `config.kernels` (the PatchReport is
-logged and kept on `model.tigon_patch_report`), gradient checkpointing is turned on if asked, and LoRA
+logged and kept on `model.tigon_patch_report`), the base is stored in 4 bits for QLoRA
+(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, and LoRA
 adapters are added through peft when `lora.enabled`.
 """
 
@@ -283,6 +284,10 @@ def build_model(
         else:
             model = build_from_config(config, vocab_size, tokenizer)
         model.tigon_patch_report = apply_kernels(model, config)
+        if config.lora.quantize_base and not meta:
+            from tigon.runtime.quantization import quantize_base
+
+            quantize_base(model, config, device)
         if config.training.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if config.lora.enabled:

@@ -88,6 +88,10 @@ from typing import Literal
 
 from tigon.runtime.config import ConfigError, RunConfig
 
+#: QLoRA: bytes a 4-bit weight takes with its block's scale, by `lora.double_quant`: half a byte, plus an fp32
+#: scale per 64 weights, or with double quantization an 8-bit scale per 64 and an fp32 one per 256 of those
+QUANTIZED_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+
 GB = 10**9
 GiB = 2**30
 MiB = 2**20
@@ -257,12 +261,18 @@ class Workload:
     attention: Literal["sdpa", "sdpa_causal", "flash_attention_2", "eager"]  # sdpa_causal: unpacked, no mask
     lora_rank: int = 0  # 0: full fine-tuning
     lora_targets: tuple[str, ...] = ()
+    quantized_bytes: float = 0.0  # QLoRA: bytes per decoder Linear weight in 4 bits with its scales; 0: not quantized
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
     zero_stage: int = 2
     cpu_offload: bool = False
     world_size: int = 1
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' Linear weights (what QLoRA stores in 4 bits)."""
+        return self.shape.layers * sum(a * b for a, b in map(self.shape.linear_shape, self.shape.linear_names))
 
     @property
     def trainable(self) -> int:
@@ -332,6 +342,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         attention=attention_path(config, shape),
         lora_rank=lora.r if lora.enabled else 0,
         lora_targets=tuple(lora.target_modules) if lora.enabled else (),
+        quantized_bytes=QUANTIZED_BYTES[lora.double_quant] if lora.quantize_base else 0.0,
         strategy=config.parallelism.strategy,
         zero_stage=config.parallelism.stage,
         cpu_offload=config.parallelism.cpu_offload,
@@ -492,6 +503,8 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     trainable = work.trainable
 
     weights = s.params * w
+    if work.quantized_bytes:
+        weights -= int(work.linear_params * (w - work.quantized_bytes))
     grads = trainable * w
     states = 2 * trainable * w
     gathered = 0
@@ -514,7 +527,9 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     buckets = grads if work.strategy == "ddp" and n > 1 else 0
     casts = 0
     if work.autocast:  # autocast's compute-dtype copies of the Linear weights live from forward to backward
-        casts = (s.vocab * s.hidden + (0 if setting.checkpointing else s.layers * (s.layer_params - 2 * s.hidden))) * c
+        # (a 4-bit layer dequantizes inside its own matmul, forward and backward, and keeps no copy)
+        layer_casts = 0 if setting.checkpointing or work.quantized_bytes else s.layers * (s.layer_params - 2 * s.hidden)
+        casts = (s.vocab * s.hidden + layer_casts) * c
 
     layer = layer_bytes(work, kernels) * tokens
     kept_per_layer = r * s.hidden * tokens if setting.checkpointing else layer

@@ -53,6 +53,7 @@ from tigon.runtime.model import build_model, check_model_config, count_parameter
 from tigon.runtime.objectives import check_objective, prepare_objective, state_of
 from tigon.runtime.parallel import build_strategy
 from tigon.runtime.profiling import profile_step
+from tigon.runtime.quantization import check_quantized_base
 from tigon.runtime.reporting import (
     PROFILE_FILE,
     PROFILE_TRACE,
@@ -112,6 +113,7 @@ def check_config(config: RunConfig) -> None:
     """Settings that cannot run together, named with the fix: checked before anything is built, by every trainer
     and by `tigon submit` on the laptop (through `check_submission`)."""
     check_strategy(config)
+    check_quantized_base(config)
     check_model_config(config)
     check_objective(config)
     if config.training.precision == "fp16" and config.model.dtype == "float16":
