@@ -135,8 +135,8 @@ def test_qlora_on_a_gpu_trains_in_bf16_with_the_kernels(tmp_path):
     config = qlora_config(
         tmp_path,
         model={"config_overrides": shape},
-        data={"max_seq_len": 256},
-        training={"max_steps": 30, "micro_batch_size": 8, "learning_rate": 3e-3, "precision": "bf16"},
+        data={"max_seq_len": 64},
+        training={"max_steps": 30, "micro_batch_size": 4, "learning_rate": 3e-3, "precision": "bf16"},
         kernels={"enabled": True},
         checkpoint={"export": True},
     )
