@@ -492,6 +492,7 @@ def bench_config(spec: dict, cuda: bool):
             "micro_batch_size": spec["micro_batch"],
             "gradient_accumulation_steps": 1,
             "gradient_checkpointing": spec["checkpointing"],
+            "checkpoint_layers": spec.get("checkpoint_layers") if spec["checkpointing"] else None,
             "precision": "bf16" if cuda else "fp32",
             "plan": "auto" if spec["variant"] == "planner" else "manual",
         },
@@ -656,6 +657,7 @@ def worker(spec: dict) -> dict:
         "micro_batch": setting.micro_batch,
         "accumulation": setting.accumulation,
         "checkpointing": setting.checkpointing,
+        "checkpoint_layers": setting.checkpoint_layers,
         "kernels": setting.kernels,
         "estimate_bytes": None if spec["variant"] == "liger" or note else planner.estimate(work, setting).peak,
     }
@@ -860,7 +862,7 @@ def markdown(report: dict) -> str:
             r["variant"],
             r["seq"],
             f"{r['micro_batch']} x {r['accumulation']}",
-            "on" if r["checkpointing"] else "off",
+            f"{r['checkpoint_layers']} layers" if r.get("checkpoint_layers") else "on" if r["checkpointing"] else "off",
             "on" if r["kernels"] else "off",
             "out of memory" if r["oom"] else f"{r['tokens_per_second']:,.0f}",
             f"{peak / GiB:.2f}" if peak else "-",
@@ -1075,6 +1077,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", default=None, help="sequence lengths (default 4096,8192; --tiny: 64,128)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8; --tiny 2)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (default on)")
+    parser.add_argument("--checkpoint-layers", type=int, help="checkpoint the first N layers (default all)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence each variant fits")
@@ -1134,6 +1137,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {
         "micro_batch": args.micro_batch or (2 if tiny else 8),
         "checkpointing": not args.no_checkpointing,
+        "checkpoint_layers": args.checkpoint_layers,
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
         "profile": args.profile,

@@ -3,6 +3,7 @@
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
 #   [planner-tests] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
+#   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
 #   [flyte-gpu (pyflyte run of the workflow on every GPU, a killed worker; carry .whl-flyte too)]
 #   [headline (benchmarks/headline.sh)] (BENCH_LIMIT seconds each; results in $OUT/scaling.tgz, headline.tgz) [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
@@ -48,6 +49,12 @@ for step in "$@"; do
       tar czf "$out/$step.tgz" --exclude=checkpoints --exclude=data --exclude='*.png' -C /tmp/bench "$step" ;;
     flyte-gpu) timeout "${TEST_LIMIT:-600}" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/workflows/test_finetune_gpu.py > "$out/flyte-gpu.log" 2>&1
       grep -E "pyflyte run on|passed|failed|Error" "$out/flyte-gpu.log" | tail -n 30 ;;
+    recompute-curve) for layers in ${RECOMPUTE_LAYERS:-0 4 8 12 16}; do  # tokens/s against peak memory, layers checkpointed
+        case $layers in 0) ckpt=--no-checkpointing ;; *) ckpt="--checkpoint-layers $layers" ;; esac
+        python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon $ckpt --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
+      done
+      python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-on.json" 2>&1 | grep -E "tokens/s|memory|failed"
+      python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed" ;;
     e2e-qlora) python3 -m benchmarks.end_to_end --family llama --shape llama-3-8b --qlora --variants "${E2E_VARIANTS:-eager,liger,tigon,planner}" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/e2e-qlora.json" 2>&1 | tee "$out/e2e-qlora.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;

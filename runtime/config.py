@@ -112,7 +112,12 @@ class TrainingConfig(Section):
     gradient_accumulation_steps: int = Field(1, gt=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm; null turns it off")
     seed: int = 0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="recompute decoder layers' activations in the backward")
+    checkpoint_layers: PositiveInt | None = Field(
+        None,
+        description="with gradient_checkpointing: only the first N decoder layers recompute, the rest keep their "
+        "activations (faster where memory allows); unset: every layer",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
     plan: Literal["manual", "auto"] = Field(
         "manual",

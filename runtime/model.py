@@ -246,8 +246,9 @@ def add_lora(model: nn.Module, config: RunConfig) -> nn.Module:
     return model
 
 
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing)."""
+def enable_activation_checkpointing(model: nn.Module, layers: int | None = None) -> None:
+    """Recompute decoder layers' activations in the backward (non-reentrant checkpointing): every layer, or the
+    first `layers` of them (the others keep their activations: less recompute where memory allows)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(
             f"training.gradient_checkpointing: {type(model).__name__} does not support it; set it to false"
@@ -256,6 +257,17 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if layers is None:
+        return
+    checkpointed = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
+    decoder_layers = [module for module in checkpointed if not hasattr(module, "get_input_embeddings")]
+    if not decoder_layers:
+        raise ConfigError(
+            f"training.gradient_checkpointing: {layers} checkpoints some layers, but {type(model).__name__}'s layers "
+            "cannot be checkpointed one by one in this transformers; set it to true or false"
+        )
+    for layer in decoder_layers[layers:]:
+        layer.gradient_checkpointing = False
 
 
 def build_model(
@@ -289,7 +301,7 @@ def build_model(
 
             quantize_base(model, config, device)
         if config.training.gradient_checkpointing:
-            enable_activation_checkpointing(model)
+            enable_activation_checkpointing(model, config.training.checkpoint_layers)
         if config.lora.enabled:
             model = add_lora(model, config)
     return model

@@ -42,7 +42,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
   activations and, for its sigmoid gate, the gate (c) and its output (c h).
 
 With gradient checkpointing a layer keeps only its input (r h per token); during the backward one
-layer is recomputed at a time, so one layer's full activations come back transiently.
+layer is recomputed at a time, so one layer's full activations come back transiently. Checkpointing the
+first N of L layers keeps N inputs and L - N layers' full activations.
 
 Once per micro-batch: the final norm, the ids, labels and positions (24 per token), cos and sin
 (2 r head_dim). The loss (`token_loss_sum`: the model's own loss with labels): Hugging Face's
@@ -69,17 +70,18 @@ keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). 
 states (stage 1), gradients (2) and weights (3) and keeps float32 master weights (4 per trainable
 parameter, sharded) for bf16/fp16 weights. CPU offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
-Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate:
-micro-batch among its divisors, gradient checkpointing off and on, tigon's kernels on and off. The
-ones whose estimate stays under FIT_FRACTION of the usable memory (the GPU's memory minus
-CUDA_CONTEXT) are ranked by a relative step-time model: checkpointing recomputes the forward
-(x 4/3), the kernels save KERNEL_TIME of a step, and a micro-batch of n tokens runs at
-n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate. The model ranks settings; it does not predict
-tokens/s.
+Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate: micro-
+batch among its divisors, gradient checkpointing of none, every, or any number of the layers, tigon's
+kernels on and off. The ones whose estimate stays under FIT_FRACTION of the usable memory (the GPU's
+memory minus CUDA_CONTEXT) are ranked by a relative step-time model: checkpointing recomputes the
+forward of its layers (x 4/3 for all of them, in proportion for some), the kernels save KERNEL_TIME of a
+step, and a micro-batch of n tokens runs at n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate. The
+model ranks settings; it does not predict tokens/s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -290,12 +292,25 @@ class Setting:
     accumulation: int
     checkpointing: bool
     kernels: bool
+    checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only; None: every one
 
     def describe(self) -> str:
         return (
             f"micro-batch {self.micro_batch} x accumulation {self.accumulation}, checkpointing "
-            f"{'on' if self.checkpointing else 'off'}, kernels {'on' if self.kernels else 'off'}"
+            f"{self.checkpointing_text()}, kernels {'on' if self.kernels else 'off'}"
         )
+
+    def checkpointed_layers(self, layers: int) -> int:
+        """How many of the model's `layers` decoder layers recompute their activations."""
+        if not self.checkpointing:
+            return 0
+        return layers if self.checkpoint_layers is None else min(self.checkpoint_layers, layers)
+
+    def checkpointing_text(self) -> str:
+        """'on', 'off', or 'N layers'."""
+        if self.checkpointing and self.checkpoint_layers is not None:
+            return f"{self.checkpoint_layers} layers"
+        return "on" if self.checkpointing else "off"
 
 
 def detect_world_size() -> int:
@@ -359,6 +374,7 @@ def setting_of(config: RunConfig) -> Setting:
         training.gradient_accumulation_steps,
         training.gradient_checkpointing,
         config.kernels.enabled,
+        training.checkpoint_layers if training.gradient_checkpointing else None,
     )
 
 
@@ -525,20 +541,21 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
             states = 0
             weights = 0 if work.zero_stage == 3 else weights
     buckets = grads if work.strategy == "ddp" and n > 1 else 0
+    checkpointed = setting.checkpointed_layers(s.layers)  # the first ones: the top layer is one only with all
     casts = 0
     if work.autocast:  # autocast's compute-dtype copies of the Linear weights live from forward to backward
         # (a 4-bit layer dequantizes inside its own matmul, forward and backward, and keeps no copy)
-        layer_casts = 0 if setting.checkpointing or work.quantized_bytes else s.layers * (s.layer_params - 2 * s.hidden)
-        casts = (s.vocab * s.hidden + layer_casts) * c
+        kept_layers = 0 if work.quantized_bytes else s.layers - checkpointed
+        casts = (s.vocab * s.hidden + kept_layers * (s.layer_params - 2 * s.hidden)) * c
 
     layer = layer_bytes(work, kernels) * tokens
-    kept_per_layer = r * s.hidden * tokens if setting.checkpointing else layer
+    layer_input = r * s.hidden * tokens
+    first_kept = layer_input if checkpointed else layer
     per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
-    masked = setting.checkpointing and work.attention not in UNMASKED  # checkpoints keep the bool mask
+    masked = checkpointed and work.attention not in UNMASKED  # checkpoints keep the bool mask
     mask = setting.micro_batch * work.seq_len**2 if masked else 0
     fused = kernels and work.fused_loss
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
-    recompute = layer if setting.checkpointing else 0
     backward = layer_backward_bytes(work, kernels) * tokens
     loss_peak = loss_bytes(work, setting.micro_batch, fused, loss_chunk_tokens)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
@@ -546,7 +563,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         head_grad //= n
 
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
-    activations = s.layers * kept_per_layer + head + per_batch + mask
+    activations = checkpointed * layer_input + (s.layers - checkpointed) * layer + head + per_batch + mask
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     if work.strategy == "fsdp" and setting.accumulation > 1:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
@@ -555,13 +572,13 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         "backward (top layer)": {
             **fixed,
             "activations": casts + activations,
-            "backward buffers": recompute + backward,
+            "backward buffers": (layer if checkpointed == s.layers else 0) + backward,
             "gradients": max(carried, head_grad),
         },
         "backward (first layer)": {
             **fixed,
-            "activations": kept_per_layer + per_batch + mask,
-            "backward buffers": recompute + backward,
+            "activations": first_kept + per_batch + mask,
+            "backward buffers": (layer if checkpointed else 0) + backward,
             "gradients": grads,
         },
         "optimizer": {**fixed, "gradients": grads + buckets},
@@ -606,22 +623,23 @@ def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
     tokens = setting.micro_batch * work.seq_len
     time = (tokens + HALF_EFFICIENCY_TOKENS) / tokens
-    if setting.checkpointing:
-        time *= CHECKPOINT_TIME
+    time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(work.shape.layers) / work.shape.layers
     if not (setting.kernels and work.kernels_fit):
         time /= KERNEL_TIME
     return time * KERNEL_TIME
 
 
 def candidates(work: Workload, current: Setting) -> list[Setting]:
-    """Every setting with the current global batch: micro-batch x accumulation, checkpointing, kernels."""
+    """Every setting with the current global batch: micro-batch x accumulation, checkpointing of none, some or
+    every layer, kernels."""
     global_batch = current.micro_batch * current.accumulation
     kernel_options = (True, False) if work.kernels_fit else (False,)
+    checkpointing = [(False, None), *((True, n) for n in range(1, work.shape.layers)), (True, None)]
     return [
-        Setting(micro, global_batch // micro, checkpointing, kernels)
+        Setting(micro, global_batch // micro, on, kernels, layers)
         for micro in range(1, global_batch + 1)
         if global_batch % micro == 0
-        for checkpointing in (False, True)
+        for on, layers in checkpointing
         for kernels in kernel_options
     ]
 
@@ -649,15 +667,15 @@ class Plan:
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
-            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>4} {'kernels':>7} {'estimate':>10} {'fits':>4} "
+            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>9} {'kernels':>7} {'estimate':>10} {'fits':>4} "
             f"{'rel. time':>9}  peaks at",
         ]
-        for item in sorted(self.alternatives, key=lambda e: (e.peak > self.budget, self.rank(e))):
+        for item in sorted(self.shown(), key=lambda e: (e.peak > self.budget, self.rank(e))):
             st = item.setting
             mark = "->" if self.chosen is not None and item.setting == self.chosen.setting else "  "
             mark = "=>" if mark == "->" and item.setting == self.current.setting else mark
             lines.append(
-                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {'on' if st.checkpointing else 'off':>4} "
+                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {st.checkpointing_text():>9} "
                 f"{'on' if st.kernels and w.kernels_fit else 'off':>7} {_gib(item.peak):>10} "
                 f"{'yes' if item.peak <= self.budget else 'no':>4} {self.rank(item):9.2f}  {item.moment}"
                 + ("   (current)" if item.setting == self.current.setting else "")
@@ -677,6 +695,22 @@ class Plan:
 
     def rank(self, item: Estimate) -> float:
         return relative_step_time(self.work, item.setting)
+
+    def shown(self) -> list[Estimate]:
+        """The table's rows: checkpointing off and on for each micro-batch and kernel choice; where off does not fit
+        and on does, the fewest checkpointed layers that fit; the chosen and the current setting."""
+        rows, fewest, off_fits = [], {}, set()
+        for item in self.alternatives:
+            st = item.setting
+            if st.checkpoint_layers is None or st in (self.current.setting, getattr(self.chosen, "setting", None)):
+                rows.append(item)
+                if not st.checkpointing and item.peak <= self.budget:
+                    off_fits.add((st.micro_batch, st.kernels))
+            elif item.peak <= self.budget:
+                key = (st.micro_batch, st.kernels)
+                if key not in fewest or st.checkpoint_layers < fewest[key].setting.checkpoint_layers:
+                    fewest[key] = item
+        return rows + [item for key, item in fewest.items() if key not in off_fits and item not in rows]
 
 
 def _gib(count: float) -> str:
@@ -720,6 +754,8 @@ def make_plan(
         raise PlanError(f"GPU memory {_gib(gpu_memory)}: less than the CUDA context alone ({_gib(CUDA_CONTEXT)})")
     budget = int((gpu_memory - CUDA_CONTEXT) * FIT_FRACTION)
     current = setting_of(config)
+    if current.checkpoint_layers is not None and current.checkpoint_layers >= work.shape.layers:
+        current = dataclasses.replace(current, checkpoint_layers=None)  # every layer
     alternatives = [estimate(work, setting) for setting in candidates(work, current)]
     fitting = [item for item in alternatives if item.peak <= budget]
     if not fitting:
@@ -741,9 +777,10 @@ def config_changes(current: Setting, chosen: Setting) -> list[str]:
         "training.micro_batch_size": (current.micro_batch, chosen.micro_batch),
         "training.gradient_accumulation_steps": (current.accumulation, chosen.accumulation),
         "training.gradient_checkpointing": (current.checkpointing, chosen.checkpointing),
+        "training.checkpoint_layers": (current.checkpoint_layers, chosen.checkpoint_layers),
         "kernels.enabled": (current.kernels, chosen.kernels),
     }
-    return [f"{key}={str(new).lower()}" for key, (old, new) in keys.items() if old != new]
+    return [f"{key}={'null' if new is None else str(new).lower()}" for key, (old, new) in keys.items() if old != new]
 
 
 def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
@@ -754,6 +791,7 @@ def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
             "micro_batch_size": chosen.micro_batch,
             "gradient_accumulation_steps": chosen.accumulation,
             "gradient_checkpointing": chosen.checkpointing,
+            "checkpoint_layers": chosen.checkpoint_layers,
         }
     )
     kernels = config.kernels.model_copy(update={"enabled": chosen.kernels})

@@ -292,17 +292,30 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
 
 
-def test_plan_names_the_loss_chunk_when_the_step_peaks_elsewhere(tmp_path, capsys):
+def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     import yaml
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(plan_config(tmp_path).model_dump(mode="json", exclude_defaults=True)))
-    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # checkpointing stays on
+    assert cli.main(["plan", str(path), "--gpu-memory", "13GiB", "--gpus", "1"]) == 0  # every layer, at micro-batch 2
+    assert "plan: micro-batch 2 x accumulation 4, checkpointing on, kernels on" in capsys.readouterr().out
+    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # 10 layers keep theirs
     out = capsys.readouterr().out
-    assert "checkpointing on, kernels on" in out
-    assert "loss: 4096-token chunks of the fused loss" in out and "backward (top layer)" in out
-    assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0  # off: the loss is near the peak
-    assert "loss:" not in capsys.readouterr().out
+    assert "plan: micro-batch 1 x accumulation 8, checkpointing 6 layers, kernels on" in out
+    assert "--set training.checkpoint_layers=6" in out
+    assert len(out.splitlines()) < 40  # the table shows the fewest layers that fit, not every count
+    assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0
+    assert "checkpointing off, kernels on" in capsys.readouterr().out
+
+
+def test_partial_checkpointing_lies_between_none_and_every_layer():
+    work = bf16_work(LLAMA_1B, 4096)
+    none, every = (estimate(work, Setting(4, 1, on, True)).peak for on in (False, True))
+    partial = [estimate(work, Setting(4, 1, True, True, n)).peak for n in range(1, work.shape.layers)]
+    # all but the top layer: its activations stand in for the recomputed layer of full checkpointing
+    assert every == min(partial) and max(partial) < none
+    assert partial == sorted(partial, reverse=True)  # each layer checkpointed more keeps less
+    assert partial[0] - partial[1] == partial[1] - partial[2] > 0  # one layer's activations less its input
 
 
 @pytest.mark.parametrize("kernels", [False, True])

@@ -428,3 +428,15 @@ def test_examples_train_for_two_steps(tmp_path, monkeypatch):
         ]
         result = train(load_config(path, overrides))
         assert result.steps == 2 and all(math.isfinite(x) for x in result.losses), path
+
+
+def test_checkpointing_some_layers_recomputes_those_and_trains_the_same(tmp_path):
+    from tigon.runtime.model import build_model
+
+    some = tiny_config(
+        tmp_path / "some", training={"max_steps": 3, "gradient_checkpointing": True, "checkpoint_layers": 1}
+    )
+    model = build_model(some, 64)
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    none = train(tiny_config(tmp_path / "none", training={"max_steps": 3}))
+    assert train(some).losses == none.losses  # recomputing a layer changes no value
