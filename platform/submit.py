@@ -10,7 +10,8 @@ names them relative to it; s3:// and gs:// URLs, and absolute paths inside the i
 
 Everything that can be known on the laptop is checked there, before any container starts: the config
 (unknown keys, wrong types, with the overrides applied), the job template (it must exist), the node
-count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, and
+count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, an image
+whose tag can move (`latest`, no tag, a branch name: refused, since a restarted pod could pull other code), and
 relative data paths that do not exist.
 The workflow's validate task runs the same `check_submission` again, for runs started another way.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import yaml
 
+from tigon.platform.image import ImageError, check_pinned
 from tigon.platform.templates import JobTemplate, TemplateError, get_template
 from tigon.runtime.config import ConfigError, RunConfig, load_config
 from tigon.runtime.data import is_hub_dataset
@@ -57,6 +59,10 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
 
     check_config(config)
     template = template.with_nodes(nodes or None)
+    try:
+        check_pinned(template.image)
+    except ImageError as error:
+        raise SubmissionError(f"job template {template.name!r}: {error}") from None
     needs = gpu_settings(config)
     if needs and not template.gpus_per_node:
         raise SubmissionError(

@@ -6,7 +6,7 @@
 #   BUILD_IMAGE=0 deploy/kind/quickstart.sh   # skip the image build (the image is in the kind node already)
 #   SKIP_TEST=1 deploy/kind/quickstart.sh     # skip `helm test`
 #
-# The training image (the cpu-small job template's, ghcr.io/tigon-ml/tigon:0.1.0-cpu) is not published in
+# The training image (the cpu-small job template's, ghcr.io/tigon-ml/tigon:<version>-cpu-<digest>) is not published in
 # any registry: this script builds it with docker from docker/Dockerfile and loads it into the kind node.
 # Needs: docker, kind >= 0.29, kubectl, helm >= 3.14, and network access: once to Flyte's chart repository
 # (https://flyteorg.github.io/flyte, for flyte-binary; the training-operator chart is in the repository),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import tomllib
 
+from tigon.platform.image import image_tag
 from tigon.platform.templates import PACKAGED_TEMPLATES, REPO_TEMPLATES, TEMPLATES_ENV, load_templates, templates_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +72,9 @@ def test_an_installed_tigon_and_the_workflow_find_the_packaged_templates(tmp_pat
 
 
 def test_shipped_templates_name_this_releases_image():
-    """Image tags carry tigon's version (`<version>-cuda`, `<version>-cpu`): a release's templates name the image
-    built from that release, never a moving tag."""
+    """Image tags carry tigon's version and its build inputs' digest (`<version>-<variant>-<digest>`): a release's
+    templates name the image built from that release, never a moving tag."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     for template in load_templates(REPO_TEMPLATES).values():
         tag = template.image.rsplit(":", 1)[-1]
-        assert tag in (f"{version}-cuda", f"{version}-cpu"), (template.name, template.image)
+        assert tag in (image_tag("cuda"), image_tag("cpu")) and tag.startswith(f"{version}-"), template.image
