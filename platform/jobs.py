@@ -34,6 +34,8 @@ POD_SECURITY_CONTEXT: dict[str, Any] = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: the label that puts a job into a Kueue LocalQueue of its namespace (gang admission: all pods or none)
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: the image's entrypoint warms the Triton kernels only where this is set: in train pods, where kernels run
 WARMUP_ENV = {"TIGON_WARMUP": "1"}
 
@@ -121,7 +123,8 @@ def pytorchjob_manifests(
 
     One node: a single Master replica (torchrun --standalone). Several: Workers only with an elasticPolicy, as
     Flyte's pytorch plugin creates them; with a Master beside them the operator would add a root init container
-    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none).
+    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none). A template's `queue` labels the
+    job for Kueue, which then admits it whole (all pods at once) or holds it suspended.
     """
     name = job_name(config.name)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "tigon", "tigon.dev/run": name}}
@@ -148,7 +151,10 @@ def pytorchjob_manifests(
             "maxReplicas": template.nnodes,
             "maxRestarts": template.max_restarts,
         }
-    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
+    job_metadata = copy.deepcopy(metadata)
+    if template.queue:
+        job_metadata["labels"][KUEUE_QUEUE_LABEL] = template.queue
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": job_metadata, "spec": spec}
     check_pytorchjob(job)
     return [config_map, job]
 

@@ -4,7 +4,8 @@
 
 The pyflyte command it runs sends the validated config as text (`--config_yaml`: the pods cannot read
 the laptop's files) and the template's image as the default image (`--image`), so every task of the
-workflow runs in it. Data files and `datasets` directories on the laptop are copied into one staging
+workflow runs in it; a template's Kueue `queue` becomes an execution label (`--labels`), which Flyte puts on the
+PyTorchJob it creates. Data files and `datasets` directories on the laptop are copied into one staging
 directory, passed as the workflow's `--data_dir` (pyflyte uploads it to the object store), and the config
 names them relative to it; s3:// and gs:// URLs, and absolute paths inside the image, are used as they are.
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from tigon.platform.image import ImageError, check_pinned
+from tigon.platform.jobs import KUEUE_QUEUE_LABEL
 from tigon.platform.templates import JobTemplate, TemplateError, get_template
 from tigon.runtime.config import ConfigError, RunConfig, load_config
 from tigon.runtime.data import is_hub_dataset
@@ -189,6 +191,8 @@ def submit(argv: list[str]) -> int:
         # validate, prepare_data and report run in the default image: the template's, as the train task does
         "--image",
         template.image,
+        # Flyte labels every object of the execution with these, the train task's PyTorchJob included (Kueue)
+        *(["--labels", f"{KUEUE_QUEUE_LABEL}={template.queue}"] if template.queue else []),
         *pyflyte_options,
         str(WORKFLOW),
         "finetune",

@@ -78,3 +78,15 @@ def test_shipped_templates_name_this_releases_image():
     for template in load_templates(REPO_TEMPLATES).values():
         tag = template.image.rsplit(":", 1)[-1]
         assert tag in (image_tag("cuda"), image_tag("cpu")) and tag.startswith(f"{version}-"), template.image
+
+
+def test_multi_node_templates_say_they_use_tcp_and_tune_nccl_sockets():
+    """No template requests RDMA devices, so a multi-node one says it runs NCCL over TCP sockets and sets NCCL's
+    socket transport up for it (interface, threads x sockets within NCCL's limit of 64, InfiniBand off)."""
+    multi = [t for t in load_templates(REPO_TEMPLATES).values() if t.max_nnodes > 1]
+    assert multi
+    for template in multi:
+        assert "TCP" in template.description, template.name
+        env = template.env
+        assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert int(env["NCCL_SOCKET_NTHREADS"]) * int(env["NCCL_NSOCKS_PERTHREAD"]) <= 64
