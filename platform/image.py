@@ -15,12 +15,13 @@ as `pyflyte run` is run. Differences from the Dockerfile, all flytekit's builder
 Ubuntu's, and the non-root user is flytekit's `flytekit` instead of `tigon`.
 
 Image tags say what is in the image: `<tigon version>-<variant>-<digest>`, the digest a sha256 of the build
-inputs (the Dockerfile, the lock, the entrypoint) and the variant, so a changed pin gives a new tag and a run
+inputs (the Dockerfile, the variant's lock, the entrypoint) and the variant, so a changed pin gives a new tag and a run
 pins what it ran on. `image_tag` is the one place the tag is computed; the build commands, the quickstart
 (through the cpu-small template) and the job templates all take it from here:
 
     python -m tigon.platform.image name cuda     # ghcr.io/tigon-ml/tigon:0.1.0-cuda-<digest>, for docker build -t
     python -m tigon.platform.image pin [--check] # write (or check) that tag into the job templates and values.yaml
+    python -m tigon.platform.image cpu-lock      # the cpu variant's lock, derived from docker/requirements.lock
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 LOCK = REPO / "docker" / "requirements.lock"
+#: the cpu variant's lock: LOCK without torch and the CUDA packages; the Dockerfile adds torch's CPU wheel
+CPU_LOCK = REPO / "docker" / "requirements-cpu.lock"
+#: what only the CUDA build of torch needs (its CUDA libraries and bindings), and torch itself
+CUDA_ONLY = re.compile(r"^(torch|cuda-[a-z0-9-]+|nvidia-[a-z0-9-]+)$")
 ENTRYPOINT = "docker/entrypoint.sh"
 # What the image holds of the repository: the package (its three layer folders) and the entrypoint.
 SOURCES = ["pyproject.toml", "README.md", "kernels", "runtime", "platform", ENTRYPOINT]
@@ -45,7 +50,10 @@ SOURCES = ["pyproject.toml", "README.md", "kernels", "runtime", "platform", ENTR
 REPOSITORY = "ghcr.io/tigon-ml/tigon"
 VARIANTS = ("cuda", "cpu")
 #: what decides an image's contents besides tigon's own code (which its version names), per variant
-BUILD_INPUTS = {variant: ["docker/Dockerfile", "docker/requirements.lock", ENTRYPOINT] for variant in VARIANTS}
+BUILD_INPUTS = {
+    "cuda": ["docker/Dockerfile", "docker/requirements.lock", ENTRYPOINT],
+    "cpu": ["docker/Dockerfile", "docker/requirements-cpu.lock", ENTRYPOINT],
+}
 #: the files that name tigon's images: the job templates, their packaged copy, the chart's defaults
 IMAGE_REFERENCES = ["deploy/job-templates/*.yaml", "platform/job-templates/*.yaml", "deploy/helm/tigon/values.yaml"]
 DIGEST_LENGTH = 12
@@ -100,6 +108,19 @@ def tag_variant(tag: str) -> str:
     raise ImageError(
         f"image tag {tag!r} names no variant; tigon's tags look like <version>-<{'|'.join(VARIANTS)}>-<digest>"
     )
+
+
+def cpu_lock(lock: str) -> str:
+    """The cpu variant's lock from the CUDA lock: every package entry (its `==` line, hashes and `# via` lines)
+    except torch and the packages only its CUDA build needs, under a header saying how it was made."""
+    header = (
+        "# The cpu image's packages: docker/requirements.lock without torch and its CUDA packages (torch's CPU\n"
+        "# wheel comes from PyTorch's CPU index, see docker/Dockerfile). Written by\n"
+        "#    python -m tigon.platform.image cpu-lock\n"
+    )
+    entries = re.split(r"\n(?=[a-z0-9])", lock)
+    kept = [entry for entry in entries[1:] if not CUDA_ONLY.match(re.split(r"[=\s]", entry, maxsplit=1)[0])]
+    return header + "\n".join(kept)
 
 
 def check_pinned(image: str) -> None:
@@ -197,12 +218,24 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--repository", default=REPOSITORY)
     pin = commands.add_parser("pin", help="write the computed tags into the job templates and values.yaml")
     pin.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file names another tag")
+    lock = commands.add_parser("cpu-lock", help="write docker/requirements-cpu.lock from docker/requirements.lock")
+    lock.add_argument("--check", action="store_true", help="change nothing; exit 1 if the file is stale")
     args = parser.parse_args(argv)
     try:
         if args.command == "tag":
             print(image_tag(args.variant))
         elif args.command == "name":
             print(image_name(args.variant, args.repository))
+        elif args.command == "cpu-lock":
+            expected = cpu_lock(LOCK.read_text())
+            if CPU_LOCK.is_file() and CPU_LOCK.read_text() == expected:
+                return 0
+            if args.check:
+                print(
+                    f"{CPU_LOCK.relative_to(REPO)} is stale: python -m tigon.platform.image cpu-lock", file=sys.stderr
+                )
+                return 1
+            CPU_LOCK.write_text(expected)
         else:
             changed = pin_references(write=not args.check)
             for path in changed:

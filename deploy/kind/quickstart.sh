@@ -40,8 +40,8 @@ fi
 kubectl config use-context "kind-$cluster" >/dev/null
 
 if [[ "$build_image" == "1" ]]; then
-  echo "==> building $image (CPU variant: no flash-attn) and loading it into kind"
-  docker build -f "$root/docker/Dockerfile" --build-arg INSTALL_FLASH_ATTN=0 -t "$image" "$root"
+  echo "==> building $image (CPU variant: Ubuntu base, CPU torch, no flash-attn) and loading it into kind"
+  docker build -f "$root/docker/Dockerfile" --build-arg VARIANT=cpu -t "$image" "$root"
   kind load docker-image "$image" --name "$cluster"
 else
   echo "==> BUILD_IMAGE=0: not building $image; the demo's pods need it in the kind node (kind load docker-image)"

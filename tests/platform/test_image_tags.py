@@ -43,7 +43,9 @@ def test_tag_names_version_variant_and_digest():
         image.image_tag("rocm")
 
 
-@pytest.mark.parametrize("name", ["docker/Dockerfile", "docker/requirements.lock", "docker/entrypoint.sh"])
+@pytest.mark.parametrize(
+    "name", ["docker/Dockerfile", "docker/requirements.lock", "docker/requirements-cpu.lock", "docker/entrypoint.sh"]
+)
 def test_tag_changes_when_a_build_input_changes(checkout, name):
     before = {variant: image.image_tag(variant, checkout) for variant in image.VARIANTS}
     assert before == {variant: image.image_tag(variant) for variant in image.VARIANTS}
