@@ -230,3 +230,16 @@ def test_entrypoint_skip_and_failure_modes():
     assert strict.returncode == 1 and "stopping" in strict.stderr
     nothing = run_entrypoint({"TIGON_WARMUP": "0"})
     assert nothing.returncode == 2 and "no command given" in nothing.stderr
+
+
+def test_entrypoint_warms_up_for_the_runs_model_and_says_how_long(tmp_path):
+    """The warm-up settings tigon gives a run's pods run through the entrypoint; it logs the family and the time."""
+    from tigon.platform.jobs import warmup_env
+    from tigon.runtime.config import load_config
+
+    env = warmup_env(load_config(str(ROOT / "examples" / "demo.yaml")))
+    env["TIGON_WARMUP_ARGS"] += " --ops rms_norm"  # one op keeps the interpreter run short
+    result = run_entrypoint({**env, "TRITON_CACHE_DIR": str(tmp_path)}, "python", "-c", "print('command ran')")
+    assert result.returncode == 0, result.stderr
+    assert "tigon kernel warm-up on cpu (interpreter), family llama" in result.stdout
+    assert re.search(r"kernel warm-up done in \d+ s", result.stderr) and result.stdout.endswith("command ran\n")

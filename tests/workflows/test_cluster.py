@@ -36,8 +36,9 @@ from flytekit.types.directory import FlyteDirectory  # noqa: E402
 
 from tests.deploy.pod_security import restricted_violations  # noqa: E402
 from tigon.platform.cli import main  # noqa: E402
+from tigon.platform.jobs import warmup_env  # noqa: E402
 from tigon.platform.templates import REPO_TEMPLATES, JobTemplate, load_templates  # noqa: E402
-from tigon.runtime.config import ConfigError, apply_override  # noqa: E402
+from tigon.runtime.config import ConfigError, apply_override, parse_config  # noqa: E402
 from tigon.runtime.data import DataError  # noqa: E402
 from workflows import finetune as wf  # noqa: E402
 
@@ -217,7 +218,11 @@ def test_an_edited_template_reaches_the_task_that_runs(tmp_path):
     assert container["resources"]["limits"]["gpu"] == "4"
     assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"pool": "h100-spot"}
-    assert {e["name"]: e.get("value") for e in container["env"]}["NCCL_DEBUG"] == "INFO"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NCCL_DEBUG"] == "INFO"
+    # the dynamic step read the model's sizes from the run's config: the pod's warm-up compiles for that model
+    run_warmup = warmup_env(parse_config(yaml.safe_load(inputs["config_yaml"])))
+    assert env["TIGON_WARMUP_ARGS"] == run_warmup["TIGON_WARMUP_ARGS"] and "--hidden " in env["TIGON_WARMUP_ARGS"]
     # the pod runs `pyflyte-execute ... --resolver <location> -- <loader args>`: it rebuilds the edited task
     args = container["args"]
     assert args[args.index("--resolver") + 1] == wf.TRAIN_TASK_RESOLVER.location
