@@ -142,7 +142,9 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
     env = container.get("env", [])
-    assert {e["name"]: e["value"] for e in env if "value" in e} == {"TIGON_WARMUP": "1", **expected.env}
+    run_warmup = warmup_env(parse_config(yaml.safe_load(inputs["config_yaml"])))  # the demo model's sizes
+    assert set(run_warmup) == {"TIGON_WARMUP", "TIGON_WARMUP_ARGS"}
+    assert {e["name"]: e["value"] for e in env if "value" in e} == {**run_warmup, **expected.env}
     from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in env if "valueFrom" in e}
     assert from_secrets == {name: ref.secret for name, ref in expected.secret_env.items()}
     assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
