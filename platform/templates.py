@@ -66,7 +66,8 @@ class JobTemplate(BaseModel):
         None,
         pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
         description="Kueue LocalQueue of the template's PyTorchJobs (label kueue.x-k8s.io/queue-name): admitted "
-        "whole, all pods at once, when the queue's quota holds them; none: not queued",
+        "whole, all pods at once, when the queue's quota holds them; unset: Kueue's LocalQueue named default in the "
+        "namespace takes the job, if there is one",
     )
     service_account: str | None = "tigon-trainer"
     image_pull_secrets: list[str] = Field(default_factory=list)
