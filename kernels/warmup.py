@@ -366,10 +366,10 @@ def shapes_from_model_config(path: str | os.PathLike) -> tuple[dict[str, int], s
     }
     if config.get("vocab_size"):
         sizes["vocab"] = config["vocab_size"]
-    return sizes, _family_of(str(config.get("model_type", "")))
+    return sizes, family_of(str(config.get("model_type", "")))
 
 
-def _family_of(model_type: str) -> str:
+def family_of(model_type: str) -> str:
     """The patching family of a config's model_type (gemma2 softcaps its logits, gemma does not); llama otherwise."""
     from tigon.kernels.patching import FAMILIES
 

@@ -10,6 +10,7 @@ Two outputs of one mapping:
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from typing import Any
 
@@ -17,6 +18,8 @@ import yaml
 
 from tigon.platform.templates import JobTemplate
 from tigon.runtime.config import RunConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIG_MOUNT = "/etc/tigon"
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -34,8 +37,34 @@ POD_SECURITY_CONTEXT: dict[str, Any] = {
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: the label that puts a job into a Kueue LocalQueue of its namespace (gang admission: all pods or none)
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: the image's entrypoint warms the Triton kernels only where this is set: in train pods, where kernels run
 WARMUP_ENV = {"TIGON_WARMUP": "1"}
+
+
+def warmup_env(config: RunConfig) -> dict[str, str]:
+    """The entrypoint's warm-up settings for this run: TIGON_WARMUP_ARGS with the model's sizes, vocabulary, family
+    and tokens per micro-batch, so the kernels compiled before training are the ones the run uses. Without the
+    sizes (a Hub config that cannot be fetched here) the entrypoint warms its default size; with the kernels off
+    there is nothing to warm. A template's own TIGON_WARMUP / TIGON_WARMUP_ARGS take precedence over these."""
+    if not config.kernels.enabled:
+        return {"TIGON_WARMUP": "0"}
+    from tigon.kernels.warmup import family_of
+    from tigon.runtime.planner import model_shape
+
+    try:
+        shape = model_shape(config)
+    except (OSError, ValueError) as error:
+        logger.warning("kernel warm-up: the model's sizes are unknown here (%s); it warms its default size", error)
+        return dict(WARMUP_ENV)
+    tokens = config.training.micro_batch_size * config.data.max_seq_len
+    args = (
+        f"--hidden {shape.hidden} --intermediate {shape.intermediate} --heads {shape.heads} "
+        f"--kv-heads {shape.kv_heads} --head-dim {shape.head_dim} --vocab {shape.vocab} --tokens {tokens} "
+        f"--family {family_of(shape.model_type)}"
+    )
+    return {**WARMUP_ENV, "TIGON_WARMUP_ARGS": args}
 
 
 class JobSpecError(ValueError):
@@ -75,10 +104,12 @@ def secret_env(template: JobTemplate) -> list[dict[str, Any]]:
     ]
 
 
-def _pod_template(template: JobTemplate, config_map: str, run: str, cache_claim: str) -> dict[str, Any]:
+def _pod_template(
+    template: JobTemplate, config_map: str, run: str, cache_claim: str, warmup: dict[str, str]
+) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
-    env = {**WARMUP_ENV, **template.env}
+    env = {**warmup, **template.env}
     if template.shared_memory:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -121,7 +152,8 @@ def pytorchjob_manifests(
 
     One node: a single Master replica (torchrun --standalone). Several: Workers only with an elasticPolicy, as
     Flyte's pytorch plugin creates them; with a Master beside them the operator would add a root init container
-    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none).
+    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none). A template's `queue` labels the
+    job for Kueue, which then admits it whole (all pods at once) or holds it suspended.
     """
     name = job_name(config.name)
     metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "tigon", "tigon.dev/run": name}}
@@ -133,7 +165,7 @@ def pytorchjob_manifests(
         "metadata": {**metadata, "name": f"{name}-config"},
         "data": {"config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)},
     }
-    pod = _pod_template(template, f"{name}-config", name, cache_claim)
+    pod = _pod_template(template, f"{name}-config", name, cache_claim, warmup_env(config))
     replica = "Master" if template.nnodes == 1 else "Worker"
     replicas = {replica: {"replicas": template.nnodes, "restartPolicy": "OnFailure", "template": pod}}
     spec: dict[str, Any] = {
@@ -148,7 +180,10 @@ def pytorchjob_manifests(
             "maxReplicas": template.nnodes,
             "maxRestarts": template.max_restarts,
         }
-    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata, "spec": spec}
+    job_metadata = copy.deepcopy(metadata)
+    if template.queue:
+        job_metadata["labels"][KUEUE_QUEUE_LABEL] = template.queue
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": job_metadata, "spec": spec}
     check_pytorchjob(job)
     return [config_map, job]
 
@@ -187,8 +222,9 @@ def render_yaml(manifests: list[dict]) -> str:
     return yaml.safe_dump_all(manifests, sort_keys=False)
 
 
-def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
-    """Keyword arguments for flytekit's `@task` that run the train task as this template says."""
+def flyte_task_options(template: JobTemplate, config: RunConfig | None = None) -> dict[str, Any]:
+    """Keyword arguments for flytekit's `@task` that run the train task as this template says; with the run's
+    config, its kernel warm-up compiles for the run's model (`warmup_env`)."""
     from flytekit import PodTemplate, Resources
     from flytekit.extras.accelerators import GPUAccelerator
     from flytekitplugins.kfpytorch import Elastic
@@ -247,7 +283,7 @@ def flyte_task_options(template: JobTemplate) -> dict[str, Any]:
         "limits": resources,
         "pod_template": PodTemplate(pod_spec=pod_spec),
         "container_image": template.image,
-        "environment": {**WARMUP_ENV, **template.env},
+        "environment": {**(warmup_env(config) if config else WARMUP_ENV), **template.env},
         # Flyte retries a FlyteRecoverableException (lost node, network) as often as a PyTorchJob's backoffLimit.
         "retries": template.max_restarts,
     }

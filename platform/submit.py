@@ -4,13 +4,15 @@
 
 The pyflyte command it runs sends the validated config as text (`--config_yaml`: the pods cannot read
 the laptop's files) and the template's image as the default image (`--image`), so every task of the
-workflow runs in it. Data files and `datasets` directories on the laptop are copied into one staging
+workflow runs in it; a template's Kueue `queue` becomes an execution label (`--labels`), which Flyte puts on the
+PyTorchJob it creates. Data files and `datasets` directories on the laptop are copied into one staging
 directory, passed as the workflow's `--data_dir` (pyflyte uploads it to the object store), and the config
 names them relative to it; s3:// and gs:// URLs, and absolute paths inside the image, are used as they are.
 
 Everything that can be known on the laptop is checked there, before any container starts: the config
 (unknown keys, wrong types, with the overrides applied), the job template (it must exist), the node
-count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, and
+count (up to the template's `max_nnodes`), settings that need GPUs on a template without them, an image
+whose tag can move (`latest`, no tag, a branch name: refused, since a restarted pod could pull other code), and
 relative data paths that do not exist.
 The workflow's validate task runs the same `check_submission` again, for runs started another way.
 """
@@ -27,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from tigon.platform.image import ImageError, check_pinned
+from tigon.platform.jobs import KUEUE_QUEUE_LABEL
 from tigon.platform.templates import JobTemplate, TemplateError, get_template
 from tigon.runtime.config import ConfigError, RunConfig, load_config
 from tigon.runtime.data import is_hub_dataset
@@ -57,6 +61,10 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
 
     check_config(config)
     template = template.with_nodes(nodes or None)
+    try:
+        check_pinned(template.image)
+    except ImageError as error:
+        raise SubmissionError(f"job template {template.name!r}: {error}") from None
     needs = gpu_settings(config)
     if needs and not template.gpus_per_node:
         raise SubmissionError(
@@ -183,6 +191,8 @@ def submit(argv: list[str]) -> int:
         # validate, prepare_data and report run in the default image: the template's, as the train task does
         "--image",
         template.image,
+        # Flyte labels every object of the execution with these, the train task's PyTorchJob included (Kueue)
+        *(["--labels", f"{KUEUE_QUEUE_LABEL}={template.queue}"] if template.queue else []),
         *pyflyte_options,
         str(WORKFLOW),
         "finetune",

@@ -62,6 +62,13 @@ class JobTemplate(BaseModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     priority_class: str | None = None
+    queue: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Kueue LocalQueue of the template's PyTorchJobs (label kueue.x-k8s.io/queue-name): admitted "
+        "whole, all pods at once, when the queue's quota holds them; unset: Kueue's LocalQueue named default in the "
+        "namespace takes the job, if there is one",
+    )
     service_account: str | None = "tigon-trainer"
     image_pull_secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)

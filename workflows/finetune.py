@@ -274,13 +274,13 @@ TRAIN_TASK_RESOLVER = TrainTaskResolver()
 _TEMPLATE_OF: dict[str, JobTemplate] = {}  # task name -> the template it was built from
 
 
-def _train_task(template: JobTemplate, name: str):
+def _train_task(template: JobTemplate, name: str, config: RunConfig | None = None):
     """A train task configured by one job template (with its node count applied), found in its pod through
-    TRAIN_TASK_RESOLVER."""
+    TRAIN_TASK_RESOLVER; with the run's config, its pods warm the kernels up for the run's model."""
     function = types.FunctionType(train_worker.__code__, train_worker.__globals__, name)
     function.__qualname__, function.__module__ = name, __name__
     function.__annotations__ = train_worker.__annotations__
-    options = flyte_task_options(template)
+    options = flyte_task_options(template, config)
     elastic = options["task_config"]
     options["task_config"] = TrainElastic(**{f.name: getattr(elastic, f.name) for f in dataclasses.fields(elastic)})
     train = task(**options)(function)
@@ -296,7 +296,8 @@ def _train_task(template: JobTemplate, name: str):
 def train_with_template(config_yaml: str, packed: FlyteDirectory, template: str, nodes: int) -> str:
     """Run the train task built from the chosen job template (JSON, as validated) at the run's node count."""
     chosen = JobTemplate.model_validate_json(template)
-    train = _train_task(chosen.with_nodes(nodes), train_task_name(chosen, nodes))
+    config = parse_config(read_yaml(config_yaml))
+    train = _train_task(chosen.with_nodes(nodes), train_task_name(chosen, nodes), config)
     return train(config_yaml=config_yaml, packed=packed)
 
 

@@ -135,6 +135,34 @@ class PriorityClass(Values):
     )
 
 
+class KueueQuota(Values):
+    cpu: str | int = Field(description='CPUs the flavor gives the ClusterQueue, e.g. "192"')
+    memory: str = Field(description="memory the flavor gives the ClusterQueue, e.g. 1800Gi")
+    nvidia_gpu: int = Field(ge=0, alias="nvidia.com/gpu", description="GPUs the flavor gives the ClusterQueue")
+
+
+class KueueFlavor(Values):
+    name: DnsLabel = Field(description="the ResourceFlavor's name (cluster-wide)")
+    nodeLabels: dict[str, str] = Field(
+        default_factory=dict, description="labels of the flavor's nodes; Kueue adds them to admitted pods' selectors"
+    )
+    quota: KueueQuota = Field(description="nominal quota of cpu, memory and nvidia.com/gpu in this flavor")
+
+
+class Kueue(Values):
+    enabled: bool = Field(False, description="create the ResourceFlavors, the ClusterQueue and the LocalQueues")
+    clusterQueue: DnsLabel = Field("tigon-training", description="the ClusterQueue the training namespaces share")
+    localQueue: DnsLabel = Field(
+        "default", description="the LocalQueue in each training namespace; job templates name it in `queue`"
+    )
+    queueingStrategy: Literal["BestEffortFIFO", "StrictFIFO"] = Field(
+        "BestEffortFIFO", description="whether an older job that does not fit blocks newer ones (StrictFIFO)"
+    )
+    flavors: list[KueueFlavor] = Field(
+        default_factory=list, min_length=1, description="ResourceFlavors in the order Kueue tries them, with quotas"
+    )
+
+
 class PodTemplates(Values):
     enabled: bool = Field(
         True, description="also render each job template as a PodTemplate <prefix><name>, for other Flyte tasks"
@@ -343,6 +371,7 @@ class ChartValues(Values):
     priorityClasses: list[PriorityClass] = Field(
         default_factory=list, description="PriorityClasses the job templates name in priority_class"
     )
+    kueue: Kueue = Field(default_factory=Kueue, description="gang admission of PyTorchJobs by Kueue")
     podTemplates: PodTemplates = Field(default_factory=PodTemplates, description="Flyte PodTemplates")
     tritonCache: TritonCache = Field(default_factory=TritonCache, description="persistent Triton kernel cache")
     objectStore: ObjectStore = Field(default_factory=ObjectStore, description="checkpoint and export storage")

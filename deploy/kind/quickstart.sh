@@ -6,7 +6,7 @@
 #   BUILD_IMAGE=0 deploy/kind/quickstart.sh   # skip the image build (the image is in the kind node already)
 #   SKIP_TEST=1 deploy/kind/quickstart.sh     # skip `helm test`
 #
-# The training image (the cpu-small job template's, ghcr.io/tigon-ml/tigon:0.1.0-cpu) is not published in
+# The training image (the cpu-small job template's, ghcr.io/tigon-ml/tigon:<version>-cpu-<digest>) is not published in
 # any registry: this script builds it with docker from docker/Dockerfile and loads it into the kind node.
 # Needs: docker, kind >= 0.29, kubectl, helm >= 3.14, and network access: once to Flyte's chart repository
 # (https://flyteorg.github.io/flyte, for flyte-binary; the training-operator chart is in the repository),
@@ -40,8 +40,8 @@ fi
 kubectl config use-context "kind-$cluster" >/dev/null
 
 if [[ "$build_image" == "1" ]]; then
-  echo "==> building $image (CPU variant: no flash-attn) and loading it into kind"
-  docker build -f "$root/docker/Dockerfile" --build-arg INSTALL_FLASH_ATTN=0 -t "$image" "$root"
+  echo "==> building $image (CPU variant: Ubuntu base, CPU torch, no flash-attn) and loading it into kind"
+  docker build -f "$root/docker/Dockerfile" --build-arg VARIANT=cpu -t "$image" "$root"
   kind load docker-image "$image" --name "$cluster"
 else
   echo "==> BUILD_IMAGE=0: not building $image; the demo's pods need it in the kind node (kind load docker-image)"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import helm_python as helm
+import jsonschema
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,3 +119,24 @@ def pod_specs(obj: dict) -> list[dict]:
     if kind == "CronJob":
         return [obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]]
     return []
+
+
+def crd_validator(crd: dict, version: str | None = None) -> jsonschema.Draft7Validator:
+    """A CRD version's schema as the API server applies it under strict field validation: an object node that lists
+    its properties and does not preserve unknown fields rejects any other field. `version`: the CRD's only one if
+    not given. CEL rules (x-kubernetes-validations) are not evaluated; tests check the ones that apply."""
+
+    def strict(node):
+        if isinstance(node, list):
+            return [strict(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+        if "properties" in node and "additionalProperties" not in node:
+            if not node.get("x-kubernetes-preserve-unknown-fields"):
+                out["additionalProperties"] = False
+        return out
+
+    versions = crd["spec"]["versions"]
+    (served,) = [v for v in versions if v["name"] == version] if version else versions
+    return jsonschema.Draft7Validator(strict(served["schema"]["openAPIV3Schema"]))

@@ -38,6 +38,7 @@ from tests.deploy.helm import (
 )
 from tests.deploy.pod_security import restricted_violations
 from tests.deploy.test_docker import tool
+from tigon.platform import image
 from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
 from tigon.runtime.config import parse_config
@@ -301,6 +302,21 @@ def test_values_job_templates_are_the_repository_templates():
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())["jobTemplates"]
     files = {p.stem: yaml.safe_load(p.read_text()) for p in sorted(REPO_TEMPLATES.glob("*.yaml"))}
     assert defaults == files, "values.yaml jobTemplates and deploy/job-templates/*.yaml differ: keep them equal"
+
+
+@pytest.mark.parametrize("values_file", VALUES_FILES)
+def test_every_tigon_image_the_chart_renders_has_the_computed_tag(values_file):
+    """PodTemplates and the job-template ConfigMaps name tigon's image by `python -m tigon.platform.image` tag."""
+    _, objs = rendered_file(values_file)
+    found = []
+    for obj in objs:
+        for spec in pod_specs(obj):
+            found += [c["image"] for c in containers(spec) if c["image"].startswith(f"{image.REPOSITORY}:")]
+        if obj["kind"] == "ConfigMap" and component(obj) == "job-templates":
+            found += [yaml.safe_load(text)["image"] for text in obj["data"].values()]
+    assert len(found) > 4, found
+    for reference in found:
+        assert reference == image.image_name(image.tag_variant(reference.rsplit(":", 1)[1])), (values_file, reference)
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)

@@ -15,6 +15,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tigon.platform import image as tigon_image
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -88,10 +90,13 @@ def test_scripts_pass_shellcheck():
 def test_dockerfile_is_multi_stage_non_root_and_pinned():
     text = DOCKERFILE.read_text()
     args = {name: values[0] for name, values in dockerfile_args().items()}
-    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?", text, re.MULTILINE)
-    assert [name for _, name in stages] == ["build", "runtime"]
-    for image, _ in stages:
+    stages = re.findall(r"^FROM (\S+)(?: AS ([\w-]+))?", text, re.MULTILINE)
+    assert [name for _, name in stages] == ["build-base-cuda", "build-base-cpu", "build", "runtime"]
+    for image, name in stages:
         resolved = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        if name == "build":  # the base stage of the variant
+            assert resolved == f"build-base-{args['VARIANT']}" and image == "build-base-${VARIANT}"
+            continue
         assert re.match(r"^[\w./-]+:[\w.-]+$", resolved) and not resolved.endswith(":latest"), resolved
     final = text[text.index("AS runtime") :]
     (user,) = re.findall(r"^USER (\S+)", final, re.MULTILINE)
@@ -117,6 +122,38 @@ def test_flash_attn_compiles_for_the_named_gpus_without_a_prebuilt_download():
         assert "FLASH_ATTN_CUDA_ARCHS=" in command and "FLASH_ATTENTION_FORCE_BUILD=TRUE" in command
         assert "--no-binary flash-attn" in command and "TORCH_CUDA_ARCH_LIST" not in command
     assert archs in spec_command
+
+
+def test_cpu_variant_is_a_cpu_image():
+    """VARIANT=cpu builds on plain Ubuntu with PyTorch's CPU wheel and the lock without CUDA packages, and skips
+    flash-attn; the CUDA devel base is only the cuda variant's."""
+    text = DOCKERFILE.read_text()
+    args = {name: values[0] for name, values in dockerfile_args().items()}
+    bases = dict((name, image) for image, name in re.findall(r"^FROM (\S+) AS ([\w-]+)", text, re.MULTILINE))
+    assert bases["build-base-cpu"] == "ubuntu:${UBUNTU_VERSION}" and "cuda" not in bases["build-base-cpu"]
+    assert bases["build-base-cuda"].startswith("nvidia/cuda:") and args["VARIANT"] == "cuda"
+    assert args["TORCH_CPU_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    runs = [line for line in text.replace("\\\n", " ").splitlines() if line.startswith("RUN")]
+    (install,) = [run for run in runs if "requirements-cpu.lock" in run]
+    cpu_branch, cuda_branch = install.split("else", 1)
+    assert 'if [ "${VARIANT}" = "cpu" ]' in cpu_branch and "--require-hashes" in cpu_branch
+    assert '--index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}+cpu"' in cpu_branch
+    assert "/tmp/requirements.lock" in cuda_branch and "torch.version.cuda is None" in cuda_branch
+    (flash,) = [run for run in runs if "flash-attn==" in run]
+    assert flash.startswith('RUN if [ "${VARIANT}" = "cuda" ]')
+    assert "cpu" in tigon_image.VARIANTS and "docker/requirements-cpu.lock" in tigon_image.BUILD_INPUTS["cpu"]
+
+
+def test_cpu_lock_is_the_lock_without_torch_and_cuda():
+    assert tigon_image.main(["cpu-lock", "--check"]) == 0, "run python -m tigon.platform.image cpu-lock"
+    cuda, cpu = (DOCKER / "requirements.lock").read_text(), tigon_image.CPU_LOCK.read_text()
+    blocks = {re.split(r"[=\s]", b, maxsplit=1)[0]: b for b in re.split(r"\n(?=[a-z0-9])", cuda)[1:]}
+    kept = {re.split(r"[=\s]", b, maxsplit=1)[0]: b for b in re.split(r"\n(?=[a-z0-9])", cpu)[1:]}
+    dropped = set(blocks) - set(kept)
+    assert "torch" in dropped and "nvidia-cudnn-cu13" in dropped and "cuda-bindings" in dropped
+    assert all(name == "torch" or name.startswith(("nvidia-", "cuda-")) for name in dropped), dropped
+    assert all(kept[name] == blocks[name] and "--hash=sha256:" in kept[name] for name in kept)
+    assert {"triton", "sympy", "networkx", "transformers", "flytekit"} <= set(kept)  # CPU torch and tigon need them
 
 
 def test_lock_is_complete_and_hashed():
@@ -193,3 +230,16 @@ def test_entrypoint_skip_and_failure_modes():
     assert strict.returncode == 1 and "stopping" in strict.stderr
     nothing = run_entrypoint({"TIGON_WARMUP": "0"})
     assert nothing.returncode == 2 and "no command given" in nothing.stderr
+
+
+def test_entrypoint_warms_up_for_the_runs_model_and_says_how_long(tmp_path):
+    """The warm-up settings tigon gives a run's pods run through the entrypoint; it logs the family and the time."""
+    from tigon.platform.jobs import warmup_env
+    from tigon.runtime.config import load_config
+
+    env = warmup_env(load_config(str(ROOT / "examples" / "demo.yaml")))
+    env["TIGON_WARMUP_ARGS"] += " --ops rms_norm"  # one op keeps the interpreter run short
+    result = run_entrypoint({**env, "TRITON_CACHE_DIR": str(tmp_path)}, "python", "-c", "print('command ran')")
+    assert result.returncode == 0, result.stderr
+    assert "tigon kernel warm-up on cpu (interpreter), family llama" in result.stdout
+    assert re.search(r"kernel warm-up done in \d+ s", result.stderr) and result.stdout.endswith("command ran\n")

@@ -30,6 +30,7 @@ def test_quickstart_builds_the_image_of_the_demo_template():
     )
     assert result.stdout == load_templates(REPO_TEMPLATES)["cpu-small"].image
     assert 'build_image="${BUILD_IMAGE:-1}"' in script, "the quickstart builds the image unless BUILD_IMAGE=0"
+    assert '--build-arg VARIANT=cpu -t "$image"' in script, "the demo's template runs the cpu variant"
 
 
 def workflow_options(text: str) -> list[list[str]]:

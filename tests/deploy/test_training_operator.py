@@ -21,6 +21,7 @@ from tests.deploy.helm import (
     NAMESPACE,
     OPERATOR_CHART,
     VALUES_FILES,
+    crd_validator,
     load_values,
     objects,
     pod_specs,
@@ -168,21 +169,7 @@ def test_crd_is_upstreams_v1_9_2_crd():
 
 
 def _strict_validator() -> jsonschema.Draft7Validator:
-    """The CRD's schema as the API server applies it under strict field validation: an object node that lists its
-    properties and does not preserve unknown fields rejects any other field."""
-
-    def strict(node):
-        if isinstance(node, list):
-            return [strict(n) for n in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
-        if "properties" in node and "additionalProperties" not in node:
-            if not node.get("x-kubernetes-preserve-unknown-fields"):
-                out["additionalProperties"] = False
-        return out
-
-    return jsonschema.Draft7Validator(strict(_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
+    return crd_validator(_crd())
 
 
 def test_crd_schema_is_structural_and_accepts_tigons_jobs():

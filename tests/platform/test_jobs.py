@@ -7,7 +7,14 @@ import pytest
 import yaml
 
 from tests.deploy.pod_security import restricted_violations
-from tigon.platform.jobs import JobSpecError, check_pytorchjob, job_name, pytorchjob_manifests, render_yaml
+from tigon.platform.jobs import (
+    JobSpecError,
+    check_pytorchjob,
+    flyte_task_options,
+    job_name,
+    pytorchjob_manifests,
+    render_yaml,
+)
 from tigon.platform.templates import TemplateError, get_template, load_templates
 from tigon.runtime.config import parse_config
 
@@ -91,8 +98,6 @@ def test_multi_node_job_has_only_workers_and_an_elastic_policy():
 
 
 def test_hf_token_comes_from_a_secret_in_pytorchjobs_and_flyte_tasks():
-    from tigon.platform.jobs import flyte_task_options
-
     template = get_template("h100x8")
     _, job = pytorchjob_manifests(run_config(), template)
     container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
@@ -172,3 +177,66 @@ def test_gpu_type_needs_gpus(tmp_path):
     (tmp_path / "cpu.yaml").write_text("name: cpu\nimage: x\ngpu_type: nvidia-h100-80gb\n")
     with pytest.raises(TemplateError, match="gpu_type 'nvidia-h100-80gb' needs gpus_per_node above 0"):
         load_templates(tmp_path)
+
+
+def sized_config(**changes):
+    """A run of a Llama with its own sizes (from config_overrides), or with `changes` to any section."""
+    raw = {
+        "name": "sized",
+        "model": {
+            "config_name": "llama",
+            "tokenizer": "char",
+            "config_overrides": {
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 1000,
+            },
+        },
+        "data": {"train": "examples/data/arithmetic-train.jsonl", "max_seq_len": 128},
+        "training": {"max_steps": 1, "micro_batch_size": 4},
+    }
+    for section, values in changes.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return parse_config(raw)
+
+
+def container_env(job: dict) -> dict[str, str]:
+    (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
+    (container,) = replica["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_warm_up_compiles_for_the_runs_model_in_pytorchjobs_and_flyte_tasks():
+    """The entrypoint's warm-up gets the run's sizes, vocabulary, family and tokens per micro-batch, in the form
+    tigon.kernels.warmup's own command line reads."""
+    from tigon.kernels.warmup import Shapes, _build_shapes, _parser
+
+    config = sized_config()
+    env = container_env(pytorchjob_manifests(config, get_template("h100x8x2"))[1])
+    args = env["TIGON_WARMUP_ARGS"]
+    assert env["TIGON_WARMUP"] == "1"
+    shapes, family = _build_shapes(_parser().parse_args(args.split()))
+    assert shapes == [Shapes(hidden=256, intermediate=688, heads=4, kv_heads=2, head_dim=64, tokens=512, vocab=1000)]
+    assert family == "llama"
+    flyte_env = flyte_task_options(get_template("h100x8x2"), config)["environment"]
+    assert flyte_env["TIGON_WARMUP_ARGS"] == args and flyte_env["NCCL_IB_DISABLE"] == "1"
+    assert "TIGON_WARMUP_ARGS" not in flyte_task_options(get_template("h100x8x2"))["environment"]
+
+
+def test_warm_up_follows_the_kernels_setting_and_yields_to_the_template(tmp_path):
+    off = container_env(pytorchjob_manifests(sized_config(kernels={"enabled": False}), get_template("h100x8"))[1])
+    assert off["TIGON_WARMUP"] == "0" and "TIGON_WARMUP_ARGS" not in off
+    template = get_template("h100x8").model_copy(update={"env": {"TIGON_WARMUP_ARGS": "--hidden 8192"}})
+    assert container_env(pytorchjob_manifests(sized_config(), template)[1])["TIGON_WARMUP_ARGS"] == "--hidden 8192"
+
+
+def test_warm_up_without_the_models_sizes_falls_back_and_says_why(tmp_path, monkeypatch, caplog):
+    """A Hub model whose config cannot be fetched here: the job still renders; the pod warms the default size."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    config = sized_config(model={"config_name": None, "config_overrides": {}, "path": "tigon-test/not-cached"})
+    env = container_env(pytorchjob_manifests(config, get_template("h100x8"))[1])
+    assert env["TIGON_WARMUP"] == "1" and "TIGON_WARMUP_ARGS" not in env
+    assert "the model's sizes are unknown here" in caplog.text and "tigon-test/not-cached" in caplog.text

@@ -26,6 +26,7 @@ def test_dry_run_prints_the_remote_command_with_the_validated_config(capsys):
     command = shlex.split(capsys.readouterr().out)
     # every task runs in the template's image: the train task names it, the others take pyflyte's default image
     assert command[3:7] == ["run", "--remote", "--image", get_template("h100x8x2").image]
+    assert command[7:9] == ["--labels", "kueue.x-k8s.io/queue-name=default"]  # the template's Kueue queue
     assert command[-7:-5] == ["finetune", "--config_yaml"]
     assert command[-4:] == ["--job_template", "h100x8x2", "--nodes", "4"]
     sent = yaml.safe_load(command[-5])  # the config itself, not a path on this machine

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import tomllib
 
+from tigon.platform.image import image_tag
 from tigon.platform.templates import PACKAGED_TEMPLATES, REPO_TEMPLATES, TEMPLATES_ENV, load_templates, templates_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,9 +72,21 @@ def test_an_installed_tigon_and_the_workflow_find_the_packaged_templates(tmp_pat
 
 
 def test_shipped_templates_name_this_releases_image():
-    """Image tags carry tigon's version (`<version>-cuda`, `<version>-cpu`): a release's templates name the image
-    built from that release, never a moving tag."""
+    """Image tags carry tigon's version and its build inputs' digest (`<version>-<variant>-<digest>`): a release's
+    templates name the image built from that release, never a moving tag."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     for template in load_templates(REPO_TEMPLATES).values():
         tag = template.image.rsplit(":", 1)[-1]
-        assert tag in (f"{version}-cuda", f"{version}-cpu"), (template.name, template.image)
+        assert tag in (image_tag("cuda"), image_tag("cpu")) and tag.startswith(f"{version}-"), template.image
+
+
+def test_multi_node_templates_say_they_use_tcp_and_tune_nccl_sockets():
+    """No template requests RDMA devices, so a multi-node one says it runs NCCL over TCP sockets and sets NCCL's
+    socket transport up for it (interface, threads x sockets within NCCL's limit of 64, InfiniBand off)."""
+    multi = [t for t in load_templates(REPO_TEMPLATES).values() if t.max_nnodes > 1]
+    assert multi
+    for template in multi:
+        assert "TCP" in template.description, template.name
+        env = template.env
+        assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert int(env["NCCL_SOCKET_NTHREADS"]) * int(env["NCCL_NSOCKS_PERTHREAD"]) <= 64

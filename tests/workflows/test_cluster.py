@@ -36,8 +36,9 @@ from flytekit.types.directory import FlyteDirectory  # noqa: E402
 
 from tests.deploy.pod_security import restricted_violations  # noqa: E402
 from tigon.platform.cli import main  # noqa: E402
+from tigon.platform.jobs import warmup_env  # noqa: E402
 from tigon.platform.templates import REPO_TEMPLATES, JobTemplate, load_templates  # noqa: E402
-from tigon.runtime.config import ConfigError, apply_override  # noqa: E402
+from tigon.runtime.config import ConfigError, apply_override, parse_config  # noqa: E402
 from tigon.runtime.data import DataError  # noqa: E402
 from workflows import finetune as wf  # noqa: E402
 
@@ -141,7 +142,9 @@ def test_train_step_compiles_the_templates_train_task(template, nodes):
     amounts = {"cpu": expected.cpu, "memory": expected.memory, **gpus}
     assert container["resources"] == {"requests": amounts, "limits": amounts}
     env = container.get("env", [])
-    assert {e["name"]: e["value"] for e in env if "value" in e} == {"TIGON_WARMUP": "1", **expected.env}
+    run_warmup = warmup_env(parse_config(yaml.safe_load(inputs["config_yaml"])))  # the demo model's sizes
+    assert set(run_warmup) == {"TIGON_WARMUP", "TIGON_WARMUP_ARGS"}
+    assert {e["name"]: e["value"] for e in env if "value" in e} == {**run_warmup, **expected.env}
     from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in env if "valueFrom" in e}
     assert from_secrets == {name: ref.secret for name, ref in expected.secret_env.items()}
     assert pod.get("tolerations", []) == [t.model_dump(exclude_none=True) for t in expected.tolerations]
@@ -217,7 +220,11 @@ def test_an_edited_template_reaches_the_task_that_runs(tmp_path):
     assert container["resources"]["limits"]["gpu"] == "4"
     assert {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"pool": "h100-spot"}
-    assert {e["name"]: e.get("value") for e in container["env"]}["NCCL_DEBUG"] == "INFO"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NCCL_DEBUG"] == "INFO"
+    # the dynamic step read the model's sizes from the run's config: the pod's warm-up compiles for that model
+    run_warmup = warmup_env(parse_config(yaml.safe_load(inputs["config_yaml"])))
+    assert env["TIGON_WARMUP_ARGS"] == run_warmup["TIGON_WARMUP_ARGS"] and "--hidden " in env["TIGON_WARMUP_ARGS"]
     # the pod runs `pyflyte-execute ... --resolver <location> -- <loader args>`: it rebuilds the edited task
     args = container["args"]
     assert args[args.index("--resolver") + 1] == wf.TRAIN_TASK_RESOLVER.location

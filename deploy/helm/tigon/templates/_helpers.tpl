@@ -75,6 +75,9 @@ The job template rules are those of tigon.platform.templates.JobTemplate.
 {{- if gt $nnodes $max }}
 {{- fail (printf "jobTemplates.%s: nnodes %d is above max_nnodes %d; raise max_nnodes or lower nnodes" $key $nnodes $max) }}
 {{- end }}
+{{- if and $.Values.kueue.enabled $t.queue (ne $t.queue $.Values.kueue.localQueue) }}
+{{- fail (printf "jobTemplates.%s: queue %q is not kueue.localQueue %q, the LocalQueue the chart creates; name that one" $key $t.queue $.Values.kueue.localQueue) }}
+{{- end }}
 {{- $gpus := int (default 0 $t.gpus_per_node) }}
 {{- $nproc := int (default 1 $t.nproc_per_node) }}
 {{- if and $gpus (ne $gpus $nproc) }}
