@@ -280,8 +280,11 @@ TRL_ARGS = {  # the run preference_config describes: AdamW (betas 0.9/0.95), con
 }
 
 
-def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
-    """TRL's `trainer_class` trained on `records` from tiny_model_dir, with TRL_ARGS and `settings`; its step logs."""
+def trl_logged_steps(
+    tmp_path: Path, config_class, trainer_class, records: list[dict], prepare=None, **settings
+) -> list[dict]:
+    """TRL's `trainer_class` trained on `records` from tiny_model_dir, with TRL_ARGS and `settings`; its step logs.
+    `prepare(trainer)` runs on the built trainer before it trains (e.g. `use_tigon`)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -292,6 +295,8 @@ def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[
         train_dataset=Dataset.from_list(records),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
+    if prepare is not None:
+        prepare(trainer)
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
 
