@@ -319,24 +319,28 @@ def kto_compute_loss(self, model, inputs, return_outputs):
         desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
         chunk_size=per_chunk, **reference,
     )  # fmt: skip
-    _log_kto_metrics(self, mode, metrics, desirable)
+    _log_kto_metrics(self, mode, metrics, desirable, target)
     _count_tokens(self, mode, batch["attention_mask"])
     return _logits_outputs(model, model_inputs, loss, return_outputs)
 
 
-def _log_kto_metrics(trainer, mode: str, metrics: dict[str, torch.Tensor], desirable: torch.Tensor) -> None:
-    """KTO's metrics as TRL logs them: sums over the ranks divided by the desirable (undesirable) count."""
+def _log_kto_metrics(trainer, mode: str, metrics: dict[str, torch.Tensor], desirable: torch.Tensor, target) -> None:
+    """KTO's metrics as TRL logs them: sums over the ranks per desirable (undesirable) sequence, the mean logits per
+    target token of each side."""
     logged = trainer._metrics[mode]
     logged["kl"].append(metrics["kl"].item())
-    counts = {"chosen": desirable, "rejected": ~desirable}
-    for side, rows in counts.items():
+    tokens = (target != IGNORE_INDEX).sum(1)
+    sides = {"chosen": desirable, "rejected": ~desirable}
+    for side, rows in sides.items():
+        logits_sum = (metrics["logits_mean"][rows].double() * tokens[rows]).sum()
+        if trainer.accelerator.gather_for_metrics(tokens[rows].sum()).sum().item() > 0:
+            logged[f"logits/{side}"].append(_gathered_ratio(trainer, logits_sum, tokens[rows].sum()))
+    for side, rows in sides.items():
         count = trainer.accelerator.gather_for_metrics(rows.sum()).sum().item()
-        if count == 0:
-            continue
-        for name in ("rewards", "logps"):
+        for name in ("rewards", "logps") if count > 0 else ():
             total = trainer.accelerator.gather_for_metrics(metrics[name][rows].sum()).sum().item()
             logged[f"{name}/{side}"].append(total / count)
-    if all(trainer.accelerator.gather_for_metrics(rows.sum()).sum().item() > 0 for rows in counts.values()):
+    if all(trainer.accelerator.gather_for_metrics(rows.sum()).sum().item() > 0 for rows in sides.values()):
         logged["rewards/margins"].append(logged["rewards/chosen"][-1] - logged["rewards/rejected"][-1])
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.runtime.test_objectives import PAIRS, tiny_model_dir, trl_logged_steps
+from tests.runtime.test_objectives import PAIRS, tiny_model_dir, trl_logged_steps, trl_trainer
 from tigon.kernels.integrations import use_tigon
 from tigon.kernels.trl_losses import UnsupportedByTigon
 
@@ -31,8 +31,9 @@ def one_thread():
 
 
 class LogitRows(TorchDispatchMode):
-    """Records, over everything run inside it, the most rows of any tensor whose last dimension is the vocabulary
-    (a logits tensor or a chunk of one) and the fewest tokens a forward embedded (a micro-batch's rows x length)."""
+    """Records, over everything run inside it, the most rows of any tensor allocated with the vocabulary as its last
+    dimension (a logits tensor or a chunk of one; views, such as the head's weight transposed, are not allocations)
+    and the fewest tokens a forward embedded (a micro-batch's rows x length)."""
 
     def __init__(self, vocab: int) -> None:
         super().__init__()
@@ -41,7 +42,7 @@ class LogitRows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and out.dim() >= 2:
-            if out.shape[-1] == self.vocab and out.is_floating_point():
+            if out.shape[-1] == self.vocab and out.is_floating_point() and not out._is_view():
                 self.most_logit_rows = max(self.most_logit_rows, out.numel() // self.vocab)
             if func is torch.ops.aten.embedding.default:
                 tokens = out.numel() // out.shape[-1]
@@ -79,8 +80,10 @@ def close(ours: list[dict], theirs: list[dict], names, relative: float, absolute
 
 
 # Tolerances: float32 on both sides, the same math summed in different orders (tigon's chunked kernels through the
-# Triton interpreter and float64 per-sequence sums, TRL's torch ops); the runtime's TRL parity tests measured up to
-# 2e-6 on log-probs. Relative 1e-5 on losses and log-probs, absolute 1e-5 on rewards (which start at 0).
+# Triton interpreter and float64 per-sequence sums, TRL's torch ops). Measured over these runs: losses and log-probs
+# within 4e-7 relative, mean logits 4e-6, rewards 4e-6 (and margins, near 0, 1e-6 absolute), gradient norms 4e-7.
+# Asserted: 1e-5 relative (1e-6 absolute floor) on losses, log-probs and mean logits; 1e-5 relative or absolute on
+# rewards, the KL estimate and gradient norms (SFT's gradient norm: 1e-4, as the SFT patching test).
 
 
 def test_dpo_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
@@ -92,6 +95,16 @@ def test_dpo_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
     assert "entropy" not in ours[0] and "mean_token_accuracy" not in ours[0]
 
 
+def test_dpo_trainer_with_a_lora_adapter_takes_its_reference_from_the_base_model(tmp_path):
+    """No reference model with PEFT: the reference log-probs come from the model with its adapter disabled."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    ours, theirs, _, _ = tigon_and_trl(tmp_path, trl.DPOConfig, trl.DPOTrainer, PAIRS, peft_config=lora)
+    close(ours, theirs, ["loss", "logps/chosen", "logps/rejected"], 1e-5, 1e-6)
+    close(ours, theirs, ["rewards/chosen", "rewards/rejected", "rewards/margins"], 1e-5, 1e-5)
+    assert ours[-1]["rewards/margins"] != 0.0  # the adapter trained away from its reference
+
+
 def test_kto_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
     """One micro-batch of 8 per step: TRL's KL reference point is a mean over the micro-batch."""
     records = [
@@ -101,7 +114,7 @@ def test_kto_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
     ours, theirs, _, _ = tigon_and_trl(
         tmp_path, trl.KTOConfig, trl.KTOTrainer, records, per_device_train_batch_size=8, gradient_accumulation_steps=1
     )
-    close(ours, theirs, ["loss", "logps/chosen", "logps/rejected"], 1e-5, 1e-6)
+    close(ours, theirs, ["loss", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"], 1e-5, 1e-6)
     close(ours, theirs, ["rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "grad_norm"], 1e-5, 1e-5)
     assert any(step["kl"] > 0 for step in ours)
 
@@ -141,22 +154,6 @@ def test_orpo_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
     assert their_watch.most_logit_rows >= their_watch.fewest_tokens
 
 
-def built(tmp_path, config_class, trainer_class, records=PAIRS, **settings):
-    """A TRL trainer on the tiny model, built but not trained."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from tests.runtime.test_objectives import TRL_ARGS
-
-    model_dir = tiny_model_dir(tmp_path)
-    return trainer_class(
-        model=str(model_dir),
-        args=config_class(output_dir=str(tmp_path / "out"), **{**TRL_ARGS, **settings}),
-        train_dataset=Dataset.from_list(records),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
-
-
 def test_settings_tigon_cannot_compute_raise_with_the_fix(tmp_path):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
@@ -168,11 +165,31 @@ def test_settings_tigon_cannot_compute_raise_with_the_fix(tmp_path):
         (CPOConfig, CPOTrainer, {"alpha": 0.5}, r"CPOConfig.alpha=0.5 \(AlphaPO's reward\) .* set alpha=0.0"),
     ]
     for config_class, trainer_class, settings, message in cases:
-        trainer = built(tmp_path, config_class, trainer_class, **settings)
+        trainer = trl_trainer(tmp_path, config_class, trainer_class, PAIRS, **settings)
         with pytest.raises(UnsupportedByTigon, match=message):
             use_tigon(trainer)
         assert "compute_loss" not in vars(trainer) and "_compute_loss" not in vars(trainer)
     records = [{"prompt": pair["prompt"], "completion": pair["chosen"]} for pair in PAIRS]
-    trainer = built(tmp_path, trl.SFTConfig, trl.SFTTrainer, records, label_smoothing_factor=0.1)
+    trainer = trl_trainer(tmp_path, trl.SFTConfig, trl.SFTTrainer, records, label_smoothing_factor=0.1)
     with pytest.raises(UnsupportedByTigon, match="label_smoothing_factor > 0 .* set label_smoothing_factor=0.0"):
         use_tigon(trainer)
+
+
+def test_use_tigon_patches_the_policy_and_the_reference_model(tmp_path):
+    """DPO: the kernels go into the trained model and into the reference model; a plain HF Trainer gets the patched
+    forward, whose loss is the fused cross entropy."""
+    import transformers
+
+    from tigon.kernels.modules import RMSNorm
+
+    trainer = trl_trainer(tmp_path, trl.DPOConfig, trl.DPOTrainer, PAIRS)
+    report = use_tigon(trainer, rope=False)
+    assert trainer.tigon_kind == "dpo" and "_compute_loss" in vars(trainer)
+    assert report.applied == {"rms_norm": 5, "gated_mlp": 2, "fused_linear_cross_entropy": 1}
+    for model in (trainer.model, trainer.ref_model):
+        assert sum(isinstance(module, RMSNorm) for module in model.modules()) == 5
+    plain = transformers.Trainer(
+        model=transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path)),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), report_to=[], use_cpu=True),
+    )
+    assert use_tigon(plain, rope=False).applied["fused_linear_cross_entropy"] == 1 and plain.tigon_kind == "hf"
