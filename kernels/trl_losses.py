@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tigon.kernels import functional as F
-from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, keep_last_hidden_state
+from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, last_hidden_state
 
 IGNORE_INDEX = -100
 
@@ -38,20 +38,6 @@ def causal_lm(trainer, model: nn.Module) -> nn.Module:
     """The transformers `*ForCausalLM` inside `model` (through accelerate's wrappers and a PEFT model)."""
     module = trainer.accelerator.unwrap_model(model)
     return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
-def last_hidden_state(model: nn.Module, inner: nn.Module, **inputs) -> torch.Tensor:
-    """The decoder's last hidden states `(B, T, H)` from a forward of `model` (`inner`, or a wrapper of it) that
-    keeps no logit positions, so the head projects nothing."""
-    box = keep_last_hidden_state(inner)
-    box.append(None)
-    device = inner.get_output_embeddings().weight.device
-    inputs.update(use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
-    try:
-        model(**inputs)
-        return box[-1]
-    finally:
-        box.pop()
 
 
 def plain_head(inner: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -296,13 +296,9 @@ def trl_trainer(tmp_path: Path, config_class, trainer_class, records: list[dict]
     )
 
 
-def trl_logged_steps(
-    tmp_path: Path, config_class, trainer_class, records: list[dict], prepare=None, peft_config=None, **settings
-) -> list[dict]:
-    """`trl_trainer` trained: its step logs. `prepare(trainer)` runs on the built trainer first (e.g. `use_tigon`)."""
-    trainer = trl_trainer(tmp_path, config_class, trainer_class, records, peft_config, **settings)
-    if prepare is not None:
-        prepare(trainer)
+def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
+    """`trl_trainer` trained: its step logs."""
+    trainer = trl_trainer(tmp_path, config_class, trainer_class, records, **settings)
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
 
