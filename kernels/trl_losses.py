@@ -76,7 +76,6 @@ def check_common(trainer) -> None:
         _refuse("an encoder-decoder model", "use_tigon trains decoder-only causal language models")
     if getattr(trainer.args, "use_liger_kernel", False):
         _refuse("use_liger_kernel=True together with use_tigon", "set use_liger_kernel=False")
-    causal_lm(trainer, trainer.model)
     plain_head(causal_lm(trainer, trainer.model))
 
 

@@ -126,9 +126,12 @@ def test_kto_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path):
     assert any(step["kl"] > 0 for step in ours)
 
 
-def test_sft_trainer_with_tigon_logs_trls_loss_and_token_accuracy(tmp_path):
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_trainer_with_tigon_logs_trls_loss_and_token_accuracy(tmp_path, loss_type):
+    """Prompt-completion rows of different lengths, 2 micro-batches a step (`num_items_in_batch` normalizes); DFT
+    weighs each token's loss by its probability, the fused op's token scaling."""
     records = [{"prompt": pair["prompt"], "completion": pair["chosen"]} for pair in PAIRS]
-    ours, theirs, _, _ = tigon_and_trl(tmp_path, trl.SFTConfig, trl.SFTTrainer, records)
+    ours, theirs, _, _ = tigon_and_trl(tmp_path, trl.SFTConfig, trl.SFTTrainer, records, loss_type=loss_type)
     close(ours, theirs, ["loss", "mean_token_accuracy"], 1e-5, 1e-6)
     close(ours, theirs, ["grad_norm"], 1e-5, 1e-5)
     assert [a["num_tokens"] for a in ours] == [b["num_tokens"] for b in theirs]
