@@ -7,7 +7,7 @@
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
 #   [flyte-gpu (pyflyte run of the workflow on every GPU, a killed worker; carry .whl-flyte too)]
 #   [trl (benchmarks/trl_integration.py: TRL's DPOTrainer and SFTTrainer alone, with Liger-Kernel and with use_tigon;
-#   needs the trl, datasets, dill and multiprocess wheels in .whl; TRL_TRAINERS=dpo runs DPO only)]
+#   carry .whl-trl: trl, datasets, dill, multiprocess; .whl holds Liger-Kernel; TRL_TRAINERS=dpo runs DPO only)]
 #   [headline (benchmarks/headline.sh)] (BENCH_LIMIT seconds each; results in $OUT/scaling.tgz, headline.tgz) [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
