@@ -6,6 +6,8 @@
 #   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
 #   [flyte-gpu (pyflyte run of the workflow on every GPU, a killed worker; carry .whl-flyte too)]
+#   [trl (benchmarks/trl_integration.py: TRL's DPOTrainer and SFTTrainer alone, with Liger-Kernel and with use_tigon;
+#   carry .whl-trl: trl, datasets, dill, multiprocess; .whl holds Liger-Kernel; TRL_TRAINERS=dpo runs DPO only)]
 #   [headline (benchmarks/headline.sh)] (BENCH_LIMIT seconds each; results in $OUT/scaling.tgz, headline.tgz) [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
@@ -57,6 +59,7 @@ for step in "$@"; do
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed" ;;
     e2e-qlora) python3 -m benchmarks.end_to_end --family llama --shape llama-3-8b --qlora --variants "${E2E_VARIANTS:-eager,liger,tigon,planner}" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/e2e-qlora.json" 2>&1 | tee "$out/e2e-qlora.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
+    trl) python3 -m benchmarks.trl_integration --trainers "${TRL_TRAINERS:-dpo,sft}" --out "$out/trl.json" 2>&1 | tee "$out/trl.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
     e2e-profile) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs "${E2E_SEQS:-4096}" --variants "$v" --profile --out "$out/e2e-profile.json" 2>&1 | tee "$out/e2e-profile.log" ;;

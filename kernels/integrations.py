@@ -1,5 +1,6 @@
-"""tigon's kernels from a Hugging Face `Trainer` (or TRL's `SFTTrainer`) or a Lightning run, in one line.
+"""tigon's kernels and fused losses from a Hugging Face `Trainer`, a TRL trainer or a Lightning run, in one line.
 
+    use_tigon(trainer)  # a built Trainer, SFTTrainer, DPOTrainer, KTOTrainer, ORPOTrainer or CPOTrainer
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[HFCallback()])
     # or, on a trainer already built:
     apply_to_trainer(trainer)
@@ -20,7 +21,7 @@ from torch import nn
 
 from tigon.kernels.patching import PatchReport, apply
 
-__all__ = ["HFCallback", "LightningCallback", "apply_to_trainer", "find_hf_model"]  # noqa: F822 (module __getattr__)
+__all__ = ["HFCallback", "LightningCallback", "apply_to_trainer", "find_hf_model", "use_tigon"]  # noqa: F822 (module __getattr__)
 
 
 def find_hf_model(module: nn.Module) -> nn.Module:
@@ -38,6 +39,27 @@ def apply_to_trainer(trainer, **options) -> PatchReport:
     """Apply the kernels to an HF `Trainer`'s model in place (before `trainer.train()`); returns the report."""
     report = apply(trainer.model, **options)
     trainer.model.tigon_patch_report = report
+    return report
+
+
+def use_tigon(trainer, **options) -> PatchReport:
+    """Apply the kernels to a built trainer's model (and reference model) and, for a TRL trainer, make it compute its
+    loss with tigon's fused linear ops (`tigon.kernels.trl_losses`); call before `trainer.train()`.
+
+    A plain `transformers.Trainer` gets the patched forward, whose loss is the fused cross entropy. A TRL trainer
+    setting the fused ops cannot compute exactly raises `UnsupportedByTigon` naming it and the fix. `options` go to
+    `tigon.kernels.apply`; returns the model's report, also kept as `trainer.tigon_kind` ('hf', 'sft', 'dpo', ...).
+    """
+    kind = "hf"
+    if any(base.__module__.startswith("trl.") for base in type(trainer).__mro__):
+        from tigon.kernels.trl_losses import install
+
+        kind = install(trainer)
+    report = apply_to_trainer(trainer, **options)
+    reference = getattr(trainer, "ref_model", None)
+    if reference is not None:
+        apply(trainer.accelerator.unwrap_model(reference), **options)
+    trainer.tigon_kind = kind
     return report
 
 

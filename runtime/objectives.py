@@ -96,16 +96,9 @@ def rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The decoder's last hidden states `(B, T, H)` from a forward (through any DDP wrapper) that keeps no logits."""
-    from tigon.kernels.patching.causal_lm import keep_last_hidden_state
+    from tigon.kernels.patching.causal_lm import last_hidden_state
 
-    box = keep_last_hidden_state(unwrap(model))
-    box.append(None)
-    no_positions = torch.empty(0, dtype=torch.long, device=input_ids.device)
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=no_positions)
-        return box[-1]
-    finally:
-        box.pop()
+    return last_hidden_state(model, unwrap(model), input_ids=input_ids, attention_mask=attention_mask)
 
 
 def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

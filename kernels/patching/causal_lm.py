@@ -103,6 +103,20 @@ def keep_last_hidden_state(causal_lm: nn.Module) -> list:
     return decoder.__dict__[LAST_HIDDEN]
 
 
+def last_hidden_state(model: nn.Module, inner: nn.Module, **inputs) -> torch.Tensor:
+    """The decoder's last hidden states `(B, T, H)` from a forward of `model` (`inner`, or a wrapper of it) that
+    keeps no logit positions, so the head projects nothing."""
+    box = keep_last_hidden_state(inner)
+    box.append(None)
+    device = inner.get_output_embeddings().weight.device
+    inputs.update(use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+    try:
+        model(**inputs)
+        return box[-1]
+    finally:
+        box.pop()
+
+
 def gathered_in_own_forward(head: nn.Module) -> bool:
     """Whether the head's weight is whole only inside its own forward: its own FSDP2 unit, or ZeRO-3."""
     fsdp = sys.modules.get("torch.distributed.fsdp")

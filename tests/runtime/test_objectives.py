@@ -280,18 +280,25 @@ TRL_ARGS = {  # the run preference_config describes: AdamW (betas 0.9/0.95), con
 }
 
 
-def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
-    """TRL's `trainer_class` trained on `records` from tiny_model_dir, with TRL_ARGS and `settings`; its step logs."""
+def trl_trainer(tmp_path: Path, config_class, trainer_class, records: list[dict], peft_config=None, **settings):
+    """TRL's `trainer_class` built on `records` from tiny_model_dir, with TRL_ARGS and `settings` (and a PEFT
+    adapter from `peft_config`), not yet trained."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     model_dir = tiny_model_dir(tmp_path)
-    trainer = trainer_class(
+    return trainer_class(
         model=str(model_dir),
         args=config_class(output_dir=str(tmp_path / "trl"), **{**TRL_ARGS, **settings}),
         train_dataset=Dataset.from_list(records),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
+        **({"peft_config": peft_config} if peft_config is not None else {}),
     )
+
+
+def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
+    """`trl_trainer` trained: its step logs."""
+    trainer = trl_trainer(tmp_path, config_class, trainer_class, records, **settings)
     trainer.train()
     return [record for record in trainer.state.log_history if "loss" in record]
 
