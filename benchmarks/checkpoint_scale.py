@@ -1,0 +1,259 @@
+"""Checkpoint benchmark: how long an FSDP2 save stalls training, synchronous and asynchronous, and resume.
+
+    python -m benchmarks.checkpoint_scale --out ckpt.json                        # GPU: all local GPUs, Llama-3-8B
+    python -m benchmarks.checkpoint_scale --shape llama-3.2-1b --out ckpt.json   # GPU: a smaller model
+    python -m benchmarks.checkpoint_scale --shape tiny --out /tmp/ckpt.json      # CPU rehearsal, 2 ranks on gloo
+
+One `torchrun --standalone` group over every local GPU (`--nproc`, default all; 2 processes on a CPU) trains a
+randomly initialized Llama of the `--shape` through the torch trainer's own step and FSDP2 strategy (fp32 master
+weights, bf16 compute on a GPU, AdamW) on random tokens, then for each mode, sync and async
+(`checkpoint.async_save`):
+
+1. from the same state at step `--save-at`, it starts checkpoint `step-<save-at>` and trains on to
+   `--steps`; `stall_seconds` is how long the save held the training loop (for async: staging the shards in CPU
+   memory), `durable_seconds` the time from the save's start until the checkpoint is whole (for async: the
+   background write, then the manifest and the rename when the run next waits for it);
+   (`train_seconds_after_save`: those steps' time, which for async runs beside the background write);
+2. it resumes from that checkpoint (`resume_seconds`: rank 0 verifies the manifest, every rank loads) and trains
+   the same steps again: `losses_equal` says whether the resumed per-step losses equal the uninterrupted ones
+   bit for bit (`max_loss_difference` is the largest difference).
+
+`bytes_written` is the checkpoint's size from its manifest. Each mode's checkpoint is removed before the next
+mode writes, so the disk needs room for one. Results: JSON to --out (rank 0), and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama-3-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    },
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 256,
+    },
+}
+MODES = ("sync", "async")
+
+
+def run_config(args: argparse.Namespace, run_dir: Path, async_save: bool, cuda: bool):
+    """The RunConfig of the measurement: FSDP2, fp32 master weights, bf16 compute on a GPU."""
+    from tigon.runtime.config import parse_config
+
+    shape = {**SHAPES[args.shape], "max_position_embeddings": max(args.seq, 128)}
+    raw = {
+        "name": f"checkpoint-scale-{args.shape}",
+        "model": {"config_name": "llama", "config_overrides": shape, "tokenizer": "char", "dtype": "float32"},
+        "data": {"train": "random-tokens", "max_seq_len": args.seq, "packing": False},
+        "training": {
+            "max_steps": args.steps,
+            "learning_rate": 1e-4,
+            "lr_schedule": "constant",
+            "micro_batch_size": args.micro_batch,
+            "gradient_checkpointing": cuda,
+            "precision": "bf16" if cuda else "fp32",
+        },
+        "parallelism": {"strategy": "fsdp"},
+        "kernels": {"enabled": False},
+        "checkpoint": {"every_steps": args.save_at, "keep_last": 1, "export": False, "async_save": async_save},
+        "logging": {"run_dir": str(run_dir), "tensorboard": False, "progress_bar": False},
+    }
+    return parse_config(raw, f"checkpoint_scale {args.shape}")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Every rank: build, train to --save-at, then measure each mode from that same state (see the docstring)."""
+    import torch
+
+    from benchmarks.end_to_end import random_dataset
+    from tigon.runtime import checkpoint as ckpt
+    from tigon.runtime import trainer
+    from tigon.runtime.distributed import barrier, init_distributed, shutdown
+    from tigon.runtime.model import build_model
+    from tigon.runtime.parallel import build_strategy
+
+    cuda = torch.cuda.is_available()
+    root = Path(args.run_dir)
+    config = run_config(args, root / "base", False, cuda)
+    env, device = init_distributed(config)
+    trainer.seed_everything(config.training.seed)
+    vocab = config.model.config_overrides["vocab_size"]
+    started = time.perf_counter()
+    model = build_model(config, vocab, meta=not env.is_main, device=device)
+    strategy = build_strategy(model, config, env, device, args.steps)
+    strategy.model.train()
+    build_seconds = time.perf_counter() - started
+    training = config.training
+    dataset = random_dataset(training.micro_batch_size * env.world_size * args.steps, args.seq, vocab, training.seed)
+    sampler = trainer.GlobalBatchSampler(
+        len(dataset), training.micro_batch_size, 1, env.world_size, env.rank, training.seed
+    )
+    state = ckpt.TrainState(world_size=env.world_size)
+
+    def step() -> float:
+        loss, _, _ = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        state.step += 1
+        state.batches_in_epoch += 1
+        state.losses.append(loss)
+        return loss
+
+    def train_to_end() -> list[float]:
+        return [step() for _ in range(state.step, args.steps)]
+
+    for _ in range(args.save_at):
+        step()
+    base = root / "base"
+    ckpt.save_checkpoint(base, state, None, None, None, env, 1, write_state=strategy.write_state)  # the shared start
+    results = []
+    for mode in MODES:
+        async_save = mode == "async"
+        strategy.config = run_config(args, root / mode, async_save, cuda)  # write_state reads async_save there
+        start = ckpt.resume_checkpoint(base, env)
+        state = strategy.load_checkpoint(start)
+        barrier(env)
+        began = time.perf_counter()
+        saving = strategy.begin_checkpoint(root / mode, state, 1, config.model_dump_json())
+        written: dict[str, float] = {}
+        if saving.writing is not None:
+            saving.writing.add_done_callback(lambda _, written=written: written.setdefault("at", time.perf_counter()))
+        else:
+            saving.finish()
+        stall = time.perf_counter() - began
+        reference = train_to_end()
+        train_seconds = time.perf_counter() - began - stall
+        finishing = time.perf_counter()
+        if async_save:
+            saving.finish()
+        done = time.perf_counter()
+        durable = done - began if not async_save else written["at"] - began + (done - finishing)
+        barrier(env)
+        resumed_at = time.perf_counter()
+        latest = ckpt.resume_checkpoint(root / mode, env)
+        state = strategy.load_checkpoint(latest)
+        barrier(env)
+        resume = time.perf_counter() - resumed_at
+        again = train_to_end()
+        bytes_written = ckpt.checkpoint_bytes(latest) if env.is_main else 0
+        results.append(
+            {
+                "mode": mode,
+                "stall_seconds": stall,
+                "durable_seconds": durable,
+                "resume_seconds": resume,
+                "bytes_written": bytes_written,
+                "losses": reference,
+                "resumed_losses": again,
+                "losses_equal": again == reference,
+                "max_loss_difference": max(abs(a - b) for a, b in zip(again, reference, strict=True)),
+                "train_seconds_after_save": train_seconds,
+            }
+        )
+        barrier(env)
+        if env.is_main:
+            shutil.rmtree(root / mode, ignore_errors=True)
+    if env.is_main:
+        report = {
+            "shape": args.shape,
+            "config": SHAPES[args.shape],
+            "parameters": sum(p.numel() for p in model.parameters()),  # FSDP2's DTensors count whole
+            "world_size": env.world_size,
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "torch": torch.__version__,
+            "seq": args.seq,
+            "micro_batch": args.micro_batch,
+            "steps": args.steps,
+            "save_at": args.save_at,
+            "build_seconds": build_seconds,
+            "results": results,
+        }
+        ckpt.atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+        print(table(report), flush=True)
+        shutil.rmtree(base, ignore_errors=True)
+    shutdown()
+
+
+def table(report: dict) -> str:
+    """A short markdown table of one report."""
+    lines = [
+        f"{report['shape']} on {report['world_size']} x {report['device']} (torch {report['torch']}), "
+        f"seq {report['seq']} x micro-batch {report['micro_batch']}, save at step {report['save_at']} of "
+        f"{report['steps']}",
+        "",
+        "| mode | stall s | durable s | resume s | GiB written | resumed losses equal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['mode']} | {row['stall_seconds']:.2f} | {row['durable_seconds']:.2f} | "
+            f"{row['resume_seconds']:.2f} | {row['bytes_written'] / 2**30:.2f} | {row['losses_equal']} "
+            f"(max difference {row['max_loss_difference']:.2e}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: every local GPU; CPU: 2)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; tiny: 32)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step")
+    parser.add_argument("--steps", type=int, default=4, help="steps of each run")
+    parser.add_argument("--save-at", type=int, default=2, help="the step the checkpoint is taken at")
+    parser.add_argument("--run-dir", help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.seq is None:
+        args.seq = 32 if args.shape == "tiny" else 1024
+    if not 0 < args.save_at < args.steps:
+        parser.error(f"--save-at must be between 1 and --steps - 1 ({args.steps - 1}), got {args.save_at}")
+    if args.worker:
+        worker(args)
+        return
+    import torch
+
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="checkpoint-scale-")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += ["-m", "benchmarks.checkpoint_scale", "--worker", "--run-dir", run_dir, "--out", str(args.out)]
+    command += ["--shape", args.shape, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch)]
+    command += ["--steps", str(args.steps), "--save-at", str(args.save_at)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(command, env=env)
+    if args.run_dir is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    sys.exit(done.returncode)
+
+
+if __name__ == "__main__":
+    main()
