@@ -6,20 +6,20 @@
 
 One `torchrun --standalone` group over every local GPU (`--nproc`, default all; 2 processes on a CPU) trains a
 randomly initialized Llama of the `--shape` through the torch trainer's own step and FSDP2 strategy (fp32 master
-weights, bf16 compute on a GPU, AdamW) on random tokens, then for each mode, sync and async
-(`checkpoint.async_save`):
+weights, bf16 compute on a GPU, AdamW) on random tokens: `--interval` steps, then for each mode in turn, sync and
+async (`checkpoint.async_save`):
 
-1. from the same state at step `--save-at`, it starts checkpoint `step-<save-at>` and trains on to
-   `--steps`; `stall_seconds` is how long the save held the training loop (for async: staging the shards in CPU
-   memory), `durable_seconds` the time from the save's start until the checkpoint is whole (for async: the
-   background write, then the manifest and the rename when the run next waits for it);
-   (`train_seconds_after_save`: those steps' time, which for async runs beside the background write);
+1. it starts a checkpoint and trains `--interval` more steps: `stall_seconds` is how long the save held the
+   training loop (async: staging the shards in CPU memory), `durable_seconds` the time from the save's start
+   until the checkpoint is whole (async: the background write, then the manifest and the rename when the run
+   next waits for it), `train_seconds_after_save` those steps' time (async: beside the background write);
 2. it resumes from that checkpoint (`resume_seconds`: rank 0 verifies the manifest, every rank loads) and trains
    the same steps again: `losses_equal` says whether the resumed per-step losses equal the uninterrupted ones
-   bit for bit (`max_loss_difference` is the largest difference).
+   bit for bit (`max_loss_difference` is the largest difference), and the next mode goes on from there.
 
-`bytes_written` is the checkpoint's size from its manifest. Each mode's checkpoint is removed before the next
-mode writes, so the disk needs room for one. Results: JSON to --out (rank 0), and a table on stdout.
+`bytes_written` is the checkpoint's size from its manifest. Each checkpoint is removed before the next mode
+writes, so the disk needs room for one (the Llama-3-8B shape's, with fp32 AdamW state: about 96 GB). Results:
+JSON to --out (rank 0), and a table on stdout.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def run_config(args: argparse.Namespace, run_dir: Path, async_save: bool, cuda: 
         "model": {"config_name": "llama", "config_overrides": shape, "tokenizer": "char", "dtype": "float32"},
         "data": {"train": "random-tokens", "max_seq_len": args.seq, "packing": False},
         "training": {
-            "max_steps": args.steps,
+            "max_steps": args.interval * (1 + len(MODES)),
             "learning_rate": 1e-4,
             "lr_schedule": "constant",
             "micro_batch_size": args.micro_batch,
@@ -83,14 +83,14 @@ def run_config(args: argparse.Namespace, run_dir: Path, async_save: bool, cuda: 
         },
         "parallelism": {"strategy": "fsdp"},
         "kernels": {"enabled": False},
-        "checkpoint": {"every_steps": args.save_at, "keep_last": 1, "export": False, "async_save": async_save},
+        "checkpoint": {"every_steps": args.interval, "keep_last": 1, "export": False, "async_save": async_save},
         "logging": {"run_dir": str(run_dir), "tensorboard": False, "progress_bar": False},
     }
     return parse_config(raw, f"checkpoint_scale {args.shape}")
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Every rank: build, train to --save-at, then measure each mode from that same state (see the docstring)."""
+    """Every rank: build, train `--interval` steps, then measure each mode in turn (see the module docstring)."""
     import torch
 
     from benchmarks.end_to_end import random_dataset
@@ -102,85 +102,80 @@ def worker(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     root = Path(args.run_dir)
-    config = run_config(args, root / "base", False, cuda)
+    total = args.interval * (1 + len(MODES))
+    config = run_config(args, root, False, cuda)
     env, device = init_distributed(config)
     trainer.seed_everything(config.training.seed)
     vocab = config.model.config_overrides["vocab_size"]
     started = time.perf_counter()
     model = build_model(config, vocab, meta=not env.is_main, device=device)
-    strategy = build_strategy(model, config, env, device, args.steps)
+    strategy = build_strategy(model, config, env, device, total)
     strategy.model.train()
     build_seconds = time.perf_counter() - started
-    training = config.training
-    dataset = random_dataset(training.micro_batch_size * env.world_size * args.steps, args.seq, vocab, training.seed)
-    sampler = trainer.GlobalBatchSampler(
-        len(dataset), training.micro_batch_size, 1, env.world_size, env.rank, training.seed
-    )
+    micro = config.training.micro_batch_size
+    dataset = random_dataset(micro * env.world_size * total, args.seq, vocab, config.training.seed)
+    sampler = trainer.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
     state = ckpt.TrainState(world_size=env.world_size)
 
-    def step() -> float:
-        loss, _, _ = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        state.step += 1
-        state.batches_in_epoch += 1
-        state.losses.append(loss)
-        return loss
+    def train_steps() -> list[float]:
+        """`--interval` optimizer steps from where `state` stands; their losses."""
+        losses = []
+        for _ in range(args.interval):
+            loss, _, _ = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+            if cuda:
+                torch.cuda.synchronize(device)
+            state.step += 1
+            state.batches_in_epoch += 1
+            state.losses.append(loss)
+            losses.append(loss)
+        return losses
 
-    def train_to_end() -> list[float]:
-        return [step() for _ in range(state.step, args.steps)]
-
-    for _ in range(args.save_at):
-        step()
-    base = root / "base"
-    ckpt.save_checkpoint(base, state, None, None, None, env, 1, write_state=strategy.write_state)  # the shared start
+    train_steps()
     results = []
     for mode in MODES:
         async_save = mode == "async"
-        strategy.config = run_config(args, root / mode, async_save, cuda)  # write_state reads async_save there
-        start = ckpt.resume_checkpoint(base, env)
-        state = strategy.load_checkpoint(start)
+        run_dir = root / mode
+        strategy.config = run_config(args, run_dir, async_save, cuda)  # write_state reads async_save there
         barrier(env)
         began = time.perf_counter()
-        saving = strategy.begin_checkpoint(root / mode, state, 1, config.model_dump_json())
+        saving = strategy.begin_checkpoint(run_dir, state, 1, config.model_dump_json())
         written: dict[str, float] = {}
         if saving.writing is not None:
             saving.writing.add_done_callback(lambda _, written=written: written.setdefault("at", time.perf_counter()))
         else:
             saving.finish()
         stall = time.perf_counter() - began
-        reference = train_to_end()
+        reference = train_steps()
         train_seconds = time.perf_counter() - began - stall
         finishing = time.perf_counter()
         if async_save:
             saving.finish()
-        done = time.perf_counter()
-        durable = done - began if not async_save else written["at"] - began + (done - finishing)
+        durable = written["at"] - began + (time.perf_counter() - finishing) if async_save else stall
         barrier(env)
         resumed_at = time.perf_counter()
-        latest = ckpt.resume_checkpoint(root / mode, env)
+        latest = ckpt.resume_checkpoint(run_dir, env)
         state = strategy.load_checkpoint(latest)
         barrier(env)
         resume = time.perf_counter() - resumed_at
-        again = train_to_end()
-        bytes_written = ckpt.checkpoint_bytes(latest) if env.is_main else 0
+        again = train_steps()
         results.append(
             {
                 "mode": mode,
+                "saved_at_step": state.step - args.interval,
                 "stall_seconds": stall,
                 "durable_seconds": durable,
                 "resume_seconds": resume,
-                "bytes_written": bytes_written,
+                "bytes_written": ckpt.checkpoint_bytes(latest) if env.is_main else 0,
+                "train_seconds_after_save": train_seconds,
                 "losses": reference,
                 "resumed_losses": again,
                 "losses_equal": again == reference,
                 "max_loss_difference": max(abs(a - b) for a, b in zip(again, reference, strict=True)),
-                "train_seconds_after_save": train_seconds,
             }
         )
         barrier(env)
-        if env.is_main:
-            shutil.rmtree(root / mode, ignore_errors=True)
+        if env.is_main:  # one checkpoint on disk at a time
+            shutil.rmtree(run_dir, ignore_errors=True)
     if env.is_main:
         report = {
             "shape": args.shape,
@@ -191,14 +186,12 @@ def worker(args: argparse.Namespace) -> None:
             "torch": torch.__version__,
             "seq": args.seq,
             "micro_batch": args.micro_batch,
-            "steps": args.steps,
-            "save_at": args.save_at,
+            "interval": args.interval,
             "build_seconds": build_seconds,
             "results": results,
         }
         ckpt.atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
         print(table(report), flush=True)
-        shutil.rmtree(base, ignore_errors=True)
     shutdown()
 
 
@@ -206,15 +199,14 @@ def table(report: dict) -> str:
     """A short markdown table of one report."""
     lines = [
         f"{report['shape']} on {report['world_size']} x {report['device']} (torch {report['torch']}), "
-        f"seq {report['seq']} x micro-batch {report['micro_batch']}, save at step {report['save_at']} of "
-        f"{report['steps']}",
+        f"seq {report['seq']} x micro-batch {report['micro_batch']}, {report['parameters']:,} parameters",
         "",
-        "| mode | stall s | durable s | resume s | GiB written | resumed losses equal |",
-        "|---|---|---|---|---|---|",
+        "| mode | at step | stall s | durable s | resume s | GiB written | resumed losses equal |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         lines.append(
-            f"| {row['mode']} | {row['stall_seconds']:.2f} | {row['durable_seconds']:.2f} | "
+            f"| {row['mode']} | {row['saved_at_step']} | {row['stall_seconds']:.2f} | {row['durable_seconds']:.2f} | "
             f"{row['resume_seconds']:.2f} | {row['bytes_written'] / 2**30:.2f} | {row['losses_equal']} "
             f"(max difference {row['max_loss_difference']:.2e}) |"
         )
@@ -228,15 +220,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: every local GPU; CPU: 2)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; tiny: 32)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step")
-    parser.add_argument("--steps", type=int, default=4, help="steps of each run")
-    parser.add_argument("--save-at", type=int, default=2, help="the step the checkpoint is taken at")
+    parser.add_argument("--interval", type=int, default=2, help="steps before each save and after it (default 2)")
     parser.add_argument("--run-dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seq is None:
         args.seq = 32 if args.shape == "tiny" else 1024
-    if not 0 < args.save_at < args.steps:
-        parser.error(f"--save-at must be between 1 and --steps - 1 ({args.steps - 1}), got {args.save_at}")
+    if args.interval < 1:
+        parser.error(f"--interval must be at least 1, got {args.interval}")
     if args.worker:
         worker(args)
         return
@@ -247,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command += ["-m", "benchmarks.checkpoint_scale", "--worker", "--run-dir", run_dir, "--out", str(args.out)]
     command += ["--shape", args.shape, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch)]
-    command += ["--steps", str(args.steps), "--save-at", str(args.save_at)]
+    command += ["--interval", str(args.interval)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(command, env=env)
     if args.run_dir is None:
