@@ -14,8 +14,29 @@ torch.distributed.checkpoint directory `dcp/` (every rank writes its shard); wit
 they are DeepSpeed's own checkpoint under `deepspeed/` (see tigon.runtime.parallel).
 
 It is written into a temporary directory and renamed into place (`os.replace`), so a run killed
-mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With several nodes the
-run directory must be on a filesystem every rank sees (each rank writes its own RNG file).
+mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With `checkpoint.remote_dir`
+(the run's `RunStorage`) the finished checkpoint is then uploaded by rank 0 and committed there.
+
+Nodes that share no filesystem. Each save checks whether every rank sees the temporary directory rank 0
+made. When some do not, the nodes have separate disks: every node's first process (LOCAL_RANK 0) makes
+the same temporary directory on its own disk, its ranks write their files there as usual (RNG states,
+DCP shards: torch.distributed.checkpoint's FileSystemWriter names each rank's file apart), and after a
+barrier each node uploads what it staged to `<remote_dir>/checkpoints/step-N/`. Rank 0 gathers every
+node's file sizes and SHA-256 (hashed where the files are, by the node that wrote them), writes the
+manifest of them all, uploads it and commits the checkpoint with the store's marker, last; then it
+prunes the store to `keep_last`, and each node removes its staging directory (the store holds the
+checkpoints). Per-node staging, rather than DCP's fsspec writer straight into the store, keeps one
+layout for every strategy (the DDP torch files, DCP shards, DeepSpeed's partitions), lets the manifest
+be hashed on local disks in parallel, and needs no rename in the store, which object stores lack. Without
+`remote_dir` such a run stops at its first checkpoint, naming the fix. Resume
+(`tigon.runtime.storage.resume_point`) downloads the picked checkpoint whole onto every node that lacks
+it, so DCP can also reshard it for another world size.
+
+Asynchronous saves (`checkpoint.async_save`, FSDP2): `begin_checkpoint` writes the RNG states and starts
+the strategy's writer, which copies the shards to CPU memory and writes them in a background thread
+(torch.distributed.checkpoint.async_save over its own gloo group); training goes on. `finish`, called
+before the next save and at the end of the run, waits for the write and only then writes state.json and
+the manifest, renames and uploads, so a run killed meanwhile resumes from the previous checkpoint.
 
 Resume (`resume_checkpoint`) verifies the manifest of the newest checkpoint (sizes, then checksums)
 and falls back to the newest one that verifies, naming what is wrong with each it skips; a skipped

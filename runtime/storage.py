@@ -225,18 +225,6 @@ class RunStorage:
         for step in self.checkpoint_steps()[:-keep_last]:
             self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
 
-    def fetch_latest_checkpoint(self, run_dir: str | Path) -> Path | None:
-        """Download the newest committed checkpoint into `<run_dir>/checkpoints` unless the run dir has it or a
-        newer one; returns the downloaded directory, or None when nothing was fetched."""
-        steps = self.checkpoint_steps()
-        local = list_checkpoints(run_dir)
-        if not steps or (local and local[-1][0] >= steps[-1]):
-            return None
-        name = f"step-{steps[-1]}"
-        path = self.download_dir(checkpoint_root(run_dir) / name, CHECKPOINTS, name)
-        logger.info("resuming from the object store: %s -> %s", self._url(self._path(CHECKPOINTS, name)), path)
-        return path
-
     def clear_checkpoints(self) -> None:
         """Remove every uploaded checkpoint (a run that starts over)."""
         root = self._path(CHECKPOINTS)
