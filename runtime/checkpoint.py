@@ -467,6 +467,13 @@ def begin_checkpoint(
     return pending
 
 
+def ranks_not_seeing(path: Path, env: DistEnv) -> list[int]:
+    """The ranks that do not see `path`, which rank 0 made before the call (call on all ranks); [] when the
+    filesystem there is shared."""
+    barrier(env)
+    return [rank for rank, seen in enumerate(all_gather_object(path.exists(), env)) if not seen]
+
+
 def _staging_is_node_local(pending: PendingCheckpoint, env: DistEnv, remote: RunStorage | None) -> bool:
     """Whether the nodes do not share the run directory: some rank does not see the temporary directory rank 0
     made. Then each node stages its ranks' files on its own disk and `remote` joins them; without one, the run
@@ -474,13 +481,12 @@ def _staging_is_node_local(pending: PendingCheckpoint, env: DistEnv, remote: Run
     if not env.distributed:
         return False
     temporary = pending.temporary
-    seen = all_gather_object(temporary.is_dir(), env)
-    if all(seen):
+    blind = ranks_not_seeing(temporary, env)
+    if not blind:
         return False
     if remote is None:
         if env.is_main:
             shutil.rmtree(temporary, ignore_errors=True)
-        blind = sorted({rank for rank, visible in enumerate(seen) if not visible})
         raise CheckpointError(
             f"ranks {blind} do not see {temporary.parent}, which rank 0 writes checkpoints to: the nodes share no "
             "filesystem there. Set checkpoint.remote_dir to an object store every node reaches (s3://, gs://, ...), "
@@ -509,13 +515,8 @@ class PendingCheckpoint:
         config_json: str | None,
         remote: RunStorage | None,
     ):
-        self.run_dir, self.env, self.keep_last, self.config_json, self.remote = (
-            run_dir,
-            env,
-            keep_last,
-            config_json,
-            remote,
-        )
+        self.run_dir, self.env, self.keep_last = run_dir, env, keep_last
+        self.config_json, self.remote = config_json, remote
         self.step = state.step
         self.state_json = json.dumps(asdict(state), indent=1)  # as it stands now: training goes on meanwhile
         self.root = checkpoint_root(run_dir)
@@ -569,33 +570,41 @@ class PendingCheckpoint:
             for name, entry in node_entries.items():
                 if merged.setdefault(name, entry) != entry:
                     raise CheckpointError(f"two nodes wrote {name} of checkpoint step-{self.step} with different bytes")
-        if env.is_main:
-            remote.uncommit(*parts)
-        barrier(env)
-        problem = None
-        if env.is_node_leader:
-            try:
-                remote.upload_files(self.temporary, sorted(entries), *parts)
-            except Exception as error:
-                problem = f"node {env.group_rank}: {type(error).__name__}: {error}"
-        problems = [entry for entry in all_gather_object(problem, env) if entry]
-        if problems:
-            raise CheckpointError(
-                f"uploading checkpoint step-{self.step} to {remote.url} failed: {'; '.join(problems)}"
-            )
-        if env.is_main:
-            manifest = {"files": merged, "bytes": sum(entry["size"] for entry in merged.values())}
-            atomic_write_text(self.temporary / MANIFEST, json.dumps(manifest, indent=1))
-            remote.upload_files(self.temporary, [MANIFEST], *parts)
-            sizes = {name: entry["size"] for name, entry in merged.items()}
-            remote.commit({**sizes, MANIFEST: (self.temporary / MANIFEST).stat().st_size}, *parts)
-            remote.prune_checkpoints(self.keep_last)
-            logger.info("checkpoint written from every node to %s", remote.url)
-        barrier(env)
+        self._on_all(env.is_main, lambda: remote.uncommit(*parts), "clearing")  # an earlier upload of this step
+        self._on_all(
+            env.is_node_leader, lambda: remote.upload_files(self.temporary, sorted(entries), *parts), "uploading"
+        )
+        self._on_all(env.is_main, lambda: self._commit_manifest(merged), "committing")
         if env.is_node_leader:
             shutil.rmtree(self.temporary, ignore_errors=True)
             for _, downloaded in list_checkpoints(self.run_dir):  # resume's copies: the store holds newer ones
                 remove_checkpoint(downloaded)
+
+    def _on_all(self, here: bool, call: Callable[[], object], doing: str) -> None:
+        """`call()` on the ranks where `here` is true, then a CheckpointError on every rank if it failed on any
+        (so that no rank waits forever for one that stopped)."""
+        problem = None
+        if here:
+            try:
+                call()
+            except Exception as error:
+                problem = f"node {self.env.group_rank}: {type(error).__name__}: {error}"
+        problems = [entry for entry in all_gather_object(problem, self.env) if entry]
+        if problems:
+            raise CheckpointError(
+                f"{doing} checkpoint step-{self.step} in {self.remote.url} failed: {'; '.join(problems)}"
+            )
+
+    def _commit_manifest(self, files: dict[str, dict]) -> None:
+        """Rank 0: upload the manifest of every node's files, commit the checkpoint in the store, prune it."""
+        remote, parts = self.remote, (CHECKPOINTS, self.final.name)
+        manifest = {"files": files, "bytes": sum(entry["size"] for entry in files.values())}
+        atomic_write_text(self.temporary / MANIFEST, json.dumps(manifest, indent=1))
+        remote.upload_files(self.temporary, [MANIFEST], *parts)
+        sizes = {name: entry["size"] for name, entry in files.items()}
+        remote.commit({**sizes, MANIFEST: (self.temporary / MANIFEST).stat().st_size}, *parts)
+        remote.prune_checkpoints(self.keep_last)
+        logger.info("checkpoint written from every node to %s", remote.url)
 
     def fail(self, error: Exception) -> None:
         """Remove the temporary directory and raise: CheckpointError with the fix when the disk filled up."""

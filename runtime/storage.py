@@ -53,10 +53,11 @@ from tigon.runtime.checkpoint import (
     CheckpointError,
     checkpoint_root,
     list_checkpoints,
+    ranks_not_seeing,
     replace_dir,
 )
 from tigon.runtime.checkpoint import resume_checkpoint as checkpoint_resume
-from tigon.runtime.distributed import DistEnv, all_gather_object, broadcast_object
+from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -357,14 +358,16 @@ def resume_point(remote_dir: str | None, run_dir: str | Path, env: DistEnv) -> P
     """The checkpoint to resume from, present on every node (call on all ranks); None when there is none.
 
     Without `remote_dir` it is `checkpoint.resume_checkpoint`'s pick. With it, rank 0 names the newest committed
-    checkpoint newer than its own newest local one, each node's first process downloads it (unless the node holds
-    it), and rank 0 verifies it: a damaged one is set aside and the next older committed one tried. Then every
-    node that lacks the picked checkpoint, or holds another copy of it (its manifest differs from rank 0's),
-    downloads it: nodes that share no filesystem each resume from their own copy.
+    checkpoint newer than its own newest local one; it is downloaded (by rank 0 when every rank sees its run
+    directory, else by each node's first process, unless the node holds it) and rank 0 verifies it: a damaged one
+    is set aside and the next older committed one tried. Then every node that lacks the picked checkpoint, or
+    holds another copy of it (its manifest differs from rank 0's), downloads it: nodes that share no filesystem
+    each resume from their own copy.
     """
     store = run_storage(remote_dir)
     if store is None:
         return checkpoint_resume(run_dir, env)
+    downloads = env.is_node_leader if not _shares_run_dir(run_dir, env) else env.is_main
     tried: set[int] = set()
     while True:
         wanted = None
@@ -373,7 +376,7 @@ def resume_point(remote_dir: str | None, run_dir: str | Path, env: DistEnv) -> P
         wanted = broadcast_object(wanted, env)
         if wanted is not None:
             tried.add(wanted)
-            _download_on_each_node(store, run_dir, f"step-{wanted}", None, env)
+            _download(store, run_dir, f"step-{wanted}", None, env, downloads)
         try:
             picked = checkpoint_resume(run_dir, env)
         except CheckpointError:
@@ -385,7 +388,7 @@ def resume_point(remote_dir: str | None, run_dir: str | Path, env: DistEnv) -> P
         if picked is not None:
             manifest = (picked / MANIFEST).read_bytes() if env.is_main and (picked / MANIFEST).is_file() else None
             manifest = broadcast_object(manifest, env)
-            _download_on_each_node(store, run_dir, picked.name, manifest, env)
+            _download(store, run_dir, picked.name, manifest, env, downloads)
         return picked
 
 
@@ -407,11 +410,26 @@ def _newest_to_fetch(store: RunStorage, run_dir: str | Path, tried: set[int]) ->
     return steps[-1] if steps else None
 
 
-def _download_on_each_node(store: RunStorage, run_dir: str | Path, name: str, manifest: bytes | None, env) -> None:
-    """Each node's first process downloads checkpoint `name` unless its copy is there (and, given rank 0's
-    manifest, the same); then every rank waits. A failure on any node is raised on every rank."""
+def _shares_run_dir(run_dir: str | Path, env: DistEnv) -> bool:
+    """Whether every rank sees rank 0's `<run_dir>/checkpoints` (one shared filesystem); True in one process."""
+    if not env.distributed:
+        return True
+    probe = checkpoint_root(run_dir) / f".probe-{broadcast_object(uuid.uuid4().hex, env)}"
+    if env.is_main:
+        probe.mkdir(parents=True)
+    shared = not ranks_not_seeing(probe, env)
+    barrier(env)
+    if env.is_main:
+        probe.rmdir()
+    return shared
+
+
+def _download(store: RunStorage, run_dir: str | Path, name: str, manifest: bytes | None, env, here: bool) -> None:
+    """Where `here` (rank 0 on a shared run directory, else each node's first process), download checkpoint `name`
+    unless its copy is there (and, given rank 0's manifest, the same); then every rank waits. A failure on any
+    node is raised on every rank."""
     problem = None
-    if env.is_node_leader:
+    if here:
         local = checkpoint_root(run_dir) / name
         present = (local / STATE_FILE).is_file() and (
             manifest is None or ((local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest)
