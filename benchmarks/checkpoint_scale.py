@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -192,6 +191,8 @@ def worker(args: argparse.Namespace) -> None:
         }
         ckpt.atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
         print(table(report), flush=True)
+        if args.remove_run_dir:
+            shutil.rmtree(root, ignore_errors=True)
     shutdown()
 
 
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=int, default=2, help="steps before each save and after it (default 2)")
     parser.add_argument("--run-dir", help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--remove-run-dir", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seq is None:
         args.seq = 32 if args.shape == "tiny" else 1024
@@ -234,16 +236,15 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="checkpoint-scale-")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command += ["-m", "benchmarks.checkpoint_scale", "--worker", "--run-dir", run_dir, "--out", str(args.out)]
-    command += ["--shape", args.shape, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch)]
-    command += ["--interval", str(args.interval)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(command, env=env)
-    if args.run_dir is None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    sys.exit(done.returncode)
+    command += ["-m", "benchmarks.checkpoint_scale", "--worker", "--out", str(args.out), "--shape", args.shape]
+    command += ["--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--interval", str(args.interval)]
+    if args.run_dir is None:  # the worker removes it at the end
+        command += ["--run-dir", tempfile.mkdtemp(prefix="checkpoint-scale-"), "--remove-run-dir"]
+    else:
+        command += ["--run-dir", args.run_dir]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.execv(sys.executable, command)  # torchrun in this process: a `timeout` around it stops the workers too
 
 
 if __name__ == "__main__":
