@@ -14,7 +14,8 @@
 - `deepspeed` (`tigon.runtime.deepspeed_engine.DeepSpeedStrategy`): ZeRO stage 1, 2 or 3.
 
 Every strategy writes into the runtime's `step-N` checkpoint directory (`checkpoint.save_checkpoint`:
-temporary name, barrier, rank 0 renames, last K kept), and exports the whole model as a
+temporary name, barrier, rank 0 renames, last K kept; across nodes without a shared filesystem, through the
+object store), and exports the whole model as a
 `save_pretrained` directory: a sharded strategy gathers the full state dict to rank 0, which loads
 it into a plain copy of the model and exports that (LoRA merged when asked).
 
