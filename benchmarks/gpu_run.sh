@@ -16,6 +16,9 @@
 #   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
 #   E2E_SEQS, E2E_VARIANTS); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
 #   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
+#   [checkpoint-scale (benchmarks/checkpoint_scale.py: FSDP2 on every local GPU, sync and async saves and resume;
+#   CKPT_SHAPE=llama-3-8b (default) or llama-3.2-1b, CKPT_SEQ tokens per sequence, default 1024; CKPT_LIMIT seconds,
+#   default 480; the checkpoints go to CKPT_RUN_DIR, default a temporary directory, which needs room for one)]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -72,6 +75,9 @@ for step in "$@"; do
           --set checkpoint.export=false --set logging.tensorboard=false --set logging.run_dir="$out/fp16-${run/:/-}" \
           > "$out/fp16-${run/:/-}.log" 2>&1; echo "fp16 $run: exit $?"; grep -h "loss" "$out/fp16-${run/:/-}.log" | tail -n 3
       done ;;
+    checkpoint-scale) timeout "${CKPT_LIMIT:-480}" python3 -m benchmarks.checkpoint_scale --shape "${CKPT_SHAPE:-llama-3-8b}" \
+        --seq "${CKPT_SEQ:-1024}" ${CKPT_RUN_DIR:+--run-dir "$CKPT_RUN_DIR"} --out "$out/checkpoint-scale-${CKPT_SHAPE:-llama-3-8b}.json" \
+        2>&1 | tee "$out/checkpoint-scale-${CKPT_SHAPE:-llama-3-8b}.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -14,8 +14,29 @@ torch.distributed.checkpoint directory `dcp/` (every rank writes its shard); wit
 they are DeepSpeed's own checkpoint under `deepspeed/` (see tigon.runtime.parallel).
 
 It is written into a temporary directory and renamed into place (`os.replace`), so a run killed
-mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With several nodes the
-run directory must be on a filesystem every rank sees (each rank writes its own RNG file).
+mid-write leaves no half checkpoint; only the newest `keep_last` are kept. With `checkpoint.remote_dir`
+(the run's `RunStorage`) the finished checkpoint is then uploaded by rank 0 and committed there.
+
+Nodes that share no filesystem. Each save checks whether every rank sees the temporary directory rank 0
+made. When some do not, the nodes have separate disks: every node's first process (LOCAL_RANK 0) makes
+the same temporary directory on its own disk, its ranks write their files there as usual (RNG states,
+DCP shards: torch.distributed.checkpoint's FileSystemWriter names each rank's file apart), and after a
+barrier each node uploads what it staged to `<remote_dir>/checkpoints/step-N/`. Rank 0 gathers every
+node's file sizes and SHA-256 (hashed where the files are, by the node that wrote them), writes the
+manifest of them all, uploads it and commits the checkpoint with the store's marker, last; then it
+prunes the store to `keep_last`, and each node removes its staging directory (the store holds the
+checkpoints). Per-node staging, rather than DCP's fsspec writer straight into the store, keeps one
+layout for every strategy (the DDP torch files, DCP shards, DeepSpeed's partitions), lets the manifest
+be hashed on local disks in parallel, and needs no rename in the store, which object stores lack. Without
+`remote_dir` such a run stops at its first checkpoint, naming the fix. Resume
+(`tigon.runtime.storage.resume_point`) downloads the picked checkpoint whole onto every node that lacks
+it, so DCP can also reshard it for another world size.
+
+Asynchronous saves (`checkpoint.async_save`, FSDP2): `begin_checkpoint` writes the RNG states and starts
+the strategy's writer, which copies the shards to CPU memory and writes them in a background thread
+(torch.distributed.checkpoint.async_save over its own gloo group); training goes on. `finish`, called
+before the next save and at the end of the run, waits for the write and only then writes state.json and
+the manifest, renames and uploads, so a run killed meanwhile resumes from the previous checkpoint.
 
 Resume (`resume_checkpoint`) verifies the manifest of the newest checkpoint (sizes, then checksums)
 and falls back to the newest one that verifies, naming what is wrong with each it skips; a skipped
@@ -36,15 +57,19 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from tigon.runtime.distributed import DistEnv, barrier, broadcast_object, unwrap
+from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object, unwrap
 from tigon.runtime.quantization import is_quantized, merge_into_dense
+
+if TYPE_CHECKING:
+    from tigon.runtime.storage import RunStorage
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -205,12 +230,16 @@ def _digests(directory: Path, names: list[str]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda name: file_sha256(directory / name), names), strict=True))
 
 
+def manifest_entries(directory: Path, names: list[str]) -> dict[str, dict]:
+    """The manifest's entries for some files of a directory: each one's size and SHA-256."""
+    digests = _digests(directory, names)
+    return {name: {"size": (directory / name).stat().st_size, "sha256": digests[name]} for name in names}
+
+
 def write_manifest(directory: Path) -> dict:
     """List every file of a checkpoint directory with its size and SHA-256 in `manifest.json` (call last)."""
     paths = [p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST]
-    names = sorted(p.relative_to(directory).as_posix() for p in paths)
-    digests = _digests(directory, names)
-    files = {name: {"size": (directory / name).stat().st_size, "sha256": digests[name]} for name in names}
+    files = manifest_entries(directory, sorted(p.relative_to(directory).as_posix() for p in paths))
     manifest = {"files": files, "bytes": sum(entry["size"] for entry in files.values())}
     atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
@@ -330,10 +359,10 @@ def resume_checkpoint(run_dir: str | Path, env: DistEnv) -> Path | None:
     """The checkpoint to resume from, the same on every rank (call on all): rank 0 verifies the newest and falls
     back to older ones; None when the run directory holds none. Raises CheckpointError when none verifies."""
     picked, error = _pick_checkpoint(Path(run_dir)) if env.is_main else (None, None)
-    picked, error = broadcast_object((str(picked) if picked else None, error), env)
+    name, error = broadcast_object((picked.name if picked else None, error), env)  # each node's own run_dir
     if error is not None:
         raise CheckpointError(error)
-    return Path(picked) if picked else None
+    return checkpoint_root(run_dir) / name if name else None
 
 
 # ---------------------------------------------------------------- writing
@@ -381,8 +410,9 @@ def save_checkpoint(
     keep_last: int,
     scaler=None,
     config_json: str | None = None,
-    write_state: Callable[[Path], None] | None = None,
+    write_state: Callable[[Path], Future | None] | None = None,
     estimated_bytes: int = 0,
+    remote: RunStorage | None = None,
 ) -> Path:
     """Write `step-N` atomically on every rank's behalf (call on all ranks); prune to `keep_last`.
 
@@ -390,9 +420,27 @@ def save_checkpoint(
     strategy's own format); by default rank 0 writes the torch files of `write_torch_state`. Before writing, with
     `keep_last` >= 2, the oldest checkpoints are removed down to `keep_last - 1`, and the free space is checked
     against the newest checkpoint's size (`estimated_bytes` when there is none); CheckpointError when it lacks.
+    With `remote` (the run's RunStorage) the checkpoint is also committed there (see the module docstring).
     """
+    write = write_state or (lambda directory: write_torch_state(directory, model, optimizer, scheduler, env, scaler))
+    pending = begin_checkpoint(run_dir, state, env, keep_last, write, config_json, estimated_bytes, remote)
+    return pending.finish()
+
+
+def begin_checkpoint(
+    run_dir: str | Path,
+    state: TrainState,
+    env: DistEnv,
+    keep_last: int,
+    write_state: Callable[[Path], Future | None],
+    config_json: str | None = None,
+    estimated_bytes: int = 0,
+    remote: RunStorage | None = None,
+) -> PendingCheckpoint:
+    """Start `step-N` (call on all ranks): prepare the temporary directory, write each rank's RNG state, and start
+    `write_state`, which returns a Future when it writes in the background (`checkpoint.async_save`). The
+    checkpoint exists once `finish()` returns; until then the previous one is the newest."""
     root = checkpoint_root(run_dir)
-    final = root / f"step-{state.step}"
     temporary = root / f".tmp-step-{state.step}"
     problem = None
     if env.is_main:
@@ -409,35 +457,166 @@ def save_checkpoint(
     problem = broadcast_object(problem, env)
     if problem is not None:
         raise CheckpointError(problem)
+    pending = PendingCheckpoint(run_dir, state, env, keep_last, config_json, remote)
+    pending.node_local = _staging_is_node_local(pending, env, remote)
     try:
         torch.save(rng_state(), temporary / f"rng-rank{env.rank}.pt")
-        if write_state is None:
-            write_torch_state(temporary, model, optimizer, scheduler, env, scaler)
-        else:
-            write_state(temporary)
-        barrier(env)
-        if env.is_main:
-            if config_json is not None:
-                atomic_write_text(temporary / "config.json", config_json)
-            atomic_write_text(temporary / STATE_FILE, json.dumps(asdict(state), indent=1))
-            write_manifest(temporary)  # last: it vouches for every file above
+        pending.writing = write_state(temporary)
     except Exception as error:
+        pending.fail(error)
+    return pending
+
+
+def ranks_not_seeing(path: Path, env: DistEnv) -> list[int]:
+    """The ranks that do not see `path`, which rank 0 made before the call (call on all ranks); [] when the
+    filesystem there is shared."""
+    barrier(env)
+    return [rank for rank, seen in enumerate(all_gather_object(path.exists(), env)) if not seen]
+
+
+def _staging_is_node_local(pending: PendingCheckpoint, env: DistEnv, remote: RunStorage | None) -> bool:
+    """Whether the nodes do not share the run directory: some rank does not see the temporary directory rank 0
+    made. Then each node stages its ranks' files on its own disk and `remote` joins them; without one, the run
+    stops with the fix."""
+    if not env.distributed:
+        return False
+    temporary = pending.temporary
+    blind = ranks_not_seeing(temporary, env)
+    if not blind:
+        return False
+    if remote is None:
         if env.is_main:
             shutil.rmtree(temporary, ignore_errors=True)
-        if _disk_full(error, root):
-            raise CheckpointError(
-                f"the disk of {root} filled up while writing checkpoint step-{state.step} "
-                f"({shutil.disk_usage(root).free} bytes free); the partial checkpoint was removed. Free space there, "
-                "lower checkpoint.keep_last, or point logging.run_dir at a larger disk"
-            ) from error
-        raise
-    if env.is_main:
-        replace_dir(temporary, final)
-        for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            remove_checkpoint(old)
-        logger.info("checkpoint written: %s", final)
+        raise CheckpointError(
+            f"ranks {blind} do not see {temporary.parent}, which rank 0 writes checkpoints to: the nodes share no "
+            "filesystem there. Set checkpoint.remote_dir to an object store every node reaches (s3://, gs://, ...), "
+            "which the nodes then write their checkpoint shards to and resume from, or put logging.run_dir on a "
+            "filesystem every node mounts"
+        )
+    if env.is_node_leader and not env.is_main:
+        root = temporary.parent
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step-*"):  # what a killed run staged on this node
+            shutil.rmtree(stale, ignore_errors=True)
+        temporary.mkdir()
     barrier(env)
-    return final
+    return True
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temporary directory; `finish` (on every rank) completes it."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        state: TrainState,
+        env: DistEnv,
+        keep_last: int,
+        config_json: str | None,
+        remote: RunStorage | None,
+    ):
+        self.run_dir, self.env, self.keep_last = run_dir, env, keep_last
+        self.config_json, self.remote = config_json, remote
+        self.step = state.step
+        self.state_json = json.dumps(asdict(state), indent=1)  # as it stands now: training goes on meanwhile
+        self.root = checkpoint_root(run_dir)
+        self.temporary = self.root / f".tmp-step-{state.step}"
+        self.final = self.root / f"step-{state.step}"
+        self.node_local = False
+        self.writing: Future | None = None
+
+    def finish(self) -> Path:
+        """Wait for the state's writes on every rank, then write state.json and the manifest (rank 0), rename the
+        checkpoint into place, prune to `keep_last` and upload it: on the shared run directory, or, when the
+        nodes share none, straight from each node's staging directory to the object store."""
+        env = self.env
+        try:
+            if self.writing is not None:
+                self.writing.result()
+            barrier(env)
+            if env.is_main:
+                if self.config_json is not None:
+                    atomic_write_text(self.temporary / "config.json", self.config_json)
+                atomic_write_text(self.temporary / STATE_FILE, self.state_json)
+            if self.node_local:
+                self._commit_from_nodes()
+            elif env.is_main:
+                write_manifest(self.temporary)  # last: it vouches for every file above
+        except Exception as error:
+            self.fail(error)
+        if self.node_local:
+            barrier(env)
+            return self.final
+        if env.is_main:
+            replace_dir(self.temporary, self.final)
+            for _, old in list_checkpoints(self.run_dir)[: -self.keep_last]:
+                remove_checkpoint(old)
+            logger.info("checkpoint written: %s", self.final)
+        barrier(env)
+        if env.is_main and self.remote is not None:
+            self.remote.upload_checkpoint(self.final, self.keep_last)
+        return self.final
+
+    def _commit_from_nodes(self) -> None:
+        """Every node uploads the files it staged; rank 0 then writes the manifest of them all and commits the
+        checkpoint in the store; each node removes its staging directory (the store holds the checkpoint)."""
+        env, remote, parts = self.env, self.remote, (CHECKPOINTS, self.final.name)
+        entries = {}
+        if env.is_node_leader:
+            names = sorted(p.relative_to(self.temporary).as_posix() for p in self.temporary.rglob("*") if p.is_file())
+            entries = manifest_entries(self.temporary, names)
+        merged: dict[str, dict] = {}
+        for node_entries in all_gather_object(entries, env):
+            for name, entry in node_entries.items():
+                if merged.setdefault(name, entry) != entry:
+                    raise CheckpointError(f"two nodes wrote {name} of checkpoint step-{self.step} with different bytes")
+        self._on_all(env.is_main, lambda: remote.uncommit(*parts), "clearing")  # an earlier upload of this step
+        self._on_all(
+            env.is_node_leader, lambda: remote.upload_files(self.temporary, sorted(entries), *parts), "uploading"
+        )
+        self._on_all(env.is_main, lambda: self._commit_manifest(merged), "committing")
+        if env.is_node_leader:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+            for _, downloaded in list_checkpoints(self.run_dir):  # resume's copies: the store holds newer ones
+                remove_checkpoint(downloaded)
+
+    def _on_all(self, here: bool, call: Callable[[], object], doing: str) -> None:
+        """`call()` on the ranks where `here` is true, then a CheckpointError on every rank if it failed on any
+        (so that no rank waits forever for one that stopped)."""
+        problem = None
+        if here:
+            try:
+                call()
+            except Exception as error:
+                problem = f"node {self.env.group_rank}: {type(error).__name__}: {error}"
+        problems = [entry for entry in all_gather_object(problem, self.env) if entry]
+        if problems:
+            raise CheckpointError(
+                f"{doing} checkpoint step-{self.step} in {self.remote.url} failed: {'; '.join(problems)}"
+            )
+
+    def _commit_manifest(self, files: dict[str, dict]) -> None:
+        """Rank 0: upload the manifest of every node's files, commit the checkpoint in the store, prune it."""
+        remote, parts = self.remote, (CHECKPOINTS, self.final.name)
+        manifest = {"files": files, "bytes": sum(entry["size"] for entry in files.values())}
+        atomic_write_text(self.temporary / MANIFEST, json.dumps(manifest, indent=1))
+        remote.upload_files(self.temporary, [MANIFEST], *parts)
+        sizes = {name: entry["size"] for name, entry in files.items()}
+        remote.commit({**sizes, MANIFEST: (self.temporary / MANIFEST).stat().st_size}, *parts)
+        remote.prune_checkpoints(self.keep_last)
+        logger.info("checkpoint written from every node to %s", remote.url)
+
+    def fail(self, error: Exception) -> None:
+        """Remove the temporary directory and raise: CheckpointError with the fix when the disk filled up."""
+        if self.env.is_main or (self.node_local and self.env.is_node_leader):
+            shutil.rmtree(self.temporary, ignore_errors=True)
+        if _disk_full(error, self.root):
+            raise CheckpointError(
+                f"the disk of {self.root} filled up while writing checkpoint step-{self.step} "
+                f"({shutil.disk_usage(self.root).free} bytes free); the partial checkpoint was removed. Free space "
+                "there, lower checkpoint.keep_last, or point logging.run_dir at a larger disk"
+            ) from error
+        raise error
 
 
 LAYOUTS = {"model.pt": "ddp", "dcp": "fsdp", "deepspeed": "deepspeed"}

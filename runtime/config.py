@@ -249,7 +249,13 @@ class CheckpointConfig(Section):
     remote_dir: Text | None = Field(
         None,
         description="fsspec URL (s3://, gs://, file://) that finished checkpoints and the export are copied to, "
-        "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster",
+        "and that resume fetches the newest checkpoint from; the workflow sets it on a cluster. Nodes that share "
+        "no filesystem write their checkpoint shards there and resume from it",
+    )
+    async_save: bool = Field(
+        False,
+        description="write the sharded model and optimizer state in the background while training goes on "
+        "(torch.distributed.checkpoint.async_save); needs parallelism.strategy fsdp and trainer torch",
     )
     push_to_hub: HubPushConfig | None = Field(
         None, description="push the export (a LoRA run's adapter too) with a model card to the Hub after training"
@@ -402,6 +408,16 @@ class RunConfig(Section):
             raise ValueError(
                 f"logging.profile_step profiles a step of the torch trainer, not trainer: {self.trainer!r}; set "
                 "trainer: torch, or drop logging.profile_step and use the HF Trainer's or Lightning's own profiler"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _async_save_with_fsdp(self) -> RunConfig:
+        if self.checkpoint.async_save and (self.parallelism.strategy != "fsdp" or self.trainer != "torch"):
+            raise ValueError(
+                "checkpoint.async_save writes FSDP2's sharded checkpoint in the background, which needs "
+                f"parallelism.strategy: fsdp and trainer: torch (this run has strategy {self.parallelism.strategy!r}, "
+                f"trainer {self.trainer!r}); set those, or checkpoint.async_save: false"
             )
         return self
 

@@ -37,10 +37,17 @@ class DistEnv:
     local_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    group_rank: int = 0  # the node, numbered as torchrun's GROUP_RANK
+    local_world_size: int = 1  # processes on this node
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def is_node_leader(self) -> bool:
+        """The first process of its node: the one that handles the node's own disk."""
+        return self.local_rank == 0
 
     @property
     def is_main(self) -> bool:
@@ -68,7 +75,15 @@ def env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
     if local_rank < 0 or local_rank > rank:
         raise ConfigError(f"LOCAL_RANK={local_rank} must be between 0 and RANK={rank}")
     port = environ.get("MASTER_PORT")
-    env = DistEnv(rank, world_size, local_rank, environ.get("MASTER_ADDR"), int(port) if port else None)
+    env = DistEnv(
+        rank,
+        world_size,
+        local_rank,
+        environ.get("MASTER_ADDR"),
+        int(port) if port else None,
+        group_rank=_int_var(environ, "GROUP_RANK", 0),
+        local_world_size=_int_var(environ, "LOCAL_WORLD_SIZE", 1),
+    )
     if env.distributed and (env.master_addr is None or env.master_port is None):
         raise ConfigError(
             f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
@@ -203,6 +218,15 @@ def all_reduce_sum(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     if env.distributed:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
+
+
+def all_gather_object(value, env: DistEnv) -> list:
+    """Every rank's value, in rank order, on every rank."""
+    if not env.distributed:
+        return [value]
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def broadcast_object(value, env: DistEnv, src: int = 0):

@@ -128,8 +128,7 @@ class AdapterCheckpoints:
         self.state = ckpt.TrainState(world_size=env.world_size)
         self.latest: Path | None = None
         if config.checkpoint.resume:
-            storage.fetch_for_resume(config.checkpoint.remote_dir, self.run_dir, env.local_rank, lambda: barrier(env))
-            self.latest = ckpt.resume_checkpoint(self.run_dir, env)
+            self.latest = storage.resume_point(config.checkpoint.remote_dir, self.run_dir, env)
         if self.latest is not None:
             check_resumable(self.latest, config)
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
@@ -173,9 +172,7 @@ class AdapterCheckpoints:
         state = self.state
         every, keep = self.config.checkpoint.every_steps, self.config.checkpoint.keep_last
         if every > 0 and (state.step % every == 0 or state.step == total_steps):
-            saved = strategy.save_checkpoint(self.run_dir, state, keep, self.config_json)
-            if self.env.is_main and self.remote is not None:
-                self.remote.upload_checkpoint(saved, keep)
+            strategy.save_checkpoint(self.run_dir, state, keep, self.config_json, self.remote)
 
 
 def finish_adapter_run(

@@ -14,7 +14,8 @@
 - `deepspeed` (`tigon.runtime.deepspeed_engine.DeepSpeedStrategy`): ZeRO stage 1, 2 or 3.
 
 Every strategy writes into the runtime's `step-N` checkpoint directory (`checkpoint.save_checkpoint`:
-temporary name, barrier, rank 0 renames, last K kept), and exports the whole model as a
+temporary name, barrier, rank 0 renames, last K kept; across nodes without a shared filesystem, through the
+object store), and exports the whole model as a
 `save_pretrained` directory: a sharded strategy gathers the full state dict to rank 0, which loads
 it into a plain copy of the model and exports that (LoRA merged when asked).
 
@@ -135,18 +136,25 @@ class DDPStrategy:
         tensors = [t for t in [*weights, *moments] if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def save_checkpoint(self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str) -> Path:
-        return ckpt.save_checkpoint(
+    def save_checkpoint(
+        self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str, remote=None
+    ) -> Path:
+        """Write `step-N` and wait until it is whole (and committed to `remote`, the run's RunStorage, if any)."""
+        return self.begin_checkpoint(run_dir, state, keep_last, config_json, remote).finish()
+
+    def begin_checkpoint(
+        self, run_dir: Path, state: ckpt.TrainState, keep_last: int, config_json: str, remote=None
+    ) -> ckpt.PendingCheckpoint:
+        """Start `step-N`; it is whole once the returned checkpoint's `finish()` returns (call both on every rank)."""
+        return ckpt.begin_checkpoint(
             run_dir,
             state,
-            None,
-            None,
-            None,
             self.env,
             keep_last,
+            self.write_state,
             config_json=config_json,
-            write_state=self.write_state,
             estimated_bytes=self.checkpoint_estimate() if self.env.is_main else 0,
+            remote=remote,
         )
 
     def load_checkpoint(self, path: Path) -> ckpt.TrainState:
@@ -253,6 +261,8 @@ def receive_rank0_weights(module: nn.Module, full_state: dict[str, torch.Tensor]
 class FSDPStrategy(ShardedExport, DDPStrategy):
     """FSDP2: every decoder layer and then the root `fully_shard`ed over all ranks (`shard_model`)."""
 
+    _async_group = None  # the background checkpoint writer's process group (`async_group`)
+
     @staticmethod
     def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
         return shard_model(module, config, env, device)
@@ -288,15 +298,29 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
-    def write_state(self, directory: Path) -> None:
+    def write_state(self, directory: Path):
+        """Every rank's shards into `dcp/`, and the schedule (rank 0). With `checkpoint.async_save` the shards are
+        copied to CPU memory here and written by a background thread: the Future it returns completes then."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._state(), checkpoint_id=directory / "dcp")
+        writing = None
+        if self.config.checkpoint.async_save:
+            writing = dcp.async_save(self._state(), checkpoint_id=directory / "dcp", process_group=self.async_group())
+        else:
+            dcp.save(self._state(), checkpoint_id=directory / "dcp")
         if self.env.is_main:  # the scaler's state is the same on every rank: it all-reduces its overflow checks
             schedule = {"scheduler": self.scheduler.state_dict()}
             if self.scaler.is_enabled():
                 schedule["scaler"] = self.scaler.state_dict()
             torch.save(schedule, directory / "scheduler.pt")
+        return writing
+
+    def async_group(self):
+        """A gloo group of all ranks for the background writer's own collectives, apart from training's (made
+        once, by every rank at its first save)."""
+        if self._async_group is None:
+            self._async_group = torch.distributed.new_group(backend="gloo")
+        return self._async_group
 
     def read_state(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -46,7 +46,18 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from tigon.runtime.checkpoint import CHECKPOINTS, STATE_FILE, checkpoint_root, list_checkpoints, replace_dir
+from tigon.runtime.checkpoint import (
+    CHECKPOINTS,
+    MANIFEST,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_root,
+    list_checkpoints,
+    ranks_not_seeing,
+    replace_dir,
+)
+from tigon.runtime.checkpoint import resume_checkpoint as checkpoint_resume
+from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -111,18 +122,30 @@ class RunStorage:
         local_dir = Path(local_dir)
         target = self._path(*parts)
         self._uncommit(target)
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-        if not files:
+        names = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+        if not names:
             raise StorageError(f"{local_dir} holds no files to upload")
+        self.commit(self.upload_files(local_dir, names, *parts), *parts)
+        return self._url(target)
+
+    def upload_files(self, local_dir: str | Path, names: list[str], *parts: str) -> dict[str, int]:
+        """Copy the files `names` (relative to `local_dir`) under `<url>/<parts>` without committing; their sizes."""
+        target = self._path(*parts)
         listing: dict[str, int] = {}
-        for file in files:
-            relative = file.relative_to(local_dir).as_posix()
+        for relative in names:
             destination = posixpath.join(target, relative)
             self.fs.makedirs(posixpath.dirname(destination), exist_ok=True)
-            self.fs.put_file(str(file), destination)
-            listing[relative] = file.stat().st_size
-        self._write_marker(target, {"files": listing})
-        return self._url(target)
+            self.fs.put_file(str(Path(local_dir) / relative), destination)
+            listing[relative] = (Path(local_dir) / relative).stat().st_size
+        return listing
+
+    def commit(self, listing: dict[str, int], *parts: str) -> None:
+        """Mark `<url>/<parts>` whole: its marker, listing every file and its size, written last."""
+        self._write_marker(self._path(*parts), {"files": listing})
+
+    def uncommit(self, *parts: str) -> None:
+        """Remove `<url>/<parts>` (marker first), e.g. before several writers upload into it."""
+        self._uncommit(self._path(*parts))
 
     def _write_marker(self, target: str, content: dict[str, Any]) -> None:
         temporary = posixpath.join(target, f".{MARKER}.tmp")
@@ -190,8 +213,7 @@ class RunStorage:
             raise StorageError(f"{checkpoint_dir} is not a finished checkpoint (no {STATE_FILE}); not uploading it")
         try:
             url = self.upload_dir(checkpoint_dir, CHECKPOINTS, checkpoint_dir.name)
-            for step in self.checkpoint_steps()[:-keep_last]:
-                self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
+            self.prune_checkpoints(keep_last)
         except StorageError:
             raise
         except Exception as error:
@@ -199,17 +221,10 @@ class RunStorage:
         logger.info("checkpoint uploaded: %s", url)
         return url
 
-    def fetch_latest_checkpoint(self, run_dir: str | Path) -> Path | None:
-        """Download the newest committed checkpoint into `<run_dir>/checkpoints` unless the run dir has it or a
-        newer one; returns the downloaded directory, or None when nothing was fetched."""
-        steps = self.checkpoint_steps()
-        local = list_checkpoints(run_dir)
-        if not steps or (local and local[-1][0] >= steps[-1]):
-            return None
-        name = f"step-{steps[-1]}"
-        path = self.download_dir(checkpoint_root(run_dir) / name, CHECKPOINTS, name)
-        logger.info("resuming from the object store: %s -> %s", self._url(self._path(CHECKPOINTS, name)), path)
-        return path
+    def prune_checkpoints(self, keep_last: int) -> None:
+        """Remove all but the newest `keep_last` committed checkpoints."""
+        for step in self.checkpoint_steps()[:-keep_last]:
+            self._uncommit(self._path(CHECKPOINTS, f"step-{step}"))
 
     def clear_checkpoints(self) -> None:
         """Remove every uploaded checkpoint (a run that starts over)."""
@@ -339,19 +354,95 @@ def run_storage(remote_dir: str | None) -> RunStorage | None:
     return RunStorage(remote_dir) if remote_dir else None
 
 
-def fetch_for_resume(remote_dir: str | None, run_dir: str | Path, local_rank: int, barrier: Callable[[], None]) -> None:
-    """Before resuming: each node's first process fetches the newest uploaded checkpoint; everyone waits."""
-    storage = run_storage(remote_dir)
-    if storage is None:
-        return
-    if local_rank == 0:
+def resume_point(remote_dir: str | None, run_dir: str | Path, env: DistEnv) -> Path | None:
+    """The checkpoint to resume from, present on every node (call on all ranks); None when there is none.
+
+    Without `remote_dir` it is `checkpoint.resume_checkpoint`'s pick. With it, rank 0 names the newest committed
+    checkpoint newer than its own newest local one; it is downloaded (by rank 0 when every rank sees its run
+    directory, else by each node's first process, unless the node holds it) and rank 0 verifies it: a damaged one
+    is set aside and the next older committed one tried. Then every node that lacks the picked checkpoint, or
+    holds another copy of it (its manifest differs from rank 0's), downloads it: nodes that share no filesystem
+    each resume from their own copy.
+    """
+    store = run_storage(remote_dir)
+    if store is None:
+        return checkpoint_resume(run_dir, env)
+    downloads = env.is_node_leader if not _shares_run_dir(run_dir, env) else env.is_main
+    tried: set[int] = set()
+    while True:
+        wanted = None
+        if env.is_main:
+            wanted = _store_call(store, lambda: _newest_to_fetch(store, run_dir, tried))
+        wanted = broadcast_object(wanted, env)
+        if wanted is not None:
+            tried.add(wanted)
+            _download(store, run_dir, f"step-{wanted}", None, env, downloads)
         try:
-            storage.fetch_latest_checkpoint(run_dir)
-        except StorageError:
-            raise
-        except Exception as error:
-            raise StorageError(remote_problem(storage.url, error)) from error
-    barrier()
+            picked = checkpoint_resume(run_dir, env)
+        except CheckpointError:
+            if wanted is None:
+                raise
+            continue  # the download was damaged (rank 0 set it aside); try an older committed checkpoint
+        if wanted is not None and (picked is None or picked.name != f"step-{wanted}"):
+            continue
+        if picked is not None:
+            manifest = (picked / MANIFEST).read_bytes() if env.is_main and (picked / MANIFEST).is_file() else None
+            manifest = broadcast_object(manifest, env)
+            _download(store, run_dir, picked.name, manifest, env, downloads)
+        return picked
+
+
+def _store_call(store: RunStorage, call: Callable[[], Any]) -> Any:
+    """`call()`, with a store error turned into a StorageError that names checkpoint.remote_dir and the fix."""
+    try:
+        return call()
+    except StorageError:
+        raise
+    except Exception as error:
+        raise StorageError(remote_problem(store.url, error)) from error
+
+
+def _newest_to_fetch(store: RunStorage, run_dir: str | Path, tried: set[int]) -> int | None:
+    """The newest committed step newer than every local checkpoint and not tried yet; None when there is none."""
+    local = list_checkpoints(run_dir)
+    newest_local = local[-1][0] if local else -1
+    steps = [step for step in store.checkpoint_steps() if step > newest_local and step not in tried]
+    return steps[-1] if steps else None
+
+
+def _shares_run_dir(run_dir: str | Path, env: DistEnv) -> bool:
+    """Whether every rank sees rank 0's `<run_dir>/checkpoints` (one shared filesystem); True in one process."""
+    if not env.distributed:
+        return True
+    probe = checkpoint_root(run_dir) / f".probe-{broadcast_object(uuid.uuid4().hex, env)}"
+    if env.is_main:
+        probe.mkdir(parents=True)
+    shared = not ranks_not_seeing(probe, env)
+    barrier(env)
+    if env.is_main:
+        probe.rmdir()
+    return shared
+
+
+def _download(store: RunStorage, run_dir: str | Path, name: str, manifest: bytes | None, env, here: bool) -> None:
+    """Where `here` (rank 0 on a shared run directory, else each node's first process), download checkpoint `name`
+    unless its copy is there (and, given rank 0's manifest, the same); then every rank waits. A failure on any
+    node is raised on every rank."""
+    problem = None
+    if here:
+        local = checkpoint_root(run_dir) / name
+        present = (local / STATE_FILE).is_file() and (
+            manifest is None or ((local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == manifest)
+        )
+        if not present:
+            try:
+                _store_call(store, lambda: store.download_dir(local, CHECKPOINTS, name))
+                logger.info("resuming from the object store: %s -> %s", store.url, local)
+            except StorageError as error:
+                problem = f"node {env.group_rank}: {error}"
+    problems = [entry for entry in all_gather_object(problem, env) if entry]
+    if problems:
+        raise StorageError("; ".join(dict.fromkeys(problems)))
 
 
 def default_remote_dir(raw_output_prefix: str, run_name: str) -> str | None:

@@ -678,9 +678,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     remote = storage.run_storage(config.checkpoint.remote_dir)
     state = ckpt.TrainState(world_size=env.world_size)
     resumed_from = None
-    if config.checkpoint.resume:
-        storage.fetch_for_resume(config.checkpoint.remote_dir, run_dir, env.local_rank, lambda: barrier(env))
-    latest = ckpt.resume_checkpoint(run_dir, env) if config.checkpoint.resume else None
+    latest = storage.resume_point(config.checkpoint.remote_dir, run_dir, env) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
         state = strategy.load_checkpoint(latest)
@@ -713,6 +711,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
 
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
+    saving = None  # the checkpoint being written in the background (checkpoint.async_save)
     one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
     strategy.model.train()
     try:
@@ -753,9 +752,14 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             )
             evaluation.step_done(total_steps)
             if every_ckpt > 0 and (state.step % every_ckpt == 0 or state.step == total_steps):
-                saved = strategy.save_checkpoint(run_dir, state, config.checkpoint.keep_last, config_json)
-                if env.is_main and remote is not None:
-                    remote.upload_checkpoint(saved, config.checkpoint.keep_last)
+                if saving is not None:  # one checkpoint in flight at a time
+                    saving.finish()
+                saving = strategy.begin_checkpoint(run_dir, state, config.checkpoint.keep_last, config_json, remote)
+                if not config.checkpoint.async_save:
+                    saving.finish()
+                    saving = None
+        if saving is not None:
+            saving.finish()
         evaluation.finish()
     finally:
         reporter.close()

@@ -565,3 +565,38 @@ def test_a_run_killed_at_each_stage_of_a_checkpoint_write_resumes_exactly(tmp_pa
     root = tmp_path / "killed" / "checkpoints"
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")]
     assert [p.name for p in sorted(root.iterdir())][-1] == "step-8"
+
+
+def test_a_checkpoint_written_in_the_background_appears_only_once_finished(tmp_path):
+    """`begin_checkpoint` with a state writer that returns a Future: until `finish` the previous checkpoint is the
+    newest and the new one is only a temporary directory; then it is whole and verifies."""
+    from concurrent.futures import Future
+
+    ckpt.save_checkpoint(tmp_path, ckpt.TrainState(step=1), None, None, None, DistEnv(), 2, write_state=lambda d: None)
+    writing = Future()
+
+    def write_state(directory):
+        (directory / "weights.bin").write_bytes(b"w" * 100)
+        return writing
+
+    pending = ckpt.begin_checkpoint(tmp_path, ckpt.TrainState(step=2, losses=[1.0, 0.5]), DistEnv(), 2, write_state)
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [1]
+    assert (tmp_path / "checkpoints" / ".tmp-step-2" / "weights.bin").is_file()
+    writing.set_result(None)
+    final = pending.finish()
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [1, 2]
+    assert ckpt.verify_checkpoint(final) == []
+    assert json.loads((final / "state.json").read_text())["losses"] == [1.0, 0.5]
+
+
+def test_a_background_write_that_fails_leaves_the_previous_checkpoint_newest(tmp_path):
+    from concurrent.futures import Future
+
+    ckpt.save_checkpoint(tmp_path, ckpt.TrainState(step=1), None, None, None, DistEnv(), 2, write_state=lambda d: None)
+    writing = Future()
+    pending = ckpt.begin_checkpoint(tmp_path, ckpt.TrainState(step=2), DistEnv(), 2, lambda directory: writing)
+    writing.set_exception(OSError("the store went away"))
+    with pytest.raises(OSError, match="the store went away"):
+        pending.finish()
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [1]
+    assert not (tmp_path / "checkpoints" / ".tmp-step-2").exists()

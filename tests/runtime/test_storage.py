@@ -12,7 +12,8 @@ import pytest
 
 from tests.runtime.test_trainer import tiny_config
 from tigon.runtime import checkpoint as ckpt
-from tigon.runtime.storage import MARKER, RunStorage, StorageError, default_remote_dir
+from tigon.runtime.distributed import DistEnv
+from tigon.runtime.storage import MARKER, RunStorage, StorageError, default_remote_dir, resume_point
 from tigon.runtime.trainer import train
 
 
@@ -45,12 +46,14 @@ def test_upload_commits_last_and_download_round_trips(remote_url, tmp_path):
     assert url.endswith("/checkpoints/step-3")
     assert storage.committed("checkpoints", "step-3") == {"model.pt": 21, "nested/rng-rank0.pt": 3, "state.json": 11}
 
-    fetched = storage.fetch_latest_checkpoint(tmp_path / "pod-b")  # a new pod with an empty run directory
+    fetched = resume_point(remote_url, tmp_path / "pod-b", DistEnv())  # a new pod with an empty run directory
     assert fetched == tmp_path / "pod-b" / "checkpoints" / "step-3"
     for relative in ("model.pt", "nested/rng-rank0.pt", "state.json"):
         assert (fetched / relative).read_bytes() == (source / relative).read_bytes()
     assert ckpt.latest_checkpoint(tmp_path / "pod-b") == fetched
-    assert storage.fetch_latest_checkpoint(tmp_path / "pod-b") is None  # the run directory already has it
+    (fetched / "model.pt").write_bytes(b"kept locally")  # the run directory has it: nothing is downloaded again
+    assert resume_point(remote_url, tmp_path / "pod-b", DistEnv()) == fetched
+    assert (fetched / "model.pt").read_bytes() == b"kept locally"
     assert not [p for p in fetched.parent.iterdir() if p.name.startswith(".")]  # no download leftovers
 
 
@@ -61,7 +64,7 @@ def test_uncommitted_upload_is_ignored_and_replaced(remote_url, tmp_path):
     storage.fs.makedirs(f"{storage.root}/checkpoints/step-6", exist_ok=True)
     storage.fs.pipe_file(f"{storage.root}/checkpoints/step-6/model.pt", b"partial")
     assert storage.checkpoint_steps() == [3]
-    assert storage.fetch_latest_checkpoint(tmp_path / "new-pod").name == "step-3"
+    assert resume_point(remote_url, tmp_path / "new-pod", DistEnv()).name == "step-3"
 
     storage.upload_checkpoint(fake_checkpoint(tmp_path / "again", 6), keep_last=5)
     assert storage.checkpoint_steps() == [3, 6]
@@ -83,9 +86,24 @@ def test_a_download_that_does_not_match_its_marker_fails_and_leaves_nothing(remo
     storage.upload_checkpoint(fake_checkpoint(tmp_path, 3), keep_last=2)
     storage.fs.pipe_file(f"{storage.root}/checkpoints/step-3/model.pt", b"truncated")
     with pytest.raises(StorageError, match="marker says 21"):
-        storage.fetch_latest_checkpoint(tmp_path / "pod")
+        resume_point(remote_url, tmp_path / "pod", DistEnv())
     assert ckpt.list_checkpoints(tmp_path / "pod") == []
     assert list((tmp_path / "pod" / "checkpoints").iterdir()) == []
+
+
+def test_a_damaged_upload_is_set_aside_and_resume_takes_the_one_before(remote_url, tmp_path, caplog):
+    """A committed checkpoint whose bytes changed in the store (same size, so the download passes): rank 0's
+    manifest check finds it, sets it aside as damaged-step-4, and the older committed step-2 is fetched."""
+    storage = RunStorage(remote_url)
+    for step in (2, 4):
+        ckpt.write_manifest(fake_checkpoint(tmp_path, step))
+        storage.upload_checkpoint(tmp_path / "checkpoints" / f"step-{step}", keep_last=2)
+    storage.fs.pipe_file(f"{storage.root}/checkpoints/step-4/model.pt", b"W" * len(b"weights" * 4))
+    picked = resume_point(remote_url, tmp_path / "pod", DistEnv())
+    assert picked == tmp_path / "pod" / "checkpoints" / "step-2"
+    assert ckpt.verify_checkpoint(picked) == []
+    assert sorted(p.name for p in picked.parent.iterdir()) == ["damaged-step-4", "step-2"]
+    assert "model.pt is corrupted" in caplog.text
 
 
 def test_unfinished_checkpoint_and_uncommitted_directory_are_refused(remote_url, tmp_path):
