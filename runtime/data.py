@@ -12,9 +12,9 @@ Conventions:
   token is ever predicted from the previous document; padding has label -100.
 - Sequences are `data.max_seq_len` long. With packing, documents follow each other greedily in file
   order; a document that does not fit in what is left of a sequence starts the next one. Position ids
-  restart at 0 for every document and for the padding at the tail, so documents are told apart by
-  their position ids alone (flash-attention 2 varlen needs nothing else) or by the block-diagonal
-  causal mask `packed_attention_mask` builds from them (sdpa and eager).
+  restart at 0 for every document, so documents are told apart by their position ids alone: "varlen"
+  attention takes the boundaries `model_inputs` derives from them, flash-attention 2 and flex attention
+  need nothing else, sdpa and eager take the block-diagonal causal mask `packed_attention_mask` builds.
 - Formats: `text` (loss on every token), `instruction` (prompt then response + eos; loss on the
   response and eos), `chat` (messages rendered by the tokenizer's chat template; loss on the
   assistant turns, including the end-of-turn tokens the template puts inside them).
@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
+
+from tigon.runtime.attention import IMPLEMENTATIONS, document_boundaries, resolve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -623,6 +625,9 @@ class PackedDataset(Dataset):
         }
 
 
+MODEL_INPUTS = ("input_ids", "labels", "position_ids")
+
+
 def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The (B, 1, L, L) block-diagonal causal mask of packed sequences, for a custom 4D attention_mask.
 
@@ -655,31 +660,37 @@ def single_documents(position_ids: torch.Tensor) -> bool:
     return bool((position_ids == expected).all())
 
 
-def model_inputs(batch: dict, attn_implementation: str) -> dict[str, Any]:
+def model_inputs(batch: dict, attn_implementation: str, device: torch.device | str | None = None) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
-    Gives input_ids, labels and position_ids, plus attention_mask:
+    Gives input_ids, labels and position_ids, on `device` when given, plus what tells the attention where the
+    documents of a packed row are (`attn_implementation` as in model.attn_implementation; "auto" resolves as
+    `tigon.runtime.attention.resolve` says):
+    - "varlen": the documents' boundaries (`tigon.runtime.attention.document_boundaries`), no mask;
     - "sdpa": the boolean block-diagonal causal mask (any weight dtype or autocast);
     - "eager": the additive float32 mask (eager adds it to the scores; promotion handles bf16/fp16);
-    - "flash_attention_2": none; flash-attention's varlen path finds the documents from position_ids.
-    The mask is (B, 1, L, L), made on position_ids' device: move the batch there first. Call the model with
-    use_cache=False too: transformers 5 skips its own packed-sequence detection when a cache is made.
-    When every row is a single document (position ids 0, 1, 2, ... throughout) no mask is passed, so
-    attention is plain causal and SDPA may take its flash kernel: a dense mask forces the slower
-    memory-efficient kernel and an (L, L) bias per layer.
+    - "flash_attention_2", "flex_attention": nothing; transformers finds the documents from position_ids.
+    Boundaries are read from the batch as given (a CPU batch needs no GPU synchronization); a mask is (B, 1, L,
+    L), made on `device` (else on position_ids' device). Call the model with use_cache=False too: transformers
+    5 skips its own packed-sequence detection when a cache is made. When every row is a single document
+    (position ids 0, 1, 2, ... throughout) nothing is added, so attention is plain causal and SDPA may take its
+    flash kernel: a dense mask forces the slower memory-efficient kernel and an (L, L) bias per layer.
     """
-    missing = [key for key in ("input_ids", "labels", "position_ids") if key not in batch]
+    missing = [key for key in MODEL_INPUTS if key not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}; expected a collated batch of PackedDataset items")
-    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}
-    if attn_implementation == "flash_attention_2" or single_documents(batch["position_ids"]):
+    attention = resolve(attn_implementation)
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use auto, {', '.join(IMPLEMENTATIONS)}")
+    positions = batch["position_ids"]
+    inputs = {key: batch[key] if device is None else batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS}
+    if attention in ("flash_attention_2", "flex_attention") or single_documents(positions):
         return inputs
-    if attn_implementation == "sdpa":
-        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.bool)
-    elif attn_implementation == "eager":
-        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.float32)
+    if attention == "varlen":
+        inputs.update(document_boundaries(positions, inputs["position_ids"].device))
     else:
-        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use sdpa, eager or flash_attention_2")
+        dtype = torch.bool if attention == "sdpa" else torch.float32
+        inputs["attention_mask"] = packed_attention_mask(inputs["position_ids"], dtype)
     return inputs
 
 
