@@ -8,7 +8,8 @@ A packed row holds several documents; attention must not cross them. SDPA can on
 the documents' boundaries (`cu_seq_lens_q/k`, cumulative token offsets over the flattened batch, and the
 longest document) to `torch.nn.attention.varlen.varlen_attn`, PyTorch's own flash-attention kernel for
 variable-length sequences (torch 2.10+, CUDA, bf16/fp16): no mask exists, and each document attends only to
-itself. `model_inputs` derives the boundaries from position ids once per batch, on the batch's (CPU) copy.
+itself. `model_inputs` derives the boundaries from position ids once per batch, on the batch's (CPU) copy,
+and drops the padding: rows lose their tokens after the last labelled one and are concatenated into one.
 
 Where that kernel cannot run (a CPU, float32 without autocast, dropout, an older torch) the same boundaries
 drive exact per-document SDPA, so a "varlen" config trains anywhere. Rows that are one document each get no
@@ -53,13 +54,16 @@ def transformers_name(attn_implementation: str) -> str:
     return VARLEN
 
 
-def document_boundaries(position_ids: torch.Tensor, device: torch.device | str | None = None) -> dict[str, Any]:
+def document_boundaries(
+    position_ids: torch.Tensor, lengths: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> dict[str, Any]:
     """Keyword arguments that tell `varlen_attention` where the documents of a packed batch are.
 
-    A document starts at every position id 0 and at the start of every row; `cu_seq_lens_q` (= `_k`) holds the
-    int32 offsets of the starts over the flattened (B x T) tokens, then B x T; `max_length_q` (= `_k`) is the
-    longest document. Computed where `position_ids` is (the CPU copy of a batch needs no GPU synchronization),
-    the offsets are then moved to `device`.
+    A document starts at every position id 0 and at the start of every row. With `lengths`, only each row's
+    first `lengths[row]` tokens count (the batch the model gets holds just those, rows concatenated).
+    `cu_seq_lens_q` (= `_k`) holds the int32 offsets of the starts over the flattened tokens, then their count;
+    `max_length_q` (= `_k`) is the longest document. Computed where `position_ids` is (the CPU copy of a batch
+    needs no GPU synchronization), the offsets are then moved to `device`.
     """
     if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 or position_ids.numel() == 0:
         got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
@@ -68,8 +72,10 @@ def document_boundaries(position_ids: torch.Tensor, device: torch.device | str |
         raise ValueError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
     starts = position_ids == 0
     starts[:, 0] = True
+    if lengths is not None:
+        starts = starts[torch.arange(position_ids.shape[1], device=position_ids.device) < lengths[:, None]]
     flat = starts.flatten().nonzero().flatten()
-    ends = torch.cat([flat, flat.new_tensor([position_ids.numel()])])
+    ends = torch.cat([flat, flat.new_tensor([starts.numel()])])
     longest = int((ends[1:] - ends[:-1]).max())
     offsets = ends.to(device=device or position_ids.device, dtype=torch.int32)
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}

@@ -7,6 +7,8 @@ heads, sliding windows, the trainer) runs here.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -61,11 +63,24 @@ def test_model_inputs_per_attention_implementation():
     batch = packed_batch()
     varlen = model_inputs(batch, "varlen")
     assert "attention_mask" not in varlen and varlen["max_length_q"] == 23
-    assert torch.equal(varlen["cu_seq_lens_k"], document_boundaries(batch["position_ids"])["cu_seq_lens_k"])
+    assert varlen["cu_seq_lens_q"].tolist() == [0, 1, 8, 21, 24, 35, 40, 44, 67]  # the first row's padding dropped
+    real = batch["labels"] != -100
+    real[:, :21] = True  # the first row's unlabelled first tokens of documents stay; its padding goes
+    assert torch.equal(varlen["input_ids"], batch["input_ids"][real][None])
+    assert torch.equal(varlen["position_ids"], batch["position_ids"][real][None])
+    expected = batch["labels"].clone()
+    expected[:, 0] = -100  # a row's first label follows the previous row now; the shift never predicted it
+    assert torch.equal(varlen["labels"], expected[real][None])
     assert set(model_inputs(batch, "flex_attention")) == {"input_ids", "labels", "position_ids"}
     assert model_inputs(batch, "auto").keys() == model_inputs(batch, resolve("auto")).keys()
-    single = packed_batch([[21], [19]])  # one document a row, the second padded
-    assert set(model_inputs(single, "varlen")) == {"input_ids", "labels", "position_ids"}  # SDPA's causal kernel
+    whole = packed_batch([[21], [21]])  # one document a row, labelled to the end: the rows as they are
+    assert {key: value.shape for key, value in model_inputs(whole, "varlen").items()} == {
+        key: (2, 21) for key in ("input_ids", "labels", "position_ids")
+    }
+    assert model_inputs(packed_batch([[21], [19]]), "varlen")["input_ids"].shape == (1, 40)  # padding dropped
+    unlabelled = packed_batch()
+    unlabelled["labels"][:] = -100  # no loss anywhere: one token keeps the forward defined
+    assert model_inputs(unlabelled, "varlen")["cu_seq_lens_q"].tolist() == [0, 1]
     with pytest.raises(ValueError, match="unknown attn_implementation 'flex'; use auto, varlen"):
         model_inputs(batch, "flex")
 
@@ -103,16 +118,18 @@ def test_packed_documents_train_as_if_alone(checkpointing):
     varlen_out = varlen(**model_inputs(batch, "varlen"), use_cache=False)
     dense_out.loss.backward()
     varlen_out.loss.backward()
-    assert relative(varlen_out.logits, dense_out.logits) < 1e-6
+    inputs = model_inputs(batch, "varlen")
+    real = varlen_out.logits[0]  # the rows' tokens without the first row's 2 padding tokens, one after another
+    assert real.shape[0] == 67
+    assert relative(real[:21], dense_out.logits[0, :21]) < 1e-6
+    assert relative(real[21:], dense_out.logits[1:].flatten(0, 1)) < 1e-6
     assert abs(varlen_out.loss.item() - dense_out.loss.item()) < 1e-6 * dense_out.loss.item()
     assert relative(gradients(varlen), gradients(dense)) < 1e-5
+    bounds = inputs["cu_seq_lens_q"].tolist()
     with torch.no_grad():
-        for row, lengths in enumerate(DOCUMENTS):
-            start = 0
-            for length in lengths:
-                alone = dense(input_ids=batch["input_ids"][row : row + 1, start : start + length]).logits[0]
-                assert relative(varlen_out.logits[row, start : start + length], alone) < 1e-6
-                start += length
+        for start, end in itertools.pairwise(bounds):  # documents of 1 to 23 tokens
+            alone = dense(input_ids=inputs["input_ids"][:, start:end]).logits[0]
+            assert relative(real[start:end], alone) < 1e-6
 
 
 def test_without_boundaries_rows_attend_as_wholes():
