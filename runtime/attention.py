@@ -22,6 +22,7 @@ when the padding follows the tokens (causal attention never reads it); padding b
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from typing import Any
@@ -94,6 +95,7 @@ def right_padding_mask(attention_mask: torch.Tensor | None = None, **_: Any) -> 
     return None
 
 
+@functools.cache
 def _torch_varlen():
     """`torch.nn.attention.varlen.varlen_attn` and its parameter names, or None before torch 2.10."""
     try:
@@ -103,14 +105,20 @@ def _torch_varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def _kernel_options(query: torch.Tensor, key: torch.Tensor, dropout: float, window: int | None) -> dict | None:
-    """varlen_attn's causal (and windowed, grouped-query) options, or None where its kernel cannot run."""
+def _kernel_options(
+    query: torch.Tensor, key: torch.Tensor, dropout: float, window: int | None, scale: float | None = None
+) -> dict | None:
+    """varlen_attn's causal (and windowed, grouped-query, scaled) options, or None where its kernel cannot run."""
     found = _torch_varlen()
     head_dim = query.shape[-1]
     if found is None or not query.is_cuda or query.dtype not in HALF or dropout or head_dim % 8 or head_dim > 256:
         return None
     _, params = found
     options: dict[str, Any] = {}
+    if "scale" in params:
+        options["scale"] = scale
+    elif scale is not None and scale != head_dim**-0.5:
+        return None
     if "window_size" in params:  # torch 2.11+: (left, right); (-1, 0) is causal
         options["window_size"] = (-1 if window is None else window - 1, 0)
     elif window is None:  # torch 2.10
@@ -118,7 +126,7 @@ def _kernel_options(query: torch.Tensor, key: torch.Tensor, dropout: float, wind
     else:
         return None
     if "enable_gqa" in params and key.shape[1] != query.shape[1]:
-        options["enable_gqa"] = True  # older kernels take fewer key/value heads as they are
+        options["enable_gqa"] = True  # earlier versions take fewer key/value heads without being told
     return options
 
 
@@ -167,7 +175,7 @@ def varlen_attention(
             "attention logit softcapping (e.g. Gemma 2) has no varlen kernel: set model.attn_implementation: eager"
         )
     if not getattr(module, "is_causal", True):
-        raise ValueError("varlen attention is causal; this model's attention is not: set model.attn_implementation")
+        raise ValueError("varlen attention is causal, this model's is not: set model.attn_implementation: sdpa")
     batch, heads, length, head_dim = query.shape
     window = sliding_window if sliding_window is not None and sliding_window < key.shape[2] else None
     if cu_seq_lens_q is None and window is not None and length == key.shape[2]:
@@ -186,10 +194,10 @@ def varlen_attention(
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim) for x in (query, key, value))
-    options = _kernel_options(q, k, dropout, window)
+    options = _kernel_options(q, k, dropout, window, scaling)
     if options is None:
         out = _per_document(q, k, v, cu_seq_lens_q, scaling, dropout, window)
     else:
         varlen_attn, _ = _torch_varlen()
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling, **options)
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
     return out.view(batch, length, heads, head_dim), None

@@ -22,14 +22,15 @@ DOCUMENTS = [[1, 7, 13], [3, 11, 5, 4], [23]]  # per row: document lengths (odd,
 
 def packed_batch(rows=DOCUMENTS, vocab=97, seed=0) -> dict[str, torch.Tensor]:
     """input_ids, labels and position_ids of rows of documents, as PackedDataset makes them: position ids restart
-    at 0 per document; a shorter row's padding (label -100) goes on counting the last document's positions."""
+    at 0 per document, whose first token has label -100; a shorter row's padding (label -100) goes on counting the
+    last document's positions."""
     generator = torch.Generator().manual_seed(seed)
     length = max(sum(row) for row in rows)
     positions = torch.tensor(
         [[p for n in row[:-1] for p in range(n)] + list(range(length - sum(row[:-1]))) for row in rows]
     )
     ids = torch.randint(0, vocab, positions.shape, generator=generator)
-    labels = ids.clone()
+    labels = torch.where(positions == 0, -100, ids)  # no document's first token is predicted
     for number, row in enumerate(rows):
         labels[number, sum(row) :] = -100
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
@@ -64,8 +65,8 @@ def test_model_inputs_per_attention_implementation():
     varlen = model_inputs(batch, "varlen")
     assert "attention_mask" not in varlen and varlen["max_length_q"] == 23
     assert varlen["cu_seq_lens_q"].tolist() == [0, 1, 8, 21, 24, 35, 40, 44, 67]  # the first row's padding dropped
-    real = batch["labels"] != -100
-    real[:, :21] = True  # the first row's unlabelled first tokens of documents stay; its padding goes
+    real = torch.ones_like(batch["labels"], dtype=torch.bool)
+    real[0, 21:] = False  # the first row's padding goes
     assert torch.equal(varlen["input_ids"], batch["input_ids"][real][None])
     assert torch.equal(varlen["position_ids"], batch["position_ids"][real][None])
     expected = batch["labels"].clone()
