@@ -2,8 +2,9 @@
 
     python -m pytest -m gpu tests/runtime/test_attention_gpu.py
 
-Each document of a packed batch gives the logits it gives alone, and the loss and gradients are the dense-mask
-path's, to bf16's tolerance (relative error under 1e-2); the planner's attention formula is what a layer saves.
+Under bf16 autocast each document of a packed batch gives the logits it gives alone, and the loss and gradients
+are the dense-mask path's, to bf16's tolerance (relative error under 1e-2); the planner's attention formula is
+what a layer saves.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def models(implementation: str, model_class=LlamaForCausalLM, config_class=LlamaConfig, **overrides):
-    """(sdpa model, `implementation` model): the same random weights, bf16, grouped-query heads of 64."""
+    """(sdpa model, `implementation` model): the same random float32 weights, grouped-query heads of 64; they run
+    under bf16 autocast (precision: bf16), so attention is bf16 and the gradients float32."""
     shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
     config = config_class(**shape, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024, **overrides)
     torch.manual_seed(0)
-    dense = model_class._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
-    name = attention.transformers_name(implementation)
-    other = model_class._from_config(config, attn_implementation=name, dtype=torch.bfloat16).cuda()
+    dense = model_class._from_config(config, attn_implementation="sdpa").cuda()
+    other = model_class._from_config(config, attn_implementation=attention.transformers_name(implementation)).cuda()
     other.load_state_dict(dense.state_dict())
     return dense, other
+
+
+def bf16():
+    return torch.autocast("cuda", torch.bfloat16)
 
 
 def gradients(model) -> torch.Tensor:
@@ -53,8 +58,9 @@ def test_packed_documents_train_as_if_alone(implementation):
     if implementation == "varlen":  # the kernel runs, not the per-document fallback
         q = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda")
         assert attention._kernel_options(q, q[:, :2], 0.0, None) is not None
-    dense_out = dense(**model_inputs(batch, "sdpa"), use_cache=False)
-    out = other(**inputs, use_cache=False)
+    with bf16():
+        dense_out = dense(**model_inputs(batch, "sdpa"), use_cache=False)
+        out = other(**inputs, use_cache=False)
     dense_out.loss.backward()
     out.loss.backward()
     assert relative(out.loss, dense_out.loss) < TOLERANCE
@@ -62,7 +68,7 @@ def test_packed_documents_train_as_if_alone(implementation):
     flat_ids, flat_labels = inputs["input_ids"].flatten(), inputs["labels"].flatten()
     logits = out.logits.flatten(0, 1)  # varlen: one row of the documents, the padding dropped
     starts = (inputs["position_ids"].flatten() == 0).nonzero().flatten().tolist()
-    with torch.no_grad():
+    with torch.no_grad(), bf16():
         for start, end in itertools.pairwise([*starts, flat_ids.numel()]):
             real = int((flat_labels[start:end] != -100).sum()) + 1  # the document without the padding after it
             alone = dense(input_ids=flat_ids[None, start : start + real]).logits[0]
@@ -74,7 +80,7 @@ def test_a_sliding_window_applies_within_each_document():
     dense, varlen = models("varlen", MistralForCausalLM, MistralConfig, sliding_window=64)
     batch = {key: value.cuda() for key, value in packed_batch([[9, 300, 211], [520]], vocab=1000).items()}
     inputs = model_inputs(batch, "varlen")
-    with torch.no_grad():
+    with torch.no_grad(), bf16():
         logits = varlen(**inputs, use_cache=False).logits[0]
         for start, end in itertools.pairwise(inputs["cu_seq_lens_q"].tolist()):
             alone = dense(input_ids=inputs["input_ids"][:, start:end]).logits[0]
