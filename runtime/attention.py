@@ -182,11 +182,15 @@ def varlen_attention(
         cu_seq_lens_q = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device=query.device)
         max_length_q = length  # one document a row, whose window no mask carries
     if cu_seq_lens_q is None or (attention_mask is not None and attention_mask.ndim == 4):
-        if window is not None:
-            raise ValueError(
-                f"varlen attention cannot apply the sliding window ({sliding_window}) to cached or masked "
-                "attention: set model.attn_implementation: sdpa"
-            )
+        if window is not None:  # cached attention (generation): the window as a mask over the cache
+            if attention_mask is not None:
+                raise ValueError(
+                    f"varlen attention cannot apply the sliding window ({sliding_window}) on top of a 4D "
+                    "attention_mask: set model.attn_implementation: sdpa"
+                )
+            queries = torch.arange(key.shape[2] - length, key.shape[2], device=query.device)
+            distance = queries[:, None] - torch.arange(key.shape[2], device=query.device)[None, :]
+            attention_mask = ((distance >= 0) & (distance < window))[None, None]
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -7,6 +7,7 @@ heads, sliding windows, the trainer) runs here.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -91,10 +92,10 @@ def tiny(model_class=LlamaForCausalLM, config_class=LlamaConfig, **overrides):
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
     config = config_class(**shape, num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, **overrides)
     torch.manual_seed(0)
-    dense = model_class._from_config(config, attn_implementation="sdpa")
-    varlen = model_class._from_config(config, attn_implementation=transformers_name("varlen"))
+    dense = model_class._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    varlen = model_class._from_config(copy.deepcopy(config), attn_implementation=transformers_name("varlen"))
     varlen.load_state_dict(dense.state_dict())
-    assert varlen.config._attn_implementation == VARLEN
+    assert (dense.config._attn_implementation, varlen.config._attn_implementation) == ("sdpa", VARLEN)
     return dense, varlen
 
 
@@ -153,6 +154,12 @@ def test_a_sliding_window_applies_within_each_document():
         assert relative(logits[0, 12:23], alone) < 1e-6
         whole = dense(input_ids=batch["input_ids"][1:]).logits  # one document a row: the window without a mask
         assert relative(varlen(input_ids=batch["input_ids"][1:]).logits, whole) < 1e-6
+
+        def cached(model):  # generation: 3 tokens after a 9-token prompt, the window over the cache
+            cache = model(input_ids=batch["input_ids"][1:, :9], use_cache=True).past_key_values
+            return model(input_ids=batch["input_ids"][1:, 9:12], past_key_values=cache, use_cache=True).logits
+
+        assert relative(cached(varlen), cached(dense)) < 1e-6
 
 
 def test_padding_before_tokens_is_refused():

@@ -9,6 +9,7 @@ what a layer saves.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -36,8 +37,9 @@ def models(implementation: str, model_class=LlamaForCausalLM, config_class=Llama
     shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
     config = config_class(**shape, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024, **overrides)
     torch.manual_seed(0)
-    dense = model_class._from_config(config, attn_implementation="sdpa").cuda()
-    other = model_class._from_config(config, attn_implementation=attention.transformers_name(implementation)).cuda()
+    dense = model_class._from_config(copy.deepcopy(config), attn_implementation="sdpa").cuda()
+    name = attention.transformers_name(implementation)
+    other = model_class._from_config(copy.deepcopy(config), attn_implementation=name).cuda()
     other.load_state_dict(dense.state_dict())
     return dense, other
 
