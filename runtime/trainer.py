@@ -508,8 +508,9 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
-# Where downloads are cached does not change a run: a resumed run may use another cache.
-RESUME_IGNORED = {"model": {"cache_dir"}, "data": {"cache_dir"}}
+# Where downloads are cached, and which exact attention computes the same function, do not change a run: a resumed
+# run may use another cache or attention implementation.
+RESUME_IGNORED = {"model": {"cache_dir", "attn_implementation"}, "data": {"cache_dir"}}
 
 
 def _resume_section(section: dict | None, name: str) -> dict | None:

@@ -203,3 +203,16 @@ def test_every_trainer_trains_packed_rows_through_varlen(tmp_path):
         losses = train(config(trainer, "varlen")).losses
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True))
         assert len(losses) == 6 and worst < RELATIVE_TOLERANCE, (trainer, worst, losses, expected)
+
+
+def test_a_checkpoint_resumes_under_another_attention(tmp_path):
+    """Every attention implementation computes the same function: a run saved under sdpa resumes under auto."""
+    from tests.runtime.test_trainer import tiny_config
+    from tigon.runtime.config import ConfigError
+    from tigon.runtime.trainer import check_resumable
+
+    saved = tiny_config(tmp_path, model={"attn_implementation": "sdpa"})
+    (tmp_path / "config.json").write_text(saved.model_dump_json())
+    check_resumable(tmp_path, tiny_config(tmp_path, model={"attn_implementation": "auto"}))
+    with pytest.raises(ConfigError, match="different model settings"):
+        check_resumable(tmp_path, tiny_config(tmp_path, model={"dtype": "bfloat16"}))
