@@ -211,9 +211,12 @@ def worker(spec: dict) -> dict:
 
 
 def hf_step(model, config, device):
-    """A Hugging Face Trainer-style step over micro-batches of `DataCollatorWithFlattening`."""
+    """A Hugging Face Trainer-style step over micro-batches of `DataCollatorWithFlattening`: forward under autocast,
+    the loss summed over the step's labelled tokens (`num_items_in_batch`), clipping, fused AdamW."""
     import torch
     from transformers import DataCollatorWithFlattening
+
+    from tigon.runtime.trainer import autocast
 
     collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.training.learning_rate, fused=device.type == "cuda")
@@ -225,7 +228,8 @@ def hf_step(model, config, device):
         loss_sum = 0.0
         for batch in batches:
             batch = {key: value.to(device) for key, value in batch.items()}
-            loss = model(**batch, use_cache=False, num_items_in_batch=items).loss
+            with autocast(device, config.training.precision):  # the Trainer's bf16=True
+                loss = model(**batch, use_cache=False, num_items_in_batch=items).loss
             loss.backward()
             loss_sum += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.max_grad_norm)

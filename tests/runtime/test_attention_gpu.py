@@ -119,4 +119,5 @@ def test_a_varlen_layer_saves_what_the_planner_counts(kernels, restore_rope):
     measured = saved_bytes(layer, [*holder.layer.parameters(), *shared])
     shape = planner.ModelShape.from_hf_config(config)
     work = planner.Workload(shape, tokens, weight_bytes=2, compute_bytes=2, autocast=False, attention="varlen")
-    assert measured - 16 == planner.layer_bytes(work, kernels) * tokens
+    counted = planner.layer_bytes(work, kernels) * tokens
+    assert measured - 16 == counted, (measured, counted)
