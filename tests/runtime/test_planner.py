@@ -296,7 +296,9 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     import yaml
 
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(plan_config(tmp_path).model_dump(mode="json", exclude_defaults=True)))
+    config = plan_config(tmp_path)
+    config.model.attn_implementation = "sdpa"  # the packed mask, which the checkpoints keep
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "13GiB", "--gpus", "1"]) == 0  # every layer, at micro-batch 2
     assert "plan: micro-batch 2 x accumulation 4, checkpointing on, kernels on" in capsys.readouterr().out
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # 10 layers keep theirs
