@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run on a GPU machine from the repository root: GPU tests, the demo, then benchmarks.
-# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
+# Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [packed] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
 #   [planner-tests] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
 #   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
@@ -14,7 +14,9 @@
 #   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
 #   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
-#   E2E_SEQS, E2E_VARIANTS); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
+#   E2E_SEQS, E2E_VARIANTS); packed runs the packed-attention GPU tests, then benchmarks/packed_attention.py (real
+#   tokens/s and peak memory on packed fine-tuning data: tigon varlen, flex and dense mask against HF + Liger-Kernel;
+#   PACKED_BUDGET seconds, default 360); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
 #   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
 #   [checkpoint-scale (benchmarks/checkpoint_scale.py: FSDP2 on every local GPU, sync and async saves and resume;
 #   CKPT_SHAPE=llama-3-8b (default) or llama-3.2-1b, CKPT_SEQ tokens per sequence, default 1024; CKPT_LIMIT seconds,
@@ -69,6 +71,8 @@ for step in "$@"; do
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;
+    packed) python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_attention_gpu.py > "$out/packed-tests.log" 2>&1; tail -n 30 "$out/packed-tests.log"
+      python3 -m benchmarks.packed_attention --time-budget "${PACKED_BUDGET:-360}" --out "$out/packed.json" 2>&1 | tee "$out/packed.log" ;;
     fp16-smoke) for run in ${FP16_RUNS:-torch:ddp torch:fsdp lightning:ddp lightning:fsdp hf:ddp}; do
         python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps=150 --set training.precision=fp16 \
           --set trainer="${run%%:*}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \

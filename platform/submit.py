@@ -49,8 +49,8 @@ def gpu_settings(config: RunConfig) -> list[str]:
     needs = []
     if config.parallelism.backend == "nccl":
         needs.append("parallelism.backend: nccl (use 'auto' or 'gloo' on CPUs)")
-    if config.model.attn_implementation == "flash_attention_2":
-        needs.append("model.attn_implementation: flash_attention_2 (use 'sdpa' on CPUs)")
+    if config.model.attn_implementation in ("flash_attention_2", "flex_attention"):
+        needs.append(f"model.attn_implementation: {config.model.attn_implementation} (use 'auto' on CPUs)")
     return needs
 
 

@@ -56,7 +56,12 @@ class ModelConfig(Section):
         "character tokenizer",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights")
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "auto",
+        description="auto: varlen on a CUDA GPU, else sdpa. varlen: packed documents through PyTorch's "
+        "variable-length flash kernel, no mask; sdpa / eager: a dense block-diagonal mask for packed rows; "
+        "flash_attention_2 (the flash-attn package) and flex_attention (CUDA): documents from position ids",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -12,9 +12,9 @@ Conventions:
   token is ever predicted from the previous document; padding has label -100.
 - Sequences are `data.max_seq_len` long. With packing, documents follow each other greedily in file
   order; a document that does not fit in what is left of a sequence starts the next one. Position ids
-  restart at 0 for every document and for the padding at the tail, so documents are told apart by
-  their position ids alone (flash-attention 2 varlen needs nothing else) or by the block-diagonal
-  causal mask `packed_attention_mask` builds from them (sdpa and eager).
+  restart at 0 for every document, so documents are told apart by their position ids alone: "varlen"
+  attention takes the boundaries `model_inputs` derives from them, flash-attention 2 and flex attention
+  need nothing else, sdpa and eager take the block-diagonal causal mask `packed_attention_mask` builds.
 - Formats: `text` (loss on every token), `instruction` (prompt then response + eos; loss on the
   response and eos), `chat` (messages rendered by the tokenizer's chat template; loss on the
   assistant turns, including the end-of-turn tokens the template puts inside them).
@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
+
+from tigon.runtime.attention import IMPLEMENTATIONS, document_boundaries, resolve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -623,6 +625,9 @@ class PackedDataset(Dataset):
         }
 
 
+MODEL_INPUTS = ("input_ids", "labels", "position_ids")
+
+
 def packed_attention_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The (B, 1, L, L) block-diagonal causal mask of packed sequences, for a custom 4D attention_mask.
 
@@ -655,32 +660,70 @@ def single_documents(position_ids: torch.Tensor) -> bool:
     return bool((position_ids == expected).all())
 
 
-def model_inputs(batch: dict, attn_implementation: str) -> dict[str, Any]:
+def model_inputs(batch: dict, attn_implementation: str, device: torch.device | str | None = None) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
-    Gives input_ids, labels and position_ids, plus attention_mask:
+    Gives input_ids, labels and position_ids, on `device` when given, plus what tells the attention where the
+    documents of a packed row are (`attn_implementation` as in model.attn_implementation; "auto" resolves as
+    `tigon.runtime.attention.resolve` says):
+    - "varlen": the rows without their padding, as one row (`unpadded`), and the documents' boundaries
+      (`tigon.runtime.attention.document_boundaries`), no mask;
     - "sdpa": the boolean block-diagonal causal mask (any weight dtype or autocast);
     - "eager": the additive float32 mask (eager adds it to the scores; promotion handles bf16/fp16);
-    - "flash_attention_2": none; flash-attention's varlen path finds the documents from position_ids.
-    The mask is (B, 1, L, L), made on position_ids' device: move the batch there first. Call the model with
-    use_cache=False too: transformers 5 skips its own packed-sequence detection when a cache is made.
-    When every row is a single document (position ids 0, 1, 2, ... throughout) no mask is passed, so
-    attention is plain causal and SDPA may take its flash kernel: a dense mask forces the slower
-    memory-efficient kernel and an (L, L) bias per layer.
+    - "flash_attention_2", "flex_attention": nothing; transformers finds the documents from position_ids.
+    Boundaries are read from the batch as given (a CPU batch needs no GPU synchronization); a mask is (B, 1, L,
+    L), made on `device` (else on position_ids' device). Call the model with use_cache=False too: transformers
+    5 skips its own packed-sequence detection when a cache is made. When every row is a single document
+    (position ids 0, 1, 2, ... throughout; for "varlen" also labelled to its end) the rows go as they are, with
+    nothing added: attention is plain causal and SDPA may take its flash kernel, where a dense mask forces the
+    slower memory-efficient kernel and an (L, L) bias per layer.
     """
-    missing = [key for key in ("input_ids", "labels", "position_ids") if key not in batch]
+    missing = [key for key in MODEL_INPUTS if key not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}; expected a collated batch of PackedDataset items")
-    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"]}
-    if attn_implementation == "flash_attention_2" or single_documents(batch["position_ids"]):
+    attention = resolve(attn_implementation)
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use auto, {', '.join(IMPLEMENTATIONS)}")
+    positions = batch["position_ids"]
+    if attention == "varlen":
+        lengths = labelled_lengths(batch["labels"])
+        if not single_documents(positions) or bool((lengths < positions.shape[1]).any()):
+            return unpadded(batch, lengths, device)
+    inputs = {key: batch[key] if device is None else batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS}
+    if attention in ("varlen", "flash_attention_2", "flex_attention") or single_documents(positions):
         return inputs
-    if attn_implementation == "sdpa":
-        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.bool)
-    elif attn_implementation == "eager":
-        inputs["attention_mask"] = packed_attention_mask(batch["position_ids"], torch.float32)
-    else:
-        raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use sdpa, eager or flash_attention_2")
+    dtype = torch.bool if attention == "sdpa" else torch.float32
+    inputs["attention_mask"] = packed_attention_mask(inputs["position_ids"], dtype)
     return inputs
+
+
+def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the tokens up to its last labelled one (at least one token in the batch)."""
+    column = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    lengths = torch.where(labels != IGNORE_INDEX, column, 0).amax(dim=1)
+    if not bool(lengths.any()):  # nothing labelled: one token keeps the forward defined, with no loss
+        lengths[0] = 1
+    return lengths
+
+
+def unpadded(batch: dict, lengths: torch.Tensor, device: torch.device | str | None = None) -> dict[str, Any]:
+    """ "varlen" inputs: each row's first `lengths` tokens, rows concatenated into one (1, N) row, and the
+    documents' boundaries.
+
+    What is dropped after a row's last labelled token (padding, or a document's unlabelled tail) is seen by no
+    labelled token under causal attention and carries no loss, so the loss and every gradient are those of the
+    padded batch; the padding costs no compute. Each row's first label becomes -100: the causal shift never
+    predicted it, and now it follows the previous row.
+    """
+    labels = batch["labels"].clone()
+    labels[:, 0] = IGNORE_INDEX
+    keep = torch.arange(labels.shape[1], device=labels.device) < lengths[:, None]
+    flat = {"input_ids": batch["input_ids"][keep], "labels": labels[keep], "position_ids": batch["position_ids"][keep]}
+    inputs = {
+        key: (value if device is None else value.to(device, non_blocking=True))[None] for key, value in flat.items()
+    }
+    target = inputs["position_ids"].device
+    return inputs | document_boundaries(batch["position_ids"], lengths, target)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import logging
 import torch
 from torch import nn
 
+from tigon.runtime.attention import transformers_name
 from tigon.runtime.config import ConfigError, RunConfig
 
 logger = logging.getLogger("tigon.runtime")
@@ -32,6 +33,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _check_attention(config: RunConfig) -> None:
+    if config.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.attn_implementation: 'flex_attention' needs a CUDA GPU (PyTorch's flex attention has no "
+            "backward on the CPU); use 'auto' or 'varlen'"
+        )
     if config.model.attn_implementation != "flash_attention_2":
         return
     import importlib.util
@@ -70,7 +76,7 @@ def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights:
     trust = config.model.trust_remote_code
     options = dict(
         dtype=torch_dtype(config.model.dtype),
-        attn_implementation=config.model.attn_implementation,
+        attn_implementation=transformers_name(config.model.attn_implementation),
         trust_remote_code=trust,
     )
     try:
@@ -181,7 +187,9 @@ def build_from_config(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.
             f"({limit}); lower it or set model.config_overrides.max_position_embeddings"
         )
     return AutoModelForCausalLM.from_config(
-        model_config, dtype=torch_dtype(config.model.dtype), attn_implementation=config.model.attn_implementation
+        model_config,
+        dtype=torch_dtype(config.model.dtype),
+        attn_implementation=transformers_name(config.model.attn_implementation),
     )
 
 

@@ -24,9 +24,10 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
   repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
-  flash_attention_2, and SDPA without packing (one document per row, so no mask unless a sliding window is
-  shorter than the sequence: plain causal attention with k and v unrepeated): q (c q), k and v (2 c kv),
-  the output once (c q), the log-sum-exp.
+  varlen (the default on a GPU, `model.attn_implementation: auto`), flex_attention, flash_attention_2, and
+  SDPA without packing (one document per row, so no mask unless a sliding window is shorter than the
+  sequence: plain causal attention with k and v unrepeated): q (c q), k and v (2 c kv), the output once
+  (c q), the log-sum-exp; no mask, neither per layer nor kept by the checkpoints.
   eager: as SDPA plus the float32 softmax and its compute-dtype copy (4 + c) x heads x T, and with Gemma 2's
   attention softcapping tanh's output (c x heads x T).
 - Gated MLP, Hugging Face eager: gate (saved by SiLU), SiLU(gate) and up (saved by the product)
@@ -260,7 +261,8 @@ class Workload:
     weight_bytes: int
     compute_bytes: int
     autocast: bool  # the forward runs under autocast to a narrower dtype than the weights
-    attention: Literal["sdpa", "sdpa_causal", "flash_attention_2", "eager"]  # sdpa_causal: unpacked, no mask
+    # sdpa_causal: unpacked SDPA, no mask; varlen, flex_attention: packed documents without a dense mask
+    attention: Literal["sdpa", "sdpa_causal", "flash_attention_2", "eager", "varlen", "flex_attention"]
     lora_rank: int = 0  # 0: full fine-tuning
     lora_targets: tuple[str, ...] = ()
     quantized_bytes: float = 0.0  # QLoRA: bytes per decoder Linear weight in 4 bits with its scales; 0: not quantized
@@ -410,13 +412,14 @@ def _adapter_bytes(work: Workload, names: tuple[str, ...]) -> float:
     return work.compute_bytes * work.lora_rank * len([n for n in names if n in work.lora_targets])
 
 
-UNMASKED = ("flash_attention_2", "sdpa_causal")
+UNMASKED = ("flash_attention_2", "sdpa_causal", "varlen", "flex_attention")
 
 
 def attention_path(config: RunConfig, shape: ModelShape) -> str:
-    """The attention the run takes: unpacked SDPA rows are one document each, so they need no mask, unless the
-    model's sliding window is shorter than the sequence (then transformers builds a (B, 1, T, T) mask)."""
-    attention = config.model.attn_implementation
+    """The attention the run takes on a GPU ("auto" is "varlen" there): unpacked SDPA rows are one document each,
+    so they need no mask, unless the model's sliding window is shorter than the sequence (then transformers
+    builds a (B, 1, T, T) mask)."""
+    attention = "varlen" if config.model.attn_implementation == "auto" else config.model.attn_implementation
     window = shape.sliding_window
     if attention == "sdpa" and not config.data.packing and (window is None or window >= config.data.max_seq_len):
         return "sdpa_causal"

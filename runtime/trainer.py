@@ -270,8 +270,7 @@ def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, devi
     """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
     from tigon.runtime.data import model_inputs
 
-    batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
-    inputs = model_inputs(batch, attn_implementation)
+    inputs = model_inputs(batch, attn_implementation, device)
     inputs["use_cache"] = False
     # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
     # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.
@@ -509,8 +508,9 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
-# Where downloads are cached does not change a run: a resumed run may use another cache.
-RESUME_IGNORED = {"model": {"cache_dir"}, "data": {"cache_dir"}}
+# Where downloads are cached, and which exact attention computes the same function, do not change a run: a resumed
+# run may use another cache or attention implementation.
+RESUME_IGNORED = {"model": {"cache_dir", "attn_implementation"}, "data": {"cache_dir"}}
 
 
 def _resume_section(section: dict | None, name: str) -> dict | None:

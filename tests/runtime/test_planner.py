@@ -296,7 +296,9 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     import yaml
 
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(plan_config(tmp_path).model_dump(mode="json", exclude_defaults=True)))
+    config = plan_config(tmp_path)
+    config.model.attn_implementation = "sdpa"  # the packed mask, which the checkpoints keep
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "13GiB", "--gpus", "1"]) == 0  # every layer, at micro-batch 2
     assert "plan: micro-batch 2 x accumulation 4, checkpointing on, kernels on" in capsys.readouterr().out
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # 10 layers keep theirs
@@ -384,6 +386,7 @@ def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_ro
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     packed = plan_config(tmp_path)
+    packed.model.attn_implementation = "sdpa"
     unpacked = packed.model_copy(update={"data": packed.data.model_copy(update={"packing": False})})
     assert planner.workload(packed, world_size=1).attention == "sdpa"
     assert planner.workload(unpacked, world_size=1).attention == "sdpa_causal"
@@ -402,6 +405,25 @@ def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_ro
     )
     work = dataclasses.replace(bf16_work(ModelShape.from_hf_config(config), 16), attention="sdpa_causal")
     assert measured == planner.layer_bytes(work, False) * 3 * 16
+
+
+def test_packed_varlen_is_planned_without_the_mask(tmp_path):
+    """auto (varlen on the GPU it plans for) and flex_attention keep no (B, T, T) mask: sdpa's packed estimate is
+    larger by the mask its checkpoints keep and by its per-layer bias and repeated k and v, exactly."""
+    packed = plan_config(tmp_path, gradient_checkpointing=True)
+    setting = planner.setting_of(packed)
+
+    def workload(attention: str) -> planner.Workload:
+        model = packed.model.model_copy(update={"attn_implementation": attention})
+        return planner.workload(packed.model_copy(update={"model": model}), world_size=1)
+
+    auto, sdpa = workload("auto"), workload("sdpa")
+    assert auto.attention == "varlen"
+    assert planner.estimate(workload("flex_attention"), setting).peak == planner.estimate(auto, setting).peak
+    q, kv, seq = 32 * 64, 8 * 64, 4096  # bf16: q, k and v repeated to every head, and the bias, against k, v
+    assert planner.layer_bytes(sdpa, True) - planner.layer_bytes(auto, True) == 2 * (2 * q - 2 * kv) + 2 * seq
+    masked, unmasked = planner.estimate(sdpa, setting), planner.estimate(auto, setting)
+    assert masked.parts["activations"] - unmasked.parts["activations"] == 8 * seq**2  # the bool mask, micro-batch 8
 
 
 @pytest.mark.parametrize("softcap", [None, 50.0])
@@ -446,6 +468,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_planned_as_masked_sdpa(tm
     from transformers import Gemma3TextConfig, Qwen2Config
 
     config = plan_config(tmp_path, seq_len=1024)
+    config.model.attn_implementation = "sdpa"
     unpacked = config.model_copy(update={"data": config.data.model_copy(update={"packing": False})})
     gemma3 = ModelShape.from_hf_config(Gemma3TextConfig(sliding_window=512))
     assert gemma3.sliding_window == 512
@@ -454,6 +477,8 @@ def test_a_sliding_window_shorter_than_the_sequence_is_planned_as_masked_sdpa(tm
     qwen2 = ModelShape.from_hf_config(Qwen2Config(sliding_window=256, use_sliding_window=False))
     assert qwen2.sliding_window is None and planner.attention_path(unpacked, qwen2) == "sdpa_causal"
     assert planner.attention_path(config, qwen2) == "sdpa"  # packed rows carry their documents' mask
+    auto = config.model_copy(update={"model": config.model.model_copy(update={"attn_implementation": "auto"})})
+    assert planner.attention_path(auto, gemma3) == "varlen"  # the window is the kernel's, not a mask's
 
 
 # Tiny MoE configs of each family the planner models: 5 experts, 2 a token, each 40 wide; Qwen2-MoE's shared
