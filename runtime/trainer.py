@@ -386,6 +386,10 @@ def evaluate(
             from tigon.runtime.objectives import evaluate_objective
 
             metrics.update(evaluate_objective(unwrap(model), dataset, config, env, device))
+        elif "loss" in config.eval.metrics and config.objective.type == "distill":
+            from tigon.runtime.distill import evaluate_distill
+
+            metrics.update(evaluate_distill(unwrap(model), dataset, config, env, device))
         elif "loss" in config.eval.metrics:
             metrics["loss"] = eval_loss(unwrap(model), dataset, config, env, device)
         if "exact_match" in config.eval.metrics and examples:
@@ -650,7 +654,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         )
 
     trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
-    prepare_objective(config, prepared.model, prepared.train_dataset, prepared.eval_dataset, env, device)
+    prepare_objective(config, prepared)
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
     sampler = GlobalBatchSampler(
         len(prepared.train_dataset),
@@ -831,6 +835,10 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
         from tigon.runtime import objectives
 
         return objectives.run_global_batch(strategy, micro_batches, config, env, device, step)
+    if config.objective.type == "distill":
+        from tigon.runtime import distill
+
+        return distill.run_global_batch(strategy, micro_batches, config, env, device, step)
     training = config.training
     n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

@@ -116,7 +116,7 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
             parse_config({**base, "objective": objective})
     for sections, message in [
         ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
-        ({"parallelism": {"strategy": "fsdp"}}, "set strategy: ddp instead of 'fsdp'"),
+        ({"parallelism": {"strategy": "deepspeed"}}, "set one of those instead of 'deepspeed'"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
         ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
     ]:
