@@ -20,7 +20,6 @@ loss is, so gradient accumulation and ranks change nothing but rounding. The ste
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
@@ -191,19 +190,11 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
 def evaluate_distill(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The distillation loss, its cross entropy and its distillation term per completion token over the held-out
     sequences (this rank's share, summed over ranks)."""
-    from tigon.runtime.trainer import autocast, collate, label_tokens
+    from tigon.runtime.trainer import autocast, collate, eval_batches, label_tokens
 
-    indices = list(range(env.rank, len(dataset), env.world_size))
-    size = config.training.micro_batch_size
-    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
-    if config.eval.max_batches is not None:
-        batches = batches[: config.eval.max_batches]
-    if config.parallelism.shards_parameters:  # each forward gathers shards: every rank runs as many as rank 0
-        most = math.ceil(math.ceil(len(dataset) / env.world_size) / size)
-        batches += [[]] * (min(most, config.eval.max_batches or most) - len(batches))
     teacher = state_of(model).reference
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for chunk in batches:
+    for chunk in eval_batches(dataset, config, env):
         batch = collate([dataset[i] for i in chunk or [0]])
         with autocast(device, config.training.precision):
             ce, jsd = distill_sums(model, teacher, batch, config, device)

@@ -429,14 +429,10 @@ def prepare_objective(config: RunConfig, prepared) -> None:
 
 def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The preference loss and TRL's metrics over the held-out examples (this rank's share, summed over ranks)."""
-    from tigon.runtime.trainer import autocast, collate
+    from tigon.runtime.trainer import autocast, collate, eval_batches
 
-    indices = list(range(env.rank, len(dataset), env.world_size))
-    size = config.training.micro_batch_size
-    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
-    if config.eval.max_batches is not None:
-        batches = batches[: config.eval.max_batches]
-    if not batches:
+    batches = eval_batches(dataset, config, env)
+    if not any(batches):
         raise DataError(
             f"data.eval: {len(dataset)} held-out examples leave rank {env.rank} of {env.world_size} none to evaluate; "
             "add examples to data.eval, or drop it"
@@ -444,9 +440,11 @@ def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEn
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in batches:
-        batch = collate([dataset[i] for i in chunk])
+        batch = collate([dataset[i] for i in chunk or [0]])
         with autocast(device, config.training.precision):
             loss, metrics = preference_loss(model, batch, config, device, None)
+        if not chunk:
+            continue
         loss_sum += loss.double() * len(chunk)
         for name, value in _metric_sums(config.objective.type, metrics, batch, device).items():
             sums[name] = sums.get(name, 0) + value

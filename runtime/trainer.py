@@ -280,24 +280,30 @@ def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, devi
 # ---------------------------------------------------------------- evaluation
 
 
-def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
-    """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
+def eval_batches(dataset, config: RunConfig, env: DistEnv) -> list[list[int]]:
+    """This rank's held-out index chunks of micro_batch_size, at most eval.max_batches. With sharded parameters
+    every forward is a collective, so each rank runs as many as rank 0: an empty chunk is a forward whose result
+    is dropped (run on item 0)."""
     indices = list(range(env.rank, len(dataset), env.world_size))
     size = config.training.micro_batch_size
     batches = [indices[i : i + size] for i in range(0, len(indices), size)]
     if config.eval.max_batches is not None:
         batches = batches[: config.eval.max_batches]
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch_indices in batches:
-        batch = collate([dataset[i] for i in batch_indices])
-        totals[0] += token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
-        totals[1] += label_tokens(batch["labels"])
-    if config.parallelism.shards_parameters:  # each forward gathers shards: every rank runs as many as rank 0
+    if config.parallelism.shards_parameters:
         most = math.ceil(math.ceil(len(dataset) / env.world_size) / size)
-        for _ in range(min(most, config.eval.max_batches or most) - len(batches)):
-            token_loss_sum(
-                model, collate([dataset[0]]), config.model.attn_implementation, device, config.training.precision
-            )
+        batches += [[]] * (min(most, config.eval.max_batches or most) - len(batches))
+    return batches
+
+
+def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
+    """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch_indices in eval_batches(dataset, config, env):
+        batch = collate([dataset[i] for i in batch_indices or [0]])
+        summed = token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
+        if batch_indices:
+            totals[0] += summed
+            totals[1] += label_tokens(batch["labels"])
     all_reduce_sum(totals, env)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 

@@ -208,3 +208,31 @@ def test_distill_kl_directions_and_evaluation(tmp_path, beta):
     metrics = result.eval_metrics
     assert math.isclose(metrics["loss"], 0.3 * metrics["ce_loss"] + 0.7 * metrics["distill_loss"], rel_tol=1e-12)
     assert metrics["distill_loss"] > 0
+
+
+def test_distill_two_ranks_under_ddp_and_fsdp_match_one_process(tmp_path):
+    """torchrun, 2 ranks x micro-batch 1 x accumulation 2, under DDP and under FSDP2 (student and teacher sharded),
+    == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5 relative per step
+    (fp32): gloo sums the gradients, and FSDP2 reduce-scatters them, in another order than one process adds them."""
+    from tests.runtime.test_parallel import launch
+
+    held_out = {"eval": str(tmp_path / "train.jsonl")}
+    runs = {
+        strategy: distill_config(
+            tmp_path,
+            training={"micro_batch_size": 1},
+            data=held_out,
+            parallelism={"strategy": strategy},
+            logging={"run_dir": str(tmp_path / strategy)},
+        )
+        for strategy in ("ddp", "fsdp")
+    }
+    records = launch(tmp_path, runs)
+    single = train(distill_config(tmp_path, data=held_out))
+    want = [(step["ce_loss"], step["distill_loss"]) for step in logged_steps(single.run_dir)]
+    for strategy, record in records.items():
+        got = [(step["ce_loss"], step["distill_loss"]) for step in logged_steps(tmp_path / strategy)]
+        for a, b in zip([*record["losses"], *sum(got, ())], [*single.losses, *sum(want, ())], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (strategy, record["losses"], single.losses, got, want)
+        for name in ("loss", "ce_loss", "distill_loss"):
+            assert abs(record["eval"][name] - single.eval_metrics[name]) <= 1e-5 * single.eval_metrics[name], name
