@@ -28,6 +28,7 @@ from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 from tigon.runtime.objectives import (
     IGNORE_INDEX,
+    check_parallelism,
     final_hidden,
     freeze,
     head,
@@ -48,15 +49,12 @@ def check_distill(config: RunConfig) -> None:
             f"objective.type 'distill' trains with trainer: torch; the {config.trainer!r} trainer runs objective.type "
             "'sft' only. Set trainer: torch"
         )
-    if config.parallelism.strategy == "deepspeed":
-        raise ConfigError(
-            "objective.type 'distill' runs under parallelism.strategy 'ddp' or 'fsdp'; set one of those instead of "
-            "'deepspeed'"
-        )
+    check_parallelism("objective.type 'distill'", config)
     if config.training.plan == "auto":
         raise ConfigError(
-            "objective.type 'distill': the memory planner (training.plan: auto) counts the student only, not the "
-            "teacher; set training.plan: manual and size micro_batch_size yourself"
+            "objective.type 'distill': the memory planner (training.plan: auto) sizes the next-token loss, not the "
+            "distillation loss's buffers; set training.plan: manual and size micro_batch_size yourself (`tigon plan` "
+            "shows the estimate with the teacher counted)"
         )
 
 

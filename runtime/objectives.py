@@ -39,13 +39,21 @@ from torch import nn
 
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import DataError
-from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
+from tigon.runtime.distributed import DistEnv, all_reduce_sum
+from tigon.runtime.distributed import unwrap as unwrap_ddp
 
 logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
 T = TypeVar("T")
 STATE = "_tigon_objective"  # the unwrapped model's __dict__ key of its ObjectiveState (not a submodule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper or a DeepSpeed engine (whose forward runs the model's)."""
+    module = unwrap_ddp(model)
+    deepspeed = sys.modules.get("deepspeed")
+    return module.module if deepspeed is not None and isinstance(module, deepspeed.DeepSpeedEngine) else module
 
 
 @dataclass
@@ -79,10 +87,7 @@ def check_objective(config: RunConfig) -> None:
             f"{name} trains with trainer: torch; the {config.trainer!r} trainer runs objective.type 'sft' only. "
             "Set trainer: torch"
         )
-    if config.parallelism.strategy == "deepspeed":
-        raise ConfigError(
-            f"{name} runs under parallelism.strategy 'ddp' or 'fsdp'; set one of those instead of 'deepspeed'"
-        )
+    check_parallelism(name, config)
     if config.data.format != "text":
         raise ConfigError(
             f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
@@ -90,8 +95,8 @@ def check_objective(config: RunConfig) -> None:
         )
     if config.training.plan == "auto":
         raise ConfigError(
-            f"{name}: the memory planner (training.plan: auto) counts next-token training only, not a reference model "
-            "or paired rows; set training.plan: manual and size micro_batch_size yourself"
+            f"{name}: the memory planner (training.plan: auto) counts the reference model but not paired rows; set "
+            "training.plan: manual and size micro_batch_size yourself"
         )
     if "exact_match" in config.eval.metrics:
         raise ConfigError(f"{name} evaluates the preference loss and rewards; set eval.metrics: [loss]")
@@ -99,6 +104,17 @@ def check_objective(config: RunConfig) -> None:
         raise ConfigError(
             f"{name} with LoRA: a frozen reference copy would duplicate the base weights; set objective.reference: "
             "precomputed (one pass before training)"
+        )
+
+
+def check_parallelism(name: str, config: RunConfig) -> None:
+    """The strategies the fused objectives run under: DDP, FSDP2, DeepSpeed ZeRO-1 and -2. ZeRO-3 partitions the
+    head's weight, which the fused op reads after the forward, and the frozen model would need partitioning too."""
+    if config.parallelism.strategy == "deepspeed" and config.parallelism.stage == 3:
+        raise ConfigError(
+            f"{name} runs under parallelism.strategy 'ddp', 'fsdp' or 'deepspeed' with zero_stage 1 or 2; ZeRO-3 "
+            "partitions the head weight the fused loss reads. Set zero_stage: 2, or strategy: fsdp (which shards "
+            "the weights too)"
         )
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,7 +109,7 @@ def test_distill_config_is_validated_with_the_fix(tmp_path):
             parse_config({**base, "objective": value})
     for sections, message in [
         ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
-        ({"parallelism": {"strategy": "deepspeed"}}, "set one of those instead of 'deepspeed'"),
+        ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
         ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -210,10 +213,11 @@ def test_distill_kl_directions_and_evaluation(tmp_path, beta):
     assert metrics["distill_loss"] > 0
 
 
-def test_distill_two_ranks_under_ddp_and_fsdp_match_one_process(tmp_path):
-    """torchrun, 2 ranks x micro-batch 1 x accumulation 2, under DDP and under FSDP2 (student and teacher sharded),
-    == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5 relative per step
-    (fp32): gloo sums the gradients, and FSDP2 reduce-scatters them, in another order than one process adds them."""
+def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
+    """torchrun, 2 ranks x micro-batch 1 x accumulation 2, under DDP, FSDP2 (student and teacher sharded) and
+    DeepSpeed ZeRO-2, == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5
+    relative per step (fp32): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than
+    one process adds them."""
     from tests.runtime.test_parallel import launch
 
     held_out = {"eval": str(tmp_path / "train.jsonl")}
@@ -225,7 +229,7 @@ def test_distill_two_ranks_under_ddp_and_fsdp_match_one_process(tmp_path):
             parallelism={"strategy": strategy},
             logging={"run_dir": str(tmp_path / strategy)},
         )
-        for strategy in ("ddp", "fsdp")
+        for strategy in ("ddp", "fsdp", "deepspeed")
     }
     records = launch(tmp_path, runs)
     single = train(distill_config(tmp_path, data=held_out))
@@ -236,3 +240,27 @@ def test_distill_two_ranks_under_ddp_and_fsdp_match_one_process(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), (strategy, record["losses"], single.losses, got, want)
         for name in ("loss", "ce_loss", "distill_loss"):
             assert abs(record["eval"][name] - single.eval_metrics[name]) <= 1e-5 * single.eval_metrics[name], name
+
+
+def test_distill_recipe_as_written(tmp_path):
+    """docs/runtime.md's two commands, run by the `tigon` command from a directory holding the examples, at fewer
+    steps: the demo's model is exported and becomes the teacher, and the student's distillation term falls."""
+    section = (ROOT / "docs" / "runtime.md").read_text().split("\n## Distillation\n")[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    commands = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert commands == [["tigon", "train", "examples/demo.yaml"], ["tigon", "train", "examples/distill.yaml"]]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    shorter = ["training.max_steps=20", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.max_batches=1"]
+    shorter += ["eval.metrics=[loss]", "logging.progress_bar=false", "logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    tigon = Path(sys.executable).parent / "tigon"
+    for command in commands:
+        overrides = [part for value in shorter for part in ("--set", value)]
+        done = subprocess.run(
+            [str(tigon), *command[1:], *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert (tmp_path / "runs" / "demo" / "export" / "tokenizer.json").is_file()
+    steps = logged_steps(tmp_path / "runs" / "distill")
+    assert steps[-1]["step"] == 20 and steps[-1]["distill_loss"] < 0.5 * steps[0]["distill_loss"], steps

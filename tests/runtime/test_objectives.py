@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -116,7 +117,7 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
             parse_config({**base, "objective": objective})
     for sections, message in [
         ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
-        ({"parallelism": {"strategy": "deepspeed"}}, "set one of those instead of 'deepspeed'"),
+        ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
         ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
     ]:
@@ -413,18 +414,18 @@ SHARDED_OBJECTIVES = {  # name: (objective, records)
 }
 
 
-def test_preference_objectives_under_fsdp_match_ddp(tmp_path):
+def test_preference_objectives_under_fsdp_and_zero2_match_ddp(tmp_path):
     """torchrun, 2 ranks x micro-batch 2 x accumulation 2, 2 steps with a held-out evaluation: every objective
     under FSDP2 (the policy and the frozen reference copy sharded; precomputed log-probs scored by rank 0 before
-    sharding) against DDP. Per-step losses, the last step's metrics and the evaluation agree within 1e-5 relative
-    (fp32; FSDP2 reduce-scatters the gradients where DDP all-reduces them, which sums in another order), and 1e-7
-    absolute near zero (the first step's rewards: policy and reference are the same model)."""
+    sharding) and under DeepSpeed ZeRO-2, against DDP. Per-step losses, the last step's metrics and the evaluation
+    agree within 1e-5 relative (fp32; FSDP2 and ZeRO-2 reduce-scatter the gradients where DDP all-reduces them:
+    another order), and 1e-7 absolute near zero (the first step's rewards: policy and reference are the same)."""
     from tests.runtime.test_parallel import launch
 
     runs = {}
     for name, (objective, records) in SHARDED_OBJECTIVES.items():
         (tmp_path / name).mkdir()
-        for strategy in ("ddp", "fsdp"):
+        for strategy in ("ddp", "fsdp", "deepspeed"):
             runs[f"{name}-{strategy}"] = preference_config(
                 tmp_path / name,
                 objective,
@@ -435,12 +436,12 @@ def test_preference_objectives_under_fsdp_match_ddp(tmp_path):
                 logging={"run_dir": str(tmp_path / name / strategy)},
             )
     records = launch(tmp_path, runs, timeout=600)
-    for name in SHARDED_OBJECTIVES:
-        ddp, fsdp = records[f"{name}-ddp"], records[f"{name}-fsdp"]
-        last_ddp, last_fsdp = (logged_steps(tmp_path / name / strategy)[-1] for strategy in ("ddp", "fsdp"))
-        pairs = [*zip(fsdp["losses"], ddp["losses"], strict=True)]
-        pairs += [(last_fsdp[key], last_ddp[key]) for key in last_ddp if "/" in key]
-        pairs += [(fsdp["eval"][key], ddp["eval"][key]) for key in ddp["eval"]]
+    for name, strategy in itertools.product(SHARDED_OBJECTIVES, ("fsdp", "deepspeed")):
+        ddp, sharded = records[f"{name}-ddp"], records[f"{name}-{strategy}"]
+        last_ddp, last = (logged_steps(tmp_path / name / run)[-1] for run in ("ddp", strategy))
+        pairs = [*zip(sharded["losses"], ddp["losses"], strict=True)]
+        pairs += [(last[key], last_ddp[key]) for key in last_ddp if "/" in key]
+        pairs += [(sharded["eval"][key], ddp["eval"][key]) for key in ddp["eval"]]
         assert len(pairs) > 8, name
         for got, want in pairs:
-            assert abs(got - want) <= 1e-5 * abs(want) + 1e-7, (name, ddp, fsdp)
+            assert abs(got - want) <= 1e-5 * abs(want) + 1e-7, (name, strategy, ddp, sharded)
