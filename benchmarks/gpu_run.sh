@@ -10,7 +10,9 @@
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
 #   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
 #   E2E_SEQS, E2E_VARIANTS); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
-#   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
+#   trainers under DDP and FSDP2 (one process) and prints the end of each run's log); distill-smoke trains the demo as a
+#   teacher (TEACHER_STEPS, 150), then examples/distill.yaml and the DPO and KTO examples in bf16 for DISTILL_STEPS (50)
+#   under DDP and FSDP2 (one process; DISTILL_RUNS=objective:strategy ...) on the GPU's kernels, and prints each loss
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -56,6 +58,18 @@ for step in "$@"; do
           --set trainer="${run%%:*}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
           --set checkpoint.export=false --set logging.tensorboard=false --set logging.run_dir="$out/fp16-${run/:/-}" \
           > "$out/fp16-${run/:/-}.log" 2>&1; echo "fp16 $run: exit $?"; grep -h "loss" "$out/fp16-${run/:/-}.log" | tail -n 3
+      done ;;
+    distill-smoke) python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps="${TEACHER_STEPS:-150}" \
+        --set eval.every_steps=0 --set checkpoint.every_steps=0 --set logging.tensorboard=false \
+        --set logging.run_dir="$out/distill-teacher" > "$out/distill-teacher.log" 2>&1; echo "teacher: exit $?"
+      for run in ${DISTILL_RUNS:-distill:ddp distill:fsdp dpo:fsdp kto:fsdp}; do
+        teacher=(); [ "${run%%:*}" = distill ] && teacher=(--set objective.teacher.path="$out/distill-teacher/export")
+        python3 -m tigon.runtime train "examples/${run%%:*}.yaml" "${teacher[@]}" --set training.precision=bf16 \
+          --set training.max_steps="${DISTILL_STEPS:-50}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
+          --set checkpoint.every_steps=0 --set checkpoint.export=false --set logging.tensorboard=false \
+          --set logging.progress_bar=false --set logging.run_dir="$out/${run/:/-}" > "$out/${run/:/-}.log" 2>&1
+        echo "bf16 $run: exit $?"
+        grep -hE "train loss|ce_loss|distill_loss|rewards/margins|eval loss" "$out/${run/:/-}.log" | tail -n 5
       done ;;
     *) echo "unknown step $step" ;;
   esac

@@ -374,6 +374,11 @@ class ObjectiveConfig(Section):
             )
         if self.type == "distill" and self.teacher is None:
             raise ValueError("objective.type distill needs objective.teacher.path (a Hub id or a model directory)")
+        if self.type == "distill" and self.resolved_beta > 1:
+            raise ValueError(
+                f"objective.beta {self.beta} mixes distill's two KL directions (0: forward, 1: reverse); set it "
+                "between 0 and 1"
+            )
         if self.type == "distill" and self.resolved_alpha > 1:
             raise ValueError(
                 f"objective.alpha {self.alpha} weighs distill's cross entropy and 1 - alpha its distillation loss; "

@@ -99,6 +99,7 @@ def test_distill_config_is_validated_with_the_fix(tmp_path):
     cases = [
         ({"type": "distill"}, "objective.type distill needs objective.teacher.path"),
         ({**objective, "alpha": 1.5}, "objective.alpha 1.5 weighs distill's cross entropy and 1 - alpha"),
+        ({**objective, "beta": 1.5}, "objective.beta 1.5 mixes distill's two KL directions"),
         ({**objective, "gamma": 1.0}, "objective.gamma applies to simpo, not to objective.type 'distill'"),
         ({"type": "dpo", "temperature": 2.0}, "objective.temperature applies to distill, not to objective.type 'dpo'"),
         ({"type": "dpo", "beta": 0.0}, "objective.beta must be greater than 0 for dpo"),
