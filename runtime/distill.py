@@ -66,7 +66,8 @@ def check_vocabulary(config: RunConfig, tokenizer, vocab_rows: int) -> None:
 
     teacher = config.objective.teacher.as_model(config.model)
     where = f"objective.teacher.path {teacher.path}"
-    rows = config_json(teacher).get("vocab_size")
+    raw = config_json(teacher)
+    rows = raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
     if rows != vocab_rows:
         raise ConfigError(
             f"{where} has a vocabulary of {rows} tokens and the student's head {vocab_rows}: distillation compares the "
@@ -99,7 +100,8 @@ def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, d
 
     teacher_model = config.objective.teacher.as_model(config.model)
     fetch_model(teacher_model, env)
-    check_vocabulary(config, tokenizer, unwrap(model).get_output_embeddings().weight.shape[0])
+    vocab_rows = unwrap(model).get_output_embeddings().weight.shape[0]
+    check_vocabulary(config, tokenizer, vocab_rows)
     teacher_config = config.model_copy(
         update={
             "model": teacher_model,
@@ -111,7 +113,12 @@ def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, d
     teacher = build_model(teacher_config, len(tokenizer), tokenizer, meta=meta, device=device)
     if not meta:
         teacher = teacher.to(device)
-    head_weight(teacher, "the teacher")
+    rows = head_weight(teacher, "the teacher").shape[0]
+    if rows != vocab_rows:  # a config.json whose vocab_size is not the head's (a remote-code model)
+        raise ConfigError(
+            f"objective.teacher.path {teacher_model.path}: its head has {rows} rows and the student's {vocab_rows}; "
+            "teacher and student must share the tokenizer vocabulary"
+        )
     if env.is_main:
         logger.info("distill: teacher %s loaded (%s parameters)", teacher_model.path, f"{teacher.num_parameters():,}")
     return freeze(teacher, config, env, device)

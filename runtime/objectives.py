@@ -165,7 +165,7 @@ def freeze(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.devi
     if config.parallelism.strategy == "fsdp":
         from tigon.runtime.parallel import shard_model
 
-        shard_model(model, config, env, device)
+        shard_model(model, config, env, device, frozen=True)
     return model
 
 

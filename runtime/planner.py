@@ -64,9 +64,9 @@ softmax's input gradient (8 x heads x T); the larger counts.
 
 A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2, which
-shards it too), its final hidden states (its compute dtype x its width per token) to the loss moment, whose fused
-op reads them, and a moment of its own before the trained model's forward: its no-grad forward's transient
-buffers (`frozen_bytes`). Paired preference rows are not modelled.
+shards it too), its final hidden states (its compute dtype x its width per token) and under FSDP2 its gathered
+head to the loss moment, whose fused op reads them, and a moment of its own before the trained model's forward:
+its no-grad forward's transient buffers (`frozen_bytes`). Paired preference rows are not modelled.
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2 shards
 weights, gradients and states over the world size and gathers two layers (and the embedding and head) at
@@ -515,13 +515,13 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int 
 
 
 def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
-    """(weights, final hidden states, forward buffers) of the frozen model for a micro-batch of `tokens`, per GPU.
+    """(weights, what the loss reads, forward buffers) of the frozen model for a micro-batch of `tokens`, per GPU.
 
     Weights as loaded, sharded over the ranks under FSDP2 (none on the GPU with cpu_offload). Its forward runs
     under no_grad, so it saves nothing: the buffers are transient, the residual stream, its normed copy and the
     attention output (4 h) and one MLP's gate, up and product (3 i) per token, plus under FSDP2 the two layers and
-    the embedding and head it gathers. Its final hidden states (h per token) stay until the fused loss has read
-    them."""
+    the embedding and head it gathers. The fused loss reads its final hidden states (h per token) and, under
+    FSDP2, its head gathered whole (V h)."""
     frozen, n = work.frozen, work.world_size
     if frozen is None:
         return 0, 0, 0
@@ -532,7 +532,8 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
         weights = 0 if work.cpu_offload else weights // n
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
     forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens + gathered
-    return weights, c * s.hidden * tokens, forward
+    head = s.vocab * s.hidden * c if gathered else 0
+    return weights, c * s.hidden * tokens + head, forward
 
 
 def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = None) -> Estimate:
@@ -585,7 +586,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         head_grad //= n
 
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
-    frozen_weights, frozen_hidden, frozen_forward = frozen_bytes(work, tokens)
+    frozen_weights, frozen_read, frozen_forward = frozen_bytes(work, tokens)
     if work.frozen is not None:
         fixed["frozen model"] = frozen_weights
     activations = s.layers * kept_per_layer + head + per_batch + mask
@@ -594,7 +595,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
     loss = {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried}
     if work.frozen is not None:
-        loss["frozen hidden states"] = frozen_hidden
+        loss["frozen hidden states and head"] = frozen_read
     moments = {
         "loss": loss,
         "backward (top layer)": {

@@ -506,8 +506,8 @@ def test_moe_block_formula_matches_what_autograd_saves(family, kernels, restore_
 def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_path, strategy):
     """sft -> distill with a 48-wide bf16 teacher, and sft -> dpo with its frozen copy (fp32 as the model): the
     persistent moments grow by the frozen model's weights (its parameters counted on the built model, halved by
-    FSDP2 over 2 ranks), the loss moment also by its final hidden states (2 or 4 bytes x width per token), and its
-    no-grad forward is a moment of its own."""
+    FSDP2 over 2 ranks), the loss moment also by its final hidden states (2 or 4 bytes x width per token) and, under
+    FSDP2, its head gathered whole, and its no-grad forward is a moment of its own."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from tests.runtime.test_distill import save_llama
@@ -531,9 +531,10 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
         got = estimate(work, setting)
         weights = params * size // world
         assert got.moments["optimizer"] - base.moments["optimizer"] == weights
-        assert got.moments["loss"] - base.moments["loss"] == weights + size * hidden * tokens
+        read = size * hidden * tokens + (100 * hidden * size if strategy == "fsdp" else 0)  # + the head, gathered
+        assert got.moments["loss"] - base.moments["loss"] == weights + read
         forward = (4 * hidden + 3 * width) * size * tokens
         if strategy == "fsdp":  # two of its layers, its embedding and its head, gathered
             forward += (2 * work.frozen.shape.layer_params + 2 * 100 * hidden) * size
-        assert planner.frozen_bytes(work, tokens) == (weights, size * hidden * tokens, forward)
+        assert planner.frozen_bytes(work, tokens) == (weights, read, forward)
         assert "frozen forward" in got.moments
