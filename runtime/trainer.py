@@ -489,10 +489,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
         from tigon.runtime.packed import load_packed
 
         packed = load_packed(datasets, tokenizer)
-        if packed.manifest.get("objective", "sft") != config.objective.type:
+        prepared_for = packed.manifest.get("objective", "sft")
+        next_token = {prepared_for, config.objective.type} <= {"sft", "distill"}  # the same packed sequences
+        if prepared_for != config.objective.type and not next_token:
             raise ConfigError(
-                f"the data in {datasets} was prepared for objective.type {packed.manifest.get('objective', 'sft')!r}, "
-                f"not {config.objective.type!r}; prepare it again with this config"
+                f"the data in {datasets} was prepared for objective.type {prepared_for!r}, not "
+                f"{config.objective.type!r}; prepare it again with this config"
             )
         train_dataset, eval_dataset, data_summary = packed.train, packed.eval, packed.summary
         examples, manifest = packed.eval_examples, packed.manifest

@@ -265,3 +265,15 @@ def test_distill_recipe_as_written(tmp_path):
     assert (tmp_path / "runs" / "demo" / "export" / "tokenizer.json").is_file()
     steps = logged_steps(tmp_path / "runs" / "distill")
     assert steps[-1]["step"] == 20 and steps[-1]["distill_loss"] < 0.5 * steps[0]["distill_loss"], steps
+
+
+def test_data_packed_for_sft_trains_distill_as_tokenized_here(tmp_path):
+    """The workflow's prepared data (its cache key leaves next-token objectives alike): sft's packed sequences train
+    distill to the same losses as the data tokenized in the run."""
+    from tigon.runtime.packed import pack, save_packed
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = distill_config(tmp_path, training={"max_steps": 1})
+    sft = config.model_copy(update={"objective": config.objective.model_copy(update={"type": "sft"})})
+    save_packed(pack(sft, load_tokenizer(config.model), "fingerprint"), tmp_path / "packed")
+    assert train(config, datasets=tmp_path / "packed").losses == train(config).losses
