@@ -21,6 +21,9 @@
 #   [checkpoint-scale (benchmarks/checkpoint_scale.py: FSDP2 on every local GPU, sync and async saves and resume;
 #   CKPT_SHAPE=llama-3-8b (default) or llama-3.2-1b, CKPT_SEQ tokens per sequence, default 1024; CKPT_LIMIT seconds,
 #   default 480; the checkpoints go to CKPT_RUN_DIR, default a temporary directory, which needs room for one)]
+#   [distill-smoke trains the demo as a
+#   teacher (TEACHER_STEPS, 150), then examples/distill.yaml and the DPO and KTO examples in bf16 for DISTILL_STEPS (50)
+#   under DDP and FSDP2 (one process; DISTILL_RUNS=objective:strategy ...) on the GPU's kernels, and prints each loss]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -82,6 +85,18 @@ for step in "$@"; do
     checkpoint-scale) timeout "${CKPT_LIMIT:-480}" python3 -m benchmarks.checkpoint_scale --shape "${CKPT_SHAPE:-llama-3-8b}" \
         --seq "${CKPT_SEQ:-1024}" ${CKPT_RUN_DIR:+--run-dir "$CKPT_RUN_DIR"} --out "$out/checkpoint-scale-${CKPT_SHAPE:-llama-3-8b}.json" \
         2>&1 | tee "$out/checkpoint-scale-${CKPT_SHAPE:-llama-3-8b}.log" ;;
+    distill-smoke) python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps="${TEACHER_STEPS:-150}" \
+        --set eval.every_steps=0 --set checkpoint.every_steps=0 --set logging.tensorboard=false \
+        --set logging.run_dir="$out/distill-teacher" > "$out/distill-teacher.log" 2>&1; echo "teacher: exit $?"
+      for run in ${DISTILL_RUNS:-distill:ddp distill:fsdp dpo:fsdp kto:fsdp}; do
+        teacher=(); [ "${run%%:*}" = distill ] && teacher=(--set objective.teacher.path="$out/distill-teacher/export")
+        python3 -m tigon.runtime train "examples/${run%%:*}.yaml" "${teacher[@]}" --set training.precision=bf16 \
+          --set training.max_steps="${DISTILL_STEPS:-50}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
+          --set checkpoint.every_steps=0 --set checkpoint.export=false --set logging.tensorboard=false \
+          --set logging.progress_bar=false --set logging.run_dir="$out/${run/:/-}" > "$out/${run/:/-}.log" 2>&1
+        echo "bf16 $run: exit $?"
+        grep -hE "train loss|ce_loss|distill_loss|rewards/margins|eval loss" "$out/${run/:/-}.log" | tail -n 5
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -306,11 +306,37 @@ class EvalConfig(Section):
     metrics: list[Literal["loss", "exact_match"]] = Field(default_factory=lambda: ["loss"])
 
 
+class TeacherConfig(Section):
+    """The frozen teacher of `objective.type: distill`, loaded as `model.path` is (a Hub id, a local or object-store
+    directory); it must share the student's tokenizer vocabulary."""
+
+    path: Text = Field(description="what from_pretrained loads: a Hub id (org/name), a local or object-store directory")
+    revision: Text | None = Field(None, description="branch, tag or commit of a Hub id in path")
+    cache_dir: Text | None = Field(None, description="where Hub and object-store downloads go; default: the HF cache")
+    trust_remote_code: bool = Field(False, description="run modeling code shipped inside the teacher's repository")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype of the teacher's weights; default model.dtype"
+    )
+
+    def as_model(self, student: ModelConfig) -> ModelConfig:
+        """The teacher as a `model` section: loaded, fetched and checked by the code that loads the student."""
+        return ModelConfig(
+            path=self.path,
+            revision=self.revision,
+            cache_dir=self.cache_dir,
+            trust_remote_code=self.trust_remote_code,
+            dtype=self.dtype or student.dtype,
+            attn_implementation=student.attn_implementation,
+        )
+
+
 OBJECTIVE_SETTINGS = {  # objective setting -> the objectives it applies to
-    "beta": ("dpo", "orpo", "simpo", "cpo", "kto"),
+    "beta": ("dpo", "orpo", "simpo", "cpo", "kto", "distill"),
     "loss_type": ("dpo", "cpo", "simpo"),
     "label_smoothing": ("dpo", "cpo", "simpo"),
-    "alpha": ("cpo", "simpo"),
+    "alpha": ("cpo", "simpo", "distill"),
+    "temperature": ("distill",),
+    "teacher": ("distill",),
     "gamma": ("simpo",),
     "desirable_weight": ("kto",),
     "undesirable_weight": ("kto",),
@@ -319,15 +345,23 @@ OBJECTIVE_SETTINGS = {  # objective setting -> the objectives it applies to
 
 
 class ObjectiveConfig(Section):
-    """What the run optimizes: next-token prediction (sft) or a preference loss on pairs (or KTO's labelled
-    completions), computed by tigon's fused linear preference ops from the final hidden states."""
+    """What the run optimizes: next-token prediction (sft), a preference loss on pairs (or KTO's labelled
+    completions), or distillation from a frozen teacher (distill), computed by tigon's fused linear ops from the
+    final hidden states."""
 
-    type: Literal["sft", "dpo", "orpo", "simpo", "cpo", "kto"] = Field(
+    type: Literal["sft", "dpo", "orpo", "simpo", "cpo", "kto", "distill"] = Field(
         "sft",
         description="sft: next-token loss on data.format; dpo/orpo/simpo/cpo: prompt/chosen/rejected pairs; "
-        "kto: prompt/completion/label records",
+        "kto: prompt/completion/label records; distill: objective.teacher's distribution on data.format's "
+        "completion tokens, mixed with the next-token loss",
     )
-    beta: float | None = Field(None, gt=0, description="the loss's temperature; default 0.1 (simpo: 2.0); not for sft")
+    beta: float | None = Field(
+        None,
+        ge=0,
+        description="preference objectives: the loss's temperature, default 0.1 (simpo: 2.0); distill: the "
+        "generalized JSD's mix, 0 = KL(teacher || student) (forward KL), 1 = KL(student || teacher) (reverse KL), "
+        "default 0.5; not for sft",
+    )
     loss_type: Literal["sigmoid"] = Field(
         "sigmoid", description="dpo, cpo, simpo: the preference loss -log sigmoid of the margin (TRL's 'sigmoid')"
     )
@@ -335,8 +369,13 @@ class ObjectiveConfig(Section):
         0.0, ge=0, lt=0.5, description="dpo, cpo, simpo: conservative DPO's probability that a label is flipped"
     )
     alpha: float | None = Field(
-        None, ge=0, description="cpo, simpo: weight of the chosen completions' NLL (default cpo 1.0, simpo 0.0)"
+        None,
+        ge=0,
+        description="cpo, simpo: weight of the chosen completions' NLL (default cpo 1.0, simpo 0.0); distill: weight "
+        "of the next-token cross entropy, the distillation loss weighs 1 - alpha (default 0.5)",
     )
+    temperature: float = Field(1.0, gt=0, description="distill: both models' logits are divided by it before softmax")
+    teacher: TeacherConfig | None = Field(None, description="distill: the frozen teacher model")
     gamma: float = Field(0.5, description="simpo: the target reward margin")
     desirable_weight: float = Field(1.0, ge=0, description="kto: weight of desirable completions' losses")
     undesirable_weight: float = Field(1.0, ge=0, description="kto: weight of undesirable completions' losses")
@@ -366,12 +405,26 @@ class ObjectiveConfig(Section):
                 "objective.reference: none is not available for kto (its loss needs reference log-probs); "
                 "use 'model' or 'precomputed'"
             )
+        if self.type == "distill" and self.teacher is None:
+            raise ValueError("objective.type distill needs objective.teacher.path (a Hub id or a model directory)")
+        if self.type == "distill" and self.resolved_beta > 1:
+            raise ValueError(
+                f"objective.beta {self.beta} mixes distill's two KL directions (0: forward, 1: reverse); set it "
+                "between 0 and 1"
+            )
+        if self.type == "distill" and self.resolved_alpha > 1:
+            raise ValueError(
+                f"objective.alpha {self.alpha} weighs distill's cross entropy and 1 - alpha its distillation loss; "
+                "set it between 0 and 1"
+            )
+        if self.type in ("dpo", "orpo", "simpo", "cpo", "kto") and self.beta == 0:
+            raise ValueError(f"objective.beta must be greater than 0 for {self.type}")
         return self
 
     @property
     def preference(self) -> bool:
-        """True for every objective but sft: the data are preference records and the loss a fused preference op."""
-        return self.type != "sft"
+        """True for the preference objectives: the data are preference records and the loss a fused preference op."""
+        return self.type not in ("sft", "distill")
 
     @property
     def reference_source(self) -> str:
@@ -382,13 +435,17 @@ class ObjectiveConfig(Section):
 
     @property
     def resolved_beta(self) -> float:
-        """beta, or the objective's default (SimPO's paper uses 2.0, the others TRL's 0.1)."""
-        return self.beta if self.beta is not None else (2.0 if self.type == "simpo" else 0.1)
+        """beta, or the objective's default (SimPO's paper uses 2.0, distill TRL's GKD 0.5, the others TRL's 0.1)."""
+        if self.beta is not None:
+            return self.beta
+        return {"simpo": 2.0, "distill": 0.5}.get(self.type, 0.1)
 
     @property
     def resolved_alpha(self) -> float:
-        """alpha, or the objective's default (TRL's cpo_alpha 1.0 for cpo, 0.0 for simpo)."""
-        return self.alpha if self.alpha is not None else (1.0 if self.type == "cpo" else 0.0)
+        """alpha, or the objective's default (TRL's cpo_alpha 1.0 for cpo, 0.0 for simpo, 0.5 for distill)."""
+        if self.alpha is not None:
+            return self.alpha
+        return {"cpo": 1.0, "distill": 0.5}.get(self.type, 0.0)
 
 
 class RunConfig(Section):

@@ -1,4 +1,5 @@
-"""Preference objectives (DPO, ORPO, SimPO, CPO, KTO) in the torch trainer, through tigon's fused linear ops.
+"""Preference objectives (DPO, ORPO, SimPO, CPO, KTO) in the torch trainer, through tigon's fused linear ops; the
+frozen-model plumbing distillation shares (`tigon.runtime.distill`).
 
     check_objective(config)                          # settings that cannot run, with the fix
     prepare_objective(config, prepared)              # the reference: a frozen copy, or log-probs stored once
@@ -9,8 +10,12 @@ hands the final hidden states to the fused op (`tigon.kernels.functional.fused_l
 the head's weight directly: the `(tokens, vocabulary)` logits never exist. A micro-batch holds the chosen rows
 then the rejected rows (as TRL and the ops order them), cut to its longest sequence.
 
+Under FSDP2 the fused op runs inside the root module's forward (`in_root_forward`), where lm_head's weight is
+whole, as tigon's fused next-token loss does inside the patched forward.
+
 The reference log-probs (DPO, KTO) come from `objective.reference`: `model`, a frozen copy of the starting model
-run beside the policy in the same fused pass (`ref_hidden`); `precomputed`, one pass over the training data
+run beside the policy in the same fused pass (`ref_hidden`; under FSDP2 sharded as the policy is, with no
+optimizer); `precomputed`, one pass over the training data
 before the first step that stores each sequence's summed completion log-probs; `none`, zero (reference-free DPO).
 
 Normalization: each op averages over the pairs (KTO: sequences) it is given, so a micro-batch's loss is
@@ -22,20 +27,33 @@ and ranks, as TRL's trainers (HF's gradient accumulation) compute it. The metric
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import DataError
-from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
+from tigon.runtime.distributed import DistEnv, all_reduce_sum
+from tigon.runtime.distributed import unwrap as unwrap_ddp
 
 logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
+T = TypeVar("T")
 STATE = "_tigon_objective"  # the unwrapped model's __dict__ key of its ObjectiveState (not a submodule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper or a DeepSpeed engine (whose forward runs the model's)."""
+    module = unwrap_ddp(model)
+    deepspeed = sys.modules.get("deepspeed")
+    return module.module if deepspeed is not None and isinstance(module, deepspeed.DeepSpeedEngine) else module
 
 
 @dataclass
@@ -55,8 +73,12 @@ def state_of(model: nn.Module) -> ObjectiveState:
 
 
 def check_objective(config: RunConfig) -> None:
-    """Settings a preference objective cannot run with, named with the fix."""
+    """Settings a preference objective (or distillation) cannot run with, named with the fix."""
     objective = config.objective
+    if objective.type == "distill":
+        from tigon.runtime.distill import check_distill
+
+        check_distill(config)
     if not objective.preference:
         return
     name = f"objective.type {objective.type!r}"
@@ -65,11 +87,7 @@ def check_objective(config: RunConfig) -> None:
             f"{name} trains with trainer: torch; the {config.trainer!r} trainer runs objective.type 'sft' only. "
             "Set trainer: torch"
         )
-    if config.parallelism.strategy != "ddp":
-        raise ConfigError(
-            f"{name} runs under parallelism.strategy 'ddp' (the fused preference ops read the whole head weight); "
-            f"set strategy: ddp instead of {config.parallelism.strategy!r}"
-        )
+    check_parallelism(name, config)
     if config.data.format != "text":
         raise ConfigError(
             f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
@@ -77,8 +95,8 @@ def check_objective(config: RunConfig) -> None:
         )
     if config.training.plan == "auto":
         raise ConfigError(
-            f"{name}: the memory planner (training.plan: auto) counts next-token training only, not a reference model "
-            "or paired rows; set training.plan: manual and size micro_batch_size yourself"
+            f"{name}: the memory planner (training.plan: auto) counts the reference model but not paired rows; set "
+            "training.plan: manual and size micro_batch_size yourself"
         )
     if "exact_match" in config.eval.metrics:
         raise ConfigError(f"{name} evaluates the preference loss and rewards; set eval.metrics: [loss]")
@@ -89,38 +107,88 @@ def check_objective(config: RunConfig) -> None:
         )
 
 
+def check_parallelism(name: str, config: RunConfig) -> None:
+    """The strategies the fused objectives run under: DDP, FSDP2, DeepSpeed ZeRO-1 and -2. ZeRO-3 partitions the
+    head's weight, which the fused op reads after the forward, and the frozen model would need partitioning too."""
+    if config.parallelism.strategy == "deepspeed" and config.parallelism.stage == 3:
+        raise ConfigError(
+            f"{name} runs under parallelism.strategy 'ddp', 'fsdp' or 'deepspeed' with zero_stage 1 or 2; ZeRO-3 "
+            "partitions the head weight the fused loss reads. Set zero_stage: 2, or strategy: fsdp (which shards "
+            "the weights too)"
+        )
+
+
 def rows(tensor: torch.Tensor) -> torch.Tensor:
     """(B, R, ...) items -> (R * B, ...): every item's first row, then every item's second (chosen, then rejected)."""
     return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
 
 
-def final_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The decoder's last hidden states `(B, T, H)` from a forward (through any DDP wrapper) that keeps no logits."""
+def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor], direct: bool = False) -> torch.Tensor:
+    """The decoder's last hidden states `(B, T, H)` from a forward (through any DDP wrapper) that keeps no logits.
+
+    `direct`: call the model's forward method itself, not through its hooks (inside `in_root_forward`, where the
+    FSDP2 root's hooks already ran)."""
     from tigon.kernels.patching.causal_lm import last_hidden_state
 
-    return last_hidden_state(model, unwrap(model), input_ids=input_ids, attention_mask=attention_mask)
+    module = unwrap(model)
+    forward = functools.partial(type(module).forward, module) if direct else model
+    return last_hidden_state(forward, module, **inputs)
 
 
-def _head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm_head's weight and bias, for a head the fused preference ops compute exactly (a plain linear map)."""
+def in_root_forward(model: nn.Module, function: Callable[[bool], T]) -> T:
+    """`function(direct)` run as the FSDP2 root's forward when `model` is sharded, else `function(False)`.
+
+    The fused losses read lm_head's weight outside the decoder: run inside the root's forward (its pre-forward
+    hook unshards the root's parameters, lm_head's among them), they see the whole weight, and its gradient is
+    reduce-scattered with the others', as tigon's fused next-token loss is inside the patched forward.
+    `direct=True` tells `function` to call the model's forward method itself (the hooks have run)."""
+    from tigon.kernels.patching.causal_lm import run_as_forward
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+        return run_as_forward(model, lambda: function(True))
+    return function(False)
+
+
+def freeze(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+    """A frozen model run beside the trained one (a reference or a teacher): eval mode, no gradients; under FSDP2
+    sharded as the trained model is (`parallel.shard_model`, with no optimizer), so it fits where that fits."""
+    model.eval()
+    model.requires_grad_(False)
+    if config.parallelism.strategy == "fsdp":
+        from tigon.runtime.parallel import shard_model
+
+        shard_model(model, config, env, device, frozen=True)
+    return model
+
+
+def head(model: nn.Module, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head's weight and bias, for a head the fused ops compute exactly (a plain linear map). `whole`: a
+    frozen model's sharded (DTensor) weight gathered, without gradient."""
     config = unwrap(model).config
     quirks = [name for name in ("final_logit_softcapping", "logits_scaling") if getattr(config, name, None)]
     if quirks:
         raise ConfigError(
-            f"the fused preference losses compute a plain linear head, and this model's head applies "
-            f"{' and '.join(quirks)} (e.g. Gemma 2/3, Granite); train it with objective.type 'sft', or set "
+            f"the fused preference and distillation losses compute a plain linear head, and this model's head "
+            f"applies {' and '.join(quirks)} (e.g. Gemma 2/3, Granite); train it with objective.type 'sft', or set "
             f"{quirks[0]} to null in model.config_overrides if the model was trained without it"
         )
-    head = unwrap(model).get_output_embeddings()
-    if not isinstance(head, nn.Linear):
+    module = unwrap(model).get_output_embeddings()
+    if not isinstance(module, nn.Linear):
         raise ConfigError(
-            f"the fused preference loss reads lm_head's weight, but lm_head is a {type(head).__name__}; keep "
+            f"the fused loss reads lm_head's weight, but lm_head is a {type(module).__name__}; keep "
             "adapters (lora.target_modules) off lm_head"
         )
-    return head.weight, head.bias
+    weight, bias = module.weight, module.bias
+    if whole:
+        from tigon.kernels.utils import gather_dtensors
+
+        with torch.no_grad():
+            weight, bias = gather_dtensors(weight, bias)
+    return weight, bias
 
 
-def _in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+def in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Under autocast the head runs in the autocast dtype, as nn.Linear would."""
     if not torch.is_autocast_enabled(tensors[0].device.type):
         return list(tensors)
@@ -133,30 +201,44 @@ def preference_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
-    from tigon.kernels import functional as F
-
     objective = config.objective
     length = int(batch["attention_mask"].sum(-1).max())
-    input_ids = rows(batch["input_ids"][..., :length]).to(device)
-    attention_mask = rows(batch["attention_mask"][..., :length]).to(device)
+    inputs = {name: rows(batch[name][..., :length]).to(device) for name in ("input_ids", "attention_mask")}
     labels = rows(batch["labels"][..., :length]).to(device)
     target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    hidden = final_hidden(model, input_ids, attention_mask)
-    weight, bias = _head(model)
-    hidden, weight, bias = _in_compute_dtype(hidden, weight, bias)
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
     if source == "model":
         frozen = state_of(model).reference
         with torch.no_grad():
-            ref_hidden = final_hidden(frozen, input_ids, attention_mask)
-        ref_weight, ref_bias = _head(frozen)
-        ref_hidden, ref_weight, ref_bias = _in_compute_dtype(ref_hidden, ref_weight, ref_bias)
+            ref_hidden = final_hidden(frozen, inputs)
+        ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, *head(frozen, whole=True))
         reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
     elif source == "precomputed":
         reference = {"ref_logps": rows(batch["ref_logps"]).to(device)}
     elif source == "none":
-        reference = {"ref_logps": torch.zeros(input_ids.shape[0], dtype=torch.float64, device=device)}
+        reference = {"ref_logps": torch.zeros(target.shape[0], dtype=torch.float64, device=device)}
+    return in_root_forward(
+        model, lambda direct: policy_loss(model, inputs, target, reference, batch, config, device, env, direct)
+    )
+
+
+def policy_loss(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    target: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    config: RunConfig,
+    device: torch.device,
+    env: DistEnv | None,
+    direct: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The fused preference op on the trained model's final hidden states and head (`direct`: see final_hidden)."""
+    from tigon.kernels import functional as F
+
+    objective = config.objective
+    hidden, weight, bias = in_compute_dtype(final_hidden(model, inputs, direct), *head(model))
     beta = objective.resolved_beta
     if objective.type == "dpo":
         return F.fused_linear_dpo(
@@ -174,7 +256,7 @@ def preference_loss(
         )  # fmt: skip
     if objective.type == "orpo":
         return F.fused_linear_orpo(hidden, weight, target, bias, beta=beta)
-    n = input_ids.shape[0] // 2  # the completions, then the mismatched (KL) sequences
+    n = target.shape[0] // 2  # the completions, then the mismatched (KL) sequences
     kl = kto_reference_point(hidden[n:], weight, bias, target[n:], reference, n, env)
     reference = {name: value[:n] if name in ("ref_hidden", "ref_logps") else value for name, value in reference.items()}
     return F.fused_linear_kto(
@@ -305,20 +387,22 @@ def sequence_reference_logps(model: nn.Module, batch: dict, device: torch.device
     labels = rows(batch["labels"][..., :length]).to(device)
     target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     with torch.no_grad(), autocast(device, precision):
-        hidden = final_hidden(model, input_ids, rows(batch["attention_mask"][..., :length]).to(device))
-        weight, bias = _in_compute_dtype(hidden, *_head(model))[1:]
-        hidden = _in_compute_dtype(hidden)[0]
+        inputs = {"input_ids": input_ids, "attention_mask": rows(batch["attention_mask"][..., :length]).to(device)}
+        hidden, weight, bias = in_compute_dtype(final_hidden(model, inputs), *head(model, whole=True))
         logps = F.sequence_logps(hidden, weight, target, bias)
     return logps.reshape(batch["input_ids"].shape[1], -1).transpose(0, 1)
 
 
 def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> None:
-    """Fill `dataset.ref_logps` with the starting model's log-probs: each rank scores its share, summed over ranks."""
+    """Fill `dataset.ref_logps` with the starting model's log-probs: each rank scores its share (under FSDP2 rank 0
+    scores all, before the model is sharded), summed over ranks."""
     from tigon.runtime.trainer import collate
 
     n, width = len(dataset), dataset.input_ids.shape[1]
     values = torch.zeros((n, width), dtype=torch.float64, device=device)
     indices = list(range(env.rank, n, env.world_size))
+    if config.parallelism.strategy == "fsdp":  # before sharding only rank 0 holds the weights (the others: meta)
+        indices = list(range(n)) if env.is_main else []
     size = config.training.micro_batch_size
     was_training = model.training
     model.eval()
@@ -330,34 +414,34 @@ def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: Dist
     dataset.ref_logps = all_reduce_sum(values, env).cpu()
 
 
-def prepare_objective(config: RunConfig, model: nn.Module, train_dataset, eval_dataset, env: DistEnv, device) -> None:
-    """Before the strategy wraps the model: a frozen reference copy, or the reference log-probs stored in the data."""
-    objective = config.objective
+def prepare_objective(config: RunConfig, prepared) -> None:
+    """Before the strategy wraps the model (`prepared`: trainer.Prepared): the frozen reference copy or the teacher
+    (sharded under FSDP2), or the reference log-probs stored in the data."""
+    objective, model, env, device = config.objective, prepared.model, prepared.env, prepared.device
+    if objective.type == "distill":
+        from tigon.runtime.distill import load_teacher
+
+        state_of(model).reference = load_teacher(config, model, prepared.tokenizer, env, device)
+        return
     if not objective.preference:
         return
     source = objective.reference_source
     if source == "model":
-        reference = copy.deepcopy(unwrap(model)).eval()
-        reference.requires_grad_(False)
-        state_of(model).reference = reference
+        state_of(model).reference = freeze(copy.deepcopy(unwrap(model)), config, env, device)
     elif source == "precomputed":
-        for dataset in (train_dataset, eval_dataset):
+        for dataset in (prepared.train_dataset, prepared.eval_dataset):
             if dataset is not None:
                 precompute_reference(model, dataset, config, env, device)
         if env.is_main:
-            logger.info("reference log-probs precomputed for %d training examples", len(train_dataset))
+            logger.info("reference log-probs precomputed for %d training examples", len(prepared.train_dataset))
 
 
 def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The preference loss and TRL's metrics over the held-out examples (this rank's share, summed over ranks)."""
-    from tigon.runtime.trainer import autocast, collate
+    from tigon.runtime.trainer import autocast, collate, eval_batches
 
-    indices = list(range(env.rank, len(dataset), env.world_size))
-    size = config.training.micro_batch_size
-    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
-    if config.eval.max_batches is not None:
-        batches = batches[: config.eval.max_batches]
-    if not batches:
+    batches = eval_batches(dataset, config, env)
+    if not any(batches):
         raise DataError(
             f"data.eval: {len(dataset)} held-out examples leave rank {env.rank} of {env.world_size} none to evaluate; "
             "add examples to data.eval, or drop it"
@@ -365,9 +449,11 @@ def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEn
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in batches:
-        batch = collate([dataset[i] for i in chunk])
+        batch = collate([dataset[i] for i in chunk or [0]])
         with autocast(device, config.training.precision):
             loss, metrics = preference_loss(model, batch, config, device, None)
+        if not chunk:
+            continue
         loss_sum += loss.double() * len(chunk)
         for name, value in _metric_sums(config.objective.type, metrics, batch, device).items():
             sums[name] = sums.get(name, 0) + value

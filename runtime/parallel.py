@@ -208,8 +208,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
+def shard_model(
+    module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, frozen: bool = False
+) -> nn.Module:
     """FSDP2 in place: each decoder layer, then the root, `fully_shard`ed over all ranks; returns `module`.
+
+    `frozen`: a model that runs forward only (a reference or teacher): its root reshards after the forward too
+    (FSDP2 otherwise keeps a root's parameters gathered for the backward, which never comes).
 
     The MixedPrecisionPolicy keeps parameters in bf16 or fp16 for the forward and backward, per
     `training.precision`, and reduces gradients in fp32; `parallelism.cpu_offload` adds a CPUOffloadPolicy.
@@ -232,7 +237,7 @@ def shard_model(module: nn.Module, config: RunConfig, env: DistEnv, device: torc
         logger.warning("fsdp: no decoder layers found (no _no_split_modules); sharding the model as one unit")
     for layer in layers:
         fully_shard(layer, **options)
-    fully_shard(module, **options)
+    fully_shard(module, **options, **({"reshard_after_forward": True} if frozen else {}))
     if env.distributed:
         receive_rank0_weights(module, full_state, device)
     if env.is_main:

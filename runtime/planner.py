@@ -64,6 +64,12 @@ and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediat
 too); attention's are 3 c q + 4 q, and for eager attention also the scores' gradient in float32 and the
 softmax's input gradient (8 x heads x T); the larger counts.
 
+A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
+distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2, which
+shards it too), its final hidden states (its compute dtype x its width per token) and under FSDP2 its gathered
+head to the loss moment, whose fused op reads them, and a moment of its own before the trained model's forward:
+its no-grad forward's transient buffers (`frozen_bytes`). Paired preference rows are not modelled.
+
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2 shards
 weights, gradients and states over the world size and gathers two layers (and the embedding and head) at
 a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches every rank
@@ -253,6 +259,16 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class FrozenModel:
+    """A model run beside the trained one without gradient: DPO's and KTO's frozen reference copy (`reference:
+    model`), or distillation's teacher."""
+
+    shape: ModelShape
+    weight_bytes: int  # its weights' dtype as loaded
+    compute_bytes: int  # its forward's: 2 under bf16/fp16 autocast (or FSDP2's bf16/fp16 parameters), else weight_bytes
+
+
+@dataclass(frozen=True)
 class Workload:
     """What the run fixes (model, sequence, precision, adapters, parallelism); the planner varies the rest."""
 
@@ -272,6 +288,7 @@ class Workload:
     world_size: int = 1
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
+    frozen: FrozenModel | None = None  # a reference model or teacher run beside it (see frozen_model)
 
     @property
     def linear_params(self) -> int:
@@ -342,6 +359,21 @@ def model_shape(config: RunConfig) -> ModelShape:
         raise ConfigError(f"model.config_name / config_overrides: {error}") from None
 
 
+def frozen_model(config: RunConfig, shape: ModelShape) -> FrozenModel | None:
+    """The objective's frozen model: distill's teacher (its own config and dtype), or DPO's and KTO's reference copy
+    of the trained model (`reference: model`); None for the others."""
+    objective = config.objective
+    narrow = config.training.precision in ("bf16", "fp16")
+    if objective.type == "distill":
+        teacher = objective.teacher.as_model(config.model)
+        size = DTYPE_BYTES[teacher.dtype]
+        return FrozenModel(model_shape(config.model_copy(update={"model": teacher})), size, 2 if narrow else size)
+    if objective.reference_source == "model":
+        size = DTYPE_BYTES[config.model.dtype]
+        return FrozenModel(shape, size, 2 if narrow else size)
+    return None
+
+
 def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape | None = None) -> Workload:
     """The fixed part of a run, from its config; `world_size` defaults to $WORLD_SIZE (1)."""
     from tigon.kernels.patching import FAMILIES
@@ -366,6 +398,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         world_size=world_size or detect_world_size(),
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
+        frozen=frozen_model(config, shape),
     )
 
 
@@ -511,6 +544,28 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int 
     return 12 * tokens * s.vocab + softcap  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
 
 
+def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
+    """(weights, what the loss reads, forward buffers) of the frozen model for a micro-batch of `tokens`, per GPU.
+
+    Weights as loaded, sharded over the ranks under FSDP2 (none on the GPU with cpu_offload). Its forward runs
+    under no_grad, so it saves nothing: the buffers are transient, the residual stream, its normed copy and the
+    attention output (4 h) and one MLP's gate, up and product (3 i) per token, plus under FSDP2 the two layers and
+    the embedding and head it gathers. The fused loss reads its final hidden states (h per token) and, under
+    FSDP2, its head gathered whole (V h)."""
+    frozen, n = work.frozen, work.world_size
+    if frozen is None:
+        return 0, 0, 0
+    s, c = frozen.shape, frozen.compute_bytes
+    weights = s.params * frozen.weight_bytes
+    gathered = 0
+    if work.strategy == "fsdp" and n > 1:
+        weights = 0 if work.cpu_offload else weights // n
+        gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
+    forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens + gathered
+    head = s.vocab * s.hidden * c if gathered else 0
+    return weights, c * s.hidden * tokens + head, forward
+
+
 def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = None) -> Estimate:
     """Peak GPU bytes per device of one training step of `work` under `setting` (see the module doc), with the
     fused loss in chunks of `loss_chunk_tokens` tokens (None: the op's own rule)."""
@@ -566,12 +621,18 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         head_grad //= n
 
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
+    frozen_weights, frozen_read, frozen_forward = frozen_bytes(work, tokens)
+    if work.frozen is not None:
+        fixed["frozen model"] = frozen_weights
     activations = checkpointed * layer_input + (s.layers - checkpointed) * layer + head + per_batch + mask
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     if work.strategy == "fsdp" and setting.accumulation > 1:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
+    loss = {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried}
+    if work.frozen is not None:
+        loss["frozen hidden states and head"] = frozen_read
     moments = {
-        "loss": {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried},
+        "loss": loss,
         "backward (top layer)": {
             **fixed,
             "activations": casts + activations,
@@ -586,6 +647,8 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         },
         "optimizer": {**fixed, "gradients": grads + buckets},
     }
+    if work.frozen is not None:  # before the trained model's forward: no activations yet
+        moments["frozen forward"] = {**fixed, "frozen forward": frozen_forward, "gradients": carried}
     totals = {name: int(sum(parts.values())) for name, parts in moments.items()}
     moment = max(totals, key=totals.get)
     return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()}, totals)

@@ -32,7 +32,8 @@ LOSS_PLOT = "loss.png"
 SUMMARY_FILE = "summary.json"
 PROFILE_FILE = "profile.json"  # logging.profile_step's step by kind of kernel
 PROFILE_TRACE = "trace.json"  # and its Chrome trace
-PREFERENCE_BAR = {"acc": "rewards/accuracies", "margin": "rewards/margins"}  # a preference objective's progress bar
+# an objective's metrics in the progress bar: preference (rewards) and distillation (its two terms)
+OBJECTIVE_BAR = {"acc": "rewards/accuracies", "margin": "rewards/margins", "ce": "ce_loss", "distill": "distill_loss"}
 
 
 def memory_bytes(device: torch.device) -> int:
@@ -135,7 +136,7 @@ class Reporter:
                 loss=f"{metrics['loss']:.4f}",
                 tok_s=format_count(metrics.get("tokens_per_second", 0.0)),
                 mem=format_bytes(metrics.get("memory_bytes", 0)),
-                **{short: f"{metrics[name]:.3f}" for short, name in PREFERENCE_BAR.items() if name in metrics},
+                **{short: f"{metrics[name]:.3f}" for short, name in OBJECTIVE_BAR.items() if name in metrics},
                 refresh=False,
             )
         if step % self.log_every == 0 or step == self.total_steps or step == 1:

@@ -281,24 +281,30 @@ def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, devi
 # ---------------------------------------------------------------- evaluation
 
 
-def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
-    """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
+def eval_batches(dataset, config: RunConfig, env: DistEnv) -> list[list[int]]:
+    """This rank's held-out index chunks of micro_batch_size, at most eval.max_batches. With sharded parameters
+    every forward is a collective, so each rank runs as many as rank 0: an empty chunk is a forward whose result
+    is dropped (run on item 0)."""
     indices = list(range(env.rank, len(dataset), env.world_size))
     size = config.training.micro_batch_size
     batches = [indices[i : i + size] for i in range(0, len(indices), size)]
     if config.eval.max_batches is not None:
         batches = batches[: config.eval.max_batches]
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch_indices in batches:
-        batch = collate([dataset[i] for i in batch_indices])
-        totals[0] += token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
-        totals[1] += label_tokens(batch["labels"])
-    if config.parallelism.shards_parameters:  # each forward gathers shards: every rank runs as many as rank 0
+    if config.parallelism.shards_parameters:
         most = math.ceil(math.ceil(len(dataset) / env.world_size) / size)
-        for _ in range(min(most, config.eval.max_batches or most) - len(batches)):
-            token_loss_sum(
-                model, collate([dataset[0]]), config.model.attn_implementation, device, config.training.precision
-            )
+        batches += [[]] * (min(most, config.eval.max_batches or most) - len(batches))
+    return batches
+
+
+def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
+    """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch_indices in eval_batches(dataset, config, env):
+        batch = collate([dataset[i] for i in batch_indices or [0]])
+        summed = token_loss_sum(model, batch, config.model.attn_implementation, device, config.training.precision)
+        if batch_indices:
+            totals[0] += summed
+            totals[1] += label_tokens(batch["labels"])
     all_reduce_sum(totals, env)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
@@ -387,6 +393,10 @@ def evaluate(
             from tigon.runtime.objectives import evaluate_objective
 
             metrics.update(evaluate_objective(unwrap(model), dataset, config, env, device))
+        elif "loss" in config.eval.metrics and config.objective.type == "distill":
+            from tigon.runtime.distill import evaluate_distill
+
+            metrics.update(evaluate_distill(unwrap(model), dataset, config, env, device))
         elif "loss" in config.eval.metrics:
             metrics["loss"] = eval_loss(unwrap(model), dataset, config, env, device)
         if "exact_match" in config.eval.metrics and examples:
@@ -480,10 +490,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
         from tigon.runtime.packed import load_packed
 
         packed = load_packed(datasets, tokenizer)
-        if packed.manifest.get("objective", "sft") != config.objective.type:
+        prepared_for = packed.manifest.get("objective", "sft")
+        next_token = {prepared_for, config.objective.type} <= {"sft", "distill"}  # the same packed sequences
+        if prepared_for != config.objective.type and not next_token:
             raise ConfigError(
-                f"the data in {datasets} was prepared for objective.type {packed.manifest.get('objective', 'sft')!r}, "
-                f"not {config.objective.type!r}; prepare it again with this config"
+                f"the data in {datasets} was prepared for objective.type {prepared_for!r}, not "
+                f"{config.objective.type!r}; prepare it again with this config"
             )
         train_dataset, eval_dataset, data_summary = packed.train, packed.eval, packed.summary
         examples, manifest = packed.eval_examples, packed.manifest
@@ -652,7 +664,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         )
 
     trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
-    prepare_objective(config, prepared.model, prepared.train_dataset, prepared.eval_dataset, env, device)
+    prepare_objective(config, prepared)
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
     sampler = GlobalBatchSampler(
         len(prepared.train_dataset),
@@ -837,6 +849,10 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
         from tigon.runtime import objectives
 
         return objectives.run_global_batch(strategy, micro_batches, config, env, device, step)
+    if config.objective.type == "distill":
+        from tigon.runtime import distill
+
+        return distill.run_global_batch(strategy, micro_batches, config, env, device, step)
     training = config.training
     n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

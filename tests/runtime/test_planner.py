@@ -538,3 +538,41 @@ def test_moe_block_formula_matches_what_autograd_saves(family, kernels, restore_
     shape = ModelShape.from_hf_config(config)
     measured = saved_bytes(lambda: holder.mlp(x), holder.mlp.parameters())
     assert measured == planner.moe_bytes(bf16_work(shape, 16), kernels) * 3 * 16 + 4 * shape.moe.experts
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_path, strategy):
+    """sft -> distill with a 48-wide bf16 teacher, and sft -> dpo with its frozen copy (fp32 as the model): the
+    persistent moments grow by the frozen model's weights (its parameters counted on the built model, halved by
+    FSDP2 over 2 ranks), the loss moment also by its final hidden states (2 or 4 bytes x width per token) and, under
+    FSDP2, its head gathered whole, and its no-grad forward is a moment of its own."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from tests.runtime.test_distill import save_llama
+    from tests.runtime.test_trainer import TINY_MODEL
+
+    teacher_dir = save_llama(tmp_path / "teacher", seed=1, hidden=48)
+    teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
+    student_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**TINY_MODEL, vocab_size=100)).parameters())
+    setting = Setting(4, 2, False, False)
+    tokens = 4 * 48  # micro-batch x data.max_seq_len
+    world = 2 if strategy == "fsdp" else 1
+    parallelism = {"strategy": strategy}
+    base = estimate(planner.workload(tiny_config(tmp_path, parallelism=parallelism), world_size=world), setting)
+    assert "frozen forward" not in base.moments
+    teacher = {"type": "distill", "teacher": {"path": str(teacher_dir), "dtype": "bfloat16"}}
+    for objective, params, size, hidden, width in [
+        (teacher, teacher_params, 2, 48, 96),
+        ({"type": "dpo"}, student_params, 4, TINY_MODEL["hidden_size"], TINY_MODEL["intermediate_size"]),
+    ]:
+        work = planner.workload(tiny_config(tmp_path, parallelism=parallelism, objective=objective), world_size=world)
+        got = estimate(work, setting)
+        weights = params * size // world
+        assert got.moments["optimizer"] - base.moments["optimizer"] == weights
+        read = size * hidden * tokens + (100 * hidden * size if strategy == "fsdp" else 0)  # + the head, gathered
+        assert got.moments["loss"] - base.moments["loss"] == weights + read
+        forward = (4 * hidden + 3 * width) * size * tokens
+        if strategy == "fsdp":  # two of its layers, its embedding and its head, gathered
+            forward += (2 * work.frozen.shape.layer_params + 2 * 100 * hidden) * size
+        assert planner.frozen_bytes(work, tokens) == (weights, read, forward)
+        assert "frozen forward" in got.moments

@@ -1,0 +1,279 @@
+"""Distillation (`objective.type: distill`): the config and its errors, the vocabulary check, per-step equality with
+a plain PyTorch loop on materialized logits, and DDP over gloo (2 ranks) against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runtime.test_objectives import logged_steps, write_jsonl
+from tigon.runtime.config import ConfigError, parse_config
+from tigon.runtime.tokenizer import build_char_tokenizer
+from tigon.runtime.trainer import train
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = [{"instruction": f"{a}+{b}=", "response": str(a + b)} for a, b in [(3, 4), (12, 9), (40, 2), (7, 77)] * 2]
+OBJECTIVE = {"type": "distill", "alpha": 0.3, "beta": 0.4, "temperature": 2.0}
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: one thread is faster than two that other processes' threads contend with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def save_llama(directory: Path, seed: int, hidden: int, vocab_extra: int = 0, init: float = 0.02) -> Path:
+    """A tiny Llama (random init from `seed`, weights of standard deviation `init`: larger gives the peaked
+    distributions of a trained model) and the char tokenizer, saved for from_pretrained."""
+    import transformers
+
+    if directory.is_dir():
+        return directory
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        vocab_size=len(tokenizer) + vocab_extra,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=init,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
+    """3 steps of 4 sequences (2 x 2 micro-batches: the whole data set each step) distilling a 48-wide teacher
+    into a 32-wide student."""
+    teacher = save_llama(tmp_path / "teacher", seed=1, hidden=48, init=0.3)
+    raw = {
+        "model": {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))},
+        "data": {
+            "train": str(write_jsonl(tmp_path / "train.jsonl", RECORDS)),
+            "format": "instruction",
+            "max_seq_len": 16,
+        },
+        "objective": {**OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})},
+        "training": {
+            "max_steps": STEPS,
+            "learning_rate": 1e-2,
+            "lr_schedule": "constant",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+        },
+        "kernels": {"enabled": False},
+        "checkpoint": {"export": False, "resume": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return parse_config(raw)
+
+
+def test_distill_config_is_validated_with_the_fix(tmp_path):
+    base = distill_config(tmp_path).model_dump(mode="json")
+    objective = base["objective"]
+    assert parse_config(base).objective.resolved_alpha == 0.3
+    defaults = parse_config({**base, "objective": {"type": "distill", "teacher": objective["teacher"]}}).objective
+    assert (defaults.resolved_alpha, defaults.resolved_beta, defaults.temperature) == (0.5, 0.5, 1.0)
+    cases = [
+        ({"type": "distill"}, "objective.type distill needs objective.teacher.path"),
+        ({**objective, "alpha": 1.5}, "objective.alpha 1.5 weighs distill's cross entropy and 1 - alpha"),
+        ({**objective, "beta": 1.5}, "objective.beta 1.5 mixes distill's two KL directions"),
+        ({**objective, "gamma": 1.0}, "objective.gamma applies to simpo, not to objective.type 'distill'"),
+        ({"type": "dpo", "temperature": 2.0}, "objective.temperature applies to distill, not to objective.type 'dpo'"),
+        ({"type": "dpo", "beta": 0.0}, "objective.beta must be greater than 0 for dpo"),
+        ({**objective, "teacher": {"path": "t", "revison": "main"}}, "objective.teacher.revison: unknown key"),
+    ]
+    for value, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config({**base, "objective": value})
+    for sections, message in [
+        ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
+        ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
+        ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            train(parse_config({**base, **sections}))
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_before_training(tmp_path):
+    bigger = save_llama(tmp_path / "bigger", seed=1, hidden=32, vocab_extra=3)
+    config = distill_config(tmp_path, {"teacher": {"path": str(bigger)}})
+    with pytest.raises(ConfigError, match=r"has a vocabulary of 103 tokens and the student's head 100: .* must share"):
+        train(config)
+    swapped = tmp_path / "swapped"  # the same size, two tokens' ids exchanged
+    save_llama(swapped, seed=1, hidden=32)
+    tokenizer_file = swapped / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    tokenizer_file.write_text(json.dumps(tokenizer))
+    config = distill_config(tmp_path, {"teacher": {"path": str(swapped)}})
+    with pytest.raises(ConfigError, match=r"has another tokenizer than the student \(token/id pairs in one only: "):
+        train(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+def reference_losses(config, steps: int) -> list[tuple[float, float, float]]:
+    """(loss, cross entropy, JSD) per step of a plain PyTorch loop: both models' logits materialized, the JSD of
+    `tigon.kernels.reference`, AdamW as the trainer builds it, on the trainer's micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    from tigon.kernels import reference
+    from tigon.runtime.data import build_datasets, model_inputs
+    from tigon.runtime.tokenizer import load_tokenizer
+    from tigon.runtime.trainer import GlobalBatchSampler, build_optimizer, build_scheduler, collate, seed_everything
+
+    objective, training = config.objective, config.training
+    seed_everything(training.seed)
+    tokenizer = load_tokenizer(config.model)
+    dataset = build_datasets(config, tokenizer)[0]
+    student = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(objective.teacher.path, dtype=torch.float32).eval()
+    optimizer = build_optimizer(student, training)
+    scheduler = build_scheduler(optimizer, training, steps)
+    sampler = GlobalBatchSampler(len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, 0)
+    per_epoch = sampler.batches_per_epoch
+    alpha = objective.resolved_alpha
+    results = []
+    for step in range(steps):
+        batches = [collate([dataset[i] for i in chunk]) for chunk in sampler.micro_batches(*divmod(step, per_epoch))]
+        n_label = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)
+        totals = torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            inputs = model_inputs(batch, config.model.attn_implementation)
+            labels = inputs.pop("labels")
+            target = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].reshape(-1)
+            logits = student(**inputs, use_cache=False).logits.reshape(-1, len(tokenizer))
+            with torch.no_grad():
+                teacher_logits = teacher(**inputs, use_cache=False).logits.reshape(-1, len(tokenizer))
+            ce = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+            jsd = reference.jsd(
+                logits, teacher_logits, target, beta=objective.resolved_beta, temperature=objective.temperature,
+                reduction="sum", from_logits=True,
+            )  # fmt: skip
+            ((alpha * ce + (1 - alpha) * jsd) / n_label).backward()
+            totals += torch.stack([ce.detach(), jsd.detach()]).double()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), training.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        ce_loss, distill_loss = (float(total) / n_label for total in totals)
+        results.append((alpha * ce_loss + (1 - alpha) * distill_loss, ce_loss, distill_loss))
+    return results
+
+
+def test_distill_matches_a_plain_pytorch_loop_step_by_step(tmp_path):
+    """Per step, loss, ce_loss and distill_loss equal the loop on materialized logits to 1e-5 relative (fp32; the
+    fused ops sum in chunks, in another order). The teacher is wider than the student (48 vs 32)."""
+    config = distill_config(tmp_path)
+    result = train(config)
+    steps = logged_steps(result.run_dir)
+    want = reference_losses(config, STEPS)
+    got = [(step["loss"], step["ce_loss"], step["distill_loss"]) for step in steps]
+    assert len(got) == STEPS and got[0][2] > 0.01
+    for step_got, step_want in zip(got, want, strict=True):
+        for a, b in zip(step_got, step_want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+    assert result.losses == [step[0] for step in got]
+    assert result.objective_metrics == {"ce_loss": got[-1][1], "distill_loss": got[-1][2]}
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0], ids=["forward-kl", "reverse-kl"])
+def test_distill_kl_directions_and_evaluation(tmp_path, beta):
+    """beta 0 and 1 are the forward and reverse KL; a held-out evaluation reports the two terms and their mix."""
+    config = distill_config(
+        tmp_path, {"beta": beta}, training={"max_steps": 1}, data={"eval": str(tmp_path / "train.jsonl")}
+    )
+    result = train(config)
+    want = reference_losses(config, 1)[0]
+    assert abs(result.losses[0] - want[0]) <= 1e-5 * want[0]
+    metrics = result.eval_metrics
+    assert math.isclose(metrics["loss"], 0.3 * metrics["ce_loss"] + 0.7 * metrics["distill_loss"], rel_tol=1e-12)
+    assert metrics["distill_loss"] > 0
+
+
+def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
+    """torchrun, 2 ranks x micro-batch 1 x accumulation 2, under DDP, FSDP2 (student and teacher sharded) and
+    DeepSpeed ZeRO-2, == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5
+    relative per step (fp32): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than
+    one process adds them."""
+    from tests.runtime.test_parallel import launch
+
+    held_out = {"eval": str(tmp_path / "train.jsonl")}
+    runs = {
+        strategy: distill_config(
+            tmp_path,
+            training={"micro_batch_size": 1},
+            data=held_out,
+            parallelism={"strategy": strategy},
+            logging={"run_dir": str(tmp_path / strategy)},
+        )
+        for strategy in ("ddp", "fsdp", "deepspeed")
+    }
+    records = launch(tmp_path, runs)
+    single = train(distill_config(tmp_path, data=held_out))
+    want = [(step["ce_loss"], step["distill_loss"]) for step in logged_steps(single.run_dir)]
+    for strategy, record in records.items():
+        got = [(step["ce_loss"], step["distill_loss"]) for step in logged_steps(tmp_path / strategy)]
+        for a, b in zip([*record["losses"], *sum(got, ())], [*single.losses, *sum(want, ())], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (strategy, record["losses"], single.losses, got, want)
+        for name in ("loss", "ce_loss", "distill_loss"):
+            assert abs(record["eval"][name] - single.eval_metrics[name]) <= 1e-5 * single.eval_metrics[name], name
+
+
+def test_distill_recipe_as_written(tmp_path):
+    """docs/runtime.md's two commands, run by the `tigon` command from a directory holding the examples, at fewer
+    steps: the demo's model is exported and becomes the teacher, and the student's distillation term falls."""
+    section = (ROOT / "docs" / "runtime.md").read_text().split("\n## Distillation\n")[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    commands = [line.split("#")[0].split() for line in block.strip().splitlines()]
+    assert commands == [["tigon", "train", "examples/demo.yaml"], ["tigon", "train", "examples/distill.yaml"]]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    shorter = ["training.max_steps=20", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.max_batches=1"]
+    shorter += ["eval.metrics=[loss]", "logging.progress_bar=false", "logging.tensorboard=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    tigon = Path(sys.executable).parent / "tigon"
+    for command in commands:
+        overrides = [part for value in shorter for part in ("--set", value)]
+        done = subprocess.run(
+            [str(tigon), *command[1:], *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert (tmp_path / "runs" / "demo" / "export" / "tokenizer.json").is_file()
+    steps = logged_steps(tmp_path / "runs" / "distill")
+    assert steps[-1]["step"] == 20 and steps[-1]["distill_loss"] < 0.5 * steps[0]["distill_loss"], steps
+
+
+def test_data_packed_for_sft_trains_distill_as_tokenized_here(tmp_path):
+    """The workflow's prepared data (its cache key leaves next-token objectives alike): sft's packed sequences train
+    distill to the same losses as the data tokenized in the run."""
+    from tigon.runtime.packed import pack, save_packed
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = distill_config(tmp_path, training={"max_steps": 1})
+    sft = config.model_copy(update={"objective": config.objective.model_copy(update={"type": "sft"})})
+    save_packed(pack(sft, load_tokenizer(config.model), "fingerprint"), tmp_path / "packed")
+    assert train(config, datasets=tmp_path / "packed").losses == train(config).losses
