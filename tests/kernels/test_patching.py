@@ -74,7 +74,8 @@ TOWERS = {
 }
 
 
-def tiny(model_type: str, **overrides):
+def tiny(model_type: str, outer: dict | None = None, **overrides):
+    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top."""
     common = dict(
         hidden_size=64,
         intermediate_size=160,
@@ -92,7 +93,9 @@ def tiny(model_type: str, **overrides):
         config = transformers.AutoConfig.for_model(model_type, **common, **TOWERS.get(model_type, {}))
         return transformers.AutoModelForCausalLM.from_config(config)
     vision, text = MULTIMODAL[model_type]
-    config = transformers.AutoConfig.for_model(model_type, text_config={**common, **text}, vision_config=vision)
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**common, **text}, vision_config=vision, **(outer or {})
+    )
     return transformers.AutoModelForImageTextToText.from_config(config)
 
 
@@ -232,6 +235,25 @@ def test_patched_model_matches_eager(model_type, restore_rope):
 
 
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+
+
+def test_vision_language_model_with_an_image_matches_eager(restore_rope):
+    """Qwen2-VL fed an image: the vision tower's LayerNorms (tigon's) train, and the multimodal RoPE's temporal,
+    height and width positions differ, so on transformers 5.x tigon's RoPE rotates by per-section cos/sin."""
+    tokens = dict(vision_start_token_id=4, image_token_id=5, video_token_id=6)
+    baseline = tiny("qwen2_vl", outer=tokens, **FAMILY_CASES["qwen2_vl"][0])
+    patched = copy.deepcopy(baseline)
+    report = apply(patched)
+    assert report.applied["layer_norm"] == 3 and report.applied["rope"] == int(not TRANSFORMERS_4)
+    batch = torch.tensor([[7, 8, 4, 5, 5, 5, 5, 9, 10, 11, 12]])  # a 4 x 4 patch image merged into 4 tokens
+    image = dict(pixel_values=torch.randn(16, 3 * 2 * 2 * 2), image_grid_thw=torch.tensor([[1, 4, 4]]))
+    if not TRANSFORMERS_4:  # transformers 5 finds the image tokens by type, 4.x by the vision start token
+        image["mm_token_type_ids"] = (batch == 5).int()
+    positions, _ = baseline.model.get_rope_index(batch, **{k: v for k, v in image.items() if k != "pixel_values"})
+    assert not torch.equal(positions[1], positions[2])  # height and width positions differ inside the image
+    assert_same_training_step(baseline, patched, batch, **image)
+    norm = patched.model.visual.blocks[0].norm1
+    assert isinstance(norm, modules.LayerNorm) and norm.weight.grad is not None
 
 
 def assert_lora_adapters_kept(model_type: str, targets: dict) -> None:
