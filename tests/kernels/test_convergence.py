@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import relative_error
-from tests.kernels.test_patching import FAMILY_CASES, MULTIMODAL, TOWERS
+from tests.kernels.test_patching import FAMILY_CASES, MULTIMODAL, ROPE_KEY, TOWERS
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -66,6 +66,7 @@ CPU_FAMILIES = {
     "qwen3": {},
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_vl": FAMILY_CASES["qwen2_vl"][0],  # a vision-language model, trained on text
 }
 
 
@@ -74,7 +75,7 @@ def build(model_type: str, size: dict, overrides: dict) -> torch.nn.Module:
     vision tower of test_patching's MULTIMODAL (trained on text, so the vision tower stays as built)."""
     torch.manual_seed(0)
     if model_type not in MULTIMODAL:
-        config = transformers.AutoConfig.for_model(model_type, **size, **overrides, **TOWERS.get(model_type, {}))
+        config = transformers.AutoConfig.for_model(model_type, **{**size, **overrides}, **TOWERS.get(model_type, {}))
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     vision, text = MULTIMODAL[model_type]
     config = transformers.AutoConfig.for_model(
@@ -223,6 +224,8 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
     overrides = FAMILY_CASES[model_type][0]
     if "moe_intermediate_size" in overrides:
         overrides = {**overrides, "moe_intermediate_size": 704}
+    if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # the sections span head_dim / 2
+        overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": [16, 8, 8]}}
     ours, theirs, truth = train_all(
         model_type,
         REAL_WIDTHS,

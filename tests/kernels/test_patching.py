@@ -119,7 +119,10 @@ LLAMA4 = dict(
     no_rope_layers=[1, 1],
     layer_types=["full_attention", "full_attention"],
 )
-MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2]))
+TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+# transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
+ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
+MROPE = {ROPE_KEY: dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])}
 # model_type -> (config overrides, gated MLPs swapped in the 2-layer model (GatedMLP or PackedGatedMLP),
 # MoE experts modules swapped (GatedExperts), RoPE swapped, what the report must skip)
 FAMILY_CASES = {
@@ -147,7 +150,13 @@ FAMILY_CASES = {
     "qwen3_vl": (MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
     "qwen3_vl_moe": (dict(MROPE, num_experts=4, **MOE), 0, 2, True, ["rope (the vision", "swiglu (the vision"]),
     "gemma3": ({}, 2, 0, True, ["swiglu (the vision"]),
-    "mllama": (dict(cross_attention_layers=[1]), 2, 0, True, ["swiglu (the vision"]),
+    "mllama": (
+        dict(cross_attention_layers=[1], **{ROPE_KEY: dict(rope_type="default", rope_theta=10000.0)}),
+        2,
+        0,
+        True,
+        ["swiglu (the vision"],
+    ),
     "phi4_multimodal": ({}, 2, 0, True, ["swiglu (the vision", "swiglu (the audio"]),
     "llava": ({}, 2, 0, True, ["swiglu (the vision"]),
     "paligemma": ({}, 2, 0, True, ["swiglu (the vision"]),
@@ -155,21 +164,27 @@ FAMILY_CASES = {
     "mistral3": ({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
 }
 # transformers 4.x has no 3-D experts: each expert is its own MLP, so every expert (and Qwen2-MoE's shared
-# one) is a GatedMLP, or for Mixtral (w1/w3/w2) a GatedExpertMLP.
+# one) is a GatedMLP, or for Mixtral (w1/w3/w2) a GatedExpertMLP; Qwen3-VL-MoE's experts are transposed there.
+# Its Qwen2-VL and Qwen2.5-VL apply the multimodal RoPE sections in a function of their own, which keeps them.
+_MROPE_4X = ["rope (transformers 4.x"]
 CASES_4X = {
-    "mixtral": (2 * 4, 0, []),
-    "qwen2_moe": (2 * (4 + 1), 0, []),
-    "qwen3_moe": (1 + 4, 0, []),
+    "mixtral": (2 * 4, 0, True, []),
+    "qwen2_moe": (2 * (4 + 1), 0, True, []),
+    "qwen3_moe": (1 + 4, 0, True, []),
+    "glm4_moe": (1 + 4 + 1, 0, True, []),
+    "qwen3_vl_moe": (0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
+    "qwen2_vl": (2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
+    "qwen2_5_vl": (2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
 }
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
 
-def expected_swaps(model_type: str) -> tuple[int, int, list[str]]:
-    """(gated MLPs, experts modules, skipped prefixes) for the installed transformers line."""
-    _, mlps, experts, _, skipped = FAMILY_CASES[model_type]
-    if transformers.__version__.startswith("4.") and model_type in CASES_4X:
+def expected_swaps(model_type: str) -> tuple[int, int, bool, list[str]]:
+    """(gated MLPs, experts modules, RoPE swapped, skipped prefixes) for the installed transformers line."""
+    _, mlps, experts, rope, skipped = FAMILY_CASES[model_type]
+    if TRANSFORMERS_4 and model_type in CASES_4X:
         return CASES_4X[model_type]
-    return mlps, experts, skipped
+    return mlps, experts, rope, skipped
 
 
 def assert_same_training_step(baseline, patched, batch, **inputs):
@@ -203,8 +218,8 @@ def own_failure(model, batch) -> Exception | None:
 
 @pytest.mark.parametrize("model_type", list(FAMILY_CASES))
 def test_patched_model_matches_eager(model_type, restore_rope):
-    overrides, _, _, rope, _ = FAMILY_CASES[model_type]
-    mlps, experts, skipped = expected_swaps(model_type)
+    overrides = FAMILY_CASES[model_type][0]
+    mlps, experts, rope, skipped = expected_swaps(model_type)
     baseline = tiny(model_type, **overrides)
     patched = copy.deepcopy(baseline)
     report = apply(patched)
@@ -234,9 +249,6 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     assert patched.state_dict().keys() == baseline.state_dict().keys()
 
 
-TRANSFORMERS_4 = transformers.__version__.startswith("4.")
-
-
 def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     """Qwen2-VL fed an image: the vision tower's LayerNorms (tigon's) train, and the multimodal RoPE's temporal,
     height and width positions differ, so on transformers 5.x tigon's RoPE rotates by per-section cos/sin."""
@@ -244,7 +256,7 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     baseline = tiny("qwen2_vl", outer=tokens, **FAMILY_CASES["qwen2_vl"][0])
     patched = copy.deepcopy(baseline)
     report = apply(patched)
-    assert report.applied["layer_norm"] == 3 and report.applied["rope"] == int(not TRANSFORMERS_4)
+    assert report.applied["layer_norm"] == 3 and report.applied.get("rope", 0) == int(not TRANSFORMERS_4)
     batch = torch.tensor([[7, 8, 4, 5, 5, 5, 5, 9, 10, 11, 12]])  # a 4 x 4 patch image merged into 4 tokens
     image = dict(pixel_values=torch.randn(16, 3 * 2 * 2 * 2), image_grid_thw=torch.tensor([[1, 4, 4]]))
     if not TRANSFORMERS_4:  # transformers 5 finds the image tokens by type, 4.x by the vision start token
@@ -360,7 +372,7 @@ def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
     overrides = FAMILY_CASES[model_type][0]
     baseline = tiny(model_type, **overrides)
     report = tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
-    mlps, experts, _ = expected_swaps(model_type)
+    mlps, experts, _, _ = expected_swaps(model_type)
     patched = tiny(model_type, **overrides)
     assert patched.state_dict().keys() == baseline.state_dict().keys()
     patched.load_state_dict(baseline.state_dict())
