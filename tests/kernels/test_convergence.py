@@ -66,7 +66,6 @@ CPU_FAMILIES = {
     "qwen3": {},
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_vl": FAMILY_CASES["qwen2_vl"][0],  # a vision-language model, trained on text
 }
 
 
