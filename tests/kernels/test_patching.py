@@ -397,6 +397,27 @@ def test_apply_to_reports_unfit_parts_and_unknown_types(restore_modeling, caplog
     assert "'gpt2' has no kernel table entry" in caplog.text
 
 
+def test_apply_to_names_what_only_apply_reaches_in_vision_language_families(restore_modeling):
+    """`apply_to` swaps a vision-language family's own classes and loss; torch's LayerNorm instances, the vision
+    tower's gated MLPs and a wrapped language model's family need a built model, and its report says so."""
+    report = tigon.kernels.apply_to("llava")
+    assert report.applied == {"fused_linear_cross_entropy": 1}
+    assert [entry.split(" (")[0] for entry in report.skipped] == ["swiglu", "layer_norm", "language model"]
+    report = tigon.kernels.apply_to("qwen2_5_vl", rope=False)
+    assert report.applied == {"rms_norm": 1, "gated_mlp": 1, "fused_linear_cross_entropy": 1}
+    assert report.skipped[-1].startswith("swiglu (the vision tower's gated MLPs take the vision config")
+
+
+def test_wrapped_language_model_outside_the_table_is_named(restore_rope):
+    """Llava around a language model tigon has no row for: the vision tower and the loss are patched, the report
+    names the language model's family."""
+    baseline = tiny("llava")
+    baseline.config.text_config.model_type = "gpt2"  # what a checkpoint with another language tower reports
+    report = apply(baseline)
+    assert report.applied == {"layer_norm": 4, "fused_linear_cross_entropy": 1}
+    assert [entry.split(" (")[1][:32] for entry in report.skipped[:3]] == ["the language model is 'gpt2', wh"] * 3
+
+
 def test_auto_model_from_config_applies_every_kernel_that_fits(restore_rope):
     config = tiny("llama").config
     model = tigon.kernels.AutoModelForCausalLM.from_config(config, swiglu=False, fused_linear_cross_entropy=False)
