@@ -8,14 +8,16 @@
     python -m benchmarks.end_to_end --seqs 4096 --variants liger,tigon --profile --out e2e.json   # + time per kind
 
 One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
-randomly initialized from the config of a named public member (`PRESETS`): a ~1B-4B member as it is, or
-for families with only larger members their real widths, heads and vocabulary with fewer layers. In bf16
+randomly initialized from the config of a named public member, or transformers' defaults for the family
+(`PRESETS`): a ~1B-4B model as it is, or for larger ones their real widths, heads and vocabulary with fewer
+layers. `NOT_BENCHMARKED` names the table's families without a preset, and why. In bf16
 with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens by the torch trainer's own
 `_optimizer_step` and strategy (its loss, clipping and AdamW step). Variants:
 
 - eager:   Hugging Face modules (kernels.enabled: false)
 - liger:   HF + Liger-Kernel (the family's `apply_liger_kernel_to_*` on the built model; GPU machine only;
-           "not available" for a family Liger-Kernel has no function for, or without liger-kernel)
+           "not available" for a family Liger-Kernel has no function for, or without liger-kernel, and
+           "not supported by liger" where its function raises on the built model)
 - tigon:   tigon's kernels (kernels.enabled: true)
 - planner: the memory planner's choice for this GPU (`training.plan: auto`), same global batch
 
@@ -435,6 +437,133 @@ PRESETS: dict[str, Preset] = {
         params=2.53e9,
         liger="apply_liger_kernel_to_granite",  # has no fused linear cross entropy: Liger's cross entropy on logits
     ),
+    # The presets below are transformers' own config defaults for the family (the shape its config class builds
+    # with no arguments; `params` is what that builds, counted by the preset test), written out in full.
+    "smollm3": Preset(
+        "smollm3",
+        "transformers' SmolLM3Config defaults (SmolLM3-3B's shape)",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "no_rope_layer_interval": 4,  # every fourth layer without RoPE
+            "max_position_embeddings": 32768,
+        },
+        params=3.08e9,
+        liger="apply_liger_kernel_to_smollm3",
+    ),
+    "olmo3": Preset(
+        "olmo3",
+        "transformers' Olmo3Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 50304,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 4096,
+            "max_position_embeddings": 2048,
+        },
+        params=6.89e9,
+        liger="apply_liger_kernel_to_olmo3",
+        layers=12,  # 12 of 32 layers, 2.8B parameters
+    ),
+    "glm4_moe": Preset(
+        "glm4_moe",
+        "transformers' Glm4MoeConfig defaults (GLM-4.5-Air's widths, without its MTP layer)",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 10944,  # the dense first layer's
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "vocab_size": 151552,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+        },
+        params=103.5e9,
+        liger="apply_liger_kernel_to_glm4_moe",
+        layers=2,  # the dense layer and one MoE layer (128 experts, 2.2B parameters): 3.7B parameters
+        tiny={"n_routed_experts": 8},
+    ),
+    "gpt_oss": Preset(
+        "gpt_oss",
+        "transformers' GptOssConfig defaults with 24 layers and 32 experts (gpt-oss-20b's shape)",
+        {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 201088,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 128,
+            "max_position_embeddings": 131072,
+        },
+        params=20.9e9,
+        liger="apply_liger_kernel_to_gpt_oss",
+        layers=3,  # 0.8B parameters a layer (32 experts of 3 x 2880 x 2880): 3 of 24 layers, 3.6B parameters
+        attention="eager",  # its attention sinks: transformers runs them in eager attention (and flash kernels)
+    ),
+    "falcon_h1": Preset(
+        "falcon_h1",
+        "transformers' FalconH1Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192,
+        },
+        params=8.51e9,
+        liger="apply_liger_kernel_to_falcon_h1",
+        layers=10,  # 10 of 32 layers (attention and Mamba-2 mixer in parallel), 3.4B parameters
+        tiny={"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 8},
+    ),
+}
+# Families of tigon's kernel table with no preset here, and why.
+NOT_BENCHMARKED = {
+    family: "a vision-language model: the runtime builds a causal LM from a flat config (AutoModelForCausalLM)"
+    for family in (
+        "llama4",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "mllama",
+        "llava",
+        "paligemma",
+        "internvl",
+        "mistral3",
+    )
+} | {
+    "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
+    "llama4_text": "one Llama 4 Scout layer (16 experts of 3 x 5120 x 8192) and its embeddings are 4.3B parameters, "
+    "past what AdamW trains in bf16 beside the activations on one 80 GB GPU",
 }
 LLAMA_32_1B = PRESETS["llama"].shape()
 TINY = PRESETS["llama"].tiny_shape()
@@ -461,6 +590,9 @@ def parse_families(value: str) -> list[str]:
         return list(PRESETS)
     names = [name.strip() for name in value.split(",") if name.strip()]
     unknown = [name for name in names if name not in PRESETS]
+    for name in names:
+        if name in NOT_BENCHMARKED:
+            raise ValueError(f"{name} has no benchmark preset: {NOT_BENCHMARKED[name]}")
     if unknown or not names:
         raise ValueError(f"unknown families {unknown}; choose from all, {', '.join(PRESETS)}")
     return names
@@ -534,6 +666,10 @@ def liger_function(family: str, cuda: bool):
     return function, None
 
 
+class LigerUnsupported(RuntimeError):
+    """Liger-Kernel's function for the family raised while patching the built model."""
+
+
 def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False, trace: str | None = None) -> dict:
     """Build the model on the device and run warm-up + timed optimizer steps through the torch trainer's step.
 
@@ -563,7 +699,10 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     with device:
         model = build_model(config, vocab)
     if liger is not None and not adapters:
-        liger(model=model)
+        try:
+            liger(model=model)
+        except Exception as error:  # its patch does not fit this model or this transformers
+            raise LigerUnsupported(f"{type(error).__name__}: {error}") from error
     if cuda:  # the step's peak: a 4-bit base is built in model.dtype first and quantized layer by layer after
         torch.cuda.reset_peak_memory_stats(device)
     env = DistEnv()
@@ -670,6 +809,8 @@ def worker(spec: dict) -> dict:
         )
     except torch.OutOfMemoryError:
         return {**result, "oom": True}
+    except LigerUnsupported as error:
+        return {**head, "oom": False, "unavailable": f"not supported by liger: {error}"}
     return {**result, "oom": False, **measured}
 
 

@@ -24,6 +24,9 @@
 #   [distill-smoke trains the demo as a
 #   teacher (TEACHER_STEPS, 150), then examples/distill.yaml and the DPO and KTO examples in bf16 for DISTILL_STEPS (50)
 #   under DDP and FSDP2 (one process; DISTILL_RUNS=objective:strategy ...) on the GPU's kernels, and prints each loss]
+#   [convergence] (every table family against float64 at real widths) [patching] (the CPU patching and fused-loss
+#   tests against this machine's transformers); FAMILIES_K, a pytest -k expression such as "smollm3 or gpt_oss",
+#   picks the families of either
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench-out}
@@ -52,7 +55,8 @@ for step in "$@"; do
     bench-distill) python3 -m benchmarks.kernels --no-sweeps --only kl_divergence,jsd,fused_linear_jsd --out "$out/distill.json" 2>&1 | tee "$out/distill.log" ;;
     bench-align) python3 -m benchmarks.kernels --no-sweeps --only fused_linear_dpo,fused_linear_orpo --out "$out/align.json" 2>&1 | tee "$out/align.log" ;;
     bench-sweeps) python3 -m benchmarks.kernels --sweeps-only --out "$out/sweeps.json" 2>&1 | tee "$out/sweeps.log" ;;
-    convergence) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_convergence.py > "$out/convergence.log" 2>&1; tail -n 60 "$out/convergence.log" ;;
+    convergence) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_convergence.py ${FAMILIES_K:+-k "$FAMILIES_K"} > "$out/convergence.log" 2>&1; tail -n 60 "$out/convergence.log" ;;
+    patching) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_patching.py tests/kernels/test_causal_lm_loss.py ${FAMILIES_K:+-k "$FAMILIES_K"} > "$out/patching.log" 2>&1; tail -n 40 "$out/patching.log" ;;
     multi-gpu-tests) timeout "${TEST_LIMIT:-600}" python3 -m pytest -m gpu -q -s -p no:cacheprovider --durations=5 tests/runtime/test_multi_gpu.py > "$out/multi-gpu-tests.log" 2>&1
       grep -E "worst relative|resumed from|passed|failed|Error" "$out/multi-gpu-tests.log" | tail -n 60 ;;
     scaling|headline) OUT=/tmp/bench timeout "${BENCH_LIMIT:-3600}" bash "benchmarks/$step.sh"

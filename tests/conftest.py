@@ -48,10 +48,11 @@ def restore_rope():
 
     from tigon.kernels.patching import FAMILIES
 
-    saved = {name: importlib.import_module(f.modeling).apply_rotary_pos_emb for name, f in FAMILIES.items()}
+    modelings = {importlib.import_module(family.modeling) for family in FAMILIES.values()}
+    saved = {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
     yield
-    for name, function in saved.items():
-        importlib.import_module(FAMILIES[name].modeling).apply_rotary_pos_emb = function
+    for module, function in saved.items():
+        module.apply_rotary_pos_emb = function
 
 
 @pytest.fixture

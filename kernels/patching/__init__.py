@@ -2,7 +2,9 @@
 
 Norms, MLPs and MoE experts are replaced per instance (sharing parameters and Linear layers); RoPE is
 the module-level `apply_rotary_pos_emb` of the family's modeling file, so it applies to every model
-of that family in the process.
+of that family in the process. Vision-language rows patch the language tower and the LM head's loss,
+and the vision tower's norms and gated MLPs where a tigon op computes the same function; the report
+names what each family leaves as transformers wrote it, and why.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tigon.kernels import functional
-from tigon.kernels.modules import GatedExpertMLP, GatedExperts, GatedMLP, GemmaRMSNorm, PackedGatedMLP, RMSNorm
+from tigon.kernels.modules import (
+    GatedExpertMLP,
+    GatedExperts,
+    GatedMLP,
+    GemmaRMSNorm,
+    LayerNorm,
+    PackedGatedMLP,
+    RMSNorm,
+)
 from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, fused_class, fused_forward, keep_last_hidden_state
 from tigon.kernels.utils import check_chunk_size
 
@@ -48,9 +58,16 @@ class Family:
     names them whenever that kernel is requested.
     `transformers4` lists `(field, value)` pairs that replace this row's fields on the transformers 4.x
     line, for classes that line lays out differently (see `Family.installed`).
-    The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`);
-    `final_logit_softcapping` and `logits_scaling` name the family's head quirks, read from the
-    config (Gemma 2/3 softcap the logits, Granite divides them).
+    The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`, or a
+    vision-language model's `*ForConditionalGeneration`); `final_logit_softcapping`, `logits_scaling` and
+    `logits_multiplier` name the family's head quirks, read from the text config (Gemma 2/3 and PaliGemma
+    softcap the logits, Granite divides them, Falcon-H1 multiplies them by `lm_head_multiplier`).
+
+    Vision-language rows: `vision_mlp` lists the vision tower's gated MLPs (built from `config.vision_config`,
+    so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
+    (the vision tower's and projector's; the language tower has RMSNorms) for tigon's under the norm switch,
+    and `language_model` marks a row whose language tower is whatever model `text_config.model_type` names
+    (Llava, PaliGemma, InternVL, Mistral 3): `apply` also applies that family's row to it.
     """
 
     modeling: str
@@ -65,9 +82,13 @@ class Family:
     rope: bool = True
     partial_rope: bool = False
     unfit: tuple[tuple[str, str], ...] = ()
+    vision_mlp: tuple[str, ...] = ()
+    layer_norm: bool = False
+    language_model: bool = False
     causal_lm: str = field(kw_only=True)
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
+    logits_multiplier: bool = False
     transformers4: tuple[tuple[str, object], ...] = ()
 
     def installed(self) -> Family:
@@ -94,6 +115,25 @@ def _models(name: str) -> str:
 # transformers 4.x keeps MoE experts as one MLP module per expert: the Qwen MoE ones are the family's `mlp`
 # class, Mixtral's is MixtralBlockSparseTop2MLP (w1/w3/w2).
 _EXPERTS_4X = (("experts", ()),)
+# What no tigon kernel computes, shared by several rows: (kernel, reason) for the report.
+_VISION_FC_MLP = (
+    "swiglu",
+    "the vision tower's MLP is fc1, an activation, fc2 with no gate: no tigon kernel computes it",
+)
+_VISION_ROPE = ("rope", "the vision tower's 2-D RoPE (apply_rotary_pos_emb_vision) keeps transformers' function")
+_MROPE_4X = (
+    "rope",
+    "transformers 4.x applies the multimodal RoPE in apply_multimodal_rotary_pos_emb, slicing cos/sin per "
+    "mrope_section; tigon's RoPE is the 1-D form (transformers 5 folds the sections into cos/sin first)",
+)
+_LLAMA4_TEXT = (
+    ("rope", "Llama 4's apply_rotary_emb rotates interleaved pairs as complex numbers; tigon's RoPE is rotate-half"),
+    (
+        "swiglu",
+        "Llama 4's experts run every expert on router-scaled inputs as one dense bmm; tigon's experts are routed top-k",
+    ),
+    ("rms_norm", "Llama 4's weightless QK L2 norm (Llama4TextL2Norm) stays"),
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
@@ -169,6 +209,202 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(
         _models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",), logits_scaling=True, causal_lm="GraniteForCausalLM"
     ),
+    "smollm3": Family(_models("smollm3"), ("SmolLM3RMSNorm",), ("SmolLM3MLP",), causal_lm="SmolLM3ForCausalLM"),
+    "olmo3": Family(
+        _models("olmo3"),
+        ("Olmo3RMSNorm",),
+        ("Olmo3MLP",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        causal_lm="Olmo3ForCausalLM",
+    ),
+    "glm4_moe": Family(
+        _models("glm4_moe"),
+        ("Glm4MoeRMSNorm",),
+        (
+            "Glm4MoeMLP",
+        ),  # the shared experts and dense (first_k_dense_replace) layers; on transformers 4.x every expert
+        experts=("Glm4MoeExperts",),
+        partial_rope=True,
+        transformers4=_EXPERTS_4X,
+        causal_lm="Glm4MoeForCausalLM",
+    ),
+    "gpt_oss": Family(
+        _models("gpt_oss"),
+        ("GptOssRMSNorm",),
+        norm_casting="gemma",
+        rope=False,
+        unfit=(
+            (
+                "rope",
+                "GPT-OSS's apply_rotary_pos_emb takes half-width cos/sin tables; tigon's RoPE takes full-width ones",
+            ),
+            (
+                "swiglu",
+                "GPT-OSS experts interleave gate and up, clamp both and compute (up + 1) * gate * "
+                "sigmoid(1.702 * gate) with biases; tigon's SwiGLU is silu(gate) * up",
+            ),
+        ),
+        causal_lm="GptOssForCausalLM",
+    ),
+    "falcon_h1": Family(
+        _models("falcon_h1"),
+        ("FalconH1RMSNorm",),
+        ("FalconH1MLP",),  # config.mlp_multipliers go into the activation kernel
+        logits_multiplier=True,
+        unfit=(
+            (
+                "rms_norm",
+                "the Mamba mixer's FalconH1RMSNormGated (config.mamba_rms_norm) norms x * silu(gate) in groups",
+            ),
+        ),
+        causal_lm="FalconH1ForCausalLM",
+    ),
+    "llama4_text": Family(
+        _models("llama4"),
+        ("Llama4TextRMSNorm",),
+        ("Llama4TextMLP",),  # the shared expert and dense layers
+        rope=False,
+        unfit=_LLAMA4_TEXT,
+        causal_lm="Llama4ForCausalLM",
+    ),
+    "llama4": Family(
+        _models("llama4"),
+        ("Llama4TextRMSNorm",),
+        ("Llama4TextMLP",),
+        rope=False,
+        layer_norm=True,
+        unfit=(*_LLAMA4_TEXT, _VISION_FC_MLP),
+        causal_lm="Llama4ForConditionalGeneration",
+    ),
+    "qwen2_vl": Family(
+        _models("qwen2_vl"),
+        ("Qwen2VLRMSNorm",),
+        ("Qwen2MLP",),
+        layer_norm=True,
+        unfit=(_VISION_ROPE, _VISION_FC_MLP),
+        transformers4=(
+            ("rms_norm", ("Qwen2RMSNorm",)),
+            ("rope", False),
+            ("unfit", (_MROPE_4X, _VISION_ROPE, _VISION_FC_MLP)),
+        ),
+        causal_lm="Qwen2VLForConditionalGeneration",
+    ),
+    "qwen2_5_vl": Family(
+        _models("qwen2_5_vl"),
+        ("Qwen2_5_VLRMSNorm",),  # the language and the vision tower's
+        ("Qwen2MLP",),
+        vision_mlp=("Qwen2_5_VLMLP",),
+        unfit=(_VISION_ROPE,),
+        transformers4=(("rms_norm", ("Qwen2RMSNorm",)), ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE))),
+        causal_lm="Qwen2_5_VLForConditionalGeneration",
+    ),
+    "qwen3_vl": Family(
+        _models("qwen3_vl"),
+        ("Qwen3VLTextRMSNorm",),
+        ("Qwen3VLTextMLP",),
+        layer_norm=True,
+        unfit=(_VISION_ROPE, _VISION_FC_MLP),
+        causal_lm="Qwen3VLForConditionalGeneration",
+    ),
+    "qwen3_vl_moe": Family(
+        _models("qwen3_vl_moe"),
+        ("Qwen3VLMoeTextRMSNorm",),
+        ("Qwen3VLMoeTextMLP",),
+        experts=("Qwen3VLMoeTextExperts",),
+        layer_norm=True,
+        unfit=(_VISION_ROPE, _VISION_FC_MLP),
+        transformers4=(
+            ("experts", ()),
+            (
+                "unfit",
+                (
+                    (
+                        "swiglu",
+                        "transformers 4.x keeps Qwen3VLMoeTextExperts transposed ([E, H, 2I]) and runs them as a bmm",
+                    ),
+                    _VISION_ROPE,
+                    _VISION_FC_MLP,
+                ),
+            ),
+        ),
+        causal_lm="Qwen3VLMoeForConditionalGeneration",
+    ),
+    "gemma3": Family(
+        _models("gemma3"),
+        ("Gemma3RMSNorm",),  # the language tower's and the projector's
+        ("Gemma3MLP",),
+        gemma_norm=True,
+        in_place_norm_backward=False,
+        layer_norm=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="Gemma3ForConditionalGeneration",  # no final_logit_softcapping here, unlike Gemma3ForCausalLM
+    ),
+    "mllama": Family(
+        _models("mllama"),
+        ("MllamaTextRMSNorm",),
+        ("MllamaTextMLP",),
+        layer_norm=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="MllamaForConditionalGeneration",
+    ),
+    "phi4_multimodal": Family(
+        _models("phi4_multimodal"),
+        ("Phi4MultimodalRMSNorm",),
+        packed_mlp=("Phi4MultimodalMLP",),
+        partial_rope=True,
+        layer_norm=True,
+        unfit=(
+            _VISION_FC_MLP,
+            ("swiglu", "the audio encoder's MLP packs up before gate, the reverse of tigon's packed SwiGLU"),
+        ),
+        causal_lm="Phi4MultimodalForCausalLM",
+    ),
+    "llava": Family(
+        _models("llava"),
+        (),
+        rope=False,  # the language tower's row applies RoPE
+        layer_norm=True,
+        language_model=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="LlavaForConditionalGeneration",
+    ),
+    "paligemma": Family(
+        _models("paligemma"),
+        (),
+        rope=False,  # the language tower's row applies RoPE
+        layer_norm=True,
+        language_model=True,
+        final_logit_softcapping=True,  # read from the text config: PaliGemma 2's Gemma 2 softcaps
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="PaliGemmaForConditionalGeneration",
+    ),
+    "internvl": Family(
+        _models("internvl"),
+        ("InternVLVisionRMSNorm",),  # where the vision config's norm_type is rms_norm; else nn.LayerNorm
+        rope=False,  # the language tower's row applies RoPE
+        layer_norm=True,
+        language_model=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="InternVLForConditionalGeneration",
+    ),
+    "mistral3": Family(
+        _models("mistral3"),
+        ("Mistral3RMSNorm",),  # the projector's
+        rope=False,  # the language tower's row applies RoPE
+        language_model=True,
+        unfit=(
+            (
+                "rms_norm",
+                "the Pixtral vision tower's PixtralRMSNorm lives in modeling_pixtral, which the table does not patch",
+            ),
+            (
+                "swiglu",
+                "the Pixtral vision tower's PixtralMLP lives in modeling_pixtral, which the table does not patch",
+            ),
+        ),
+        causal_lm="Mistral3ForConditionalGeneration",
+    ),
 }
 
 
@@ -219,7 +455,7 @@ def modeling_module(model_type: str, family: Family | None = None):
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *_swapped_classes(family), family.causal_lm]
+    targets = [*family.rms_norm, *_swapped_classes(family), *family.vision_mlp, family.causal_lm]
     targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
     if missing:
@@ -260,6 +496,45 @@ def _unsupported(report: PatchReport, wanted: dict[str, bool]) -> PatchReport:
     return report
 
 
+def _language_row(config) -> tuple[str, Family | None]:
+    """For a `language_model` row: the model_type of its language tower and that family's row (None if untabled)."""
+    language_type = config.get_text_config().model_type
+    language = FAMILIES.get(language_type)
+    if language is None or language.language_model:
+        return language_type, None
+    return language_type, language.installed()
+
+
+def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport, rms_norm: bool, swiglu: bool) -> None:
+    """Replace the row's norms, gated MLPs and experts in `model`, counting them in `report`."""
+    mlp_swaps = _swapped_classes(family)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
+    norm_options = {"in_place_backward": family.in_place_norm_backward}
+    if not family.gemma_norm:
+        norm_options["casting"] = family.norm_casting
+
+    def count(swap: str) -> None:
+        report.applied[swap] = report.applied.get(swap, 0) + 1
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            kind = type(child).__name__
+            if rms_norm and kind in family.rms_norm:
+                setattr(parent, name, norm_class.from_module(child, **norm_options))
+                count("rms_norm")
+            elif rms_norm and family.layer_norm and type(child) is nn.LayerNorm and child.weight is not None:
+                setattr(parent, name, LayerNorm.from_module(child))
+                count("layer_norm")
+            elif swiglu and kind in mlp_swaps:
+                replacement, swap = mlp_swaps[kind]
+                setattr(parent, name, replacement.from_module(child, text_config))
+                count(swap)
+            elif swiglu and kind in family.vision_mlp:
+                setattr(parent, name, GatedMLP.from_module(child, config.vision_config))
+                count("gated_mlp")
+
+
 def apply(
     model: nn.Module,
     rms_norm: bool = True,
@@ -272,7 +547,8 @@ def apply(
 
     `fused_linear_cross_entropy` makes the `*ForCausalLM` forward compute the loss without logits when
     training with labels (see `tigon.kernels.patching.causal_lm`); `loss_chunk_tokens` sets that loss's
-    tokens per chunk (None: the op's own rule). Returns what was swapped.
+    tokens per chunk (None: the op's own rule). Returns what was swapped; its `skipped` names each part of
+    the family a requested kernel leaves as transformers wrote it, with the reason.
     """
     check_chunk_size("loss_chunk_tokens", loss_chunk_tokens, "tokens")
     config = getattr(model, "config", None)
@@ -288,24 +564,24 @@ def apply(
     if family is None:
         return _unsupported(report, wanted)
     family = family.installed()
-    module = modeling_module(model_type, family)
-
-    mlp_swaps = _swapped_classes(family)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    norm_class = GemmaRMSNorm if family.gemma_norm else RMSNorm
-    norm_options = {"in_place_backward": family.in_place_norm_backward}
-    if not family.gemma_norm:
-        norm_options["casting"] = family.norm_casting
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            kind = type(child).__name__
-            if rms_norm and kind in family.rms_norm:
-                setattr(parent, name, norm_class.from_module(child, **norm_options))
-                report.applied["rms_norm"] = report.applied.get("rms_norm", 0) + 1
-            elif swiglu and kind in mlp_swaps:
-                replacement, swap = mlp_swaps[kind]
-                setattr(parent, name, replacement.from_module(child, text_config))
-                report.applied[swap] = report.applied.get(swap, 0) + 1
+    rows = [(family, modeling_module(model_type, family))]
+    skipped = []
+    if family.language_model:
+        language_type, language = _language_row(config)
+        if language is None:
+            skipped += [
+                f"{kernel} (the language model is {language_type!r}, which has no kernel table entry)"
+                for kernel in ("rms_norm", "rope", "swiglu")
+                if wanted[kernel]
+            ]
+        else:
+            rows.append((language, modeling_module(language_type, language)))
+    for row, module in rows:
+        _swap_modules(model, row, config, report, rms_norm, swiglu)
+        if rope and row.rope:
+            module.apply_rotary_pos_emb = _rope_function(row, module)
+            report.applied["rope"] = 1
+        skipped += _unfit(row, wanted)
     if fused_linear_cross_entropy:
         for causal_lm in model.modules():
             if type(causal_lm).__name__ == family.causal_lm:
@@ -314,10 +590,7 @@ def apply(
                 causal_lm.__dict__[LOSS_CHUNK_TOKENS] = loss_chunk_tokens
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
-    if rope and family.rope:
-        module.apply_rotary_pos_emb = _rope_function(family, module)
-        report.applied["rope"] = 1
-    report.skipped = _unfit(family, wanted)
+    report.skipped = skipped
     if fused_linear_cross_entropy and "fused_linear_cross_entropy" not in report.applied:
         report.skipped.append(
             f"fused_linear_cross_entropy ({type(model).__name__} has no {family.causal_lm}: the fused loss replaces "
@@ -391,9 +664,23 @@ def apply_to(
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
-    report.skipped = _unfit(family, wanted)
+    report.skipped = _unfit(family, wanted) + _left_to_apply(family, wanted)
     logger.info("%s", report)
     return report
+
+
+def _left_to_apply(family: Family, wanted: dict[str, bool]) -> list[str]:
+    """What only `apply` can swap: instances of torch's LayerNorm, vision MLPs and the language tower's family."""
+    left = []
+    if wanted["rms_norm"] and family.layer_norm:
+        left.append("layer_norm (torch.nn.LayerNorm is not the family's class: apply() swaps its instances)")
+    if wanted["swiglu"] and family.vision_mlp:
+        left.append("swiglu (the vision tower's gated MLPs take the vision config: apply() swaps them)")
+    if family.language_model:
+        left.append(
+            "language model (its family comes from a built model's text_config: apply(), or apply_to(its model_type))"
+        )
+    return left
 
 
 class AutoModelForCausalLM:

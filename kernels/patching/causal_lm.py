@@ -10,9 +10,10 @@ the family's forward runs untouched, so generation and evaluation get their logi
 
 The loss is Hugging Face's `ForCausalLMLoss`: labels shifted left and padded with `ignore_index`,
 `shift_labels` used as given, `num_items_in_batch` dividing the summed loss (gradient accumulation),
-the family's head quirks from its table row (Gemma 2/3 `final_logit_softcapping`, Granite
-`logits_scaling`), the MoE auxiliary loss added as the family does. Under autocast the head runs in
-the autocast dtype, as `nn.Linear` would.
+the family's head quirks from its table row, read from the text config (Gemma 2/3 and PaliGemma
+`final_logit_softcapping`, Granite `logits_scaling`, Falcon-H1 `lm_head_multiplier`), the MoE auxiliary
+loss added as the family does (its coefficient on the model, or on the text config for vision-language
+MoEs). Under autocast the head runs in the autocast dtype, as `nn.Linear` would.
 """
 
 from __future__ import annotations
@@ -63,10 +64,12 @@ def causal_lm_loss(
 
     head = model.get_output_embeddings()
     weight, bias = head.weight, head.bias
-    config = model.config
+    config = model.config.get_text_config()
     if family.logits_scaling:
         hidden = hidden / config.logits_scaling
-    softcap = config.final_logit_softcapping if family.final_logit_softcapping else None
+    if family.logits_multiplier:
+        hidden = hidden * config.lm_head_multiplier
+    softcap = getattr(config, "final_logit_softcapping", None) if family.final_logit_softcapping else None
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return fused_linear_cross_entropy(
@@ -91,12 +94,20 @@ def _store_last_hidden_state(decoder: nn.Module, args, output) -> None:
         box[-1] = output[0]
 
 
+def decoder_of(causal_lm: nn.Module) -> nn.Module:
+    """The decoder whose output is the final hidden states: `get_decoder()`, or where that lookup stops at a causal
+    LM (a module with an LM head: Llama4ForCausalLM, alone or as Llama4ForConditionalGeneration's language model),
+    that causal LM's `model`."""
+    decoder = causal_lm.get_decoder()
+    return decoder.model if decoder.get_output_embeddings() is not None else decoder
+
+
 def keep_last_hidden_state(causal_lm: nn.Module) -> list:
     """The list the decoder's forward hook fills with its `last_hidden_state` (installed once per model).
 
     A hook, not `output_hidden_states=True`: transformers' output capturing breaks torch.compile graphs.
     """
-    decoder = causal_lm.get_decoder()
+    decoder = decoder_of(causal_lm)
     if LAST_HIDDEN not in decoder.__dict__:
         decoder.__dict__[LAST_HIDDEN] = []
         decoder.register_forward_hook(_store_last_hidden_state)
@@ -175,7 +186,10 @@ def fused_forward(original, family: Family):
         )
         loss = run_as_forward(head, loss_of, hidden) if gathered_in_own_forward(head) else loss_of(hidden)
         if getattr(out, "aux_loss", None) is not None:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
+            coefficient = (
+                getattr(self, "router_aux_loss_coef", None) or self.config.get_text_config().router_aux_loss_coef
+            )
+            loss = loss + coefficient * out.aux_loss.to(loss.device)
         fields = {name: value for name, value in out.items() if name not in ("logits", "loss")}
         result = type(out)(loss=loss, **fields)
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import relative_error
-from tests.kernels.test_patching import FAMILY_CASES
+from tests.kernels.test_patching import FAMILY_CASES, MULTIMODAL, ROPE_KEY, TOWERS
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -70,9 +70,17 @@ CPU_FAMILIES = {
 
 
 def build(model_type: str, size: dict, overrides: dict) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(model_type, **size, **overrides)
+    """The family's model at `size`; a vision-language family's language tower at `size` beside the one-layer
+    vision tower of test_patching's MULTIMODAL (trained on text, so the vision tower stays as built)."""
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if model_type not in MULTIMODAL:
+        config = transformers.AutoConfig.for_model(model_type, **{**size, **overrides}, **TOWERS.get(model_type, {}))
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    vision, text = MULTIMODAL[model_type]
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**size, **overrides, **text}, vision_config=vision
+    )
+    return transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
 
 
 class Run(NamedTuple):
@@ -123,16 +131,25 @@ def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
         assert error < GRAD_BOUND, f"step 0 (same weights): the gradient of {name} differs by {error:.2e}"
 
 
+def rope_functions() -> dict:
+    """Every table family's modeling module -> its module-level `apply_rotary_pos_emb` now."""
+    modelings = {importlib.import_module(family.modeling) for family in FAMILIES.values()}
+    return {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
+
+
 @contextlib.contextmanager
-def rope_function(model_type: str, function):
-    """The family's module-level `apply_rotary_pos_emb` set to `function` for the block. tigon's RoPE patch is
-    module-wide, so without this the unpatched baseline would run tigon's RoPE too."""
-    modeling = importlib.import_module(FAMILIES[model_type].modeling)
-    saved, modeling.apply_rotary_pos_emb = modeling.apply_rotary_pos_emb, function
+def rope_functions_set(functions: dict):
+    """The modules' `apply_rotary_pos_emb` set to `functions` for the block. tigon's RoPE patch is module-wide (a
+    vision-language model's language tower may be another family's), so without this the unpatched baseline would
+    run tigon's RoPE too."""
+    saved = rope_functions()
+    for module, function in functions.items():
+        module.apply_rotary_pos_emb = function
     try:
         yield
     finally:
-        modeling.apply_rotary_pos_emb = saved
+        for module, function in saved.items():
+            module.apply_rotary_pos_emb = function
 
 
 def train_all(
@@ -156,12 +173,12 @@ def train_all(
     if exact is not None and FAMILIES[model_type].installed().experts:
         exact.set_experts_implementation("eager")  # the same function as transformers' plain loop, in any dtype
     patched = copy.deepcopy(baseline)
-    original_rope = importlib.import_module(FAMILIES[model_type].modeling).apply_rotary_pos_emb
+    original_ropes = rope_functions()
     report = apply(patched, **(kernels or {}))
     assert report.applied["rms_norm"] > 0 and report.applied["fused_linear_cross_entropy"] == 1
 
     ours = train(patched, data, held_out, batch, device, adam_eps)
-    with rope_function(model_type, original_rope):
+    with rope_functions_set(original_ropes):
         theirs = train(baseline, data, held_out, batch, device, adam_eps)
         truth = train(exact, data, held_out, batch, device, adam_eps) if exact is not None else None
     assert theirs.losses[-1] < theirs.losses[0] * 2 / 3, f"the loss did not fall: {theirs.losses}"
@@ -206,6 +223,8 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
     overrides = FAMILY_CASES[model_type][0]
     if "moe_intermediate_size" in overrides:
         overrides = {**overrides, "moe_intermediate_size": 704}
+    if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # the sections span head_dim / 2
+        overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": [16, 8, 8]}}
     ours, theirs, truth = train_all(
         model_type,
         REAL_WIDTHS,
