@@ -146,7 +146,9 @@ def in_root_forward(model: nn.Module, function: Callable[[bool], T]) -> T:
 
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-        return run_as_forward(model, lambda: function(True))
+        # an argument for FSDP2's root pre-forward, which on a GPU moves the call's arguments and fails on none
+        placeholder = torch.zeros(())
+        return run_as_forward(model, lambda _: function(True), placeholder)
     return function(False)
 
 
