@@ -204,8 +204,10 @@ def evaluate_distill(model: nn.Module, dataset, config: RunConfig, env: DistEnv,
         with autocast(device, config.training.precision):
             ce, jsd = distill_sums(model, teacher, batch, config, device)
         if chunk:
-            totals += torch.tensor([float(ce), float(jsd), label_tokens(batch["labels"])], dtype=torch.float64)
-    ce_sum, jsd_sum, n_label = (float(value) for value in all_reduce_sum(totals.to(device), env))
+            totals += torch.tensor(
+                [float(ce), float(jsd), label_tokens(batch["labels"])], dtype=torch.float64, device=device
+            )
+    ce_sum, jsd_sum, n_label = (float(value) for value in all_reduce_sum(totals, env))
     if n_label == 0:
         return {"loss": float("nan")}
     alpha = config.objective.resolved_alpha
