@@ -177,16 +177,26 @@ def test_preset_is_its_source_models_shape(family):
     assert tiny_config.model_type == family and tiny < 2e6 and tiny_config.vocab_size == 512
 
 
+#: families whose blocks the planner's shape does not model yet: their benchmark rows say "not modeled"
+PLANNER_UNMODELED = {
+    "glm4_moe": "its routed and shared experts and dense first layers",
+    "gpt_oss": "its experts (with biases) and attention sinks",
+    "falcon_h1": "its Mamba-2 mixer beside attention",
+}
+
+
 def test_the_planner_counts_every_presets_parameters():
     """The planner's shape (dense, or with its MoE block) counts every preset, real, shortened and tiny, within
-    2%: no family's estimate is left out as "not modeled"."""
+    2%, except the families named in PLANNER_UNMODELED, whose estimate is left out as "not modeled" (and which
+    leave that list once the planner counts them)."""
     from benchmarks.end_to_end import estimate_note
     from tigon.runtime.planner import ModelShape
 
     for family, preset in PRESETS.items():
         for config in (preset.config, preset.shape(), preset.tiny_shape()):
             params, hf_config = _count(family, config)
-            assert estimate_note(ModelShape.from_hf_config(hf_config), params) is None, family
+            note = estimate_note(ModelShape.from_hf_config(hf_config), params)
+            assert (note is not None) == (family in PLANNER_UNMODELED), (family, note)
 
 
 def test_a_shape_the_planner_does_not_count_is_not_modeled():
