@@ -817,23 +817,33 @@ def worker(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def run_in_subprocess(spec: dict, timeout: float) -> dict:
-    """`worker(spec)` in a fresh interpreter; its JSON is the last line of its stdout."""
-    command = [sys.executable, "-m", "benchmarks.end_to_end", "--worker", json.dumps(spec)]
-    head = {"family": spec.get("family", "llama"), "variant": spec["variant"], "seq": spec["seq"], "oom": False}
+def run_worker(module: str, spec: dict, head: dict, timeout: float, label: str = "") -> dict:
+    """`python -m <module> --worker <spec>` in a fresh interpreter; its result is the last line of its stdout
+    (JSON), with `wall_seconds`. A timeout or a failure gives `head` with the error (a failure's stderr is printed,
+    after `label` when given), so one broken run does not stop the rest."""
+    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
     started = time.monotonic()
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        print(f"{head['family']} {spec['variant']} at seq {spec['seq']} timed out after {timeout:.0f} s")
+        if label:
+            print(f"{label} timed out after {timeout:.0f} s")
         return {**head, "error": f"timed out after {timeout:.0f} s", "wall_seconds": time.monotonic() - started}
     wall = time.monotonic() - started
-    if done.returncode != 0 or not done.stdout.strip():  # recorded, so one broken variant does not stop the rest
-        print(f"{head['family']} {spec['variant']} at seq {spec['seq']} failed (exit {done.returncode}):")
+    if done.returncode != 0 or not done.stdout.strip():
+        if label:
+            print(f"{label} failed (exit {done.returncode}):")
         print(done.stderr[-3000:])
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
         return {**head, "error": last, "wall_seconds": wall}
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_seconds": wall}
+
+
+def run_in_subprocess(spec: dict, timeout: float) -> dict:
+    """`worker(spec)` in a fresh interpreter (`run_worker`)."""
+    head = {"family": spec.get("family", "llama"), "variant": spec["variant"], "seq": spec["seq"], "oom": False}
+    label = f"{head['family']} {spec['variant']} at seq {spec['seq']}"
+    return run_worker("benchmarks.end_to_end", spec, head, timeout, label)
 
 
 def describe(result: dict) -> str:

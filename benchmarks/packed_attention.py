@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.end_to_end import PRESETS, ROOT, Budget, environment, liger_function, write_atomic
+from benchmarks.end_to_end import PRESETS, Budget, environment, liger_function, run_worker, write_atomic
 
 GiB = 2**30
 VARIANTS = {  # variant: (tigon's kernels, model.attn_implementation, Liger-Kernel)
@@ -244,20 +242,8 @@ def hf_step(model, config, device):
 
 
 def run_in_subprocess(spec: dict, timeout: float) -> dict:
-    """`worker(spec)` in a fresh interpreter; its JSON is the last line of its stdout."""
-    command = [sys.executable, "-m", "benchmarks.packed_attention", "--worker", json.dumps(spec)]
-    head = {"variant": spec["variant"], "seq": spec["seq"]}
-    started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**head, "error": f"timed out after {timeout:.0f} s", "wall_seconds": time.monotonic() - started}
-    wall = time.monotonic() - started
-    if done.returncode != 0 or not done.stdout.strip():
-        print(done.stderr[-3000:])
-        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return {**head, "error": last, "wall_seconds": wall}
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_seconds": wall}
+    """`worker(spec)` in a fresh interpreter (`run_worker`)."""
+    return run_worker("benchmarks.packed_attention", spec, {"variant": spec["variant"], "seq": spec["seq"]}, timeout)
 
 
 def outcome(run: dict) -> str | None:

@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.end_to_end import LLAMA_32_1B, PRESETS, TINY, liger_function
+from benchmarks.end_to_end import LLAMA_32_1B, PRESETS, TINY, liger_function, run_worker
 from benchmarks.harness import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,20 +153,10 @@ class StepTimer:
 
 
 def run_in_subprocess(spec: dict, timeout: float) -> dict:
-    """`worker(spec)` in a fresh interpreter; its JSON is the last line of its stdout."""
-    head = {"trainer": spec["trainer"], "variant": spec["variant"]}
-    command = [sys.executable, "-m", "benchmarks.trl_integration", "--worker", json.dumps(spec)]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ)
-    except subprocess.TimeoutExpired:
-        return {**head, "error": f"timed out after {timeout:.0f} s"}
-    wall = time.monotonic() - started
-    if done.returncode != 0 or not done.stdout.strip():
-        print(done.stderr[-3000:])
-        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
-        return {**head, "error": last, "wall_seconds": wall}
-    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_seconds": wall}
+    """`worker(spec)` in a fresh interpreter (`run_worker`)."""
+    return run_worker(
+        "benchmarks.trl_integration", spec, {"trainer": spec["trainer"], "variant": spec["variant"]}, timeout
+    )
 
 
 def describe(result: dict) -> str:
