@@ -37,6 +37,15 @@ def poison_uninitialized_memory():
 
 
 @pytest.fixture
+def one_thread():
+    """For tests of tiny models: one torch thread is faster than two that other processes' threads contend with."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,20 +14,12 @@ from tigon.kernels.trl_losses import UnsupportedByTigon
 
 trl = pytest.importorskip("trl")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 2
 # The fused losses alone (the layer kernels through the Triton interpreter are slow, and tested on their own), with
 # one pair (or sequence) a chunk at these lengths, so a micro-batch takes several chunks
 TIGON = functools.partial(use_tigon, rms_norm=False, rope=False, swiglu=False, loss_chunk_tokens=16)
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster than two that other processes' threads contend with."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class LogitRows(TorchDispatchMode):

@@ -17,14 +17,7 @@ from pathlib import Path
 
 import pytest
 
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=64,
-)
+from tests.runtime.test_trainer import TINY_MODEL
 
 
 def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
@@ -41,7 +34,7 @@ def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **{**TINY_LLAMA, **overrides},
+        **{**TINY_MODEL, **overrides},
     )
     LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -15,19 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.test_trainer import TINY_MODEL, tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.trainer import train
-
-OVERRIDES = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-}
 
 
 def _logging(run_dir: Path) -> dict:
@@ -46,7 +37,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path):
         return tiny_config(
             tmp_path,
             n_train=60,
-            model={"config_overrides": {**OVERRIDES, "attention_dropout": 0.2}},
+            model={"config_overrides": {**TINY_MODEL, "attention_dropout": 0.2}},
             training={"max_steps": max_steps, "warmup_steps": 2, "lr_schedule": "constant", "weight_decay": 0.1},
             checkpoint={"every_steps": 3, "keep_last": 2, "resume": True},
             eval={"metrics": []},
@@ -125,7 +116,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
 
     first = tiny_config(tmp_path, training={"max_steps": 1}, checkpoint={"every_steps": 1, "resume": True})
     train(first)
-    wider = {**OVERRIDES, "hidden_size": 64}
+    wider = {**TINY_MODEL, "hidden_size": 64}
     second = tiny_config(tmp_path, model={"config_overrides": wider}, checkpoint={"every_steps": 1, "resume": True})
     with pytest.raises(ConfigError, match="different model settings; use another logging.run_dir"):
         train(second)

@@ -19,19 +19,11 @@ from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.tokenizer import build_char_tokenizer
 from tigon.runtime.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = [{"instruction": f"{a}+{b}=", "response": str(a + b)} for a, b in [(3, 4), (12, 9), (40, 2), (7, 77)] * 2]
 OBJECTIVE = {"type": "distill", "alpha": 0.3, "beta": 0.4, "temperature": 2.0}
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster than two that other processes' threads contend with."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def save_llama(directory: Path, seed: int, hidden: int, vocab_extra: int = 0, init: float = 0.02) -> Path:

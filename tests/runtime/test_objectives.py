@@ -12,29 +12,21 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.runtime.hub_cache import save_tiny_llama
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.data import MalformedRecordError
 from tigon.runtime.preference_data import build_preference_datasets, tokenize_preference
 from tigon.runtime.tokenizer import build_char_tokenizer
 from tigon.runtime.trainer import train
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
 PAIRS = [
     {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
     for a, b in [(3, 4), (12, 9), (40, 2), (7, 77), (5, 5), (31, 18), (2, 60), (9, 9)]
 ]
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster than two that other processes' threads contend with."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -44,29 +36,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def tiny_model_dir(tmp_path: Path) -> Path:
     """A tiny Llama (random init, seed 0) and the char tokenizer, saved as a from_pretrained directory."""
-    import transformers
-
     directory = tmp_path / "model"
-    if directory.is_dir():
-        return directory
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return directory if directory.is_dir() else save_tiny_llama(directory, tie_word_embeddings=False)
 
 
 def preference_config(tmp_path: Path, objective: dict | str, records: list[dict] = PAIRS, **sections):

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tests.runtime.test_trainer import TINY_MODEL
+
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # fp32: max |difference| / max |reference|, per step loss and per parameter
 STEPS = 3
@@ -46,12 +48,7 @@ def tiny_llama(tied: bool, frozen: bool) -> torch.nn.Module:
 
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
+        **TINY_MODEL,
         tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
