@@ -40,6 +40,13 @@ def causal_lm(trainer, model: nn.Module) -> nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
+def policy_hidden_and_head(trainer, model: nn.Module, model_inputs: dict) -> tuple:
+    """(the causal LM, its last hidden states from a forward that projects no logits, lm_head's weight and bias)."""
+    inner = causal_lm(trainer, model)
+    weight, bias = plain_head(inner)
+    return inner, last_hidden_state(model, inner, **model_inputs), weight, bias
+
+
 def plain_head(inner: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """lm_head's weight and bias, for a head the fused ops compute exactly: a plain linear map."""
     config = inner.config.get_text_config()
@@ -125,9 +132,7 @@ def sft_compute_loss(self, model, inputs, return_outputs=False, num_items_in_bat
     """SFTTrainer's loss (`nll`, or `dft` as token scaling) and `mean_token_accuracy` from the fused cross entropy."""
     mode = "train" if self.model.training else "eval"
     model_inputs = {name: value for name, value in inputs.items() if name not in ("labels", "shift_labels")}
-    inner = causal_lm(self, model)
-    hidden = last_hidden_state(model, inner, **model_inputs)
-    weight, bias = plain_head(inner)
+    inner, hidden, weight, bias = policy_hidden_and_head(self, model, model_inputs)
     target = inputs["shift_labels"] if "shift_labels" in inputs else next_token_target(inputs["labels"])
     out = F.fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -219,9 +224,7 @@ def dpo_compute_loss(self, model, inputs, return_outputs):
     skip = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
     model_inputs = {name: value for name, value in inputs.items() if name not in skip}
     target = next_token_target(inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX))
-    inner = causal_lm(self, model)
-    hidden = last_hidden_state(model, inner, **model_inputs)
-    weight, bias = plain_head(inner)
+    inner, hidden, weight, bias = policy_hidden_and_head(self, model, model_inputs)
     if self.precompute_ref_logps:
         reference = {"ref_logps": torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])}
     else:
@@ -272,9 +275,7 @@ def kto_compute_loss(self, model, inputs, return_outputs):
     model_inputs = {k: v for k, v in batch.items() if k not in skip and not k.startswith("KL_")}
     target = next_token_target(batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX))
     desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=target.device)
-    inner = causal_lm(self, model)
-    hidden = last_hidden_state(model, inner, **model_inputs)
-    weight, bias = plain_head(inner)
+    inner, hidden, weight, bias = policy_hidden_and_head(self, model, model_inputs)
     kl_inputs = {
         **model_inputs,
         "input_ids": batch.get("KL_input_ids"),
@@ -358,9 +359,7 @@ def _paired_batch(trainer, batch: dict, padding_value: int) -> tuple[dict, torch
 def orpo_batch_loss_metrics(self, model, batch, train_eval="train"):
     """ORPOTrainer's loss (the NLL over the chosen prompt and completion, as TRL takes it) and its metrics."""
     model_inputs, labels = _paired_batch(self, batch, self.padding_value)
-    inner = causal_lm(self, model)
-    hidden = last_hidden_state(model, inner, **model_inputs)
-    weight, bias = plain_head(inner)
+    inner, hidden, weight, bias = policy_hidden_and_head(self, model, model_inputs)
     target = next_token_target(labels)
     whole = model_inputs["input_ids"].masked_fill(model_inputs["attention_mask"] == 0, IGNORE_INDEX)
     loss, metrics = F.fused_linear_orpo(
@@ -376,9 +375,7 @@ def orpo_batch_loss_metrics(self, model, batch, train_eval="train"):
 def cpo_batch_loss_metrics(self, model, batch, train_eval="train"):
     """CPOTrainer's loss ('sigmoid': CPO, 'simpo': SimPO, each with the `cpo_alpha` NLL term) and its metrics."""
     model_inputs, labels = _paired_batch(self, batch, self.pad_token_id)
-    inner = causal_lm(self, model)
-    hidden = last_hidden_state(model, inner, **model_inputs)
-    weight, bias = plain_head(inner)
+    inner, hidden, weight, bias = policy_hidden_and_head(self, model, model_inputs)
     target = next_token_target(labels)
     options = {
         "beta": self.beta,
