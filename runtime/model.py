@@ -267,8 +267,9 @@ def enable_activation_checkpointing(model: nn.Module, layers: int | None = None)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if layers is None:
         return
-    checkpointed = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
-    decoder_layers = [module for module in checkpointed if not hasattr(module, "get_input_embeddings")]
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    decoder_layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     if not decoder_layers:
         raise ConfigError(
             f"training.gradient_checkpointing: {layers} checkpoints some layers, but {type(model).__name__}'s layers "
