@@ -63,7 +63,7 @@ def gpu_config(tmp_path: Path) -> Path:
     return path
 
 
-def pyflyte_run(config: Path, run_dir: Path, templates: Path, on_start=None) -> subprocess.CompletedProcess:
+def pyflyte_run(config: Path, run_dir: Path, templates: Path, on_start=None) -> None:
     """`pyflyte run workflows/finetune.py finetune` with the local GPU template, from the repository root."""
     command = [sys.executable, "-m", "flytekit.clis.sdk_in_container.pyflyte", "run", "workflows/finetune.py"]
     command += ["finetune", "--config", str(config), "--steps", str(STEPS), "--run_dir", str(run_dir)]
@@ -77,7 +77,6 @@ def pyflyte_run(config: Path, run_dir: Path, templates: Path, on_start=None) -> 
     if watcher:
         watcher.join()
     assert process.returncode == 0, output[-6000:]
-    return subprocess.CompletedProcess(command, process.returncode, output)
 
 
 def losses(run_dir: Path) -> list[float]:
