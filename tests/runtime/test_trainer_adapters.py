@@ -18,8 +18,8 @@ import fsspec
 import pytest
 import torch
 
-from tests.runtime.test_checkpoint import OVERRIDES, _capture_before_export
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.test_checkpoint import _capture_before_export
+from tests.runtime.test_trainer import TINY_MODEL, tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.storage import RunStorage
@@ -107,7 +107,7 @@ def test_adapter_resumes_exactly_from_its_checkpoint(tmp_path, trainer):
         return adapter_config(
             tmp_path,
             trainer,
-            model={"config_overrides": {**OVERRIDES, "attention_dropout": 0.2}},
+            model={"config_overrides": {**TINY_MODEL, "attention_dropout": 0.2}},
             training={"max_steps": max_steps, "lr_schedule": "constant"},
             checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": True, "remote_dir": remote_dir},
             eval={"metrics": []},
