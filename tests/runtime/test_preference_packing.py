@@ -124,3 +124,31 @@ def test_packed_training_gives_the_padded_losses_and_metrics(tmp_path, objective
         for name in names:
             assert abs(a[name] - b[name]) <= 1e-5 * max(1.0, abs(a[name])), (name, padded, packed)
     assert padded[1]["loss"] != padded[0]["loss"]  # the step trained: the comparison covers an update
+
+
+def test_packed_pairs_under_fsdp2_give_the_padded_ddp_run(tmp_path):
+    """torchrun, 2 ranks x micro-batch 2 x accumulation 2, 2 steps with a held-out evaluation: packed DPO rows
+    (varlen boundaries) under FSDP2, the policy and its frozen reference copy sharded and the fused op run inside the
+    root's forward, give the padded DDP run's per-step losses, last-step metrics and evaluation within 1e-5."""
+    from tests.runtime.test_parallel import launch
+
+    runs = {}
+    for name, packing, strategy in [("padded-ddp", False, "ddp"), ("packed-fsdp", True, "fsdp")]:
+        runs[name] = preference_config(
+            tmp_path,
+            {"type": "dpo", "reference": "model"},
+            training={"micro_batch_size": 2, "max_steps": 2},
+            data={"packing": packing, "eval": str(tmp_path / "train.jsonl")},
+            model={"attn_implementation": "varlen"},
+            parallelism={"strategy": strategy},
+            logging={"run_dir": str(tmp_path / name)},
+        )
+    records = launch(tmp_path, runs, timeout=600)
+    padded, packed = records["padded-ddp"], records["packed-fsdp"]
+    last_padded, last_packed = (logged_steps(tmp_path / name)[-1] for name in runs)
+    pairs = [*zip(packed["losses"], padded["losses"], strict=True)]
+    pairs += [(last_packed[key], last_padded[key]) for key in last_padded if "/" in key]
+    pairs += [(packed["eval"][key], padded["eval"][key]) for key in padded["eval"]]
+    assert len(pairs) > 8 and len(padded["losses"]) == 2
+    for got, want in pairs:
+        assert abs(got - want) <= 1e-5 * abs(want) + 1e-7, (padded, packed)
