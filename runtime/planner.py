@@ -429,11 +429,8 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
 
 
 def loss_kind(config: RunConfig) -> str:
-    """The Workload.loss of a run's objective."""
-    objective = config.objective.type
-    if objective in ("sft", "kto", "distill"):
-        return {"sft": "cross_entropy"}.get(objective, objective)
-    return "pairs"
+    """The Workload.loss of a run's objective: dpo, orpo, simpo and cpo run the paired op."""
+    return {"sft": "cross_entropy", "kto": "kto", "distill": "distill"}.get(config.objective.type, "pairs")
 
 
 def setting_of(config: RunConfig) -> Setting:
@@ -688,6 +685,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     weights = s.params * w
     if work.quantized_bytes:
         weights -= int(work.linear_params * (w - work.quantized_bytes))
+    loaded = weights  # before any sharding
     grads = trainable * w
     states = 2 * trainable * w
     gathered = 0
@@ -759,8 +757,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     if work.frozen is not None:  # before the trained model's forward: no activations yet
         moments["frozen forward"] = {**fixed, "frozen forward": frozen_forward, "gradients": carried}
     if work.reference_pass:  # before training: the whole model, scoring the data without gradient
-        whole = s.params * w - (int(work.linear_params * (w - work.quantized_bytes)) if work.quantized_bytes else 0)
-        moments["reference pass"] = {"reference pass": reference_pass_bytes(work, setting.micro_batch, whole)}
+        moments["reference pass"] = {"reference pass": reference_pass_bytes(work, setting.micro_batch, loaded)}
     totals = {name: int(sum(parts.values())) for name, parts in moments.items()}
     moment = max(totals, key=totals.get)
     return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()}, totals)

@@ -668,12 +668,11 @@ def test_packed_pairs_under_sdpa_are_one_row_with_one_mask(tmp_path):
     packed ones, with an int64 index; under varlen the layers are the padded rows' (no mask either way)."""
     sdpa = {"attn_implementation": "sdpa"}
     padded = preference_work(tmp_path, "dpo", model=sdpa)
-    packed = preference_work(
-        tmp_path, "dpo", model=sdpa, data={"packing": True}, training={"gradient_checkpointing": True}
-    )
+    packed = preference_work(tmp_path, "dpo", model=sdpa, data={"packing": True})
     assert (padded.attention, packed.attention, packed.packed_rows) == ("sdpa", "sdpa", True)
     setting = Setting(4, 2, True, True)
-    tokens, row = 8 * 4096, 8 * 4096
+    tokens = 8 * 4096
+    row = tokens  # packed: one row of all 8 sequences
     got, base = estimate(packed, setting), estimate(padded, setting)
     assert got.moments["optimizer"] == base.moments["optimizer"]
     # the checkpoints keep the (rows, 1, T, T) bool mask: one 32768-token row against 8 rows of 4096
