@@ -7,8 +7,9 @@ frozen-model plumbing distillation shares (`tigon.runtime.distill`).
 
 The model runs with no logit positions kept (`logits_to_keep` = an empty index); a forward hook on its decoder
 hands the final hidden states to the fused op (`tigon.kernels.functional.fused_linear_dpo`, ...), which reads
-the head's weight directly: the `(tokens, vocabulary)` logits never exist. A micro-batch holds the chosen rows
-then the rejected rows (as TRL and the ops order them), cut to its longest sequence.
+the head's weight directly: the `(tokens, vocabulary)` logits never exist. The op takes the chosen rows then the
+rejected rows (as TRL orders them), cut to the longest sequence; the model runs them so, or with `data.packing: true`
+as one packed row whose hidden states are gathered into those rows (`tigon.runtime.preference_batch`).
 
 Under FSDP2 the fused op runs inside the root module's forward (`in_root_forward`), where lm_head's weight is
 whole, as tigon's fused next-token loss does inside the patched forward.
