@@ -735,3 +735,29 @@ def test_plan_auto_sizes_preference_and_distill_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "sequence 1024 (2 sequences an item, a pair, packed into one row)" in out
     assert "loss from the fused preference op" in out and "frozen model" in out
+
+
+def test_distill_losses_keep_what_the_planner_counts():
+    """Distillation's fused cross entropy and fused JSD (their kernels, through Triton's interpreter) each keep the
+    hidden states' gradient and the head's (their autograd nodes' saved tensors): with the per-token results, the
+    part of distill_loss_bytes that is not a chunk of logits, exactly."""
+    import torch
+
+    from tigon.kernels import functional as F
+
+    shape = dataclasses.replace(TINY, vocab=10, hidden=8)
+    work = Workload(shape, 12, weight_bytes=4, compute_bytes=4, autocast=False, attention="varlen", loss="distill")
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    target = torch.randint(0, 10, (12,))
+    kept = 0
+    for loss in (
+        F.fused_linear_cross_entropy(hidden, weight, target, reduction="sum"),
+        F.fused_linear_jsd(hidden, weight, torch.randn(12, 8), torch.randn(10, 8), target, reduction="sum"),
+    ):
+        saved = [tensor for tensor in loss.grad_fn.saved_tensors if tensor is not None]  # no bias gradient
+        assert type(loss.grad_fn).__name__.startswith("FusedLinear")
+        kept += sum(tensor.untyped_storage().nbytes() for tensor in saved)
+    assert kept == 2 * 4 * (12 * 8 + 10 * 8)
+    chunk = planner.distill_loss_bytes(work, 1) - kept - (8 + 4) * 12
+    assert chunk % (10 * 8) == 0 and chunk > 0  # whole rows of both heads' float32 logits
