@@ -100,7 +100,11 @@ class DataConfig(Section):
     response_field: Text = "response"
     messages_field: Text = "messages"
     max_seq_len: int = Field(512, gt=0)
-    packing: bool = Field(True, description="pack documents into full sequences; positions restart per document")
+    packing: bool = Field(
+        True,
+        description="pack documents into full sequences; positions restart per document. Preference objectives: "
+        "a micro-batch's sequences laid end to end in one row without padding (unset: false, padded rows)",
+    )
     skip_malformed: bool = Field(False, description="skip malformed records (and report how many) instead of failing")
 
 
@@ -471,6 +475,13 @@ class RunConfig(Section):
                 f"logging.profile_step profiles a step of the torch trainer, not trainer: {self.trainer!r}; set "
                 "trainer: torch, or drop logging.profile_step and use the HF Trainer's or Lightning's own profiler"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _preference_rows_padded_unless_packing_is_set(self) -> RunConfig:
+        """Preference pairs keep TRL's padded rows unless `data.packing: true` is written (the default packs SFT)."""
+        if self.objective.preference and "packing" not in self.data.model_fields_set:
+            self.data.packing = False
         return self
 
     @model_validator(mode="after")

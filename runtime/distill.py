@@ -50,12 +50,6 @@ def check_distill(config: RunConfig) -> None:
             "'sft' only. Set trainer: torch"
         )
     check_parallelism("objective.type 'distill'", config)
-    if config.training.plan == "auto":
-        raise ConfigError(
-            "objective.type 'distill': the memory planner (training.plan: auto) sizes the next-token loss, not the "
-            "distillation loss's buffers; set training.plan: manual and size micro_batch_size yourself (`tigon plan` "
-            "shows the estimate with the teacher counted)"
-        )
 
 
 def check_vocabulary(config: RunConfig, tokenizer, vocab_rows: int) -> None:

@@ -7,8 +7,9 @@ frozen-model plumbing distillation shares (`tigon.runtime.distill`).
 
 The model runs with no logit positions kept (`logits_to_keep` = an empty index); a forward hook on its decoder
 hands the final hidden states to the fused op (`tigon.kernels.functional.fused_linear_dpo`, ...), which reads
-the head's weight directly: the `(tokens, vocabulary)` logits never exist. A micro-batch holds the chosen rows
-then the rejected rows (as TRL and the ops order them), cut to its longest sequence.
+the head's weight directly: the `(tokens, vocabulary)` logits never exist. The op takes the chosen rows then the
+rejected rows (as TRL orders them), cut to the longest sequence; the model runs them so, or with `data.packing: true`
+as one packed row whose hidden states are gathered into those rows (`tigon.runtime.preference_batch`).
 
 Under FSDP2 the fused op runs inside the root module's forward (`in_root_forward`), where lm_head's weight is
 whole, as tigon's fused next-token loss does inside the patched forward.
@@ -41,6 +42,7 @@ from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import DataError
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.distributed import unwrap as unwrap_ddp
+from tigon.runtime.preference_batch import PreferenceRows, preference_rows, rows
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -93,11 +95,6 @@ def check_objective(config: RunConfig) -> None:
             f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
             f"or chat messages, so data.format {config.data.format!r} does not apply; remove data.format"
         )
-    if config.training.plan == "auto":
-        raise ConfigError(
-            f"{name}: the memory planner (training.plan: auto) counts the reference model but not paired rows; set "
-            "training.plan: manual and size micro_batch_size yourself"
-        )
     if "exact_match" in config.eval.metrics:
         raise ConfigError(f"{name} evaluates the preference loss and rewards; set eval.metrics: [loss]")
     if config.lora.enabled and objective.reference_source == "model":
@@ -116,11 +113,6 @@ def check_parallelism(name: str, config: RunConfig) -> None:
             "partitions the head weight the fused loss reads. Set zero_stage: 2, or strategy: fsdp (which shards "
             "the weights too)"
         )
-
-
-def rows(tensor: torch.Tensor) -> torch.Tensor:
-    """(B, R, ...) items -> (R * B, ...): every item's first row, then every item's second (chosen, then rejected)."""
-    return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
 
 
 def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor], direct: bool = False) -> torch.Tensor:
@@ -204,16 +196,14 @@ def preference_loss(
     """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
-    length = int(batch["attention_mask"].sum(-1).max())
-    inputs = {name: rows(batch[name][..., :length]).to(device) for name in ("input_ids", "attention_mask")}
-    labels = rows(batch["labels"][..., :length]).to(device)
-    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
+    target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
     if source == "model":
         frozen = state_of(model).reference
         with torch.no_grad():
-            ref_hidden = final_hidden(frozen, inputs)
+            ref_hidden = layout.op_layout(final_hidden(frozen, layout.inputs))
         ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, *head(frozen, whole=True))
         reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
     elif source == "precomputed":
@@ -221,14 +211,13 @@ def preference_loss(
     elif source == "none":
         reference = {"ref_logps": torch.zeros(target.shape[0], dtype=torch.float64, device=device)}
     return in_root_forward(
-        model, lambda direct: policy_loss(model, inputs, target, reference, batch, config, device, env, direct)
+        model, lambda direct: policy_loss(model, layout, reference, batch, config, device, env, direct)
     )
 
 
 def policy_loss(
     model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    target: torch.Tensor,
+    layout: PreferenceRows,
     reference: dict[str, torch.Tensor],
     batch: dict[str, torch.Tensor],
     config: RunConfig,
@@ -240,7 +229,9 @@ def policy_loss(
     from tigon.kernels import functional as F
 
     objective = config.objective
-    hidden, weight, bias = in_compute_dtype(final_hidden(model, inputs, direct), *head(model))
+    target = layout.target
+    hidden = layout.op_layout(final_hidden(model, layout.inputs, direct))
+    hidden, weight, bias = in_compute_dtype(hidden, *head(model))
     beta = objective.resolved_beta
     if objective.type == "dpo":
         return F.fused_linear_dpo(
@@ -379,19 +370,17 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
     return float(stacked[-1]), float(grad_norm), n_tokens
 
 
-def sequence_reference_logps(model: nn.Module, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
-    """Summed completion log-probs `(B, R)` float64 of a batch of items under `model`, without gradient."""
+def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, device: torch.device) -> torch.Tensor:
+    """Summed completion log-probs `(B, R)` float64 of a batch of items under `model`, without gradient, with the
+    rows laid out as training lays them (`data.packing`)."""
     from tigon.kernels import functional as F
     from tigon.runtime.trainer import autocast
 
-    length = int(batch["attention_mask"].sum(-1).max())
-    input_ids = rows(batch["input_ids"][..., :length]).to(device)
-    labels = rows(batch["labels"][..., :length]).to(device)
-    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    with torch.no_grad(), autocast(device, precision):
-        inputs = {"input_ids": input_ids, "attention_mask": rows(batch["attention_mask"][..., :length]).to(device)}
-        hidden, weight, bias = in_compute_dtype(final_hidden(model, inputs), *head(model, whole=True))
-        logps = F.sequence_logps(hidden, weight, target, bias)
+    layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
+    with torch.no_grad(), autocast(device, config.training.precision):
+        hidden = layout.op_layout(final_hidden(model, layout.inputs))
+        hidden, weight, bias = in_compute_dtype(hidden, *head(model, whole=True))
+        logps = F.sequence_logps(hidden, weight, layout.target, bias)
     return logps.reshape(batch["input_ids"].shape[1], -1).transpose(0, 1)
 
 
@@ -411,7 +400,7 @@ def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: Dist
     for start in range(0, len(indices), size):
         chunk = indices[start : start + size]
         batch = collate([dataset[i] for i in chunk])
-        values[chunk] = sequence_reference_logps(model, batch, device, config.training.precision)
+        values[chunk] = sequence_reference_logps(model, batch, config, device)
     model.train(was_training)
     dataset.ref_logps = all_reduce_sum(values, env).cpu()
 

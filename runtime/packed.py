@@ -66,7 +66,7 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
 
 def pack(config: RunConfig, tokenizer: PreTrainedTokenizerBase, fingerprint: str) -> PackedData:
     """Tokenize and pack the configured data; `fingerprint` is the data's content hash (the cache key)."""
-    if config.objective.preference:  # preference pairs (or KTO's completions): padded rows, not packed
+    if config.objective.preference:  # stored as padded rows; data.packing packs each micro-batch in training
         train, evaluation, summary = build_preference_datasets(config, tokenizer)
     else:
         train, evaluation, summary = build_datasets(config, tokenizer)

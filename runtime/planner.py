@@ -68,7 +68,13 @@ A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference 
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2, which
 shards it too), its final hidden states (its compute dtype x its width per token) and under FSDP2 its gathered
 head to the loss moment, whose fused op reads them, and a moment of its own before the trained model's forward:
-its no-grad forward's transient buffers (`frozen_bytes`). Paired preference rows are not modelled.
+its no-grad forward's transient buffers (`frozen_bytes`).
+
+Preference objectives (`Workload.loss` "pairs" or "kto"): a micro-batch of N items is 2N sequences (`Workload.tokens`),
+as padded rows or, with `data.packing: true`, one packed row, whose mask and scores under sdpa and eager span the
+whole row (`Workload.rows`); the fused preference op replaces the cross entropy (`preference_loss_bytes`), and
+`reference: precomputed` adds a moment before training, the whole model scoring the data (`reference_pass_bytes`).
+Distillation holds the fused cross entropy's and the fused JSD's gradients (`distill_loss_bytes`).
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2 shards
 weights, gradients and states over the world size and gathers two layers (and the embedding and head) at
@@ -289,6 +295,22 @@ class Workload:
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
     frozen: FrozenModel | None = None  # a reference model or teacher run beside it (see frozen_model)
+    # the objective's loss (loss_bytes): next-token, a paired preference op (dpo, orpo, simpo, cpo), kto's, distill's
+    loss: Literal["cross_entropy", "pairs", "kto", "distill"] = "cross_entropy"
+    sequences: int = 1  # sequences per item of a micro-batch: 2 for a pair (KTO: a completion, a mismatched one)
+    packed_rows: bool = False  # a preference micro-batch's sequences end to end in one row (`data.packing: true`)
+    reference_pass: bool = False  # `reference: precomputed`: a no-grad pass over the data before the first step
+
+    def tokens(self, micro_batch: int) -> int:
+        """Tokens of a micro-batch at full length: its sequences x seq_len (the fused preference op's layout)."""
+        return micro_batch * self.sequences * self.seq_len
+
+    def rows(self, micro_batch: int) -> Workload:
+        """The workload as attention sees a micro-batch: packed preference rows are one row of all its tokens, so
+        a mask or eager's scores span that row (`seq_len` is the row's length)."""
+        if not self.packed_rows:
+            return self
+        return dataclasses.replace(self, seq_len=self.tokens(micro_batch), packed_rows=False)
 
     @property
     def linear_params(self) -> int:
@@ -381,7 +403,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
     shape = shape or model_shape(config)
     weight_bytes = DTYPE_BYTES[config.model.dtype]
     narrow = config.training.precision in ("bf16", "fp16")
-    lora = config.lora
+    lora, objective = config.lora, config.objective
     return Workload(
         shape=shape,
         seq_len=config.data.max_seq_len,
@@ -399,7 +421,16 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
         frozen=frozen_model(config, shape),
+        loss=loss_kind(config),
+        sequences=2 if objective.preference else 1,
+        packed_rows=objective.preference and config.data.packing,
+        reference_pass=objective.preference and objective.reference_source == "precomputed",
     )
+
+
+def loss_kind(config: RunConfig) -> str:
+    """The Workload.loss of a run's objective: dpo, orpo, simpo and cpo run the paired op."""
+    return {"sft": "cross_entropy", "kto": "kto", "distill": "distill"}.get(config.objective.type, "pairs")
 
 
 def setting_of(config: RunConfig) -> Setting:
@@ -451,10 +482,12 @@ UNMASKED = ("flash_attention_2", "sdpa_causal", "varlen", "flex_attention")
 def attention_path(config: RunConfig, shape: ModelShape) -> str:
     """The attention the run takes on a GPU ("auto" is "varlen" there): unpacked SDPA rows are one document each,
     so they need no mask, unless the model's sliding window is shorter than the sequence (then transformers
-    builds a (B, 1, T, T) mask)."""
+    builds a (B, 1, T, T) mask) or they are padded preference rows (their padding mask becomes one)."""
     attention = "varlen" if config.model.attn_implementation == "auto" else config.model.attn_implementation
     window = shape.sliding_window
-    if attention == "sdpa" and not config.data.packing and (window is None or window >= config.data.max_seq_len):
+    short_window = window is not None and window < config.data.max_seq_len
+    padded_pairs = config.objective.preference  # padded preference rows go with their padding mask
+    if attention == "sdpa" and not config.data.packing and not short_window and not padded_pairs:
         return "sdpa_causal"
     return attention
 
@@ -529,9 +562,14 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
 
 def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int | None = None) -> int:
     """Peak bytes of the loss's own buffers (logits, their float32 copy, log-softmax, gradients) while it runs;
-    `chunk_tokens`: the fused loss's tokens per chunk (None: the op's own rule)."""
+    `chunk_tokens`: the fused loss's tokens per chunk (None: the op's own rule). The preference and distillation
+    objectives always run their fused ops (`preference_loss_bytes`, `distill_loss_bytes`)."""
     s, c = work.shape, work.compute_bytes
-    tokens = micro_batch * work.seq_len
+    tokens = work.tokens(micro_batch)
+    if work.loss in ("pairs", "kto"):
+        return preference_loss_bytes(work, micro_batch)
+    if work.loss == "distill":
+        return distill_loss_bytes(work, micro_batch)
     if fused:
         from tigon.kernels.ops.fused_linear_cross_entropy import logits_buffer_bytes, max_chunk_tokens
 
@@ -542,6 +580,73 @@ def loss_bytes(work: Workload, micro_batch: int, fused: bool, chunk_tokens: int 
         return c * tokens * s.hidden + head_grad + 8 * tokens + logits
     softcap = c * tokens * s.vocab if s.logit_softcap else 0  # tanh's output, saved for its backward
     return 12 * tokens * s.vocab + softcap  # the forward's c + 4 + 4 bytes per logit stay under the backward's 12
+
+
+def preference_pass_bytes(work: Workload, sequences: int, group: int, grads: bool) -> int:
+    """Bytes one chunked pass of `tigon.kernels.ops.fused_linear_preference` holds over `sequences` rows of seq_len
+    tokens in groups of `group` (pairs: 2): one chunk of logits in the compute dtype and its float32 token losses;
+    with `grads`, the hidden states' gradient (c h per token) and, for a trained head, its weight's (V h, in the
+    compute dtype the op reads the head in), both computed in the forward and kept for the backward."""
+    from tigon.kernels.ops.fused_linear_preference import groups_per_chunk
+
+    s, c, length = work.shape, work.compute_bytes, work.seq_len
+    per_chunk = groups_per_chunk(sequences, length, group, s.vocab, s.hidden, c, chunk_rule_device())
+    chunk_tokens = min(per_chunk * group, sequences) * length
+    total = chunk_tokens * (c * s.vocab + 4)
+    if grads:
+        total += c * s.hidden * sequences * length + (0 if work.lora_rank else c * s.vocab * s.hidden)
+    return total
+
+
+def chunk_rule_device():
+    """The device the kernels' chunk rules are asked about: a CPU (no free-memory cap, as on a fresh GPU)."""
+    import torch
+
+    return torch.device("cpu")
+
+
+def preference_loss_bytes(work: Workload, micro_batch: int) -> int:
+    """Peak bytes of a preference objective's loss for a micro-batch of `micro_batch` items: the fused op over the
+    pairs' 2N sequences (KTO: over its N completions, after a no-grad pass over the N mismatched ones that frees its
+    chunk first), the targets (int64), and with packed rows the final hidden states gathered into the op's rows
+    beside the model's packed ones, with the gather's int64 index."""
+    s, c = work.shape, work.compute_bytes
+    tokens = work.tokens(micro_batch)
+    sequences = micro_batch * work.sequences
+    if work.loss == "kto":
+        op = preference_pass_bytes(work, sequences // 2, 1, grads=True)
+    else:
+        op = preference_pass_bytes(work, sequences, 2, grads=True)
+    packed = (c * s.hidden + 8) * tokens if work.packed_rows else 0
+    return op + 8 * tokens + packed
+
+
+def distill_loss_bytes(work: Workload, micro_batch: int) -> int:
+    """Peak bytes of distillation's loss: the fused cross entropy's kept gradients (hidden states c h per token, the
+    head's V h, per-token results 8) while the fused JSD runs with its own (the same two gradients, float32 per-token
+    losses) and one chunk of both heads' logits (`fused_linear_jsd.choose_chunk_size`)."""
+    from tigon.kernels.ops.fused_linear_jsd import choose_chunk_size
+
+    s, c, tokens = work.shape, work.compute_bytes, work.tokens(micro_batch)
+    teacher_c = work.frozen.compute_bytes if work.frozen is not None else c
+    head_grad = 0 if work.lora_rank else c * s.vocab * s.hidden
+    cross_entropy = c * s.hidden * tokens + head_grad + 8 * tokens
+    chunk = choose_chunk_size(tokens, s.vocab, s.hidden, c + teacher_c, chunk_rule_device())
+    jsd = c * s.hidden * tokens + head_grad + 4 * tokens + chunk * s.vocab * (c + teacher_c)
+    return cross_entropy + jsd
+
+
+def reference_pass_bytes(work: Workload, micro_batch: int, weights: int) -> int:
+    """`reference: precomputed`'s pass before the first step: the model's `weights` as loaded (under FSDP2 whole,
+    on the rank that scores the data before sharding), no optimizer states or gradients yet, and a no-grad forward
+    over a micro-batch: its transient buffers (the residual stream, its normed copy and the attention output 4 h,
+    one MLP's gate, up and product 3 i, per token), the final hidden states (h; packed, also their gathered copy)
+    and one chunk of `sequence_logps`."""
+    s, c, tokens = work.shape, work.compute_bytes, work.tokens(micro_batch)
+    hidden = c * s.hidden * tokens * (2 if work.packed_rows else 1)
+    forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens
+    logps = preference_pass_bytes(work, micro_batch * work.sequences, 1, grads=False)
+    return weights + OVERHEAD + forward + hidden + logps + 8 * tokens
 
 
 def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
@@ -572,13 +677,15 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     s = work.shape
     kernels = setting.kernels and work.kernels_fit
     n = work.world_size
-    tokens = setting.micro_batch * work.seq_len
+    tokens = work.tokens(setting.micro_batch)
+    rows = work.rows(setting.micro_batch)  # attention's view: packed preference rows are one long row
     w, r, c = work.weight_bytes, work.weight_bytes, work.compute_bytes
     trainable = work.trainable
 
     weights = s.params * w
     if work.quantized_bytes:
         weights -= int(work.linear_params * (w - work.quantized_bytes))
+    loaded = weights  # before any sharding
     grads = trainable * w
     states = 2 * trainable * w
     gathered = 0
@@ -606,15 +713,15 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         kept_layers = 0 if work.quantized_bytes else s.layers - checkpointed
         casts = (s.vocab * s.hidden + kept_layers * (s.layer_params - 2 * s.hidden)) * c
 
-    layer = layer_bytes(work, kernels) * tokens
+    layer = layer_bytes(rows, kernels) * tokens
     layer_input = r * s.hidden * tokens
     first_kept = layer_input if checkpointed else layer
     per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
     masked = checkpointed and work.attention not in UNMASKED  # checkpoints keep the bool mask
-    mask = setting.micro_batch * work.seq_len**2 if masked else 0
-    fused = kernels and work.fused_loss
+    mask = tokens * rows.seq_len if masked else 0  # (rows, 1, T, T) booleans
+    fused = (kernels and work.fused_loss) or work.loss != "cross_entropy"  # the other objectives' ops read the head
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
-    backward = layer_backward_bytes(work, kernels) * tokens
+    backward = layer_backward_bytes(rows, kernels) * tokens
     loss_peak = loss_bytes(work, setting.micro_batch, fused, loss_chunk_tokens)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
     if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
@@ -649,6 +756,8 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     }
     if work.frozen is not None:  # before the trained model's forward: no activations yet
         moments["frozen forward"] = {**fixed, "frozen forward": frozen_forward, "gradients": carried}
+    if work.reference_pass:  # before training: the whole model, scoring the data without gradient
+        moments["reference pass"] = {"reference pass": reference_pass_bytes(work, setting.micro_batch, loaded)}
     totals = {name: int(sum(parts.values())) for name, parts in moments.items()}
     moment = max(totals, key=totals.get)
     return Estimate(setting, totals[moment], moment, {name: int(v) for name, v in moments[moment].items()}, totals)
@@ -663,12 +772,12 @@ def loss_chunk_tokens(work: Workload, setting: Setting) -> int | None:
     `tigon.kernels.ops.fused_linear_cross_entropy`), but they raise the loss's own peak, which the op's rule
     keeps low for any step.
     """
-    if not (setting.kernels and work.kernels_fit and work.fused_loss):
+    if not (setting.kernels and work.kernels_fit and work.fused_loss) or work.loss != "cross_entropy":
         return None
     from tigon.kernels.ops.fused_linear_cross_entropy import max_chunk_tokens
 
     s, c = work.shape, work.compute_bytes
-    tokens = setting.micro_batch * work.seq_len
+    tokens = work.tokens(setting.micro_batch)
     own = min(tokens, max_chunk_tokens(s.vocab, s.hidden, c))
     budget = LOSS_CHUNK_MARGIN * estimate(work, setting).peak
     best = None
@@ -687,7 +796,7 @@ def loss_chunk_tokens(work: Workload, setting: Setting) -> int | None:
 
 def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
-    tokens = setting.micro_batch * work.seq_len
+    tokens = work.tokens(setting.micro_batch)
     time = (tokens + HALF_EFFICIENCY_TOKENS) / tokens
     time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(work.shape.layers) / work.shape.layers
     if not (setting.kernels and work.kernels_fit):
@@ -727,9 +836,9 @@ class Plan:
         lines = [
             f"model {s.model_type}: {_count(s.params)} parameters ({_count(w.trainable)} trainable), "
             f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
-            f"sequence {w.seq_len}, weights {_dtype(w.weight_bytes)}, compute {_dtype(w.compute_bytes)}, "
-            f"attention {w.attention}, {w.strategy} x {w.world_size}, loss from "
-            f"{'fused linear cross entropy with the kernels, else ' if w.fused_loss else ''}full logits",
+            f"sequence {w.seq_len}{_rows_text(w)}, weights {_dtype(w.weight_bytes)}, compute "
+            f"{_dtype(w.compute_bytes)}, attention {w.attention}, {w.strategy} x {w.world_size}, loss from "
+            + _loss_text(w),
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
@@ -777,6 +886,23 @@ class Plan:
                 if key not in fewest or st.checkpoint_layers < fewest[key].setting.checkpoint_layers:
                     fewest[key] = item
         return rows + [item for key, item in fewest.items() if key not in off_fits and item not in rows]
+
+
+def _rows_text(work: Workload) -> str:
+    """What a micro-batch item is, for the preference objectives: its sequences, padded or packed."""
+    if work.sequences == 1:
+        return ""
+    item = "pair" if work.loss == "pairs" else "completion and its mismatched sequence"
+    layout = "packed into one row" if work.packed_rows else "padded rows"
+    return f" ({work.sequences} sequences an item, a {item}, {layout})"
+
+
+def _loss_text(work: Workload) -> str:
+    if work.loss in ("pairs", "kto"):
+        return "the fused preference op"
+    if work.loss == "distill":
+        return "the fused cross entropy and JSD"
+    return f"{'fused linear cross entropy with the kernels, else ' if work.fused_loss else ''}full logits"
 
 
 def _gib(count: float) -> str:

@@ -19,7 +19,8 @@ aligned with input_ids, the model shifts) and `attention_mask`. A pair's rows ar
 item's rows are its completion, then its prompt with a mismatched completion, from which the trainer estimates
 KTO's reference point (the KL term) as TRL does: within each run of `training.micro_batch_size` records in file
 order, record i takes record i-1's completion (the first takes the last). KTO items also hold `desirable` `(1,)`.
-The trainer cuts a micro-batch to its longest row.
+The trainer cuts a micro-batch to its longest row, or with `data.packing: true` lays its sequences end to end in one
+row (`tigon.runtime.preference_batch`).
 """
 
 from __future__ import annotations

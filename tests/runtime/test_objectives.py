@@ -90,7 +90,6 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
         ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
         ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
-        ({"training": {**base["training"], "plan": "auto"}}, "set training.plan: manual"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             train(parse_config({**base, "objective": "dpo", **sections}))

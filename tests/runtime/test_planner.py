@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from tests.kernels.helpers import saved_bytes
 from tests.runtime.test_trainer import tiny_config
 from tigon.runtime import cli, planner
+from tigon.runtime.config import parse_config
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
 
 TINY = ModelShape.from_hf_config(
@@ -555,7 +556,6 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
     teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
     student_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**TINY_MODEL, vocab_size=100)).parameters())
     setting = Setting(4, 2, False, False)
-    tokens = 4 * 48  # micro-batch x data.max_seq_len
     world = 2 if strategy == "fsdp" else 1
     parallelism = {"strategy": strategy}
     base = estimate(planner.workload(tiny_config(tmp_path, parallelism=parallelism), world_size=world), setting)
@@ -566,13 +566,198 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
         ({"type": "dpo"}, student_params, 4, TINY_MODEL["hidden_size"], TINY_MODEL["intermediate_size"]),
     ]:
         work = planner.workload(tiny_config(tmp_path, parallelism=parallelism, objective=objective), world_size=world)
-        got = estimate(work, setting)
+        without = dataclasses.replace(work, frozen=None)
+        got, alone = estimate(work, setting), estimate(without, setting)
         weights = params * size // world
         assert got.moments["optimizer"] - base.moments["optimizer"] == weights
+        tokens = work.tokens(4)  # DPO: 4 pairs are 8 sequences
         read = size * hidden * tokens + (100 * hidden * size if strategy == "fsdp" else 0)  # + the head, gathered
-        assert got.moments["loss"] - base.moments["loss"] == weights + read
+        teacher_logits = planner.loss_bytes(work, 4, True) - planner.loss_bytes(without, 4, True)  # distill's chunk
+        assert got.moments["loss"] - alone.moments["loss"] == weights + read + teacher_logits
         forward = (4 * hidden + 3 * width) * size * tokens
         if strategy == "fsdp":  # two of its layers, its embedding and its head, gathered
             forward += (2 * work.frozen.shape.layer_params + 2 * 100 * hidden) * size
         assert planner.frozen_bytes(work, tokens) == (weights, read, forward)
         assert "frozen forward" in got.moments
+
+
+def preference_work(tmp_path, objective, world_size: int = 1, **changes) -> Workload:
+    """The planner's workload of plan_config (Llama-3.2-1B widths) under a preference objective."""
+    raw = plan_config(tmp_path).model_dump(mode="json")
+    raw["objective"] = objective
+    raw["data"].pop("packing")  # unset, as in a config file: preference rows are padded unless it says otherwise
+    for section, values in changes.items():
+        raw[section] = {**raw[section], **values}
+    return planner.workload(parse_config(raw), world_size=world_size)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_packed_or_padded_preference_row_saves_what_layer_bytes_says(packing, restore_rope):
+    """A Llama decoder layer (SDPA, bf16) over a micro-batch of 2 pairs of 8-token sequences: padded, 4 rows with
+    their (4, 1, 8, 8) mask; packed, one 32-token row with its block-diagonal mask. The saved bytes equal
+    layer_bytes of the workload as attention sees it (`Workload.rows`: one row of 32 tokens when packed) x 32."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from tigon.runtime.data import packed_attention_mask
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1
+    )
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, 0).to(torch.bfloat16)
+    positions = torch.arange(8).repeat(1, 4) if packing else torch.arange(8).repeat(4, 1)
+    x = torch.randn(*positions.shape, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = LlamaRotaryEmbedding(config)(x, positions)
+    mask = packed_attention_mask(positions, torch.bool)
+    measured = saved_bytes(
+        lambda: layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=positions),
+        [*layer.parameters(), cos, sin, mask, positions],
+    )
+    work = bf16_work(ModelShape.from_hf_config(config), 8, loss="pairs", sequences=2, packed_rows=packing)
+    assert work.tokens(2) == 32 and work.rows(2).seq_len == (32 if packing else 8)
+    assert measured == planner.layer_bytes(work.rows(2), False) * 32
+
+
+def test_the_fused_preference_op_keeps_what_the_planner_counts():
+    """The fused DPO op (its chunked kernel, through Triton's interpreter) keeps the hidden states' gradient and the
+    head's for the backward (its autograd node's saved tensors), in the dtype it reads them in: the `grads` part of
+    preference_pass_bytes, exactly."""
+    import torch
+
+    from tigon.kernels import functional as F
+
+    shape = dataclasses.replace(TINY, vocab=10, hidden=8)
+    work = Workload(shape, 5, weight_bytes=4, compute_bytes=4, autocast=False, attention="varlen", loss="pairs")
+    hidden = torch.randn(6, 5, 8, requires_grad=True)  # 3 pairs: chosen rows, then rejected
+    weight = torch.randn(10, 8, requires_grad=True)
+    target = torch.randint(0, 10, (6, 5))
+    target[:, :2] = -100
+    ref = torch.randn(6, dtype=torch.float64)
+    loss, _ = F.fused_linear_dpo(hidden, weight, target, ref_logps=ref)
+    assert type(loss.grad_fn).__name__ == "FusedLinearPreferenceFunctionBackward"
+    kept = [tensor for tensor in loss.grad_fn.saved_tensors if tensor is not None]  # no bias: no bias gradient
+    measured = sum(tensor.untyped_storage().nbytes() for tensor in kept)
+    with_grads = planner.preference_pass_bytes(work, 6, 2, grads=True)
+    without = planner.preference_pass_bytes(work, 6, 2, grads=False)
+    assert measured == with_grads - without == 4 * (6 * 5 * 8 + 10 * 8)
+
+
+def test_a_preference_micro_batch_is_its_pairs_sequences(tmp_path):
+    """A micro-batch of 4 pairs is 8 sequences: with varlen (no mask) its layers and backward are sft's at
+    micro-batch 8; the loss moment holds the fused preference op instead of the cross entropy; KTO's op runs on
+    the completions only (half the hidden-state gradient), after its mismatched sequences' no-grad pass."""
+    sft = planner.workload(plan_config(tmp_path), world_size=1)
+    orpo = preference_work(tmp_path, "orpo")
+    assert (orpo.loss, orpo.sequences, orpo.packed_rows, orpo.frozen) == ("pairs", 2, False, None)
+    assert orpo.tokens(4) == sft.tokens(8) == 8 * 4096
+    pairs, sequences = estimate(orpo, Setting(4, 1, False, True)), estimate(sft, Setting(8, 1, False, True))
+    for moment in ("backward (first layer)", "backward (top layer)", "optimizer"):
+        assert pairs.moments[moment] == sequences.moments[moment]
+    loss = planner.preference_loss_bytes(orpo, 4)
+    assert loss == planner.preference_pass_bytes(orpo, 8, 2, grads=True) + 8 * orpo.tokens(4)
+    assert pairs.moments["loss"] - sequences.moments["loss"] == loss - planner.loss_bytes(sft, 8, True)
+    kto = preference_work(tmp_path, {"type": "kto", "reference": "precomputed"})
+    assert (kto.loss, kto.sequences, kto.reference_pass) == ("kto", 2, True)
+    assert planner.preference_loss_bytes(kto, 4) == planner.preference_pass_bytes(kto, 4, 1, True) + 8 * kto.tokens(4)
+
+
+def test_packed_pairs_under_sdpa_are_one_row_with_one_mask(tmp_path):
+    """data.packing: true lays a micro-batch's 8 sequences in one row: under sdpa its mask and per-layer bias span
+    8 x 4096 tokens (padded: each row's 4096), and the op's rows are a gathered copy of the hidden states beside the
+    packed ones, with an int64 index; under varlen the layers are the padded rows' (no mask either way)."""
+    sdpa = {"attn_implementation": "sdpa"}
+    padded = preference_work(tmp_path, "dpo", model=sdpa)
+    packed = preference_work(tmp_path, "dpo", model=sdpa, data={"packing": True})
+    assert (padded.attention, packed.attention, packed.packed_rows) == ("sdpa", "sdpa", True)
+    setting = Setting(4, 2, True, True)
+    tokens = 8 * 4096
+    row = tokens  # packed: one row of all 8 sequences
+    got, base = estimate(packed, setting), estimate(padded, setting)
+    assert got.moments["optimizer"] == base.moments["optimizer"]
+    # the checkpoints keep the (rows, 1, T, T) bool mask: one 32768-token row against 8 rows of 4096
+    first = got.moments["backward (first layer)"] - base.moments["backward (first layer)"]
+    layer = (planner.layer_bytes(packed.rows(4), True) - planner.layer_bytes(padded.rows(4), True)) * tokens
+    assert first == tokens * row - tokens * 4096 + layer
+    assert layer == 2 * tokens * (row - 4096)  # the bias, c x the row's length a token
+    gathered = planner.preference_loss_bytes(packed, 4) - planner.preference_loss_bytes(padded, 4)
+    assert gathered == (2 * 2048 + 8) * tokens
+    varlen = {"attn_implementation": "varlen"}
+    unmasked = [preference_work(tmp_path, "dpo", model=varlen, data={"packing": p}) for p in (False, True)]
+    assert planner.layer_bytes(unmasked[0].rows(4), True) == planner.layer_bytes(unmasked[1].rows(4), True)
+
+
+def test_a_precomputed_reference_is_a_pass_over_the_whole_model_before_training(tmp_path):
+    """reference: precomputed adds no frozen model, and a moment of its own: the whole model (under FSDP2 too, whose
+    rank 0 scores the data before sharding), a no-grad forward over a micro-batch and sequence_logps' chunk."""
+    precomputed = {"type": "dpo", "reference": "precomputed"}
+    work = preference_work(tmp_path, precomputed, world_size=8, parallelism={"strategy": "fsdp"})
+    assert work.frozen is None and work.reference_pass
+    got = estimate(work, Setting(2, 4, True, True))
+    whole = work.shape.params * 2
+    assert got.moments["reference pass"] == planner.reference_pass_bytes(work, 2, whole)
+    assert got.moments["reference pass"] > whole > got.moments["optimizer"]
+    frozen = preference_work(tmp_path, "dpo")
+    assert "reference pass" not in estimate(frozen, Setting(2, 4, True, True)).moments
+    assert frozen.frozen is not None
+
+
+def test_plan_auto_sizes_preference_and_distill_runs(tmp_path, capsys):
+    """training.plan: auto is accepted for the preference objectives and distill; on a GPU that fits sft's
+    micro-batch 8 without checkpointing, DPO with its frozen copy (twice the weights, two sequences a pair) needs
+    a smaller micro-batch or checkpointing, and `tigon plan` says what a micro-batch item is and which loss runs."""
+    import yaml
+
+    from tigon.runtime.objectives import check_objective
+
+    sft = plan_config(tmp_path, seq_len=1024)
+    raw = sft.model_dump(mode="json")
+    raw["data"].pop("format")
+    raw["training"]["plan"] = "auto"
+    distill = {"type": "distill", "teacher": {"path": "teacher"}}
+    for objective in ("dpo", {"type": "kto", "reference": "precomputed"}, "orpo", distill):
+        check_objective(parse_config({**raw, "objective": objective}))  # no refusal of training.plan: auto
+    fastest = Setting(8, 1, False, True)
+    mib = (estimate(planner.workload(sft, 1), fastest).peak / planner.FIT_FRACTION + planner.CUDA_CONTEXT) // 2**20
+    gpu_memory = int(mib + 1) * 2**20  # sft's fastest setting just fits
+    sft_plan = planner.make_plan(sft, gpu_memory=gpu_memory, world_size=1)
+    assert sft_plan.chosen.setting == fastest
+    dpo = parse_config({**raw, "objective": "dpo", "data": {**raw["data"], "packing": True}})
+    dpo_plan = planner.make_plan(dpo, gpu_memory=gpu_memory, world_size=1)
+    chosen = dpo_plan.chosen.setting
+    assert chosen != sft_plan.chosen.setting and chosen.micro_batch * chosen.accumulation == 8
+    assert dpo_plan.chosen.peak <= dpo_plan.budget < estimate(dpo_plan.work, fastest).peak
+    applied = planner.apply_plan(dpo, dpo_plan)
+    assert applied.training.micro_batch_size == chosen.micro_batch and applied.data.packing
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(dpo.model_dump(mode="json")))
+    assert cli.main(["plan", str(path), "--gpu-memory", f"{int(mib + 1)}MiB", "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence 1024 (2 sequences an item, a pair, packed into one row)" in out
+    assert "loss from the fused preference op" in out and "frozen model" in out
+
+
+def test_distill_losses_keep_what_the_planner_counts():
+    """Distillation's fused cross entropy and fused JSD (their kernels, through Triton's interpreter) each keep the
+    hidden states' gradient and the head's (their autograd nodes' saved tensors): with the per-token results, the
+    part of distill_loss_bytes that is not a chunk of logits, exactly."""
+    import torch
+
+    from tigon.kernels import functional as F
+
+    shape = dataclasses.replace(TINY, vocab=10, hidden=8)
+    work = Workload(shape, 12, weight_bytes=4, compute_bytes=4, autocast=False, attention="varlen", loss="distill")
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    target = torch.randint(0, 10, (12,))
+    kept = 0
+    for loss in (
+        F.fused_linear_cross_entropy(hidden, weight, target, reduction="sum"),
+        F.fused_linear_jsd(hidden, weight, torch.randn(12, 8), torch.randn(10, 8), target, reduction="sum"),
+    ):
+        saved = [tensor for tensor in loss.grad_fn.saved_tensors if tensor is not None]  # no bias gradient
+        assert type(loss.grad_fn).__name__.startswith("FusedLinear")
+        kept += sum(tensor.untyped_storage().nbytes() for tensor in saved)
+    assert kept == 2 * 4 * (12 * 8 + 10 * 8)
+    chunk = planner.distill_loss_bytes(work, 1) - kept - (8 + 4) * 12
+    assert chunk % (10 * 8) == 0 and chunk > 0  # whole rows of both heads' float32 logits

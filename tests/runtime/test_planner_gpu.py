@@ -1,7 +1,8 @@
 """The planner's estimate against the measured peak (torch.cuda.max_memory_allocated) of real training steps.
 
 Each case trains a small Llama (bf16, AdamW, SDPA, random tokens) for a few optimizer steps through
-the torch trainer's step in a fresh process (benchmarks/end_to_end.py's worker), so peaks do not mix.
+the torch trainer's step in a fresh process (benchmarks/end_to_end.py's worker), so peaks do not mix;
+the preference cases train through `train()` (benchmarks/preference_memory.py's worker).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.end_to_end import run_in_subprocess
+from benchmarks.preference_memory import CASES as PREFERENCE_CASES
+from benchmarks.preference_memory import describe, run_case
 
 SMALL_LLAMA = {
     "hidden_size": 1024,
@@ -79,3 +82,15 @@ def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
     message = str(error.value)
     assert message.startswith("CUDA out of memory: the planner estimates this run's peak at")
     assert "--set training.micro_batch_size=" in message and "training.plan: auto" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PREFERENCE_CASES))
+def test_preference_estimate_within_ten_percent_of_the_measured_peak(case):
+    """DPO, KTO and ORPO, padded and packed pairs, a frozen reference copy and a precomputed pass (sequence 1024,
+    4 pairs a micro-batch, every sequence full length): the estimate against the run's measured peak."""
+    result = run_case(case, seq=1024, micro_batch=4)
+    assert "error" not in result and not result["oom"], result
+    print(describe(result))
+    estimate, peak = result["estimate_bytes"], result["peak_bytes"]
+    assert abs(estimate - peak) <= 0.10 * peak, f"estimate {estimate} vs measured {peak} ({estimate / peak:.3f}x)"

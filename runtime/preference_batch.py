@@ -1,0 +1,71 @@
+"""A micro-batch of preference items as the model runs it and as the fused preference ops read it.
+
+    rows = preference_rows(batch, packing, config.model.attn_implementation, device)
+    hidden = rows.op_layout(final_hidden(model, rows.inputs))     # (2N, T, H) for the fused op, with rows.target
+
+The fused ops take one row per sequence, `(sequences, T, hidden)`: a micro-batch of N pairs (KTO: N completions and
+their N mismatched sequences) is 2N rows, the first rows then the second rows of its items, cut to the longest
+sequence. Padded (`data.packing: false`, the preference objectives' default), the model runs those rows as they
+are, with their padding mask. Packed (`data.packing: true`), the model runs the 2N sequences laid end to end in one
+row without padding, position ids restarting at 0 for each, and attention kept inside each sequence as for packed
+SFT rows (`tigon.runtime.data.model_inputs`: varlen boundaries, or a block-diagonal mask for sdpa and eager); each
+sequence's final hidden states are then gathered into the op's rows. Every token sees the same positions and the
+same tokens in both layouts, so the ops receive the same completion log-probs up to floating-point rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tigon.runtime.data import IGNORE_INDEX, model_inputs
+
+
+def rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(B, R, ...) items -> (R * B, ...): every item's first row, then every item's second (chosen, then rejected)."""
+    return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
+
+
+@dataclass
+class PreferenceRows:
+    """The model's inputs for a micro-batch, the op's next-token targets `(2N, T)` (-100 on prompts and padding),
+    and, packed, where each of the op's `(2N, T)` tokens sits in the packed row (`index`; past a sequence's end,
+    one position beyond the row, which `op_layout` fills with zeros)."""
+
+    inputs: dict[str, Any]
+    target: torch.Tensor
+    index: torch.Tensor | None = None
+
+    def op_layout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final hidden states `(rows, length, H)` as the fused ops take them, `(2N, T, H)`."""
+        if self.index is None:
+            return hidden
+        flat = torch.cat([hidden[0], hidden.new_zeros(1, hidden.shape[-1])])
+        return flat[self.index]
+
+
+def preference_rows(
+    batch: dict[str, torch.Tensor], packing: bool, attn_implementation: str, device: torch.device
+) -> PreferenceRows:
+    """A collated micro-batch of PreferenceDataset items, padded or packed (see the module docstring)."""
+    length = int(batch["attention_mask"].sum(-1).max())
+    input_ids = rows(batch["input_ids"][..., :length])
+    mask = rows(batch["attention_mask"][..., :length])
+    labels = rows(batch["labels"][..., :length])
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(device)
+    if not packing:
+        return PreferenceRows({"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}, target)
+    keep = mask.bool()  # right padding: each row's tokens come first
+    tokens = int(keep.sum())
+    index = torch.full(mask.shape, tokens, dtype=torch.long)
+    index[keep] = torch.arange(tokens)
+    positions = torch.arange(length).expand_as(mask)
+    packed_ids = input_ids[keep][None]
+    # every token counts as labelled, so varlen keeps the whole row; the model gets no labels
+    packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions[keep][None]}
+    inputs = model_inputs(packed, attn_implementation, device)
+    inputs.pop("labels")
+    return PreferenceRows(inputs, target, index.to(device))
