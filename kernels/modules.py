@@ -6,12 +6,22 @@ its Linear layers, so LoRA adapters stay in place) rather than copying them.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from tigon.kernels import functional as F
+from tigon.kernels.ops.cpo import CPO
+from tigon.kernels.ops.dpo import DPO
+from tigon.kernels.ops.fused_linear_preference import PreferenceLoss
 from tigon.kernels.ops.gated_activation import APPROXIMATIONS
+from tigon.kernels.ops.kto import KTO
 from tigon.kernels.ops.moe_experts import grouped_mm_available
+from tigon.kernels.ops.orpo import ORPO
+from tigon.kernels.ops.simpo import SimPO
 from tigon.kernels.utils import FLOAT_DTYPES, interpreter_active, is_dtensor
 
 GATED_ACTIVATIONS = {
@@ -382,11 +392,32 @@ class GatedExperts(nn.Module):
 
 
 class _PreferenceLoss(nn.Module):
-    """A fused linear preference loss as a module: options at construction, tensors at call time."""
+    """A fused linear preference loss as a module: options at construction, tensors at call time.
 
-    def __init__(self, **options) -> None:
+    The options are the loss's own (the fields of `LOSS`, in order) then `ignore_index` and `chunk_size`, taken by
+    position or name with the defaults of `FUNCTION`, the op the module calls.
+    """
+
+    FUNCTION: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    LOSS: type[PreferenceLoss]
+    OPTIONS: inspect.Signature
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        parameters = inspect.signature(cls.FUNCTION).parameters
+        names = [field.name for field in dataclasses.fields(cls.LOSS)] + ["ignore_index", "chunk_size"]
+        cls.OPTIONS = inspect.Signature(
+            [parameters[name].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+        )
+
+    def __init__(self, *args, **options) -> None:
         super().__init__()
-        self.options = options
+        bound = self.OPTIONS.bind(*args, **options)
+        bound.apply_defaults()
+        self.options = dict(bound.arguments)
+
+    def forward(self, hidden, weight, target, *tensors, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.FUNCTION(hidden, weight, target, *tensors, **inputs, **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
@@ -395,83 +426,25 @@ class _PreferenceLoss(nn.Module):
 class FusedLinearDPOLoss(_PreferenceLoss):
     """`F.fused_linear_dpo`; call with `(hidden, weight, target, bias=None, ref_logps=... or ref_hidden=..., ...)`."""
 
-    def __init__(
-        self,
-        beta: float = 0.1,
-        label_smoothing: float = 0.0,
-        loss_type: str | list[str] = "sigmoid",
-        loss_weights: list[float] | None = None,
-        average_log_prob: bool = False,
-        rpo_alpha: float | None = None,
-        discopop_tau: float = 0.05,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            beta=beta,
-            label_smoothing=label_smoothing,
-            loss_type=loss_type,
-            loss_weights=loss_weights,
-            average_log_prob=average_log_prob,
-            rpo_alpha=rpo_alpha,
-            discopop_tau=discopop_tau,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-        )
-
-    def forward(self, hidden, weight, target, bias=None, **reference) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_dpo(hidden, weight, target, bias, **reference, **self.options)
+    FUNCTION, LOSS = staticmethod(F.fused_linear_dpo), DPO
 
 
 class FusedLinearCPOLoss(_PreferenceLoss):
     """`F.fused_linear_cpo`; call with `(hidden, weight, target, bias=None)`."""
 
-    def __init__(
-        self,
-        beta: float = 0.1,
-        alpha: float = 1.0,
-        label_smoothing: float = 0.0,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            beta=beta, alpha=alpha, label_smoothing=label_smoothing, ignore_index=ignore_index, chunk_size=chunk_size
-        )
-
-    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_cpo(hidden, weight, target, bias, **self.options)
+    FUNCTION, LOSS = staticmethod(F.fused_linear_cpo), CPO
 
 
 class FusedLinearSimPOLoss(_PreferenceLoss):
     """`F.fused_linear_simpo`; call with `(hidden, weight, target, bias=None)`."""
 
-    def __init__(
-        self,
-        beta: float = 2.0,
-        gamma: float = 0.5,
-        alpha: float = 0.0,
-        label_smoothing: float = 0.0,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            beta=beta,
-            gamma=gamma,
-            alpha=alpha,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-        )
-
-    def forward(self, hidden, weight, target, bias=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_simpo(hidden, weight, target, bias, **self.options)
+    FUNCTION, LOSS = staticmethod(F.fused_linear_simpo), SimPO
 
 
 class FusedLinearORPOLoss(_PreferenceLoss):
     """`F.fused_linear_orpo`; call with `(hidden, weight, target, bias=None, nll_target=None)`."""
 
-    def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int | None = None) -> None:
-        super().__init__(beta=beta, ignore_index=ignore_index, chunk_size=chunk_size)
+    FUNCTION, LOSS = staticmethod(F.fused_linear_orpo), ORPO
 
     def forward(
         self, hidden, weight, target, bias=None, nll_target=None
@@ -482,30 +455,7 @@ class FusedLinearORPOLoss(_PreferenceLoss):
 class FusedLinearKTOLoss(_PreferenceLoss):
     """`F.fused_linear_kto`; call with `(hidden, weight, target, desirable, bias=None, ref_*=..., kl=...)`."""
 
-    def __init__(
-        self,
-        beta: float = 0.1,
-        desirable_weight: float = 1.0,
-        undesirable_weight: float = 1.0,
-        loss_type: str = "kto",
-        average_log_prob: bool = False,
-        ignore_index: int = -100,
-        chunk_size: int | None = None,
-    ) -> None:
-        super().__init__(
-            beta=beta,
-            desirable_weight=desirable_weight,
-            undesirable_weight=undesirable_weight,
-            loss_type=loss_type,
-            average_log_prob=average_log_prob,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-        )
-
-    def forward(
-        self, hidden, weight, target, desirable, bias=None, **inputs
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return F.fused_linear_kto(hidden, weight, target, desirable, bias, **inputs, **self.options)
+    FUNCTION, LOSS = staticmethod(F.fused_linear_kto), KTO
 
 
 class KLDivLoss(nn.Module):

@@ -14,20 +14,57 @@ vocabulary), detached, float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tigon.kernels import reference
 from tigon.kernels.ops.dpo import sigmoid_preference
 from tigon.kernels.ops.fused_linear_preference import (
-    PassSettings,
+    Batch,
+    ChunkLoss,
+    PassResult,
+    PreferenceLoss,
     check_positive,
-    check_preference_inputs,
     check_unit_interval,
-    chosen_token_count,
-    logits_mean,
-    run_preference,
+    chosen_nll,
+    fused_linear_preference,
+    paired_metrics,
 )
-from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
+
+
+@dataclass(frozen=True)
+class CPO(PreferenceLoss):
+    """CPO's options; its formula and metrics are the module docstring's."""
+
+    beta: float
+    alpha: float
+    label_smoothing: float
+
+    NAME = "fused_linear_cpo"
+    REFERENCE = staticmethod(reference.fused_linear_cpo)
+
+    def check(self, batch: Batch) -> None:
+        check_positive("beta", self.beta)
+        check_unit_interval("label_smoothing", self.label_smoothing, 0.5)
+
+    def chunk_loss(self, batch: Batch) -> ChunkLoss:
+        beta, alpha, label_smoothing = self.beta, self.alpha, self.label_smoothing
+        pairs, chosen_tokens = batch.pairs, batch.chosen_tokens
+
+        def loss_fn(
+            logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+        ) -> torch.Tensor:
+            k = logps.shape[0] // 2
+            preference = sigmoid_preference(beta * (logps[:k] - logps[k:]), label_smoothing).sum() / pairs
+            return preference - alpha * logps[:k].sum() / chosen_tokens
+
+        return loss_fn
+
+    def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
+        metrics = paired_metrics(batch, result, result.logps, self.beta * result.logps)
+        return {**metrics, "nll_loss": chosen_nll(batch, result)}
 
 
 @eager_under_compile
@@ -51,44 +88,8 @@ def fused_linear_cpo(
     tokens (`ignore_index` elsewhere). `alpha` weighs the NLL term (TRL's `cpo_alpha`); `chunk_size` is
     pairs per chunk. Returns `(loss, metrics)`; one backward per forward.
     """
-    hidden, weight, bias = autocast_operands(hidden, weight, bias)
-    settings = PassSettings(
-        paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
-    )
-    check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, check_targets)
-    check_positive("beta", beta)
-    check_unit_interval("label_smoothing", label_smoothing, 0.5)
-    if not use_triton("fused_linear_cpo", hidden):
-        return reference.fused_linear_cpo(
-            hidden,
-            weight,
-            target,
-            bias,
-            beta=beta,
-            alpha=alpha,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-        )
-    pairs = hidden.shape[0] // 2
-    chosen_tokens = chosen_token_count(target, ignore_index)
-
-    def loss_fn(
-        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
-        k = logps.shape[0] // 2
-        preference = sigmoid_preference(beta * (logps[:k] - logps[k:]), label_smoothing).sum() / pairs
-        return preference - alpha * logps[:k].sum() / chosen_tokens
-
-    result = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
-    logps, counts = result.logps, (target != ignore_index).sum(1)
-    metrics = {
-        "chosen_rewards": (beta * logps[:pairs]).float(),
-        "rejected_rewards": (beta * logps[pairs:]).float(),
-        "chosen_logps": logps[:pairs].float(),
-        "rejected_logps": logps[pairs:].float(),
-        "nll_loss": (-logps[:pairs].sum() / chosen_tokens).float(),
-        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
-        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
-    }
-    return result.loss, metrics
+    return fused_linear_preference(
+        CPO(beta, alpha, label_smoothing), hidden, weight, target, bias, ignore_index=ignore_index,
+        check_targets=check_targets, accumulate_in_fp32=accumulate_in_fp32, chunk_size=chunk_size,
+        use_triton=use_triton,
+    )  # fmt: skip

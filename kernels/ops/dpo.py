@@ -34,23 +34,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from tigon.kernels import reference
 from tigon.kernels.ops.fused_linear_preference import (
-    PassSettings,
+    Batch,
+    ChunkLoss,
+    PassResult,
+    PreferenceLoss,
     check_positive,
-    check_preference_inputs,
     check_unit_interval,
-    chosen_token_count,
-    logits_mean,
-    reference_source,
-    run_preference,
+    chosen_nll,
+    fused_linear_preference,
+    paired_metrics,
     safe_average,
 )
-from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
@@ -136,6 +139,69 @@ def check_dpo_options(
     return types, weights
 
 
+@dataclass(frozen=True)
+class DPO(PreferenceLoss):
+    """DPO's options; its formula and metrics are the module docstring's."""
+
+    beta: float
+    label_smoothing: float
+    loss_type: str | Sequence[str]
+    loss_weights: Sequence[float] | None
+    average_log_prob: bool
+    rpo_alpha: float | None
+    discopop_tau: float
+
+    NAME = "fused_linear_dpo"
+    REFERENCE = staticmethod(reference.fused_linear_dpo)
+    NEEDS_REF = True
+
+    @cached_property
+    def weighted_types(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """The loss types and their weights as tuples, checked."""
+        return check_dpo_options(
+            self.loss_type, self.loss_weights, self.label_smoothing, self.discopop_tau, self.rpo_alpha
+        )
+
+    def check(self, batch: Batch) -> None:
+        check_positive("beta", self.beta)
+        types, _ = self.weighted_types
+        check_unit_interval("label_smoothing", self.label_smoothing, 0.5 if "sigmoid" in types else 1.0)
+
+    def chunk_loss(self, batch: Batch) -> ChunkLoss:
+        types, weights = self.weighted_types
+        beta, label_smoothing, discopop_tau = self.beta, self.label_smoothing, self.discopop_tau
+        average_log_prob = self.average_log_prob
+        pairs = batch.pairs
+        nll_weight = sum(w for t, w in zip(types, weights, strict=True) if t == "sft") + (self.rpo_alpha or 0.0)
+        chosen_tokens = batch.chosen_tokens
+
+        def loss_fn(
+            logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+        ) -> torch.Tensor:
+            k = logps.shape[0] // 2
+            ratios = (safe_average(logps, counts) - safe_average(ref, counts)) if average_log_prob else logps - ref
+            loss = -logps[:k].sum() / chosen_tokens * nll_weight
+            for name, type_weight in zip(types, weights, strict=True):
+                if name != "sft":
+                    losses = pair_losses(
+                        name, ratios[:k], ratios[k:], counts[:k], counts[k:], beta, label_smoothing, discopop_tau
+                    )
+                    loss = loss + losses.sum() / pairs * type_weight
+            return loss
+
+        return loss_fn
+
+    def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
+        counts = batch.counts
+        logps, ref = result.logps, result.ref_logps
+        if self.average_log_prob:
+            logps, ref = safe_average(logps, counts), safe_average(ref, counts)
+        metrics = paired_metrics(batch, result, logps, self.beta * (logps - ref))
+        if "sft" in self.weighted_types[0] or self.rpo_alpha is not None:
+            metrics["nll_loss"] = chosen_nll(batch, result)
+        return metrics
+
+
 @eager_under_compile
 def fused_linear_dpo(
     hidden: torch.Tensor,
@@ -169,72 +235,9 @@ def fused_linear_dpo(
     target tokens; `rpo_alpha` adds the chosen tokens' NLL (RPO). `chunk_size` is pairs per chunk. Returns
     `(loss, metrics)`; one backward per forward.
     """
-    hidden, weight, bias, ref_hidden, ref_weight, ref_bias = autocast_operands(
-        hidden, weight, bias, ref_hidden, ref_weight, ref_bias
-    )
-    settings = PassSettings(
-        paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
-    )
-    check_preference_inputs(
-        hidden, weight, target, bias, ref_logps, ref_hidden, ref_weight, ref_bias, settings, True, check_targets
-    )
-    check_positive("beta", beta)
-    types, weights = check_dpo_options(loss_type, loss_weights, label_smoothing, discopop_tau, rpo_alpha)
-    check_unit_interval("label_smoothing", label_smoothing, 0.5 if "sigmoid" in types else 1.0)
-    if not use_triton("fused_linear_dpo", hidden):
-        return reference.fused_linear_dpo(
-            hidden,
-            weight,
-            target,
-            bias,
-            ref_logps=ref_logps,
-            ref_hidden=ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias,
-            beta=beta,
-            label_smoothing=label_smoothing,
-            loss_type=loss_type,
-            loss_weights=loss_weights,
-            average_log_prob=average_log_prob,
-            rpo_alpha=rpo_alpha,
-            discopop_tau=discopop_tau,
-            ignore_index=ignore_index,
-        )
-    pairs = hidden.shape[0] // 2
-    nll_weight = sum(w for t, w in zip(types, weights, strict=True) if t == "sft") + (rpo_alpha or 0.0)
-    uses_nll = "sft" in types or rpo_alpha is not None
-    chosen_tokens = chosen_token_count(target, ignore_index)
-
-    def loss_fn(
-        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
-        k = logps.shape[0] // 2
-        ratios = (safe_average(logps, counts) - safe_average(ref, counts)) if average_log_prob else logps - ref
-        loss = -logps[:k].sum() / chosen_tokens * nll_weight
-        for name, type_weight in zip(types, weights, strict=True):
-            if name != "sft":
-                losses = pair_losses(
-                    name, ratios[:k], ratios[k:], counts[:k], counts[k:], beta, label_smoothing, discopop_tau
-                )
-                loss = loss + losses.sum() / pairs * type_weight
-        return loss
-
-    source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
-    result = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
-    counts = (target != ignore_index).sum(1)
-    logps, ref = result.logps, result.ref_logps
-    if average_log_prob:
-        logps, ref = safe_average(logps, counts), safe_average(ref, counts)
-    rewards = (beta * (logps - ref)).float()
-    metrics = {
-        "chosen_rewards": rewards[:pairs],
-        "rejected_rewards": rewards[pairs:],
-        "chosen_logps": logps[:pairs].float(),
-        "rejected_logps": logps[pairs:].float(),
-        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
-        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
-    }
-    if uses_nll:
-        metrics["nll_loss"] = (-result.logps[:pairs].sum() / chosen_tokens).float()
-    return result.loss, metrics
+    loss = DPO(beta, label_smoothing, loss_type, loss_weights, average_log_prob, rpo_alpha, discopop_tau)
+    return fused_linear_preference(
+        loss, hidden, weight, target, bias, ref_logps=ref_logps, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, ignore_index=ignore_index, check_targets=check_targets,
+        accumulate_in_fp32=accumulate_in_fp32, chunk_size=chunk_size, use_triton=use_triton,
+    )  # fmt: skip

@@ -1,4 +1,10 @@
-"""Shared machinery of the fused linear preference losses (DPO, ORPO, SimPO, CPO, KTO).
+"""The driver of the fused linear preference losses (DPO, ORPO, SimPO, CPO, KTO).
+
+Each loss file (``dpo.py``, ``cpo.py``, ``simpo.py``, ``orpo.py``, ``kto.py``) holds a `PreferenceLoss`: the loss's
+options, their checks, its formula as a function of one chunk's per-sequence log-probs (``chunk_loss``) and its
+metrics. `fused_linear_preference` runs any of them: it casts the operands under autocast, checks the inputs every
+loss shares (heads, targets, the reference model's inputs, ``nll_target``, chunking), falls back to the loss's
+float reference on the full logits where no kernel runs, and otherwise runs the chunked pass below, with autograd.
 
 Each of these losses is a function of per-sequence log-probabilities of the targets,
 
@@ -14,8 +20,7 @@ Liger-Kernel lay it out; one sequence for KTO). For each chunk:
    the reference model's logits go through the same buffer first, without gradient);
 2. the cross-entropy kernel (``cross_entropy.py``, reduction "sum") returns each token's ``-logp``;
 3. the chunk's share of the loss and ``dL/dlogp[b]`` for its sequences come from autograd on those few
-   float64 numbers (each loss file states its formula as a function of ``logp``, ``n`` and the
-   reference log-probs);
+   float64 numbers (the loss's ``chunk_loss``, a function of ``logp``, ``n`` and the reference log-probs);
 4. the kernel runs again with that factor as its per-row scale and overwrites the logits with
    ``dL/dlogits``;
 5. two more matmuls give ``grad_hidden`` for the chunk and add the chunk's share to ``grad_weight``
@@ -36,8 +41,11 @@ table is in docs/benchmarks.md, "Alignment losses").
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -82,14 +90,13 @@ class PassResult:
 class PassSettings:
     """How the chunked pass runs: batch layout, ignored target, chunking, weight-gradient accumulation, and an
     NLL term of a paired batch's chosen sequences against targets of their own (`nll_target`, the batch's shape;
-    its chosen half is read), added to the loss times `nll_weight` and divided by its non-ignored chosen tokens."""
+    its chosen half is read), added to the loss divided by its non-ignored chosen tokens."""
 
     paired: bool
     ignore_index: int = -100
     chunk_size: int | None = None
     accumulate_in_fp32: bool = False
     nll_target: torch.Tensor | None = None
-    nll_weight: float = 0.0
 
 
 def safe_average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -167,8 +174,8 @@ def chunked_pass(
     )
     chunks = _chunks(n_sequences, settings.paired, per_chunk, device)
     nll_target = settings.nll_target
-    if nll_target is not None:  # d(weight * NLL) / d(-logp of a chosen token under its NLL target): one factor
-        nll_scale = settings.nll_weight / chosen_token_count(nll_target, settings.ignore_index)
+    if nll_target is not None:  # d NLL / d(-logp of a chosen token under its NLL target): one factor
+        nll_scale = 1.0 / chosen_token_count(nll_target, settings.ignore_index)
         nll = torch.zeros((), dtype=torch.float64, device=device)
 
     logps = torch.empty(n_sequences, dtype=torch.float64, device=device)
@@ -452,6 +459,10 @@ def check_preference_inputs(
         )
     if check_targets:
         check_target_range(target.reshape(-1), weight.shape[0], settings.ignore_index)
+    if settings.nll_target is not None:
+        check_sequence_target("nll_target", settings.nll_target, "hidden", hidden)
+        if check_targets:
+            check_target_range(settings.nll_target.reshape(-1), weight.shape[0], settings.ignore_index)
 
 
 def check_unit_interval(name: str, value: float, upper: float = 1.0) -> None:
@@ -476,3 +487,160 @@ def reference_source(
     if ref_hidden is not None:
         return (ref_hidden.detach(), ref_weight.detach(), ref_bias.detach() if ref_bias is not None else None)
     return None
+
+
+@dataclass
+class Batch:
+    """One call's checked inputs as a loss's hooks read them: the policy head and targets, the reference head (or
+    None), `nll_target`, the target settings, and the loss's own inputs by name (KTO's `desirable` and KL batch)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+    ref_hidden: torch.Tensor | None
+    ref_weight: torch.Tensor | None
+    ref_bias: torch.Tensor | None
+    nll_target: torch.Tensor | None
+    ignore_index: int
+    check_targets: bool
+    inputs: dict[str, Any]
+
+    @property
+    def pairs(self) -> int:
+        """Pairs of a paired batch (its first half chosen, its second half rejected)."""
+        return self.hidden.shape[0] // 2
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """Target tokens per sequence (int64)."""
+        return (self.target != self.ignore_index).sum(1)
+
+    @cached_property
+    def chosen_tokens(self) -> torch.Tensor:
+        """Target tokens of the chosen half (at least 1, float64): the NLL term's denominator."""
+        return chosen_token_count(self.target, self.ignore_index)
+
+
+@dataclass(frozen=True)
+class PreferenceLoss(ABC):
+    """One preference loss: its options (the dataclass's fields), their checks, its formula and its metrics.
+
+    `fused_linear_preference` does the rest for every loss: autocast, the shared input checks, the fallback to
+    `REFERENCE` where no kernel runs, the chunked pass and its autograd. The class says how: `NAME` is the public
+    op (what the fallback logs), `PAIRED` a batch of chosen sequences then their rejected partners (else single
+    sequences), `NEEDS_REF` that the reference model's log-probs are required, and `OPERANDS` the loss's own inputs
+    that autocast casts with the head.
+    """
+
+    NAME: ClassVar[str]
+    REFERENCE: ClassVar[Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]]
+    PAIRED: ClassVar[bool] = True
+    NEEDS_REF: ClassVar[bool] = False
+    OPERANDS: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def check(self, batch: Batch) -> None:
+        """Validate the options and the loss's own inputs; raise naming the problem and the fix."""
+
+    def prepare(self, batch: Batch) -> None:
+        """Derive, on the kernel path before the pass, inputs the formula needs from other inputs (KTO's reference
+        point from its KL batch); nothing by default."""
+        return None
+
+    @abstractmethod
+    def chunk_loss(self, batch: Batch) -> ChunkLoss:
+        """The formula: one chunk's share of the loss from its sequences' log-probs (see `ChunkLoss`)."""
+
+    @abstractmethod
+    def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
+        """The metrics TRL logs, from the pass's per-sequence results: detached, float32."""
+
+    def options(self) -> dict[str, Any]:
+        """The options by name, as the op and its reference take them."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+def paired_metrics(
+    batch: Batch, result: PassResult, logps: torch.Tensor, rewards: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The metrics every paired loss logs: rewards and log-probs (as the loss defines them, per sequence) split
+    into the chosen and the rejected halves, and each half's mean logit."""
+    pairs, counts = batch.pairs, batch.counts
+    return {
+        "chosen_rewards": rewards[:pairs].float(),
+        "rejected_rewards": rewards[pairs:].float(),
+        "chosen_logps": logps[:pairs].float(),
+        "rejected_logps": logps[pairs:].float(),
+        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], batch.vocab).float(),
+        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], batch.vocab).float(),
+    }
+
+
+def chosen_nll(batch: Batch, result: PassResult) -> torch.Tensor:
+    """The chosen tokens' mean negative log-likelihood under `target` (float32, detached)."""
+    return (-result.logps[: batch.pairs].sum() / batch.chosen_tokens).float()
+
+
+def fused_linear_preference(
+    loss: PreferenceLoss,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ref_logps: torch.Tensor | None = None,
+    ref_hidden: torch.Tensor | None = None,
+    ref_weight: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    nll_target: torch.Tensor | None = None,
+    inputs: dict[str, Any] | None = None,
+    ignore_index: int,
+    check_targets: bool,
+    accumulate_in_fp32: bool,
+    chunk_size: int | None,
+    use_triton: Callable[[str, torch.Tensor], bool],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`loss` of `hidden @ weight.T + bias` and its metrics: what every fused linear preference op runs.
+
+    Casts the head's operands under autocast, checks the shared inputs and then `loss.check`s its own, returns
+    `loss.REFERENCE` on the full logits where `use_triton(loss.NAME, hidden)` says no kernel runs (each op passes
+    its module's dispatch rule, so that one op can be sent to the reference alone), and otherwise runs the chunked
+    pass on `loss.chunk_loss` with autograd. `inputs` are the loss's own inputs by name; the reference gets them,
+    with the reference-model inputs and `nll_target` where given.
+    """
+    inputs = dict(inputs or {})
+    operands = autocast_operands(
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, *(inputs[name] for name in loss.OPERANDS)
+    )
+    hidden, weight, bias, ref_hidden, ref_weight, ref_bias = operands[:6]
+    inputs.update(zip(loss.OPERANDS, operands[6:], strict=True))
+    settings = PassSettings(
+        paired=loss.PAIRED, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32,
+        nll_target=nll_target,
+    )  # fmt: skip
+    check_preference_inputs(
+        hidden, weight, target, bias, ref_logps, ref_hidden, ref_weight, ref_bias, settings, loss.NEEDS_REF,
+        check_targets,
+    )  # fmt: skip
+    batch = Batch(
+        hidden, weight, bias, target, ref_hidden, ref_weight, ref_bias, nll_target, ignore_index, check_targets, inputs
+    )
+    loss.check(batch)
+    if not use_triton(loss.NAME, hidden):
+        given = {
+            "ref_logps": ref_logps, "ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias,
+            "nll_target": nll_target, **inputs,
+        }  # fmt: skip
+        given = {name: value for name, value in given.items() if value is not None}
+        return loss.REFERENCE(hidden, weight, target, bias=bias, **given, **loss.options(), ignore_index=ignore_index)
+    loss.prepare(batch)
+    if nll_target is not None:
+        settings = replace(settings, nll_target=nll_target.contiguous())
+    source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
+    result = run_preference(hidden, weight, bias, target, source, loss.chunk_loss(batch), settings)
+    return result.loss, loss.metrics(batch, result)

@@ -22,37 +22,34 @@ computed as TRL does, ``clamp(mean(kl_logps - ref_kl_logps), min=0)``, from the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tigon.kernels import reference
 from tigon.kernels.ops.fused_linear_preference import (
-    PassSettings,
+    Batch,
+    ChunkLoss,
+    PassResult,
+    PreferenceLoss,
     check_head,
     check_per_sequence,
     check_positive,
-    check_preference_inputs,
     check_sequence_target,
-    reference_source,
-    run_preference,
+    fused_linear_preference,
     safe_average,
     sequence_logps,
 )
 from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
+
+KL_INPUTS = ("kl", "kl_hidden", "kl_target", "ref_kl_logps", "ref_kl_hidden")
 
 
-def _check_kl_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    ref_hidden: torch.Tensor | None,
-    kl: float | torch.Tensor | None,
-    kl_hidden: torch.Tensor | None,
-    kl_target: torch.Tensor | None,
-    ref_kl_logps: torch.Tensor | None,
-    ref_kl_hidden: torch.Tensor | None,
-    ignore_index: int,
-    check_targets: bool,
-) -> None:
+def _check_kl_inputs(batch: Batch) -> None:
+    """`kl`, or the KL batch to compute it from; raise naming the problem and the fix."""
+    hidden, weight, ref_hidden, ignore_index = batch.hidden, batch.weight, batch.ref_hidden, batch.ignore_index
+    kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden = (batch.inputs[name] for name in KL_INPUTS)
     if kl is not None:
         if kl_hidden is not None or kl_target is not None or ref_kl_logps is not None or ref_kl_hidden is not None:
             raise ValueError("pass either kl or the KL batch (kl_hidden, kl_target, ref_kl_*) to compute it, not both")
@@ -80,8 +77,97 @@ def _check_kl_inputs(
                 f"ref_kl_hidden ({tuple(ref_kl_hidden.shape)}, {ref_kl_hidden.dtype}) must match kl_hidden's shape "
                 f"{tuple(kl_hidden.shape[:2])} in tokens and hidden's dtype {hidden.dtype}"
             )
-    if check_targets:
+    if batch.check_targets:
         check_target_range(kl_target.reshape(-1), weight.shape[0], ignore_index)
+
+
+@dataclass(frozen=True)
+class KTO(PreferenceLoss):
+    """KTO's options; its formula and metrics are the module docstring's. Its own inputs are `desirable` and the
+    reference point: `kl`, or the KL batch `kl_hidden`, `kl_target` with `ref_kl_logps` or `ref_kl_hidden`."""
+
+    beta: float
+    desirable_weight: float
+    undesirable_weight: float
+    loss_type: str
+    average_log_prob: bool
+
+    NAME = "fused_linear_kto"
+    REFERENCE = staticmethod(reference.fused_linear_kto)
+    PAIRED = False
+    NEEDS_REF = True
+    OPERANDS = ("kl_hidden", "ref_kl_hidden")
+
+    def check(self, batch: Batch) -> None:
+        inputs, hidden = batch.inputs, batch.hidden
+        desirable = inputs["desirable"]
+        check_per_sequence("desirable", desirable, hidden.shape[0], hidden)
+        if desirable.dtype != torch.bool:
+            raise TypeError(f"desirable has dtype {desirable.dtype}; it must be a bool tensor (True = desirable)")
+        if self.loss_type not in ("kto", "apo_zero_unpaired"):
+            raise ValueError(f"loss_type={self.loss_type!r} is not one of ('kto', 'apo_zero_unpaired')")
+        if self.loss_type == "kto":
+            _check_kl_inputs(batch)
+        elif any(inputs[name] is not None for name in KL_INPUTS):
+            raise ValueError("loss_type='apo_zero_unpaired' has no reference point: drop kl and the KL batch (kl_*)")
+        check_positive("beta", self.beta)
+        if not (self.desirable_weight >= 0 and self.undesirable_weight >= 0):
+            raise ValueError(
+                f"desirable_weight={self.desirable_weight} and undesirable_weight={self.undesirable_weight} must be "
+                ">= 0"
+            )
+
+    def prepare(self, batch: Batch) -> None:
+        """Replace `kl` with the reference point as a float64 scalar: 0 for "apo_zero_unpaired", as given, or
+        computed from the KL batch under the policy's and the reference's heads."""
+        inputs, ignore_index = batch.inputs, batch.ignore_index
+        kl = inputs["kl"]
+        if self.loss_type == "apo_zero_unpaired":
+            kl = 0.0
+        elif kl is None:
+            kl_target, ref_kl_logps = inputs["kl_target"], inputs["ref_kl_logps"]
+            kl_logps = sequence_logps(
+                inputs["kl_hidden"].detach(), batch.weight.detach(), kl_target, batch.bias, ignore_index=ignore_index
+            )
+            if ref_kl_logps is None:
+                ref_kl_logps = sequence_logps(
+                    inputs["ref_kl_hidden"], batch.ref_weight, kl_target, batch.ref_bias, ignore_index=ignore_index
+                )
+            kl_ratios = kl_logps - ref_kl_logps.to(torch.float64)
+            if self.average_log_prob:
+                kl_ratios = safe_average(kl_ratios, (kl_target != ignore_index).sum(1).to(torch.float64))
+            kl = kl_ratios.mean().clamp(min=0)
+        inputs["kl"] = torch.as_tensor(kl, dtype=torch.float64, device=batch.hidden.device).detach().reshape(())
+
+    def chunk_loss(self, batch: Batch) -> ChunkLoss:
+        beta, desirable_weight, undesirable_weight = self.beta, self.desirable_weight, self.undesirable_weight
+        average_log_prob, desirable, kl = self.average_log_prob, batch.inputs["desirable"], batch.inputs["kl"]
+        n_sequences = batch.hidden.shape[0]
+
+        def loss_fn(
+            logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+        ) -> torch.Tensor:
+            x = safe_average(logps - ref, counts) if average_log_prob else logps - ref
+            losses = torch.where(
+                desirable[rows],
+                desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
+                undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
+            )
+            return losses.sum() / n_sequences
+
+        return loss_fn
+
+    def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
+        counts = batch.counts
+        logps, ref = result.logps, result.ref_logps
+        if self.average_log_prob:
+            logps, ref = safe_average(logps, counts), safe_average(ref, counts)
+        return {
+            "rewards": (self.beta * (logps - ref)).float(),
+            "logps": logps.float(),
+            "logits_mean": (result.logits_sums / (counts * batch.vocab).clamp_min(1)).float(),
+            "kl": batch.inputs["kl"].float(),
+        }
 
 
 @eager_under_compile
@@ -119,90 +205,13 @@ def fused_linear_kto(
     takes no `kl`); `average_log_prob` averages every log-prob over its sequence's target tokens. `chunk_size` is
     sequences per chunk. Returns `(loss, metrics)`; one backward per forward.
     """
-    hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden = autocast_operands(
-        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, kl_hidden, ref_kl_hidden
-    )
-    settings = PassSettings(
-        paired=False, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32
-    )
-    check_preference_inputs(
-        hidden, weight, target, bias, ref_logps, ref_hidden, ref_weight, ref_bias, settings, True, check_targets
-    )
-    check_per_sequence("desirable", desirable, hidden.shape[0], hidden)
-    if desirable.dtype != torch.bool:
-        raise TypeError(f"desirable has dtype {desirable.dtype}; it must be a bool tensor (True = desirable)")
-    if loss_type not in ("kto", "apo_zero_unpaired"):
-        raise ValueError(f"loss_type={loss_type!r} is not one of ('kto', 'apo_zero_unpaired')")
-    if loss_type == "kto":
-        _check_kl_inputs(
-            hidden, weight, ref_hidden, kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden, ignore_index,
-            check_targets,
-        )  # fmt: skip
-    elif any(t is not None for t in (kl, kl_hidden, kl_target, ref_kl_logps, ref_kl_hidden)):
-        raise ValueError("loss_type='apo_zero_unpaired' has no reference point: drop kl and the KL batch (kl_*)")
-    check_positive("beta", beta)
-    if not (desirable_weight >= 0 and undesirable_weight >= 0):
-        raise ValueError(
-            f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} must be >= 0"
-        )
-    if not use_triton("fused_linear_kto", hidden):
-        return reference.fused_linear_kto(
-            hidden,
-            weight,
-            target,
-            desirable,
-            bias,
-            ref_logps=ref_logps,
-            ref_hidden=ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias,
-            kl=kl,
-            kl_hidden=kl_hidden,
-            kl_target=kl_target,
-            ref_kl_logps=ref_kl_logps,
-            ref_kl_hidden=ref_kl_hidden,
-            beta=beta,
-            desirable_weight=desirable_weight,
-            undesirable_weight=undesirable_weight,
-            loss_type=loss_type,
-            average_log_prob=average_log_prob,
-            ignore_index=ignore_index,
-        )
-    if loss_type == "apo_zero_unpaired":
-        kl = 0.0
-    elif kl is None:
-        kl_logps = sequence_logps(kl_hidden.detach(), weight.detach(), kl_target, bias, ignore_index=ignore_index)
-        if ref_kl_logps is None:
-            ref_kl_logps = sequence_logps(ref_kl_hidden, ref_weight, kl_target, ref_bias, ignore_index=ignore_index)
-        kl_ratios = kl_logps - ref_kl_logps.to(torch.float64)
-        if average_log_prob:
-            kl_ratios = safe_average(kl_ratios, (kl_target != ignore_index).sum(1).to(torch.float64))
-        kl = kl_ratios.mean().clamp(min=0)
-    kl = torch.as_tensor(kl, dtype=torch.float64, device=hidden.device).detach().reshape(())
-    n_sequences = hidden.shape[0]
-
-    def loss_fn(
-        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
-        x = safe_average(logps - ref, counts) if average_log_prob else logps - ref
-        losses = torch.where(
-            desirable[rows],
-            desirable_weight * (1 - torch.sigmoid(beta * (x - kl))),
-            undesirable_weight * (1 - torch.sigmoid(beta * (kl - x))),
-        )
-        return losses.sum() / n_sequences
-
-    source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
-    result = run_preference(hidden, weight, bias, target, source, loss_fn, settings)
-    counts = (target != ignore_index).sum(1)
-    logps, ref = result.logps, result.ref_logps
-    if average_log_prob:
-        logps, ref = safe_average(logps, counts), safe_average(ref, counts)
-    metrics = {
-        "rewards": (beta * (logps - ref)).float(),
-        "logps": logps.float(),
-        "logits_mean": (result.logits_sums / (counts * weight.shape[0]).clamp_min(1)).float(),
-        "kl": kl.float(),
-    }
-    return result.loss, metrics
+    inputs = {
+        "desirable": desirable, "kl": kl, "kl_hidden": kl_hidden, "kl_target": kl_target,
+        "ref_kl_logps": ref_kl_logps, "ref_kl_hidden": ref_kl_hidden,
+    }  # fmt: skip
+    return fused_linear_preference(
+        KTO(beta, desirable_weight, undesirable_weight, loss_type, average_log_prob), hidden, weight, target, bias,
+        ref_logps=ref_logps, ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias, inputs=inputs,
+        ignore_index=ignore_index, check_targets=check_targets, accumulate_in_fp32=accumulate_in_fp32,
+        chunk_size=chunk_size, use_triton=use_triton,
+    )  # fmt: skip

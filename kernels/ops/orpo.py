@@ -22,22 +22,25 @@ detached, float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from tigon.kernels import reference
 from tigon.kernels.ops.fused_linear_preference import (
-    PassSettings,
+    Batch,
+    ChunkLoss,
+    PassResult,
+    PreferenceLoss,
     check_positive,
-    check_preference_inputs,
-    check_sequence_target,
+    chosen_nll,
     chosen_token_count,
-    logits_mean,
-    run_preference,
+    fused_linear_preference,
+    paired_metrics,
     safe_average,
 )
-from tigon.kernels.reference import check_target_range
-from tigon.kernels.utils import autocast_operands, eager_under_compile, use_triton
+from tigon.kernels.utils import eager_under_compile, use_triton
 
 
 def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +49,48 @@ def log_odds_terms(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.
     c, r = torch.where(defined, chosen, -1.0), torch.where(defined, rejected, -1.0)
     log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))  # log(1 - exp(x)), exact near 0
     return torch.where(defined, log_odds, 0.0), torch.where(defined, F.logsigmoid(log_odds), 0.0)
+
+
+@dataclass(frozen=True)
+class ORPO(PreferenceLoss):
+    """ORPO's options; its formula and metrics are the module docstring's."""
+
+    beta: float
+
+    NAME = "fused_linear_orpo"
+    REFERENCE = staticmethod(reference.fused_linear_orpo)
+
+    def check(self, batch: Batch) -> None:
+        check_positive("beta", self.beta)
+
+    def chunk_loss(self, batch: Batch) -> ChunkLoss:
+        beta, pairs, chosen_tokens = self.beta, batch.pairs, batch.chosen_tokens
+        nll_weight = 1.0 if batch.nll_target is None else 0.0  # with nll_target the chunked pass adds the NLL term
+
+        def loss_fn(
+            logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
+        ) -> torch.Tensor:
+            k = logps.shape[0] // 2
+            average = safe_average(logps, counts)
+            _, ratio = log_odds_terms(average[:k], average[k:])
+            return -logps[:k].sum() / chosen_tokens * nll_weight - beta * ratio.sum() / pairs
+
+        return loss_fn
+
+    def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
+        pairs = batch.pairs
+        average = safe_average(result.logps, batch.counts.to(torch.float64))
+        log_odds, ratio = log_odds_terms(average[:pairs], average[pairs:])
+        if batch.nll_target is None:
+            nll_loss = chosen_nll(batch, result)
+        else:
+            nll_loss = (result.nll / chosen_token_count(batch.nll_target, batch.ignore_index)).float()
+        return {
+            **paired_metrics(batch, result, average, self.beta * average),
+            "nll_loss": nll_loss,
+            "log_odds_ratio": ratio.mean().float(),
+            "log_odds_chosen": log_odds.mean().float(),
+        }
 
 
 @eager_under_compile
@@ -68,51 +113,8 @@ def fused_linear_orpo(
     tokens (`ignore_index` elsewhere); `nll_target` `(2P, T)`, if given, holds the NLL term's targets (its
     chosen half is read). `chunk_size` is pairs per chunk. Returns `(loss, metrics)`; one backward per forward.
     """
-    hidden, weight, bias = autocast_operands(hidden, weight, bias)
-    settings = PassSettings(
-        paired=True, ignore_index=ignore_index, chunk_size=chunk_size, accumulate_in_fp32=accumulate_in_fp32,
-        nll_target=nll_target.contiguous() if nll_target is not None else None, nll_weight=1.0,
+    return fused_linear_preference(
+        ORPO(beta), hidden, weight, target, bias, nll_target=nll_target, ignore_index=ignore_index,
+        check_targets=check_targets, accumulate_in_fp32=accumulate_in_fp32, chunk_size=chunk_size,
+        use_triton=use_triton,
     )  # fmt: skip
-    check_preference_inputs(hidden, weight, target, bias, None, None, None, None, settings, False, check_targets)
-    if nll_target is not None:
-        check_sequence_target("nll_target", nll_target, "hidden", hidden)
-        if check_targets:
-            check_target_range(nll_target.reshape(-1), weight.shape[0], ignore_index)
-    check_positive("beta", beta)
-    if not use_triton("fused_linear_orpo", hidden):
-        return reference.fused_linear_orpo(
-            hidden, weight, target, bias, beta=beta, nll_target=nll_target, ignore_index=ignore_index
-        )
-    pairs = hidden.shape[0] // 2
-    chosen_tokens = chosen_token_count(target, ignore_index)
-    nll_weight = 1.0 if nll_target is None else 0.0  # with nll_target the chunked pass adds the NLL term itself
-
-    def loss_fn(
-        logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """This chunk's share of the loss; the chunked pass differentiates it with respect to `logps`."""
-        k = logps.shape[0] // 2
-        average = safe_average(logps, counts)
-        _, ratio = log_odds_terms(average[:k], average[k:])
-        return -logps[:k].sum() / chosen_tokens * nll_weight - beta * ratio.sum() / pairs
-
-    result = run_preference(hidden, weight, bias, target, None, loss_fn, settings)
-    logps, counts = result.logps, (target != ignore_index).sum(1)
-    average = safe_average(logps, counts.to(torch.float64))
-    log_odds, ratio = log_odds_terms(average[:pairs], average[pairs:])
-    if nll_target is None:
-        nll_loss = -logps[:pairs].sum() / chosen_tokens
-    else:
-        nll_loss = result.nll / chosen_token_count(nll_target, ignore_index)
-    metrics = {
-        "chosen_rewards": (beta * average[:pairs]).float(),
-        "rejected_rewards": (beta * average[pairs:]).float(),
-        "chosen_logps": average[:pairs].float(),
-        "rejected_logps": average[pairs:].float(),
-        "nll_loss": nll_loss.float(),
-        "log_odds_ratio": ratio.mean().float(),
-        "log_odds_chosen": log_odds.mean().float(),
-        "chosen_logits_mean": logits_mean(result.logits_sums[:pairs], counts[:pairs], weight.shape[0]).float(),
-        "rejected_logits_mean": logits_mean(result.logits_sums[pairs:], counts[pairs:], weight.shape[0]).float(),
-    }
-    return result.loss, metrics
