@@ -36,6 +36,7 @@ import torch
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, prepare_adapter
+from tigon.runtime.objectives import prepare_objective, state_of
 from tigon.runtime.parallel import DDPStrategy, build_strategy
 from tigon.runtime.reporting import make_reporter, memory_bytes
 from tigon.runtime.trainer import (
@@ -171,6 +172,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     steps = checkpoints.remaining(total_steps)
     if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does
         return train_prepared(config, prepared)
+    prepare_objective(config, prepared)  # the reference or the teacher, before the model is sharded or wrapped
     dataset = prepared.train_dataset
     order = GlobalBatchSampler(
         len(dataset),
@@ -209,6 +211,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
             clock["seconds"] += time.perf_counter() - started
             clock["tokens"] += n_tokens
             checkpoints.advance(loss, n_tokens)
+            metrics = state_of(prepared.model).metrics  # a preference objective's or distillation's, else none
             reporter.step(
                 checkpoints.state.step,
                 {
@@ -218,11 +221,13 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
                     "tokens_seen": checkpoints.state.tokens_seen,
+                    **metrics,
                 },
             )
             step = checkpoints.state.step
             if step % config.logging.every_steps == 0 or step == total_steps:  # Lightning's loggers: the same runs
-                self.log_dict({"lightning/loss": loss, "lightning/lr": lr, "step": float(step)}, on_step=True)
+                values = {"loss": loss, "lr": lr, **metrics}
+                self.log_dict({**{f"lightning/{k}": v for k, v in values.items()}, "step": float(step)}, on_step=True)
             evaluation.step_done(total_steps)
             checkpoints.save_if_due(total_steps, strategy)
 

@@ -57,8 +57,8 @@ def preference_config(tmp_path: Path, objective: dict | str, records: list[dict]
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
     }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
+    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return parse_config(raw)
 
 
