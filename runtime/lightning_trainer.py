@@ -258,6 +258,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     )
     try:
         evaluation.start()
+        prepared.model.train()  # as the torch trainer does: a model from from_pretrained comes in eval mode
         trainer.fit(module, train_dataloaders=loader)
         if isinstance(strategy, LightningDDP):
             prepared.model.to(device)  # Lightning's teardown moved the module to the CPU; evaluate and export here
