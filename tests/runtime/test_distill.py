@@ -101,7 +101,6 @@ def test_distill_config_is_validated_with_the_fix(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config({**base, "objective": value})
     for sections, message in [
-        ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
         ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -87,7 +87,6 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config({**base, "objective": objective})
     for sections, message in [
-        ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
         ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
     ]:
