@@ -292,34 +292,46 @@ def test_hf_and_lightning_train_each_objective_to_the_torch_trainers_losses_and_
     assert not [str(w.message) for w in recwarn if "in eval mode at the start of training" in str(w.message)]
 
 
-def test_hf_and_lightning_dpo_on_two_ddp_processes_match_one_process(tmp_path, monkeypatch, one_thread):
-    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 (HF: accelerate's DDP; Lightning: its DDPStrategy; gloo)
-    == the same adapter in one process with micro-batch 4 x accumulation 2: the same global batch of 8 pairs. Per
-    step losses and TRL's metrics, and the held-out evaluation, within 1e-5 relative (1e-5 absolute near 0): gloo
-    sums the gradients in another order."""
+def test_hf_and_lightning_dpo_on_two_processes_under_ddp_fsdp2_and_zero2_match_one_process(
+    tmp_path, monkeypatch, one_thread
+):
+    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 (gloo) == the same adapter in one process with micro-batch
+    4 x accumulation 2: the same global batch of 8 pairs. DDP is accelerate's (HF) or Lightning's DDPStrategy;
+    FSDP2 (the policy and the frozen reference copy sharded) and DeepSpeed ZeRO-2 as the adapters run them for
+    sft. Per step losses and TRL's metrics, and the held-out evaluation, within 1e-5 relative (1e-5 absolute near
+    0): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than one process adds
+    them."""
     from tests.runtime.test_objectives import logged_steps
     from tests.runtime.test_parallel import launch
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    trainers = ("hf", "lightning")
+    trainers, strategies = ("hf", "lightning"), ("ddp", "fsdp", "deepspeed")
     steps = {"max_steps": 3}
     runs = {
-        f"{name}-ddp": objective_config(
-            tmp_path, "dpo", name, training=steps, logging={"run_dir": f"{tmp_path}/{name}-ddp"}
+        f"{name}-{strategy}": objective_config(
+            tmp_path,
+            "dpo",
+            name,
+            training=steps,
+            parallelism={"strategy": strategy},
+            logging={"run_dir": f"{tmp_path}/{name}-{strategy}"},
         )
         for name in trainers
+        for strategy in strategies
     }
     records = launch(tmp_path, runs)
     for name in trainers:
         single = train(objective_config(tmp_path, "dpo", name, training={**steps, "micro_batch_size": 4}))
         names = ["loss", *single.objective_metrics]
-        got, want = (
-            [{key: step[key] for key in names} for step in logged_steps(run_dir)]
-            for run_dir in (tmp_path / f"{name}-ddp", single.run_dir)
-        )
-        assert len(got) == len(want) == 3 and records[f"{name}-ddp"]["losses"] == [step["loss"] for step in got]
-        worst = max(
-            assert_close(a, b, 1e-5, (name, step)) for step, (a, b) in enumerate(zip(got, want, strict=True), 1)
-        )
-        worst = max(worst, assert_close(records[f"{name}-ddp"]["eval"], single.eval_metrics, 1e-5, (name, "eval")))
-        print(f"{name} DDP: worst difference to one process {worst:.2e}")
+        want = [{key: step[key] for key in names} for step in logged_steps(single.run_dir)]
+        assert len(want) == 3, want
+        for strategy in strategies:
+            record = records[f"{name}-{strategy}"]
+            got = [{key: step[key] for key in names} for step in logged_steps(tmp_path / f"{name}-{strategy}")]
+            assert record["losses"] == [step["loss"] for step in got], (name, strategy)
+            worst = max(
+                assert_close(a, b, 1e-5, (name, strategy, step))
+                for step, (a, b) in enumerate(zip(got, want, strict=True), 1)
+            )
+            worst = max(worst, assert_close(record["eval"], single.eval_metrics, 1e-5, (name, strategy, "eval")))
+            print(f"{name} {strategy}: worst difference to one process {worst:.2e}")
