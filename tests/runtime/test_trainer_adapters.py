@@ -292,6 +292,19 @@ def test_hf_and_lightning_train_each_objective_to_the_torch_trainers_losses_and_
     assert not [str(w.message) for w in recwarn if "in eval mode at the start of training" in str(w.message)]
 
 
+@pytest.mark.parametrize(("trainer", "objective"), [("hf", "dpo"), ("lightning", "distill")])
+def test_an_adapter_resumes_an_objective_run_exactly(tmp_path, monkeypatch, one_thread, trainer, objective):
+    """Stopped at its step-2 checkpoint and resumed to step 4, the run repeats the uninterrupted losses and last
+    metrics bit for bit: the reference copy (or the teacher) is made before the checkpoint is loaded."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resume = {"checkpoint": {"every_steps": 2, "resume": True}, "logging": {"run_dir": str(tmp_path / "resumed")}}
+    whole = train(objective_config(tmp_path, objective, trainer, training={"max_steps": 4}))
+    train(objective_config(tmp_path, objective, trainer, training={"max_steps": 2}, **resume))
+    resumed = train(objective_config(tmp_path, objective, trainer, training={"max_steps": 4}, **resume))
+    assert resumed.resumed_from_step == 2 and resumed.losses == whole.losses, (resumed.losses, whole.losses)
+    assert resumed.objective_metrics == whole.objective_metrics
+
+
 def test_hf_and_lightning_dpo_on_two_processes_under_ddp_fsdp2_and_zero2_match_one_process(
     tmp_path, monkeypatch, one_thread
 ):
