@@ -13,6 +13,12 @@ checkpoints (every N steps, last K kept, atomic) from a callback and resumes fro
 per-step losses go through tigon's Reporter; HF's own logging reports, under `hf/`, to the same
 TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
+The preference objectives and distillation use the torch trainer's step (`objectives.ObjectiveStep`):
+`get_batch_samples` counts the step's pairs or completion tokens over the ranks, and `compute_loss` returns
+each micro-batch's share of the step's loss, already normalized (HF's division by the accumulation steps
+stays off); the step's metrics (TRL's names, or distillation's two terms) go to the Reporter and, averaged
+over HF's logging interval, to HF's own logs.
+
 Parallelism under torchrun: `ddp`, accelerate wraps the model in DDP; `deepspeed`,
 `TrainingArguments(deepspeed=...)` with the config `deepspeed_engine.deepspeed_config` builds from the
 run, so accelerate creates the engine around tigon's optimizer and HF steps tigon's schedule; `fsdp`,

@@ -3,8 +3,9 @@
     result = train(config)  # with config.trainer == "lightning"
 
 Shared with the torch trainer: `prepare`, `build_optimizer`, `build_scheduler`, the data order
-(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization, one global batch's forward,
-backward and update (`run_global_batch`), the parallelism strategies, and its checkpoints
+(`GlobalBatchSampler`), the loss (`token_loss_sum`, or a preference objective's or distillation's through
+`objectives.ObjectiveStep`) and its normalization, one global batch's forward, backward and update
+(`run_global_batch`), the parallelism strategies, and its checkpoints
 (`AdapterCheckpoints`: every N steps, last K kept, atomic; resume continues exactly). Optimization is
 manual: Lightning's automatic accumulation divides each micro-batch's loss by the number of
 micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
