@@ -400,13 +400,12 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
         step_tokens = 0
         tigon_optimizer = None  # the optimizer tigon built (the Trainer's may be accelerate's wrapper of it)
         objective_step: ObjectiveStep | None = None  # the objective's step in progress
-        unlogged: list[dict[str, float]] = []  # the objective's metrics of the steps since HF last logged
 
         def log(self, logs, start_time=None):
-            if "loss" in logs and self.unlogged:  # a training log: the objective's metrics, averaged as HF's loss
-                names = {name for step in self.unlogged for name in step}  # KTO's have a step's completions' kinds
-                logs = {**logs, **{name: mean(s[name] for s in self.unlogged if name in s) for name in sorted(names)}}
-                self.unlogged = []
+            if "loss" in logs and unlogged:  # a training log: the objective's metrics, averaged as HF's loss is
+                names = sorted({name for step in unlogged for name in step})  # KTO's: the kinds a step held
+                logs = {**logs, **{name: mean(step[name] for step in unlogged if name in step) for name in names}}
+                unlogged.clear()
             # HF's own values go to the same trackers as tigon's, under hf/ so that neither overwrites the other
             super().log({f"hf/{name}": value for name, value in logs.items()}, start_time)
 
@@ -482,6 +481,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
+    unlogged: list[dict[str, float]] = []  # the objective's metrics of the steps since HF last logged
     attached: dict[str, DDPStrategy] = {}
 
     class RecordLosses(TrainerCallback):
@@ -501,7 +501,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             if objective:
                 state_of(prepared.model).metrics = metrics
                 if args.logging_strategy != "no":
-                    trainer.unlogged.append(metrics)
+                    unlogged.append(metrics)
             reporter.step(
                 checkpoints.state.step,
                 {
