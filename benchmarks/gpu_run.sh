@@ -2,7 +2,8 @@
 # Run on a GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [packed] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
 #   [planner-tests] [preference-memory (benchmarks/preference_memory.py: the planner's estimate against measured
-#   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)] [multi-gpu-tests (4 GPUs: the three trainers
+#   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)]
+#   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
 #   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
@@ -73,6 +74,8 @@ for step in "$@"; do
     e2e-qlora) python3 -m benchmarks.end_to_end --family llama --shape llama-3-8b --qlora --variants "${E2E_VARIANTS:-eager,liger,tigon,planner}" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/e2e-qlora.json" 2>&1 | tee "$out/e2e-qlora.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     preference-memory) python3 -m benchmarks.preference_memory --out "$out/preference-memory.json" 2>&1 | tee "$out/preference-memory.log" ;;
+    adapter-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_adapter_parallelism_gpu.py > "$out/adapter-tests.log" 2>&1
+      grep -E "worst|passed|failed|Error" "$out/adapter-tests.log" | tail -n 30 ;;
     trl) python3 -m benchmarks.trl_integration --trainers "${TRL_TRAINERS:-dpo,sft}" --out "$out/trl.json" 2>&1 | tee "$out/trl.log" ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;

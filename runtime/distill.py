@@ -1,8 +1,8 @@
-"""Distillation (`objective.type: distill`) in the torch trainer: a frozen teacher beside the student.
+"""Distillation (`objective.type: distill`) in every trainer: a frozen teacher beside the student.
 
     check_distill(config)                                   # settings that cannot run, with the fix
     teacher = load_teacher(config, model, tokenizer, env, device)   # checked, loaded, frozen (sharded under fsdp)
-    loss, grad_norm, tokens = run_global_batch(strategy, micro_batches, config, env, device, step)
+    loss, sums = distill_micro_batch(model, batch, config, env, device, n_label)   # through objectives.ObjectiveStep
 
 The data are the next-token run's (`data.format` text, instruction or chat, packed or not); the completion tokens
 are those with a label. On each micro-batch both models run with no logit positions kept, and two fused linear
@@ -44,11 +44,6 @@ def check_distill(config: RunConfig) -> None:
     """Settings distillation cannot run with, named with the fix."""
     if config.objective.type != "distill":
         return
-    if config.trainer != "torch":
-        raise ConfigError(
-            f"objective.type 'distill' trains with trainer: torch; the {config.trainer!r} trainer runs objective.type "
-            "'sft' only. Set trainer: torch"
-        )
     check_parallelism("objective.type 'distill'", config)
 
 
@@ -164,26 +159,23 @@ def distill_sums(
     return in_root_forward(model, losses)
 
 
-def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
-    """The distillation counterpart of `trainer.run_global_batch`: forward and backward over this rank's
-    micro-batches, then the update. Returns (the step's loss, the gradient norm before clipping, tokens); the
-    step's `ce_loss` and `distill_loss` land in the model's `ObjectiveState.metrics`."""
-    from tigon.runtime.trainer import autocast, global_token_counts
-
+def distill_micro_batch(
+    model: nn.Module, batch: dict, config: RunConfig, env: DistEnv, device: torch.device, n_label: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's loss to backpropagate (its terms summed over its completion tokens, divided by the global
+    batch's `n_label`, times the world size: data parallelism averages the gradients over the ranks) and its sums
+    of the two terms (`objectives.ObjectiveStep` runs it)."""
     alpha = config.objective.resolved_alpha
-    teacher = state_of(strategy.model).reference
-    n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for index, batch in enumerate(micro_batches):
-        with strategy.accumulating(last=index == len(micro_batches) - 1):
-            with autocast(device, config.training.precision):
-                ce, jsd = distill_sums(strategy.model, teacher, batch, config, device)
-            strategy.backward((alpha * ce + (1 - alpha) * jsd) * (env.world_size / n_label))
-        sums += torch.stack([ce.detach(), jsd.detach()]).double()
-    grad_norm = strategy.step()
-    ce_loss, distill_loss = (float(value) / n_label for value in all_reduce_sum(sums, env))
-    state_of(strategy.model).metrics = {"ce_loss": ce_loss, "distill_loss": distill_loss}
-    return alpha * ce_loss + (1 - alpha) * distill_loss, float(grad_norm), n_tokens
+    ce, jsd = distill_sums(model, state_of(model).reference, batch, config, device)
+    sums = {"ce_loss": ce.detach().double(), "distill_loss": jsd.detach().double()}
+    return (alpha * ce + (1 - alpha) * jsd) * (env.world_size / n_label), sums
+
+
+def distill_result(sums: dict[str, torch.Tensor], config: RunConfig, n_label: float) -> tuple[float, dict]:
+    """The step's loss and its two terms per completion token, from the sums over all micro-batches and ranks."""
+    alpha = config.objective.resolved_alpha
+    ce_loss, distill_loss = float(sums["ce_loss"]) / n_label, float(sums["distill_loss"]) / n_label
+    return alpha * ce_loss + (1 - alpha) * distill_loss, {"ce_loss": ce_loss, "distill_loss": distill_loss}
 
 
 def evaluate_distill(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:

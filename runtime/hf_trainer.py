@@ -13,6 +13,12 @@ checkpoints (every N steps, last K kept, atomic) from a callback and resumes fro
 per-step losses go through tigon's Reporter; HF's own logging reports, under `hf/`, to the same
 TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
+The preference objectives and distillation use the torch trainer's step (`objectives.ObjectiveStep`):
+`get_batch_samples` counts the step's pairs or completion tokens over the ranks, and `compute_loss` returns
+each micro-batch's share of the step's loss, already normalized (HF's division by the accumulation steps
+stays off); the step's metrics (TRL's names, or distillation's two terms) go to the Reporter and, averaged
+over HF's logging interval, to HF's own logs.
+
 Parallelism under torchrun: `ddp`, accelerate wraps the model in DDP; `deepspeed`,
 `TrainingArguments(deepspeed=...)` with the config `deepspeed_engine.deepspeed_config` builds from the
 run, so accelerate creates the engine around tigon's optimizer and HF steps tigon's schedule; `fsdp`,
@@ -27,12 +33,14 @@ the Lightning adapter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
+from statistics import mean
 
 import torch
 from torch import nn
@@ -40,6 +48,7 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
+from tigon.runtime.objectives import ObjectiveStep, prepare_objective, state_of
 from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
 from tigon.runtime.reporting import Reporter, final_values, make_reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
@@ -218,6 +227,7 @@ def finish_adapter_run(
         kernels=str(patch) if patch is not None else None,
         export_url=export_url,
         data_manifest=prepared.data_manifest,
+        objective_metrics=dict(state_of(model).metrics) or None,
     )
     if prepared.env.is_main:
         reporter.plot(result.losses, result.eval_history)
@@ -372,6 +382,8 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     steps = checkpoints.remaining(total_steps)
     if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does
         return train_prepared(config, prepared)
+    objective = config.objective.type != "sft"  # a preference objective or distillation: `ObjectiveStep`'s loss
+    prepare_objective(config, prepared)  # the reference or the teacher, before the model is sharded or wrapped
     sharded = config.parallelism.strategy == "fsdp"
     if sharded:
         shard_model(prepared.model, config, env, device)  # the torch trainer's FSDP2 units and mixed precision
@@ -379,16 +391,42 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     attn = config.model.attn_implementation
 
     def collator(items: list[dict]) -> dict:
+        if objective:  # the objective's code picks the model's inputs (pairs as rows, the labels as targets)
+            return collate(items)
         return {**model_inputs(collate(items), attn), "use_cache": False}
 
     class TigonHFTrainer(Trainer):
         step_loss = 0.0
         step_tokens = 0
         tigon_optimizer = None  # the optimizer tigon built (the Trainer's may be accelerate's wrapper of it)
+        objective_step: ObjectiveStep | None = None  # the objective's step in progress
 
         def log(self, logs, start_time=None):
+            if "loss" in logs and unlogged:  # a training log: the objective's metrics, averaged as HF's loss is
+                names = sorted({name for step in unlogged for name in step})  # KTO's: the kinds a step held
+                logs = {**logs, **{name: mean(step[name] for step in unlogged if name in step) for name in names}}
+                unlogged.clear()
             # HF's own values go to the same trackers as tigon's, under hf/ so that neither overwrites the other
             super().log({f"hf/{name}": value for name, value in logs.items()}, start_time)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            if not objective:
+                return super().get_batch_samples(epoch_iterator, num_batches, device)
+            # The step's micro-batches, counted over the ranks: the count HF hands each compute_loss
+            batches = list(itertools.islice(epoch_iterator, num_batches))
+            self.objective_step = ObjectiveStep(batches, config, env, device, checkpoints.state.step + 1)
+            return batches, self.objective_step.count
+
+        def _prepare_inputs(self, inputs):
+            # An objective's batch stays as collated: its code moves it (HF's DeepSpeed path would cast the float64
+            # reference log-probs to the engine's dtype)
+            return inputs if objective else super()._prepare_inputs(inputs)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not objective:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            # the torch trainer's loss for this micro-batch, normalized over the step (under FSDP2: the sharded root)
+            return self.objective_step.loss(model.module if isinstance(model, ShardedModel) else model, inputs)
 
         def _get_train_sampler(self, train_dataset=None):
             return order
@@ -423,13 +461,27 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             if num_items_in_batch is None:
                 raise RuntimeError("transformers did not pass num_items_in_batch; the loss would be mis-normalized")
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self.step_loss += float(loss)
-            self.step_tokens += int(inputs["input_ids"].numel())
+            if not objective:
+                self.step_loss += float(loss)
+                self.step_tokens += int(inputs["input_ids"].numel())
             return loss
+
+        def finish_step(self) -> tuple[float, int, dict[str, float]]:
+            """The step's loss over the global batch, its tokens and the objective's metrics (on every rank)."""
+            if objective:
+                loss, metrics = self.objective_step.finish()
+                return loss, self.objective_step.tokens, metrics
+            # Each rank's share is (its token loss sum / the step's label tokens on all ranks) x world size (HF
+            # scales it so that the gradient mean over the ranks comes out right): the step's loss is the sum / W.
+            totals = torch.tensor([self.step_loss, self.step_tokens], dtype=torch.float64, device=device)
+            all_reduce_sum(totals, env)
+            self.step_loss, self.step_tokens = 0.0, 0
+            return float(totals[0]) / env.world_size, int(totals[1]), {}
 
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
+    unlogged: list[dict[str, float]] = []  # the objective's metrics of the steps since HF last logged
     attached: dict[str, DDPStrategy] = {}
 
     class RecordLosses(TrainerCallback):
@@ -442,14 +494,14 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
 
         def on_step_end(self, args, state, control, **kwargs):
             clock["seconds"] += time.perf_counter() - clock["started"]
-            # Each rank's share is (its token loss sum / the step's label tokens on all ranks) x world size (HF
-            # scales it so that the gradient mean over the ranks comes out right): the step's loss is the sum / W.
-            totals = torch.tensor([trainer.step_loss, trainer.step_tokens], dtype=torch.float64, device=device)
-            all_reduce_sum(totals, env)
-            loss, trainer.step_loss, trainer.step_tokens = float(totals[0]) / env.world_size, 0.0, 0
-            clock["tokens"] += int(totals[1])
+            loss, tokens, metrics = trainer.finish_step()
+            clock["tokens"] += tokens
             lr = trainer.lr_scheduler.get_last_lr()[0]
-            checkpoints.advance(loss, int(totals[1]))
+            checkpoints.advance(loss, tokens)
+            if objective:
+                state_of(prepared.model).metrics = metrics
+                if args.logging_strategy != "no":
+                    unlogged.append(metrics)
             reporter.step(
                 checkpoints.state.step,
                 {
@@ -458,6 +510,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
                     "tokens_seen": checkpoints.state.tokens_seen,
+                    **metrics,
                 },
             )
             evaluation.step_done(total_steps)
@@ -472,6 +525,8 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             data_collator=collator,
             callbacks=[RecordLosses(), *framework_trackers(config, env)],
         )
+        if objective:  # compute_loss normalizes over the step's global batch: HF must not divide by accumulation
+            trainer.model_accepts_loss_kwargs = True
         trainer.remove_callback(PrinterCallback)  # tigon's Reporter prints the run's progress
         try:
             evaluation.start()

@@ -3,8 +3,9 @@
     result = train(config)  # with config.trainer == "lightning"
 
 Shared with the torch trainer: `prepare`, `build_optimizer`, `build_scheduler`, the data order
-(`GlobalBatchSampler`), the loss (`token_loss_sum`) and its normalization, one global batch's forward,
-backward and update (`run_global_batch`), the parallelism strategies, and its checkpoints
+(`GlobalBatchSampler`), the loss (`token_loss_sum`, or a preference objective's or distillation's through
+`objectives.ObjectiveStep`) and its normalization, one global batch's forward, backward and update
+(`run_global_batch`), the parallelism strategies, and its checkpoints
 (`AdapterCheckpoints`: every N steps, last K kept, atomic; resume continues exactly). Optimization is
 manual: Lightning's automatic accumulation divides each micro-batch's loss by the number of
 micro-batches, which is not the torch trainer's "sum over label tokens of the step / their count" when
@@ -36,6 +37,7 @@ import torch
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, prepare_adapter
+from tigon.runtime.objectives import prepare_objective, state_of
 from tigon.runtime.parallel import DDPStrategy, build_strategy
 from tigon.runtime.reporting import make_reporter, memory_bytes
 from tigon.runtime.trainer import (
@@ -171,6 +173,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     steps = checkpoints.remaining(total_steps)
     if not steps:  # resumed at its last step: load that checkpoint, evaluate and export as the torch trainer does
         return train_prepared(config, prepared)
+    prepare_objective(config, prepared)  # the reference or the teacher, before the model is sharded or wrapped
     dataset = prepared.train_dataset
     order = GlobalBatchSampler(
         len(dataset),
@@ -209,6 +212,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
             clock["seconds"] += time.perf_counter() - started
             clock["tokens"] += n_tokens
             checkpoints.advance(loss, n_tokens)
+            metrics = state_of(prepared.model).metrics  # a preference objective's or distillation's, else none
             reporter.step(
                 checkpoints.state.step,
                 {
@@ -218,11 +222,13 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
                     "tokens_per_second": clock["tokens"] / max(clock["seconds"], 1e-9),
                     "memory_bytes": memory_bytes(device),
                     "tokens_seen": checkpoints.state.tokens_seen,
+                    **metrics,
                 },
             )
             step = checkpoints.state.step
             if step % config.logging.every_steps == 0 or step == total_steps:  # Lightning's loggers: the same runs
-                self.log_dict({"lightning/loss": loss, "lightning/lr": lr, "step": float(step)}, on_step=True)
+                values = {"loss": loss, "lr": lr, **metrics}
+                self.log_dict({**{f"lightning/{k}": v for k, v in values.items()}, "step": float(step)}, on_step=True)
             evaluation.step_done(total_steps)
             checkpoints.save_if_due(total_steps, strategy)
 
@@ -253,6 +259,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
     )
     try:
         evaluation.start()
+        prepared.model.train()  # as the torch trainer does: a model from from_pretrained comes in eval mode
         trainer.fit(module, train_dataloaders=loader)
         if isinstance(strategy, LightningDDP):
             prepared.model.to(device)  # Lightning's teardown moved the module to the CPU; evaluate and export here

@@ -1,9 +1,13 @@
-"""Preference objectives (DPO, ORPO, SimPO, CPO, KTO) in the torch trainer, through tigon's fused linear ops; the
-frozen-model plumbing distillation shares (`tigon.runtime.distill`).
+"""Preference objectives (DPO, ORPO, SimPO, CPO, KTO) through tigon's fused linear ops, in every trainer; the
+frozen-model plumbing and the per-step code distillation shares (`tigon.runtime.distill`).
 
     check_objective(config)                          # settings that cannot run, with the fix
     prepare_objective(config, prepared)              # the reference: a frozen copy, or log-probs stored once
+    step = ObjectiveStep(micro_batches, config, env, device, number)   # one step: each micro-batch's loss, metrics
     loss, grad_norm, tokens = run_global_batch(strategy, micro_batches, config, env, device, step)
+
+The torch and Lightning trainers run a step through `run_global_batch`; the HF Trainer adapter calls
+`ObjectiveStep.loss` from its `compute_loss`, so the three compute the same loss and metrics.
 
 The model runs with no logit positions kept (`logits_to_keep` = an empty index); a forward hook on its decoder
 hands the final hidden states to the fused op (`tigon.kernels.functional.fused_linear_dpo`, ...), which reads
@@ -84,11 +88,6 @@ def check_objective(config: RunConfig) -> None:
     if not objective.preference:
         return
     name = f"objective.type {objective.type!r}"
-    if config.trainer != "torch":
-        raise ConfigError(
-            f"{name} trains with trainer: torch; the {config.trainer!r} trainer runs objective.type 'sft' only. "
-            "Set trainer: torch"
-        )
     check_parallelism(name, config)
     if config.data.format != "text":
         raise ConfigError(
@@ -344,30 +343,79 @@ def global_pairs(micro_batches: list[dict], env: DistEnv, device: torch.device) 
     return float(counts[0]), int(counts[1])
 
 
+def preference_micro_batch(
+    model: nn.Module, batch: dict, config: RunConfig, env: DistEnv, device: torch.device, pairs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A micro-batch's loss to backpropagate (its share of the global batch's `pairs`, times the world size: data
+    parallelism averages the gradients over the ranks) and its sums of the step's metrics, `loss` among them."""
+    loss, metrics = preference_loss(model, batch, config, device, env)
+    share = batch["input_ids"].shape[0] / pairs
+    sums = _metric_sums(config.objective.type, metrics, batch, device)
+    sums["loss"] = loss.detach().double() * share
+    return loss.float() * (share * env.world_size), sums
+
+
+def preference_result(sums: dict[str, torch.Tensor], config: RunConfig, pairs: float) -> tuple[float, dict]:
+    """The step's loss and TRL's metrics from the metric sums of all its micro-batches on all ranks."""
+    sums = dict(sums)
+    return float(sums.pop("loss")), _averages(sums, config.objective.type)
+
+
+class ObjectiveStep:
+    """One optimizer step of a preference objective or of distillation, as the three trainers run it.
+
+        step = ObjectiveStep(micro_batches, config, env, device, number)  # this rank's micro-batches of the step
+        for batch in micro_batches:
+            backward(step.loss(model, batch))       # under the run's autocast; adds the batch's metrics
+        loss, metrics = step.finish()               # summed over the ranks
+
+    The micro-batches are counted over the ranks first (pairs, KTO completions, or distillation's completion
+    tokens), so that each micro-batch's loss is its exact share of the global batch's, as the next-token loss is
+    normalized. `tokens`: the tokens the step processes on all ranks."""
+
+    def __init__(self, micro_batches: list[dict], config: RunConfig, env: DistEnv, device: torch.device, number: int):
+        from tigon.runtime import distill
+
+        self.config, self.env, self.device = config, env, device
+        self.sums: dict[str, torch.Tensor] = {}
+        if config.objective.type == "distill":
+            from tigon.runtime.trainer import global_token_counts
+
+            self.count, self.tokens = global_token_counts(micro_batches, env, device, number)
+            self.micro_batch, self.result = distill.distill_micro_batch, distill.distill_result
+        else:
+            self.count, self.tokens = global_pairs(micro_batches, env, device)
+            self.micro_batch, self.result = preference_micro_batch, preference_result
+
+    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """The micro-batch's loss to backpropagate (`model`: as the strategy wraps it, through DDP or DeepSpeed)."""
+        loss, sums = self.micro_batch(model, batch, self.config, self.env, self.device, self.count)
+        for name, value in sums.items():
+            self.sums[name] = self.sums.get(name, 0) + value
+        return loss
+
+    def finish(self) -> tuple[float, dict[str, float]]:
+        """The step's loss and metrics over the global batch (a collective: call on every rank)."""
+        names = sorted(self.sums)
+        stacked = all_reduce_sum(torch.stack([self.sums[name] for name in names]), self.env)
+        return self.result(dict(zip(names, stacked, strict=True)), self.config, self.count)
+
+
 def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
-    """The preference counterpart of `trainer.run_global_batch`: forward and backward over this rank's
-    micro-batches, then the update. Returns (the step's loss, the gradient norm before clipping, tokens); the
-    step's metrics land in the model's `ObjectiveState.metrics`."""
+    """The objective's counterpart of `trainer.run_global_batch` (the torch and Lightning trainers): forward and
+    backward over this rank's micro-batches, then the update. Returns (the step's loss, the gradient norm before
+    clipping, tokens); the step's metrics land in the model's `ObjectiveState.metrics`."""
     from tigon.runtime.trainer import autocast
 
-    objective = config.objective.type
-    n_pairs, n_tokens = global_pairs(micro_batches, env, device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    sums: dict[str, torch.Tensor] = {}
+    objective_step = ObjectiveStep(micro_batches, config, env, device, step)
     for index, batch in enumerate(micro_batches):
-        share = batch["input_ids"].shape[0] / n_pairs
         with strategy.accumulating(last=index == len(micro_batches) - 1):
             with autocast(device, config.training.precision):
-                loss, metrics = preference_loss(strategy.model, batch, config, device, env)
-            strategy.backward(loss.float() * (share * env.world_size))  # gradients are averaged over the ranks
-        loss_sum += loss.detach().double() * share
-        for name, value in _metric_sums(objective, metrics, batch, device).items():
-            sums[name] = sums.get(name, 0) + value
+                loss = objective_step.loss(strategy.model, batch)
+            strategy.backward(loss)
     grad_norm = strategy.step()
-    names = sorted(sums)
-    stacked = all_reduce_sum(torch.stack([sums[name] for name in names] + [loss_sum]), env)
-    state_of(strategy.model).metrics = _averages(dict(zip(names, stacked[:-1], strict=True)), objective)
-    return float(stacked[-1]), float(grad_norm), n_tokens
+    loss, state_of(strategy.model).metrics = objective_step.finish()
+    return loss, float(grad_norm), objective_step.tokens
 
 
 def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, device: torch.device) -> torch.Tensor:

@@ -845,14 +845,10 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
     Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
     before clipping, tokens processed); `step` (1-based) names the step in errors.
     """
-    if config.objective.preference:
+    if config.objective.type != "sft":  # a preference objective or distillation
         from tigon.runtime import objectives
 
         return objectives.run_global_batch(strategy, micro_batches, config, env, device, step)
-    if config.objective.type == "distill":
-        from tigon.runtime import distill
-
-        return distill.run_global_batch(strategy, micro_batches, config, env, device, step)
     training = config.training
     n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

@@ -5,14 +5,17 @@ in its setup (which would take FSDP2's CPU-offloaded parameters off the CPU), an
 strategies move it to the CPU in their teardown, before the adapter's final evaluation and export. The HF
 Trainer would move a model to the GPU at construction too. In one process, bf16, each adapter's run gives the
 torch trainer's per-step losses under the same strategy within RELATIVE_TOLERANCE (one GPU: the same kernels
-on the same data, measured under 3e-8), and the run started again at its last step finishes.
+on the same data, measured under 3e-8), and the run started again at its last step finishes. The preference
+objectives and distillation, through the fused ops' Triton kernels in bf16, give the torch trainer's per-step
+losses and metrics under both adapters within the same tolerance (absolute near 0, where the rewards start).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.runtime.test_trainer_adapters import adapter_config
+from tests.runtime.test_objectives import logged_steps
+from tests.runtime.test_trainer_adapters import adapter_config, assert_close, objective_config
 from tigon.runtime.trainer import train
 
 RELATIVE_TOLERANCE = 1e-4
@@ -41,3 +44,27 @@ def test_adapters_on_one_gpu_match_the_torch_trainer_and_finish_a_run_resumed_at
         assert worst < RELATIVE_TOLERANCE, (trainer, result.losses, reference.losses)
         again = train(config(trainer))
         assert again.resumed_from_step == 4 and again.losses == result.losses and again.export_dir, trainer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("objective", ["dpo", "kto-precomputed", "distill"])
+def test_adapters_train_objectives_on_one_gpu_to_the_torch_trainers_losses_and_metrics(tmp_path, objective):
+    results = {
+        trainer: train(objective_config(tmp_path, objective, trainer, training={"max_steps": 3, "precision": "bf16"}))
+        for trainer in ("torch", "hf", "lightning")
+    }
+    reference = results["torch"]
+    assert reference.device.startswith("cuda")
+    names = ["loss", *reference.objective_metrics]
+    want = [{name: step[name] for name in names} for step in logged_steps(reference.run_dir)]
+    for trainer in ("hf", "lightning"):
+        got = [{name: step[name] for name in names} for step in logged_steps(results[trainer].run_dir)]
+        assert len(got) == len(want) == 3, (trainer, got, want)
+        worst = max(
+            assert_close(a, b, RELATIVE_TOLERANCE, (trainer, step))
+            for step, (a, b) in enumerate(zip(got, want, strict=True), 1)
+        )
+        worst = max(
+            worst, assert_close(results[trainer].eval_metrics, reference.eval_metrics, RELATIVE_TOLERANCE, trainer)
+        )
+        print(f"{trainer} {objective}: worst difference to the torch trainer {worst:.2e}")

