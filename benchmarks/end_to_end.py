@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.headline import LLAMA_3_8B
+from tigon.runtime.files import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -1048,13 +1048,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def merge_reports(reports: list[dict]) -> dict:
     """One report from several: families in PRESETS order; per (family, variant, seq) the last measured run, else
     the last outcome (not available, failed), else the record that it was not run."""
@@ -1261,8 +1254,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge:
         report = merge_reports([json.loads(Path(name).read_text()) for name in args.merge])
         out = Path(args.out)
-        write_atomic(out, json.dumps(report, indent=2) + "\n")
-        write_atomic(Path(args.md) if args.md else out.with_suffix(".md"), markdown(report))
+        atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+        atomic_write_text(Path(args.md) if args.md else out.with_suffix(".md"), markdown(report))
         if any("tokens_per_second" in run for run in report["runs"]):
             plot_families(report, out.with_suffix(".png"))
         if report.get("longest"):
@@ -1318,8 +1311,8 @@ def main(argv: list[str] | None = None) -> None:
     budget = Budget(args.time_budget)
 
     def save() -> None:
-        write_atomic(out, json.dumps(report, indent=2) + "\n")
-        write_atomic(md, markdown(report))
+        atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+        atomic_write_text(md, markdown(report))
 
     def base_of(family: str) -> dict:
         return {

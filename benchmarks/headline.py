@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from tigon.runtime.files import atomic_path
+
 GiB = 2**30
 WARMUP_STEPS = 3
 VARIANTS = ("eager", "liger", "tigon", "planner")
@@ -65,12 +67,9 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
         return
     rng = random.Random(seed)
     alphabet = string.ascii_letters + string.digits + " "
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w") as file:
+    with atomic_path(path) as temporary, temporary.open("w") as file:
         for _ in range(n_docs):
             file.write(json.dumps({"text": "".join(rng.choices(alphabet, k=length))}) + "\n")
-    temporary.replace(path)
 
 
 def prepare(

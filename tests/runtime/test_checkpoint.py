@@ -165,16 +165,6 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
     assert (random.random(), torch.rand(3)) == (expected[0], pytest.approx(expected[1]))
 
 
-def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
-    path = tmp_path / "report.json"
-    ckpt.atomic_write_text(path, "old")
-
-    with pytest.raises(TypeError):
-        ckpt.atomic_write_bytes(path, object())  # type: ignore[arg-type]
-    assert path.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
-
-
 def _capture_before_export(monkeypatch, ids: torch.Tensor) -> dict:
     """Logits of the trained model just before the trainer exports it."""
     captured = {}
