@@ -34,11 +34,6 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
 def write_jsonl(path, lines):
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path

@@ -9,7 +9,6 @@ import pytest
 
 from tigon.runtime.config import parse_config
 from tigon.runtime.data import IGNORE_INDEX, DataError, build_datasets, read_records, tokenize_record
-from tigon.runtime.tokenizer import build_char_tokenizer
 
 README = """---
 configs:
@@ -56,8 +55,7 @@ def run_config(tmp_path, train, **data):
     )
 
 
-def test_subset_split_and_eval_split_of_a_dataset_repository(tmp_path, repository):
-    tokenizer = build_char_tokenizer()
+def test_subset_split_and_eval_split_of_a_dataset_repository(tmp_path, repository, tokenizer):
     config = run_config(tmp_path, repository, subset="add", format="instruction", eval_split="test")
     train, evaluation, summary = build_datasets(config, tokenizer)
     assert summary.records == 2 and summary.eval.records == 1
