@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     """Every rank: build, train `--interval` steps, then measure each mode in turn (see the module docstring)."""
     import torch
 
-    from benchmarks.end_to_end import random_dataset
+    from benchmarks.end_to_end_runner import random_dataset
     from tigon.runtime import checkpoint as ckpt
     from tigon.runtime import trainer
     from tigon.runtime.distributed import barrier, init_distributed, shutdown

@@ -34,7 +34,8 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks.end_to_end import PRESETS, Budget, environment, liger_function, run_worker
+from benchmarks.end_to_end_runner import Budget, environment, liger_function, run_worker
+from benchmarks.presets import PRESETS
 from tigon.runtime.files import atomic_write_text
 
 GiB = 2**30

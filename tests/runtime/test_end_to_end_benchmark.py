@@ -2,7 +2,9 @@
 
 The CLI run (each variant in its own subprocess, as on the GPU) covers a few families, since every
 subprocess pays the imports; one more subprocess trains every family, eager then tigon, through the same
-`worker`, and the presets' real configs are counted against their models' published sizes.
+`worker`, and the presets' real configs are counted against their models' published sizes. The command line is
+benchmarks/end_to_end.py; the presets, the runner and the reports are benchmarks/presets.py, end_to_end_runner.py
+and end_to_end_report.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.end_to_end import NOT_BENCHMARKED, PRESETS, _search, merge_reports, parse_families
+from benchmarks.end_to_end_report import markdown, merge_reports
+from benchmarks.end_to_end_runner import _search, estimate_note
+from benchmarks.presets import NOT_BENCHMARKED, PRESETS, parse_families
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +108,8 @@ def check_merge(report: dict, folder: Path) -> None:
 
 _EVERY_FAMILY = """
 import json
-from benchmarks.end_to_end import PRESETS, worker
+from benchmarks.end_to_end_runner import worker
+from benchmarks.presets import PRESETS
 
 rows = []
 for family, preset in PRESETS.items():
@@ -189,7 +194,6 @@ def test_the_planner_counts_every_presets_parameters():
     """The planner's shape (dense, or with its MoE block) counts every preset, real, shortened and tiny, within
     2%, except the families named in PLANNER_UNMODELED, whose estimate is left out as "not modeled" (and which
     leave that list once the planner counts them)."""
-    from benchmarks.end_to_end import estimate_note
     from tigon.runtime.planner import ModelShape
 
     for family, preset in PRESETS.items():
@@ -202,7 +206,6 @@ def test_the_planner_counts_every_presets_parameters():
 def test_a_shape_the_planner_does_not_count_is_not_modeled():
     """Where the planner's count is not the model's, the estimate is left out, says why, and the table shows
     "not modeled": here a Qwen3-MoE counted as the dense decoder the planner modeled before its MoE block."""
-    from benchmarks.end_to_end import estimate_note, markdown
     from tigon.runtime.planner import ModelShape
 
     params, hf_config = _count("qwen3_moe", PRESETS["qwen3_moe"].shape())

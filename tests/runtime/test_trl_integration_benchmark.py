@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.trl_integration import TINY, worker
+from benchmarks.presets import TINY
+from benchmarks.trl_integration import worker
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("trl")
