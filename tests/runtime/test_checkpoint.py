@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer import TINY_MODEL, tiny_config
+from tests.runtime.configs import TINY_MODEL, tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.trainer import train

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime import cli
 
 ROOT = Path(__file__).resolve().parents[2]

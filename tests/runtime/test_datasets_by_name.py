@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tigon.runtime.config import parse_config
+from tests.runtime.configs import data_config
 from tigon.runtime.data import IGNORE_INDEX, DataError, build_datasets, read_records, tokenize_record
 
 README = """---
@@ -46,13 +46,8 @@ def repository(tmp_path):
 
 
 def run_config(tmp_path, train, **data):
-    return parse_config(
-        {
-            "model": {"config_name": "llama", "tokenizer": "char"},
-            "data": {"train": str(train), "max_seq_len": 32, "cache_dir": str(tmp_path / "datasets-cache"), **data},
-            "training": {"max_steps": 1},
-        }
-    )
+    """`data_config` with a short max_seq_len and the datasets cache under `tmp_path`."""
+    return data_config(train, **{"max_seq_len": 32, "cache_dir": str(tmp_path / "datasets-cache"), **data})
 
 
 def test_subset_split_and_eval_split_of_a_dataset_repository(tmp_path, repository, tokenizer):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.runtime.configs import run_config
 from tests.runtime.test_objectives import logged_steps, write_jsonl
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.tokenizer import build_char_tokenizer
@@ -77,9 +78,7 @@ def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
     }
-    for section, values in sections.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    return parse_config(raw)
+    return run_config(raw, **sections)
 
 
 def test_distill_config_is_validated_with_the_fix(tmp_path):

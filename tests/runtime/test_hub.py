@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.runtime.configs import tiny_config
 from tigon.runtime.config import ConfigError, ModelConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hub import config_json, fetch_model, hub_error, model_directory
@@ -14,7 +15,6 @@ from tigon.runtime.model import build_model
 from tigon.runtime.tokenizer import load_tokenizer
 
 from .hub_cache import HubCache, offline, save_tiny_llama
-from .test_trainer import tiny_config
 
 REPO = "tigon-test/tiny-llama"
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.runtime.configs import tiny_config
 from tests.runtime.test_parallel import python_path
-from tests.runtime.test_trainer import tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.storage import RunStorage
@@ -68,7 +68,7 @@ if dist.is_initialized():
 
 
 def node_config(home: Path, name: str, max_steps: int, parallelism: dict, **checkpoint):
-    """A tiny run (test_trainer.tiny_config, micro-batch 2) in `home/name`, resuming, a checkpoint every 2 steps.
+    """A tiny run (configs.tiny_config, micro-batch 2) in `home/name`, resuming, a checkpoint every 2 steps.
     The data is read from `home`'s parent, the same for every node (as a cluster reads one dataset URL)."""
     return tiny_config(
         home.parent,

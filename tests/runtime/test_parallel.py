@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.deepspeed_engine import import_deepspeed, supports_precision
@@ -71,7 +71,7 @@ def python_path() -> str:
 
 
 def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
-    """A tiny run (see test_trainer.tiny_config) with checkpoints every 3 steps and resume on."""
+    """A tiny run (see configs.tiny_config) with checkpoints every 3 steps and resume on."""
     training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
     return tiny_config(
         tmp_path,
