@@ -210,7 +210,7 @@ def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
     DeepSpeed ZeRO-2, == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5
     relative per step (fp32): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than
     one process adds them."""
-    from tests.runtime.test_parallel import launch
+    from tests.runtime.worker_groups import launch
 
     held_out = {"eval": str(tmp_path / "train.jsonl")}
     runs = {

@@ -112,7 +112,8 @@ def test_fsdp2_ranks_fetch_once_per_node_then_load_from_the_cache(tmp_path, hub)
     """2 FSDP2 ranks over gloo: the model from an object-store URL (fsspec's `local://` where s3:// would be), the
     tokenizer by Hub id. Local rank 0 fetches both; rank 1 waits at the barrier and may only read the local copies
     (it raises if they are absent), then builds on the meta device and receives rank 0's weights."""
-    from .test_parallel import launch, run_config
+    from tests.runtime.test_parallel import run_config
+    from tests.runtime.worker_groups import launch
 
     hub.add_model(REPO, tmp_path)
     source = save_tiny_llama(tmp_path / "store" / "tiny")
