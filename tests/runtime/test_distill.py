@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 
 from tests.runtime.configs import run_config
 from tests.runtime.test_objectives import logged_steps, write_jsonl
+from tests.runtime.worker_groups import launch, process_env
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.tokenizer import build_char_tokenizer
 from tigon.runtime.trainer import train
@@ -210,8 +210,6 @@ def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
     DeepSpeed ZeRO-2, == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5
     relative per step (fp32): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than
     one process adds them."""
-    from tests.runtime.worker_groups import launch
-
     held_out = {"eval": str(tmp_path / "train.jsonl")}
     runs = {
         strategy: distill_config(
@@ -244,8 +242,7 @@ def test_distill_recipe_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     shorter = ["training.max_steps=20", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.max_batches=1"]
     shorter += ["eval.metrics=[loss]", "logging.progress_bar=false", "logging.tensorboard=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
+    env = process_env(OMP_NUM_THREADS="1")
     tigon = Path(sys.executable).parent / "tigon"
     for command in commands:
         overrides = [part for value in shorter for part in ("--set", value)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +21,9 @@ import torch
 from benchmarks.end_to_end_report import markdown, merge_reports
 from benchmarks.end_to_end_runner import _search, estimate_note
 from benchmarks.presets import NOT_BENCHMARKED, PRESETS, parse_families
+from tests.runtime.worker_groups import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path; the interpreter would be slow
-    return env
 
 
 def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
@@ -39,7 +33,7 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
     command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--profile"]
     command += ["--trace-dir", str(tmp_path / "traces"), "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[1/6] llama eager at seq 32 x micro-batch 2" in done.stdout
 
@@ -97,7 +91,7 @@ def check_merge(report: dict, folder: Path) -> None:
         path.write_text(json.dumps(part))
     merged_path = folder / "merged.json"
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--merge", *map(str, paths), "--out", str(merged_path)]
-    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     merged = json.loads(merged_path.read_text())
     assert list(merged["families"]) == ["llama", "qwen3_moe"]  # PRESETS order
@@ -127,7 +121,7 @@ def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
     Gemma 2 trains at all only with its preset's eager attention (transformers refuses SDPA for it).
     """
     done = subprocess.run(
-        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {(run["family"], run["variant"]): run for run in json.loads(done.stdout.strip().splitlines()[-1])}

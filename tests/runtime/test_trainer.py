@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
+from tests.runtime.worker_groups import process_env
 from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.trainer import (
     GlobalBatchSampler,
@@ -202,8 +202,7 @@ def test_ddp_two_processes_over_gloo_agree_with_one_process(tmp_path):
     raw["logging"]["run_dir"] = str(tmp_path / "ddp-run")
     raw["checkpoint"] = {**raw["checkpoint"], "every_steps": 3, "export": True}
     config_file.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
+    env = process_env(OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",

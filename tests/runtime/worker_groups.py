@@ -1,5 +1,6 @@
-"""torchrun worker groups for the runtime tests: train run configs in a group of processes (gloo on the CPU,
-NCCL on GPUs) and read back what each rank recorded, and the logits of an exported model."""
+"""Processes the runtime tests start: the environment of one run from the repository (`process_env`), and torchrun
+worker groups that train run configs (gloo on the CPU, NCCL on GPUs) and record each rank's losses (`launch`), with
+the logits of an exported model to compare."""
 
 from __future__ import annotations
 
@@ -48,12 +49,17 @@ def python_path() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a worker process: one thread, tigon importable, Triton's interpreter off (CPU tensors take
-    the reference path)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
+def process_env(**variables: str) -> dict[str, str]:
+    """The environment of a process started from the repository: tigon importable (`python_path`), Triton's
+    interpreter off (CPU tensors take the reference path; the interpreter would be slow), and `variables`."""
+    env = {**os.environ, "PYTHONPATH": python_path(), **variables}
     env.pop("TRITON_INTERPRET", None)
     return env
+
+
+def worker_env() -> dict[str, str]:
+    """`process_env` with one thread per process, for the members of a worker group."""
+    return process_env(OMP_NUM_THREADS="1")
 
 
 def write_configs(directory: Path, configs: dict[str, object]) -> list[str]:
