@@ -92,10 +92,11 @@ def worker(args: argparse.Namespace) -> None:
     """Every rank: build, train `--interval` steps, then measure each mode in turn (see the module docstring)."""
     import torch
 
-    from benchmarks.end_to_end import random_dataset
+    from benchmarks.end_to_end_runner import random_dataset
     from tigon.runtime import checkpoint as ckpt
     from tigon.runtime import trainer
     from tigon.runtime.distributed import barrier, init_distributed, shutdown
+    from tigon.runtime.files import atomic_write_text
     from tigon.runtime.model import build_model
     from tigon.runtime.parallel import build_strategy
 
@@ -189,7 +190,7 @@ def worker(args: argparse.Namespace) -> None:
             "build_seconds": build_seconds,
             "results": results,
         }
-        ckpt.atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+        atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
         print(table(report), flush=True)
         if args.remove_run_dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.testing
+
+from tigon.runtime.files import atomic_write_text
 
 
 @dataclass
@@ -100,13 +100,8 @@ def peak_extra_mb(step: Callable[[], object], grads: list[torch.Tensor]) -> floa
 
 
 def write_json_atomic(path: str, payload: dict) -> None:
-    """Write JSON to a temporary name in the same folder, then rename into place."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False, suffix=".tmp") as handle:
-        json.dump(payload, handle, indent=1)
-        temporary = handle.name
-    os.replace(temporary, path)
+    """Write `payload` as JSON, whole or not at all (`tigon.runtime.files`)."""
+    atomic_write_text(path, json.dumps(payload, indent=1))
 
 
 def as_dicts(measurements: list[Measurement]) -> list[dict]:

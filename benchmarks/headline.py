@@ -28,20 +28,12 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.presets import LLAMA_3_8B
+from tigon.runtime.files import atomic_path
+
 GiB = 2**30
 WARMUP_STEPS = 3
 VARIANTS = ("eager", "liger", "tigon", "planner")
-LLAMA_3_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
 LLAMA_3_2_1B = {
     **LLAMA_3_8B,
     "hidden_size": 2048,
@@ -65,12 +57,9 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
         return
     rng = random.Random(seed)
     alphabet = string.ascii_letters + string.digits + " "
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w") as file:
+    with atomic_path(path) as temporary, temporary.open("w") as file:
         for _ in range(n_docs):
             file.write(json.dumps({"text": "".join(rng.choices(alphabet, k=length))}) + "\n")
-    temporary.replace(path)
 
 
 def prepare(

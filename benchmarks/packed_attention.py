@@ -34,7 +34,9 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks.end_to_end import PRESETS, Budget, environment, liger_function, run_worker, write_atomic
+from benchmarks.end_to_end_runner import Budget, environment, liger_function, run_worker
+from benchmarks.presets import PRESETS
+from tigon.runtime.files import atomic_write_text
 
 GiB = 2**30
 VARIANTS = {  # variant: (tigon's kernels, model.attn_implementation, Liger-Kernel)
@@ -350,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     if args.out:
         out = Path(args.out)
-        write_atomic(out, json.dumps(report, indent=2) + "\n")
-        write_atomic(Path(args.md) if args.md else out.with_suffix(".md"), table)
+        atomic_write_text(out, json.dumps(report, indent=2) + "\n")
+        atomic_write_text(Path(args.md) if args.md else out.with_suffix(".md"), table)
 
 
 if __name__ == "__main__":

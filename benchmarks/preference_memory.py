@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.end_to_end import run_worker
+from benchmarks.end_to_end_runner import run_worker
 
 GiB = 2**30
 SMALL_LLAMA = {

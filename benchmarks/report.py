@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+from tigon.runtime.files import atomic_write_text
 
 PROVIDERS = ("tigon", "liger", "compile", "eager")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -102,12 +102,6 @@ def plot_sweeps(results: list[dict], folder: Path, device: str) -> list[str]:
     return names
 
 
-def write_atomic(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="JSON written by benchmarks/kernels.py")
@@ -150,7 +144,7 @@ def main() -> None:
     if marker in existing:
         rest = existing.split(marker, 1)[1]
         tail = "\n## " + rest.split("\n## ", 1)[1] if "\n## " in rest else ""
-    write_atomic(target, head + "\n".join(section) + tail)
+    atomic_write_text(target, head + "\n".join(section) + tail)
     print(f"wrote {target} and {len(plots)} plots")
 
 

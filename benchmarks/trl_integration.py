@@ -3,7 +3,7 @@
     python -m benchmarks.trl_integration --out trl.json        # GPU: Llama-3.2-1B shape, bf16, seq 1024, DPO and SFT
     python -m benchmarks.trl_integration --tiny --out /tmp/trl.json   # CPU rehearsal (no Liger-Kernel there)
 
-The model is randomly initialized from Llama-3.2-1B's config (`benchmarks.end_to_end.PRESETS["llama"]`; `--tiny`: its
+The model is randomly initialized from Llama-3.2-1B's config (`benchmarks.presets.PRESETS["llama"]`; `--tiny`: its
 small shape) in bf16 on the GPU (float32 on the CPU); DPO's reference model is a copy of it. The data are random
 characters through tigon's character tokenizer (the head still projects onto the whole vocabulary): prompts and
 completions of half the sequence each, so every sequence is `--seq` tokens. Each trainer runs `--warmup` untimed
@@ -29,8 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.end_to_end import LLAMA_32_1B, PRESETS, TINY, liger_function, run_worker
+from benchmarks.end_to_end_runner import liger_function, run_worker
 from benchmarks.harness import write_json_atomic
+from benchmarks.presets import LLAMA_32_1B, PRESETS, TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ("dpo", "sft")

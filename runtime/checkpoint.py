@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object, unwrap
+from tigon.runtime.files import atomic_write_text
 from tigon.runtime.quantization import is_quantized, merge_into_dense
 
 if TYPE_CHECKING:
@@ -98,27 +99,7 @@ class TrainState:
     world_size: int = 1
 
 
-# ---------------------------------------------------------------- atomic files and directories
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write a whole file under a temporary name in the same directory, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+# ---------------------------------------------------------------- atomic directories
 
 
 def replace_dir(source: Path, target: Path) -> None:

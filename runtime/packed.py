@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.data import DataError, DataSummary, PackedDataset, build_datasets
+from tigon.runtime.files import atomic_path, atomic_write_text
 from tigon.runtime.preference_data import PreferenceDataset, PreferenceSummary, build_preference_datasets
 
 if TYPE_CHECKING:
@@ -96,16 +96,14 @@ def _save_split(dataset: PackedDataset | PreferenceDataset, path: Path) -> None:
         if dataset.desirable is not None:
             arrays["desirable"] = dataset.desirable.to(torch.int32).contiguous()
         metadata = {"kind": "preference", "truncated": str(dataset.truncated), "dropped": str(dataset.dropped)}
-        temporary = path.with_name(f".{path.name}.tmp")
-        save_file(arrays, str(temporary), metadata=metadata)
-        temporary.replace(path)
+        with atomic_path(path) as temporary:
+            save_file(arrays, str(temporary), metadata=metadata)
         return
     arrays = {name: getattr(dataset, name).to(torch.int32).contiguous() for name in ARRAYS}
     metadata = {name: str(getattr(dataset, name)) for name in COUNTERS}
     metadata["max_seq_len"], metadata["packing"] = str(dataset.max_seq_len), str(dataset.packing)
-    temporary = path.with_name(f".{path.name}.tmp")
-    save_file(arrays, str(temporary), metadata=metadata)
-    temporary.replace(path)
+    with atomic_path(path) as temporary:
+        save_file(arrays, str(temporary), metadata=metadata)
 
 
 def _load_split(path: Path) -> PackedDataset | PreferenceDataset:

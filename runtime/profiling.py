@@ -14,13 +14,14 @@ waited on the host; the profiler itself adds a little to the wall time.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tigon.runtime.files import atomic_path
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl",)),
@@ -53,9 +54,8 @@ def profile_step(step: Callable[[], Any], cuda: bool, trace: str | Path | None =
             torch.cuda.synchronize()
         wall = (time.perf_counter() - begun) * 1e3
     if trace is not None:
-        partial = Path(f"{trace}.partial")
-        profile.export_chrome_trace(str(partial))
-        os.replace(partial, trace)
+        with atomic_path(trace) as temporary:
+            profile.export_chrome_trace(str(temporary))
     if cuda:  # kernels only: a user annotation's GPU range (the optimizer's step, say) spans kernels counted already
         own = {
             e.key: e.self_device_time_total / 1e3

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tigon.runtime.checkpoint import atomic_write_bytes, atomic_write_text
+from tigon.runtime.files import atomic_write_bytes, atomic_write_text
 from tigon.runtime.profiling import profile_text
 from tigon.runtime.trackers import Trackers
 

@@ -10,11 +10,11 @@ Each line is an instruction/response record, e.g. {"instruction": "23+58=", "res
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from tigon.runtime.files import atomic_write_text
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -65,24 +65,8 @@ def write_arithmetic_dataset(
         if record["instruction"] not in excluded:
             records.append(record)
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, "".join(json.dumps(record) + "\n" for record in records))
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
     return records
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it into place."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def exact_match(prediction: str, reference: str) -> bool:
@@ -113,5 +97,5 @@ def write_arithmetic_preferences(
         else:
             label = index % 2 == 0
             records.append({"prompt": problem["instruction"], "completion": right if label else wrong, "label": label})
-    _write_atomically(Path(path), "".join(json.dumps(record) + "\n" for record in records))
+    atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in records))
     return records

@@ -19,8 +19,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.config import ConfigError
+from tigon.runtime.files import atomic_write_text
 
 if TYPE_CHECKING:
     from tigon.runtime.config import RunConfig

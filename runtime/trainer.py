@@ -48,6 +48,7 @@ from tigon.runtime.distributed import (
     unwrap,
     wait_for_idle_process_groups,
 )
+from tigon.runtime.files import atomic_write_text
 from tigon.runtime.lock import RunDirLock
 from tigon.runtime.model import build_model, check_model_config, count_parameters
 from tigon.runtime.objectives import check_objective, prepare_objective, state_of
@@ -715,7 +716,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     config_json = config.model_dump_json(indent=2)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.atomic_write_text(run_dir / "config.json", config_json + "\n")
+        atomic_write_text(run_dir / "config.json", config_json + "\n")
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=state.step)
     evaluation = Evaluation(config, prepared, state, reporter)
     evaluation.start()
@@ -736,7 +737,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
                 trace = run_dir / PROFILE_TRACE if env.is_main else None
                 (loss, grad_norm, tokens), profile = profile_step(one_step, device.type == "cuda", trace)
                 if env.is_main:
-                    ckpt.atomic_write_text(run_dir / PROFILE_FILE, json.dumps(profile, indent=2) + "\n")
+                    atomic_write_text(run_dir / PROFILE_FILE, json.dumps(profile, indent=2) + "\n")
             else:
                 loss, grad_norm, tokens = one_step()
             if device.type == "cuda":

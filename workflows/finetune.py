@@ -43,9 +43,9 @@ from tigon.platform.faults import is_retryable, lost_worker
 from tigon.platform.jobs import flyte_task_options, job_name
 from tigon.platform.submit import check_submission, resolve_data_path
 from tigon.platform.templates import JobTemplate, load_templates
-from tigon.runtime.checkpoint import atomic_write_text
 from tigon.runtime.config import ConfigError, RunConfig, apply_override, load_config, parse_config, read_yaml
 from tigon.runtime.data import is_hub_dataset
+from tigon.runtime.files import atomic_write_text
 from tigon.runtime.storage import default_remote_dir, is_local_url
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
+from tests.kernels.families import FAMILY_CASES, own_failure, tiny
 from tests.kernels.helpers import relative_error
-from tests.kernels.test_patching import FAMILY_CASES, own_failure, tiny
 from tigon.kernels.patching import apply
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ HEAD_OVERRIDES = {
 
 def loss_only_pair(model_type: str, **overrides):
     """(baseline, copy patched with the fused loss only), both in training mode."""
-    config_overrides = {**FAMILY_CASES[model_type][0], **HEAD_OVERRIDES.get(model_type, {}), **overrides}
+    config_overrides = {**FAMILY_CASES[model_type].overrides, **HEAD_OVERRIDES.get(model_type, {}), **overrides}
     baseline = tiny(model_type, **config_overrides).train()
     patched = copy.deepcopy(baseline)
     report = apply(patched, rms_norm=False, rope=False, swiglu=False)

@@ -152,7 +152,7 @@ MODELS = {
 
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_patched_model_compiles_without_graph_breaks_and_same_loss(model_type, restore_rope):
-    from tests.kernels.test_patching import tiny
+    from tests.kernels.families import tiny
     from tigon.kernels.patching import apply
 
     eager = tiny(model_type, **MODELS[model_type])

@@ -37,8 +37,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.kernels.families import FAMILY_CASES, MULTIMODAL, ROPE_KEY, TOWERS
 from tests.kernels.helpers import relative_error
-from tests.kernels.test_patching import FAMILY_CASES, MULTIMODAL, ROPE_KEY, TOWERS
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ CPU_FAMILIES = {
 
 def build(model_type: str, size: dict, overrides: dict) -> torch.nn.Module:
     """The family's model at `size`; a vision-language family's language tower at `size` beside the one-layer
-    vision tower of test_patching's MULTIMODAL (trained on text, so the vision tower stays as built)."""
+    vision tower of tests/kernels/families.py's MULTIMODAL (trained on text, so the vision tower stays as built)."""
     torch.manual_seed(0)
     if model_type not in MULTIMODAL:
         config = transformers.AutoConfig.for_model(model_type, **{**size, **overrides}, **TOWERS.get(model_type, {}))
@@ -220,7 +220,7 @@ REAL_WIDTHS = dict(
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", list(FAMILY_CASES))
 def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_rope):
-    overrides = FAMILY_CASES[model_type][0]
+    overrides = FAMILY_CASES[model_type].overrides
     if "moe_intermediate_size" in overrides:
         overrides = {**overrides, "moe_intermediate_size": 704}
     if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # the sections span head_dim / 2

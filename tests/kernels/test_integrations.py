@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tests.kernels.test_patching import tiny
+from tests.kernels.families import tiny
 from tigon.kernels import integrations
 from tigon.kernels.patching import apply
 

@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
+from tests.kernels.families import FAMILY_CASES, assert_lora_adapters_kept, assert_same_training_step, tiny
 from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf, saved_bytes
 from tests.kernels.test_modules import moe_experts as transformers_experts
-from tests.kernels.test_patching import FAMILY_CASES, assert_lora_adapters_kept, assert_same_training_step, tiny
 from tigon.kernels import modules, reference
 from tigon.kernels.ops import moe_experts as op
 from tigon.kernels.patching import apply
@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 def test_experts_follow_the_models_experts_implementation(implementation, restore_rope):
     """GatedExperts runs transformers' loop ("eager") or its function for the implementation, with tigon's
     activation; a later `set_experts_implementation` reaches the swapped module (it shares the config)."""
-    baseline = tiny("qwen3_moe", **FAMILY_CASES["qwen3_moe"][0])
+    baseline = tiny("qwen3_moe", **FAMILY_CASES["qwen3_moe"].overrides)
     baseline.set_experts_implementation(implementation)
     patched = copy.deepcopy(baseline)
     assert apply(patched).applied["gated_experts"] == 1

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import tigon.kernels
-from tests.kernels.helpers import relative_error
+from tests.kernels.families import (
+    FAMILY_CASES,
+    TRANSFORMERS_4,
+    Swaps,
+    assert_lora_adapters_kept,
+    assert_same_training_step,
+    own_failure,
+    tiny,
+)
 from tigon.kernels import modules, patching
 from tigon.kernels.patching import apply
 from tigon.kernels.patching.causal_lm import decoder_of
@@ -19,163 +27,18 @@ from tigon.kernels.patching.causal_lm import decoder_of
 transformers = pytest.importorskip("transformers")
 
 
-# A one-layer vision tower per vision-language family (its config's own names), and for the rows whose language
-# tower is any model, the text model_type built here. The tests feed text only (the vision tower gets no gradient),
-# except `test_vision_language_model_with_an_image_matches_eager`.
-VISION = dict(
-    hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2
-)
-QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2)
-MULTIMODAL = {
-    "qwen2_vl": (dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2), {}),
-    "qwen2_5_vl": (dict(QWEN_VISION, window_size=4, fullatt_block_indexes=[0]), {}),
-    "qwen3_vl": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
-    "qwen3_vl_moe": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
-    "gemma3": (VISION, dict(mm_tokens_per_image=4)),
-    "mllama": (
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=1,
-            num_global_layers=1,
-            attention_heads=2,
-            image_size=8,
-            patch_size=2,
-            max_num_tiles=1,
-            intermediate_layers_indices=[0],
-            vision_output_dim=64,
-            supported_aspect_ratios=[[1, 1]],
-        ),
-        {},
-    ),
-    "llama4": (
-        dict(VISION, vision_output_dim=32, projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5),
-        {},
-    ),
-    "llava": (dict(VISION, projection_dim=32), dict(model_type="llama")),
-    "paligemma": (dict(VISION, projection_dim=64), dict(model_type="gemma2")),
-    "internvl": (dict(VISION, image_size=[8, 8], patch_size=[2, 2]), dict(model_type="qwen2")),
-    "mistral3": (dict(VISION, head_dim=16), dict(model_type="mistral")),
-}
-# Phi-4-multimodal keeps its text settings at the top of its config, beside its vision and audio towers'.
-TOWERS = {
-    "phi4_multimodal": dict(
-        vision_config=dict(VISION, crop_size=8, image_token_id=3),
-        audio_config=dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_blocks=1,
-            num_attention_heads=2,
-            ext_pw_out_channel=32,
-            depthwise_separable_out_channel=32,
-            nemo_conv_channels=32,
-            audio_token_id=4,
-        ),
-    )
-}
-
-
-def tiny(model_type: str, outer: dict | None = None, **overrides):
-    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top."""
-    common = dict(
-        hidden_size=64,
-        intermediate_size=160,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=131,
-        max_position_embeddings=64,
-        head_dim=16,
-        pad_token_id=0,
-    )
-    common.update(overrides)
-    torch.manual_seed(0)
-    if model_type not in MULTIMODAL:
-        config = transformers.AutoConfig.for_model(model_type, **common, **TOWERS.get(model_type, {}))
-        return transformers.AutoModelForCausalLM.from_config(config)
-    vision, text = MULTIMODAL[model_type]
-    config = transformers.AutoConfig.for_model(
-        model_type, text_config={**common, **text}, vision_config=vision, **(outer or {})
-    )
-    return transformers.AutoModelForImageTextToText.from_config(config)
-
-
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
-FALCON_H1 = dict(
-    mamba_d_ssm=32,
-    mamba_n_heads=4,
-    mamba_d_head=8,
-    mamba_d_state=8,
-    mamba_chunk_size=8,
-    mlp_multipliers=[0.5, 1.5],
-    lm_head_multiplier=0.7,
-)
-# Layer 0 dense, layer 1 MoE (Llama4TextMLP as its shared expert); both layers with RoPE
-LLAMA4 = dict(
-    num_local_experts=2,
-    intermediate_size=32,
-    intermediate_size_mlp=160,
-    moe_layers=[1],
-    no_rope_layers=[1, 1],
-    layer_types=["full_attention", "full_attention"],
-)
-TRANSFORMERS_4 = transformers.__version__.startswith("4.")
-# transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
-ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
-MROPE = {ROPE_KEY: dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])}
-# model_type -> (config overrides, gated MLPs swapped in the 2-layer model (GatedMLP or PackedGatedMLP),
-# MoE experts modules swapped (GatedExperts), RoPE swapped, what the report must skip)
-FAMILY_CASES = {
-    "llama": ({}, 2, 0, True, []),
-    "qwen3": ({}, 2, 0, True, []),
-    "gemma": ({}, 2, 0, True, []),
-    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 0, 2, True, []),
-    "qwen2_moe": (dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, 2, True, []),
-    "qwen3_moe": (dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
-    "gemma2": ({}, 2, 0, True, []),
-    "gemma3_text": ({}, 2, 0, True, []),
-    "phi3": ({}, 2, 0, True, []),
-    "olmo2": ({}, 2, 0, True, []),
-    "glm4": ({}, 2, 0, False, ["rope (Glm4"]),
-    "granite": ({}, 2, 0, True, []),
-    "smollm3": ({}, 2, 0, True, []),
-    "olmo3": ({}, 2, 0, True, []),
-    "glm4_moe": (dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **MOE), 2, 1, True, []),
-    "gpt_oss": (GPT_OSS, 0, 0, False, ["rope (GPT-OSS", "swiglu (GPT-OSS"]),
-    "falcon_h1": (FALCON_H1, 2, 0, True, ["rms_norm (the Mamba"]),
-    "llama4_text": (LLAMA4, 2, 0, False, ["rope (Llama 4", "swiglu (Llama 4", "rms_norm (Llama 4"]),
-    "llama4": (LLAMA4, 2, 0, False, ["rope (Llama 4", "swiglu (Llama 4", "rms_norm (Llama 4", "swiglu (the vision"]),
-    "qwen2_vl": (MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
-    "qwen2_5_vl": (MROPE, 2 + 1, 0, True, ["rope (the vision"]),
-    "qwen3_vl": (MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
-    "qwen3_vl_moe": (dict(MROPE, num_experts=4, **MOE), 0, 2, True, ["rope (the vision", "swiglu (the vision"]),
-    "gemma3": ({}, 2, 0, True, ["swiglu (the vision"]),
-    "mllama": (
-        dict(cross_attention_layers=[1], **{ROPE_KEY: dict(rope_type="default", rope_theta=10000.0)}),
-        2,
-        0,
-        True,
-        ["swiglu (the vision"],
-    ),
-    "phi4_multimodal": ({}, 2, 0, True, ["swiglu (the vision", "swiglu (the audio"]),
-    "llava": ({}, 2, 0, True, ["swiglu (the vision"]),
-    "paligemma": ({}, 2, 0, True, ["swiglu (the vision"]),
-    "internvl": ({}, 2, 0, True, ["swiglu (the vision"]),
-    "mistral3": ({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
-}
 # transformers 4.x has no 3-D experts: each expert is its own MLP, so every expert (and Qwen2-MoE's shared
 # one) is a GatedMLP, or for Mixtral (w1/w3/w2) a GatedExpertMLP; Qwen3-VL-MoE's experts are transposed there.
 # Its Qwen2-VL and Qwen2.5-VL apply the multimodal RoPE sections in a function of their own, which keeps them.
 _MROPE_4X = ["rope (transformers 4.x"]
 CASES_4X = {
-    "mixtral": (2 * 4, 0, True, []),
-    "qwen2_moe": (2 * (4 + 1), 0, True, []),
-    "qwen3_moe": (1 + 4, 0, True, []),
-    "glm4_moe": (1 + 4 + 1, 0, True, []),
-    "qwen3_vl_moe": (0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
-    "qwen2_vl": (2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
-    "qwen2_5_vl": (2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
+    "mixtral": Swaps(2 * 4, 0, True, []),
+    "qwen2_moe": Swaps(2 * (4 + 1), 0, True, []),
+    "qwen3_moe": Swaps(1 + 4, 0, True, []),
+    "glm4_moe": Swaps(1 + 4 + 1, 0, True, []),
+    "qwen3_vl_moe": Swaps(0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
+    "qwen2_vl": Swaps(2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
+    "qwen2_5_vl": Swaps(2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
 }
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
@@ -189,46 +52,16 @@ def shipped(model_type: str) -> bool:
 SHIPPED_CASES = [model_type for model_type in FAMILY_CASES if shipped(model_type)]
 
 
-def expected_swaps(model_type: str) -> tuple[int, int, bool, list[str]]:
-    """(gated MLPs, experts modules, RoPE swapped, skipped prefixes) for the installed transformers line."""
-    _, mlps, experts, rope, skipped = FAMILY_CASES[model_type]
+def expected_swaps(model_type: str) -> Swaps:
+    """What patching the family's tiny model swaps and skips, on the installed transformers line."""
     if TRANSFORMERS_4 and model_type in CASES_4X:
         return CASES_4X[model_type]
-    return mlps, experts, rope, skipped
-
-
-def assert_same_training_step(baseline, patched, batch, **inputs):
-    """One forward and backward with labels: the same loss, eval logits and every gradient (a vision tower fed no
-    image has none, in both models)."""
-    expected = baseline(input_ids=batch, labels=batch, **inputs)
-    expected.loss.backward()
-    got = patched(input_ids=batch, labels=batch, **inputs)
-    got.loss.backward()
-    assert abs(got.loss.item() - expected.loss.item()) < 1e-5
-    with torch.no_grad():
-        assert (
-            relative_error(patched(input_ids=batch, **inputs).logits, baseline(input_ids=batch, **inputs).logits) < 1e-5
-        )
-    for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
-        assert (ours.grad is None) == (theirs.grad is None), name
-        if theirs.grad is not None:
-            assert relative_error(ours.grad, theirs.grad) < 1e-4, name
-
-
-def own_failure(model, batch) -> Exception | None:
-    """The error transformers' own forward raises on a text batch with labels, or None when it runs (transformers
-    5.24's Llama4ForConditionalGeneration reads `image_outputs`, which its language model's output lacks)."""
-    try:
-        model(input_ids=batch, labels=batch)
-    except AttributeError as error:
-        return error
-    model.zero_grad(set_to_none=True)
-    return None
+    return FAMILY_CASES[model_type].swaps
 
 
 @pytest.mark.parametrize("model_type", SHIPPED_CASES)
 def test_patched_model_matches_eager(model_type, restore_rope):
-    overrides = FAMILY_CASES[model_type][0]
+    overrides = FAMILY_CASES[model_type].overrides
     mlps, experts, rope, skipped = expected_swaps(model_type)
     baseline = tiny(model_type, **overrides)
     patched = copy.deepcopy(baseline)
@@ -263,7 +96,7 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     """Qwen2-VL fed an image: the vision tower's LayerNorms (tigon's) train, and the multimodal RoPE's temporal,
     height and width positions differ, so on transformers 5.x tigon's RoPE rotates by per-section cos/sin."""
     tokens = dict(vision_start_token_id=4, image_token_id=5, video_token_id=6)
-    baseline = tiny("qwen2_vl", outer=tokens, **FAMILY_CASES["qwen2_vl"][0])
+    baseline = tiny("qwen2_vl", outer=tokens, **FAMILY_CASES["qwen2_vl"].overrides)
     patched = copy.deepcopy(baseline)
     report = apply(patched)
     assert report.applied["layer_norm"] == 3 and report.applied.get("rope", 0) == int(not TRANSFORMERS_4)
@@ -276,29 +109,6 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     assert_same_training_step(baseline, patched, batch, **image)
     norm = patched.model.visual.blocks[0].norm1
     assert isinstance(norm, modules.LayerNorm) and norm.weight.grad is not None
-
-
-def assert_lora_adapters_kept(model_type: str, targets: dict) -> None:
-    """PEFT LoRA on a swapped module's parameters: the swapped module keeps the adapters, same gradients."""
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, init_lora_weights=False, **targets)
-    wrapped = peft.get_peft_model(tiny(model_type, **FAMILY_CASES[model_type][0]), config)
-    patched = copy.deepcopy(wrapped)
-    applied = apply(patched).applied
-    assert applied.get("gated_mlp" if model_type == "phi3" else "gated_experts") == 2
-    batch = torch.randint(0, 131, (2, 9))
-    expected, got = wrapped(input_ids=batch, labels=batch), patched(input_ids=batch, labels=batch)
-    expected.loss.backward()
-    got.loss.backward()
-    assert abs(got.loss.item() - expected.loss.item()) < 1e-5
-    trained = [
-        (name, p, q) for (name, p), (_, q) in zip(wrapped.named_parameters(), patched.named_parameters(), strict=True)
-    ]
-    trained = [entry for entry in trained if entry[1].requires_grad]
-    assert any(".mlp." in name for name, _, _ in trained)
-    for name, theirs, ours in trained:
-        assert relative_error(ours.grad, theirs.grad) < 1e-4, name
 
 
 def test_lora_adapters_stay_on_the_fused_gate_up_mlp(restore_rope):
@@ -379,7 +189,7 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
 def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
     """The fused gate_up MLP and the experts (3-D on transformers 5.x, per-expert w1/w3/w2 MLPs on 4.x) keep
     the HF constructor, class name and parameter names."""
-    overrides = FAMILY_CASES[model_type][0]
+    overrides = FAMILY_CASES[model_type].overrides
     baseline = tiny(model_type, **overrides)
     report = tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
     mlps, experts, _, _ = expected_swaps(model_type)

@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
+from tests.kernels.families import FAMILY_CASES, tiny
 from tests.kernels.helpers import relative_error
-from tests.kernels.test_patching import FAMILY_CASES, tiny
 from tigon.kernels.patching import apply
 
 transformers = pytest.importorskip("transformers")
@@ -47,13 +47,13 @@ NO_CLASSIFIER = [
 
 
 def test_which_families_have_a_classifier():
-    missing = [name for name, case in FAMILY_CASES.items() if classifier(name, case[0]) is None]
+    missing = [name for name, case in FAMILY_CASES.items() if classifier(name, case.overrides) is None]
     assert missing == NO_CLASSIFIER
 
 
 @pytest.mark.parametrize("model_type", [name for name in FAMILY_CASES if name not in NO_CLASSIFIER])
 def test_patched_classifier_matches_eager(model_type, restore_rope):
-    overrides = FAMILY_CASES[model_type][0]
+    overrides = FAMILY_CASES[model_type].overrides
     baseline = classifier(model_type, overrides)
     patched = copy.deepcopy(baseline)
     report = apply(patched)

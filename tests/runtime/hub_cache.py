@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_trainer import TINY_MODEL
+from tests.runtime.configs import TINY_MODEL
 
 
 def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:

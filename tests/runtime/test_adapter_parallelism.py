@@ -1,6 +1,6 @@
 """FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 under the HF Trainer and Lightning adapters, on the CPU over gloo.
 
-Each 2-process test launches one `torchrun --nproc_per_node 2` worker group (`test_parallel.launch`) that
+Each 2-process test launches one `torchrun --nproc_per_node 2` worker group (`worker_groups.launch`) that
 trains, for each strategy, a tiny Llama built from a config:
 
 - `full`:    6 steps of 2 ranks x micro-batch 2 x accumulation 2, checkpoints at steps 3 and 6, export;
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_parallel import LOGITS_TOLERANCE, exported_logits, launch
 from tests.runtime.test_trainer_adapters import adapter_config
+from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch
 from tigon.runtime.trainer import train
 
 pytest.importorskip("lightning")

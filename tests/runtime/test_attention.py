@@ -207,7 +207,7 @@ def test_every_trainer_trains_packed_rows_through_varlen(tmp_path):
 
 def test_a_checkpoint_resumes_under_another_attention(tmp_path):
     """Every attention implementation computes the same function: a run saved under sdpa resumes under auto."""
-    from tests.runtime.test_trainer import tiny_config
+    from tests.runtime.configs import tiny_config
     from tigon.runtime.config import ConfigError
     from tigon.runtime.trainer import check_resumable
 

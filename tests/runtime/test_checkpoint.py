@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer import TINY_MODEL, tiny_config
+from tests.runtime.configs import TINY_MODEL, tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.trainer import train
@@ -163,16 +163,6 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
         other_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
     )
     assert (random.random(), torch.rand(3)) == (expected[0], pytest.approx(expected[1]))
-
-
-def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
-    path = tmp_path / "report.json"
-    ckpt.atomic_write_text(path, "old")
-
-    with pytest.raises(TypeError):
-        ckpt.atomic_write_bytes(path, object())  # type: ignore[arg-type]
-    assert path.read_text() == "old"
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
 def _capture_before_export(monkeypatch, ids: torch.Tensor) -> dict:

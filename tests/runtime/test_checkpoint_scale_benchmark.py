@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from benchmarks.checkpoint_scale import SHAPES
+from tests.runtime.worker_groups import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,8 +17,7 @@ def test_tiny_rehearsal_saves_sync_and_async_and_resumes_to_the_same_losses(tmp_
     out = tmp_path / "checkpoint-scale.json"
     command = [sys.executable, "-m", "benchmarks.checkpoint_scale", "--shape", "tiny", "--nproc", "2"]
     command += ["--run-dir", str(tmp_path / "run"), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
+    env = process_env()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

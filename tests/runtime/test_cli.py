@@ -11,17 +11,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
+from tests.runtime.worker_groups import process_env
 from tigon.runtime import cli
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
     return subprocess.run(
-        [sys.executable, "-m", "tigon.runtime", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tigon.runtime", *args],
+        cwd=cwd,
+        env=process_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
+from tests.runtime.configs import data_config
 from tigon.runtime import tasks
-from tigon.runtime.config import DataConfig, parse_config
+from tigon.runtime.config import DataConfig
 from tigon.runtime.data import (
     IGNORE_INDEX,
     DataError,
@@ -34,24 +35,9 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
 def write_jsonl(path, lines):
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
-
-
-def run_config(train, eval_=None, **data):
-    return parse_config(
-        {
-            "model": {"config_name": "llama", "tokenizer": "char"},
-            "data": {"train": str(train), "eval": None if eval_ is None else str(eval_), **data},
-            "training": {"max_steps": 1},
-        }
-    )
 
 
 def chars(tokenizer, text):
@@ -434,7 +420,9 @@ def test_attention_does_not_cross_documents(tokenizer, attn_implementation):
 def test_build_datasets_from_arithmetic_task(tmp_path, tokenizer):
     held_out = tasks.write_arithmetic_dataset(tmp_path / "eval.jsonl", 20, seed=1)
     tasks.write_arithmetic_dataset(tmp_path / "train.jsonl", 200, seed=0, exclude={r["instruction"] for r in held_out})
-    config = run_config(tmp_path / "train.jsonl", tmp_path / "eval.jsonl", format="instruction", max_seq_len=64)
+    config = data_config(
+        tmp_path / "train.jsonl", eval=str(tmp_path / "eval.jsonl"), format="instruction", max_seq_len=64
+    )
     train, evaluation, summary = build_datasets(config, tokenizer)
     assert summary.records == 200 and summary.skipped == summary.truncated == summary.dropped == 0
     assert summary.sequences == len(train) and summary.tokens + summary.padding_tokens == len(train) * 64
@@ -449,12 +437,12 @@ def test_build_datasets_from_arithmetic_task(tmp_path, tokenizer):
 def test_build_datasets_missing_field_names_file_and_line(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}, {"txt": "b"}, {"text": "c"}])
     with pytest.raises(MalformedRecordError, match=r"train\.jsonl, line 2: record has no field 'text'"):
-        build_datasets(run_config(path), tokenizer)
+        build_datasets(data_config(path), tokenizer)
 
 
 def test_build_datasets_skip_malformed_counts_all_kinds(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [{"text": "a"}, "{broken", {"txt": "b"}, {"text": 3}, {"text": "c"}])
-    train, evaluation, summary = build_datasets(run_config(path, skip_malformed=True), tokenizer)
+    train, evaluation, summary = build_datasets(data_config(path, skip_malformed=True), tokenizer)
     assert (summary.records, summary.skipped, evaluation) == (4, 3, None)
     assert summary.sequences == len(train) == 1 and summary.tokens == 6  # <bos> x <eos> twice
 
@@ -466,7 +454,7 @@ def test_build_datasets_reports_truncation_and_chat_from_parquet(tmp_path, token
     long = [{"role": "user", "content": "x" * 60}, {"role": "assistant", "content": "y" * 60}]
     rows = [{"messages": CONVERSATION}, {"messages": long}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
-    config = run_config(tmp_path / "chat.parquet", format="chat", max_seq_len=96, packing=False)
+    config = data_config(tmp_path / "chat.parquet", format="chat", max_seq_len=96, packing=False)
     train, _, summary = build_datasets(config, tokenizer)
     assert (summary.records, summary.truncated, summary.sequences) == (2, 1, 2)
     assert tokenizer.decode([t for t in train[0]["labels"].tolist() if t != IGNORE_INDEX]) == "3<eos>15<eos>"
@@ -475,7 +463,7 @@ def test_build_datasets_reports_truncation_and_chat_from_parquet(tmp_path, token
 def test_build_datasets_fails_when_nothing_has_loss(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [{"instruction": "9" * 50, "response": "1"}])
     with pytest.raises(DataError, match="max_seq_len"):
-        build_datasets(run_config(path, format="instruction", max_seq_len=16), tokenizer)
+        build_datasets(data_config(path, format="instruction", max_seq_len=16), tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------- demo task
@@ -552,17 +540,19 @@ def test_bad_chat_records_nulls_and_empty_strings_are_skippable_and_named(tmp_pa
     for row, message in zip(chat[1:], expected, strict=True):
         with pytest.raises(MalformedRecordError, match=re.escape(f"chat.parquet, row 9: {message}")):
             tokenize_record(row, chat_config, tokenizer, where="chat.parquet, row 9")
-    config = run_config(tmp_path / "chat.parquet", format="chat", skip_malformed=True, max_seq_len=96)
+    config = data_config(tmp_path / "chat.parquet", format="chat", skip_malformed=True, max_seq_len=96)
     _, _, summary = build_datasets(config, tokenizer)
     assert summary.records == 4 and summary.skipped == 3
     with pytest.raises(MalformedRecordError, match=r"chat.parquet, row 2: 'messages' holds no messages"):
-        build_datasets(run_config(tmp_path / "chat.parquet", format="chat", max_seq_len=96), tokenizer)
+        build_datasets(data_config(tmp_path / "chat.parquet", format="chat", max_seq_len=96), tokenizer)
 
     text = [{"text": "12+3=15"}, {"text": None}, {"text": ""}, {"text": "  "}]
     pq.write_table(pa.Table.from_pylist(text), tmp_path / "text.parquet")
     with pytest.raises(MalformedRecordError, match=r"text.parquet, row 2: field 'text' \(data.text_field\) is null"):
-        build_datasets(run_config(tmp_path / "text.parquet", format="text"), tokenizer)
-    _, _, summary = build_datasets(run_config(tmp_path / "text.parquet", format="text", skip_malformed=True), tokenizer)
+        build_datasets(data_config(tmp_path / "text.parquet", format="text"), tokenizer)
+    _, _, summary = build_datasets(
+        data_config(tmp_path / "text.parquet", format="text", skip_malformed=True), tokenizer
+    )
     assert summary.skipped == 3
     instruction = DataConfig(train="x", format="instruction")
     with pytest.raises(MalformedRecordError, match="field 'response' \\(data.response_field\\) is an empty string"):
@@ -572,7 +562,7 @@ def test_bad_chat_records_nulls_and_empty_strings_are_skippable_and_named(tmp_pa
 def test_text_outside_the_char_tokenizers_alphabet_is_counted_and_named(tmp_path, tokenizer, caplog):
     train = write_jsonl(tmp_path / "t.jsonl", [{"text": "1+1=2"}, {"text": "café 中文\tok"}])
     with caplog.at_level("WARNING", logger="tigon.runtime"):
-        _, _, summary = build_datasets(run_config(train, format="text"), tokenizer)
+        _, _, summary = build_datasets(data_config(train, format="text"), tokenizer)
     assert summary.unknown_tokens == 4
     assert f"{train}: 4 tokens became the unknown token <unk>" in caplog.text
     assert f"first in {train}, line 2: characters '\\t', 'é', '中', '文'" in caplog.text
@@ -585,4 +575,4 @@ def test_a_field_of_mixed_types_keeps_its_text_as_written(tmp_path, tokenizer):
     names the list's line."""
     path = write_jsonl(tmp_path / "train.jsonl", [{"text": "12"}, {"text": ["1", "2"]}, {"text": "3+4=7"}])
     with pytest.raises(MalformedRecordError, match=r"train\.jsonl, line 2: field 'text' \(data.text_field\) is a list"):
-        build_datasets(run_config(path), tokenizer)
+        build_datasets(data_config(path), tokenizer)

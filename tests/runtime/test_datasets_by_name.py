@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from tigon.runtime.config import parse_config
+from tests.runtime.configs import data_config
 from tigon.runtime.data import IGNORE_INDEX, DataError, build_datasets, read_records, tokenize_record
-from tigon.runtime.tokenizer import build_char_tokenizer
 
 README = """---
 configs:
@@ -47,17 +46,11 @@ def repository(tmp_path):
 
 
 def run_config(tmp_path, train, **data):
-    return parse_config(
-        {
-            "model": {"config_name": "llama", "tokenizer": "char"},
-            "data": {"train": str(train), "max_seq_len": 32, "cache_dir": str(tmp_path / "datasets-cache"), **data},
-            "training": {"max_steps": 1},
-        }
-    )
+    """`data_config` with a short max_seq_len and the datasets cache under `tmp_path`."""
+    return data_config(train, **{"max_seq_len": 32, "cache_dir": str(tmp_path / "datasets-cache"), **data})
 
 
-def test_subset_split_and_eval_split_of_a_dataset_repository(tmp_path, repository):
-    tokenizer = build_char_tokenizer()
+def test_subset_split_and_eval_split_of_a_dataset_repository(tmp_path, repository, tokenizer):
     config = run_config(tmp_path, repository, subset="add", format="instruction", eval_split="test")
     train, evaluation, summary = build_datasets(config, tokenizer)
     assert summary.records == 2 and summary.eval.records == 1

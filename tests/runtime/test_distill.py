@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.runtime.configs import run_config
 from tests.runtime.test_objectives import logged_steps, write_jsonl
+from tests.runtime.worker_groups import launch, process_env
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.tokenizer import build_char_tokenizer
 from tigon.runtime.trainer import train
@@ -77,9 +78,7 @@ def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
         "checkpoint": {"export": False, "resume": False},
         "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
     }
-    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
-        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
-    return parse_config(raw)
+    return run_config(raw, **sections)
 
 
 def test_distill_config_is_validated_with_the_fix(tmp_path):
@@ -209,8 +208,6 @@ def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
     DeepSpeed ZeRO-2, == 1 process x micro-batch 2 x accumulation 2, with a held-out evaluation. Tolerance 1e-5
     relative per step (fp32): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than
     one process adds them."""
-    from tests.runtime.test_parallel import launch
-
     held_out = {"eval": str(tmp_path / "train.jsonl")}
     runs = {
         strategy: distill_config(
@@ -243,8 +240,7 @@ def test_distill_recipe_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     shorter = ["training.max_steps=20", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.max_batches=1"]
     shorter += ["eval.metrics=[loss]", "logging.progress_bar=false", "logging.tensorboard=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
+    env = process_env(OMP_NUM_THREADS="1")
     tigon = Path(sys.executable).parent / "tigon"
     for command in commands:
         overrides = [part for value in shorter for part in ("--set", value)]

@@ -2,14 +2,15 @@
 
 The CLI run (each variant in its own subprocess, as on the GPU) covers a few families, since every
 subprocess pays the imports; one more subprocess trains every family, eager then tigon, through the same
-`worker`, and the presets' real configs are counted against their models' published sizes.
+`worker`, and the presets' real configs are counted against their models' published sizes. The command line is
+benchmarks/end_to_end.py; the presets, the runner and the reports are benchmarks/presets.py, end_to_end_runner.py
+and end_to_end_report.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.end_to_end import NOT_BENCHMARKED, PRESETS, _search, merge_reports, parse_families
+from benchmarks.end_to_end_report import markdown, merge_reports
+from benchmarks.end_to_end_runner import _search, estimate_note
+from benchmarks.presets import NOT_BENCHMARKED, PRESETS, parse_families
+from tests.runtime.worker_groups import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path; the interpreter would be slow
-    return env
 
 
 def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
@@ -35,7 +33,7 @@ def test_tiny_end_to_end_run_writes_json_and_table(tmp_path):
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", ",".join(families)]
     command += ["--variants", "eager,liger,tigon", "--seqs", "32", "--steps", "1", "--warmup", "1", "--profile"]
     command += ["--trace-dir", str(tmp_path / "traces"), "--out", str(out)]
-    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[1/6] llama eager at seq 32 x micro-batch 2" in done.stdout
 
@@ -93,7 +91,7 @@ def check_merge(report: dict, folder: Path) -> None:
         path.write_text(json.dumps(part))
     merged_path = folder / "merged.json"
     command = [sys.executable, "-m", "benchmarks.end_to_end", "--merge", *map(str, paths), "--out", str(merged_path)]
-    done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     merged = json.loads(merged_path.read_text())
     assert list(merged["families"]) == ["llama", "qwen3_moe"]  # PRESETS order
@@ -104,7 +102,8 @@ def check_merge(report: dict, folder: Path) -> None:
 
 _EVERY_FAMILY = """
 import json
-from benchmarks.end_to_end import PRESETS, worker
+from benchmarks.end_to_end_runner import worker
+from benchmarks.presets import PRESETS
 
 rows = []
 for family, preset in PRESETS.items():
@@ -122,7 +121,7 @@ def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
     Gemma 2 trains at all only with its preset's eager attention (transformers refuses SDPA for it).
     """
     done = subprocess.run(
-        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {(run["family"], run["variant"]): run for run in json.loads(done.stdout.strip().splitlines()[-1])}
@@ -189,7 +188,6 @@ def test_the_planner_counts_every_presets_parameters():
     """The planner's shape (dense, or with its MoE block) counts every preset, real, shortened and tiny, within
     2%, except the families named in PLANNER_UNMODELED, whose estimate is left out as "not modeled" (and which
     leave that list once the planner counts them)."""
-    from benchmarks.end_to_end import estimate_note
     from tigon.runtime.planner import ModelShape
 
     for family, preset in PRESETS.items():
@@ -202,7 +200,6 @@ def test_the_planner_counts_every_presets_parameters():
 def test_a_shape_the_planner_does_not_count_is_not_modeled():
     """Where the planner's count is not the model's, the estimate is left out, says why, and the table shows
     "not modeled": here a Qwen3-MoE counted as the dense decoder the planner modeled before its MoE block."""
-    from benchmarks.end_to_end import estimate_note, markdown
     from tigon.runtime.planner import ModelShape
 
     params, hf_config = _count("qwen3_moe", PRESETS["qwen3_moe"].shape())

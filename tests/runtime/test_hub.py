@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.runtime.configs import tiny_config
 from tigon.runtime.config import ConfigError, ModelConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hub import config_json, fetch_model, hub_error, model_directory
@@ -14,7 +15,6 @@ from tigon.runtime.model import build_model
 from tigon.runtime.tokenizer import load_tokenizer
 
 from .hub_cache import HubCache, offline, save_tiny_llama
-from .test_trainer import tiny_config
 
 REPO = "tigon-test/tiny-llama"
 
@@ -112,7 +112,8 @@ def test_fsdp2_ranks_fetch_once_per_node_then_load_from_the_cache(tmp_path, hub)
     """2 FSDP2 ranks over gloo: the model from an object-store URL (fsspec's `local://` where s3:// would be), the
     tokenizer by Hub id. Local rank 0 fetches both; rank 1 waits at the barrier and may only read the local copies
     (it raises if they are absent), then builds on the meta device and receives rank 0's weights."""
-    from .test_parallel import launch, run_config
+    from tests.runtime.test_parallel import run_config
+    from tests.runtime.worker_groups import launch
 
     hub.add_model(REPO, tmp_path)
     source = save_tiny_llama(tmp_path / "store" / "tiny")

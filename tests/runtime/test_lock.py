@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime.config import ConfigError
 from tigon.runtime.lock import LOCK_FILE, RunDirInUse, RunDirLock
 from tigon.runtime.trainer import train

@@ -40,8 +40,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_parallel import launch
 from tests.runtime.test_trainer_adapters import adapter_config
+from tests.runtime.worker_groups import launch
 
 RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2

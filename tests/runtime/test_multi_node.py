@@ -17,17 +17,15 @@ before, and async and sync saves resume to the same losses.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.runtime.test_parallel import python_path
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
+from tests.runtime.worker_groups import worker_env, write_configs
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.storage import RunStorage
@@ -68,7 +66,7 @@ if dist.is_initialized():
 
 
 def node_config(home: Path, name: str, max_steps: int, parallelism: dict, **checkpoint):
-    """A tiny run (test_trainer.tiny_config, micro-batch 2) in `home/name`, resuming, a checkpoint every 2 steps.
+    """A tiny run (configs.tiny_config, micro-batch 2) in `home/name`, resuming, a checkpoint every 2 steps.
     The data is read from `home`'s parent, the same for every node (as a cluster reads one dataset URL)."""
     return tiny_config(
         home.parent,
@@ -83,22 +81,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def worker_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path()}
-    env.pop("TRITON_INTERPRET", None)
-    return env
-
-
-def write_configs(directory: Path, configs: dict[str, object]) -> list[str]:
-    directory.mkdir(parents=True, exist_ok=True)
-    files = []
-    for name, config in configs.items():
-        path = directory / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-        files.append(str(path))
-    return files
 
 
 def launch_nodes(tmp_path: Path, runs: dict[str, dict], timeout: float = 600) -> list[dict[str, dict]]:

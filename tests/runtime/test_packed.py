@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime.data import DataError, build_datasets
 from tigon.runtime.packed import MANIFEST, load_packed, pack, save_packed
 from tigon.runtime.tokenizer import build_char_tokenizer, load_tokenizer

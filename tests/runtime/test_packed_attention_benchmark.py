@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.packed_attention import documents, packed_rows, row_documents
+from tests.runtime.worker_groups import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +29,7 @@ def test_documents_are_seeded_mixed_lengths_and_rows_give_them_back():
 
 def test_tiny_run_trains_the_same_documents_in_every_variant(tmp_path):
     """tigon (varlen) and HF on DataCollatorWithFlattening: the same first loss; Liger says why it cannot run."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path; the interpreter would be slow
+    env = process_env()
     out = tmp_path / "packed.json"
     command = [sys.executable, "-m", "benchmarks.packed_attention", "--tiny", "--variants", "tigon,hf,hf-liger"]
     command += ["--seqs", "256", "--steps", "1", "--warmup", "0", "--out", str(out)]

@@ -16,62 +16,25 @@ logits as the one-process run's export (within LOGITS_TOLERANCE).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
+from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.deepspeed_engine import import_deepspeed, supports_precision
 from tigon.runtime.trainer import train
 
-ROOT = Path(__file__).resolve().parents[2]
 RELATIVE_TOLERANCE = 1e-4
-LOGITS_TOLERANCE = 1e-3
 BF16_TOLERANCE = 2e-2  # bf16 weights in the forward (FSDP2) vs fp32 weights under bf16 autocast
 FP16_TOLERANCE = 1e-3  # fp16 weights (FSDP2, DeepSpeed) vs fp32 weights under fp16 autocast; measured 4e-5
-IDS = torch.tensor([[1, 20, 21, 14, 22, 30, 25, 17]])
-
-WORKER = """
-import json, os, sys, time
-started = time.perf_counter()
-import torch.distributed as dist
-from tigon.runtime.config import load_config
-from tigon.runtime.trainer import train
-
-backend = os.environ["TEST_BACKEND"]
-if backend == "nccl":
-    import torch
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-dist.init_process_group(backend)  # once for all runs; each run ends at a barrier, the group stays
-out = sys.argv[1]
-print(f"imports {time.perf_counter() - started:.1f} s", flush=True)
-for path in sys.argv[2:]:
-    started = time.perf_counter()
-    result = train(load_config(path))
-    print(f"{path}: {time.perf_counter() - started:.1f} s", flush=True)
-    name = os.path.basename(path).removesuffix(".yaml")
-    record = {"losses": result.losses, "world_size": result.world_size, "resumed_from": result.resumed_from_step,
-              "export_dir": result.export_dir, "eval": result.eval_metrics}
-    with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
-        json.dump(record, file)
-dist.destroy_process_group()
-"""
-
-
-def python_path() -> str:
-    """The repository first, then the caller's PYTHONPATH (where a GPU machine keeps tigon and carried wheels)."""
-    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
-    """A tiny run (see test_trainer.tiny_config) with checkpoints every 3 steps and resume on."""
+    """A tiny run (see configs.tiny_config) with checkpoints every 3 steps and resume on."""
     training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
     return tiny_config(
         tmp_path,
@@ -81,61 +44,6 @@ def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sectio
         logging={"run_dir": str(tmp_path / name), "tensorboard": False, "progress_bar": False, "every_steps": 1},
         **sections,
     )
-
-
-def launch(
-    tmp_path: Path,
-    configs: dict[str, object],
-    backend: str = "gloo",
-    nproc: int = 2,
-    devices: str | None = None,
-    timeout: float = 300,
-    worker_source: str = WORKER,
-    max_restarts: int = 0,
-) -> dict[str, dict]:
-    """Train `configs` one after another in one `nproc`-process torchrun group; rank 0's record of each run.
-
-    `devices` sets CUDA_VISIBLE_DEVICES for the group (e.g. "2,3"), so that groups can share a machine;
-    `worker_source` replaces WORKER (it writes the same records), and torch elastic restarts the group up to
-    `max_restarts` times."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(worker_source)
-    files = []
-    for name, config in configs.items():
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-        files.append(str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), "TEST_BACKEND": backend}
-    env.pop("TRITON_INTERPRET", None)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = devices
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command += ["--max-restarts", str(max_restarts)]
-    done = subprocess.run(
-        [*command, str(worker), str(tmp_path), *files],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    print("\n".join(line for line in done.stdout.splitlines() if line.endswith(" s")))
-    records = {}
-    for name in configs:
-        ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in range(nproc)]
-        assert ranks[0]["world_size"] == nproc, name
-        assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks), name
-        records[name] = ranks[0]
-    return records
-
-
-def exported_logits(directory: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory)
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
 
 
 def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dict[str, dict]:

@@ -1,7 +1,7 @@
 """The planner's estimate against the measured peak (torch.cuda.max_memory_allocated) of real training steps.
 
 Each case trains a small Llama (bf16, AdamW, SDPA, random tokens) for a few optimizer steps through
-the torch trainer's step in a fresh process (benchmarks/end_to_end.py's worker), so peaks do not mix;
+the torch trainer's step in a fresh process (benchmarks/end_to_end_runner.py's worker), so peaks do not mix;
 the preference cases train through `train()` (benchmarks/preference_memory.py's worker).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.end_to_end import run_in_subprocess
+from benchmarks.end_to_end_runner import run_in_subprocess
 from benchmarks.preference_memory import CASES as PREFERENCE_CASES
 from benchmarks.preference_memory import describe, run_case
 
@@ -55,7 +55,7 @@ def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
     """A Llama-3.2-1B-shaped run far past the GPU's memory: train() raises the planner's advice, not a bare OOM."""
     import json
 
-    from benchmarks.end_to_end import LLAMA_32_1B
+    from benchmarks.presets import LLAMA_32_1B
     from tigon.runtime.config import parse_config
     from tigon.runtime.planner import TrainingOutOfMemory
     from tigon.runtime.trainer import train

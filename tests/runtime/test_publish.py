@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from tests.runtime.configs import tiny_config
 from tigon.runtime.config import ConfigError
 from tigon.runtime.trainer import train
 
 from .hub_cache import HubCache, offline
 from .test_hub import REPO
-from .test_trainer import tiny_config
 
 
 def test_lora_run_stages_merged_model_adapter_and_card_then_push_is_refused_offline(tmp_path, monkeypatch):

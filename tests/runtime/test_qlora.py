@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer import TINY_MODEL, tiny_config
+from tests.runtime.configs import TINY_MODEL, tiny_config
 from tigon.runtime import planner
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tests.runtime.test_trainer import TINY_MODEL
+from tests.runtime.configs import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # fp32: max |difference| / max |reference|, per step loss and per parameter

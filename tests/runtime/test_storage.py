@@ -10,7 +10,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.storage import MARKER, RunStorage, StorageError, default_remote_dir, resume_point

@@ -14,11 +14,6 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_char_tokenizer()
-
-
 def test_vocabulary_and_special_tokens(tokenizer):
     assert len(tokenizer) == len(SPECIAL_TOKENS) + len(CHARACTERS) == 100
     assert [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id] == [

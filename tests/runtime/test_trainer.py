@@ -1,14 +1,13 @@
 """The plain PyTorch trainer on a tiny Llama: loss falls, accumulation and DDP change nothing but rounding.
 
-`tiny_config` (also used by the checkpoint and CLI tests) builds a run of a 2-layer, 32-wide Llama
-with tigon's character tokenizer on a generated arithmetic task.
+`tiny_config` (tests/runtime/configs.py) builds a run of a 2-layer, 32-wide Llama with tigon's character
+tokenizer on a generated arithmetic task.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -17,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig, parse_config
-from tigon.runtime.tasks import write_arithmetic_dataset
+from tests.runtime.configs import TINY_MODEL, tiny_config
+from tests.runtime.worker_groups import process_env
+from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.trainer import (
     GlobalBatchSampler,
     build_optimizer,
@@ -31,47 +31,6 @@ from tigon.runtime.trainer import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-TINY_MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-}
-
-
-def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
-    """A run small enough for the CPU test suite; `sections` update the YAML sections (nested dicts merge)."""
-    data_dir = tmp_path / "data"
-    train_file, eval_file = data_dir / "train.jsonl", data_dir / "eval.jsonl"
-    if not train_file.exists():
-        held_out = write_arithmetic_dataset(eval_file, 24, seed=1, max_operand=49)
-        write_arithmetic_dataset(
-            train_file, n_train, seed=0, max_operand=49, exclude={r["instruction"] for r in held_out}
-        )
-    raw = {
-        "model": {"config_name": "llama", "config_overrides": dict(TINY_MODEL), "tokenizer": "char"},
-        "data": {"train": str(train_file), "eval": str(eval_file), "format": "instruction", "max_seq_len": 48},
-        "training": {
-            "max_steps": 8,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 4,
-            "seed": 0,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
-    for section, values in sections.items():
-        if isinstance(values, dict) and isinstance(raw.get(section), dict):
-            raw[section] = {**raw[section], **values}
-        else:
-            raw[section] = values
-    return parse_config(raw)
 
 
 def test_loss_falls_with_kernels_and_run_dir_is_complete(tmp_path, restore_rope, capsys):
@@ -243,8 +202,7 @@ def test_ddp_two_processes_over_gloo_agree_with_one_process(tmp_path):
     raw["logging"]["run_dir"] = str(tmp_path / "ddp-run")
     raw["checkpoint"] = {**raw["checkpoint"], "every_steps": 3, "export": True}
     config_file.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
+    env = process_env(OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.trl_integration import TINY, worker
+from benchmarks.presets import TINY
+from benchmarks.trl_integration import worker
+from tests.runtime.worker_groups import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("trl")
@@ -21,8 +22,7 @@ def test_tiny_run_writes_tokens_per_second_and_losses(tmp_path):
     """tigon's variant of both trainers (TRL's own runs the same code path with use_tigon left out; the parity tests
     compare the two)."""
     out = tmp_path / "trl.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    env.pop("TRITON_INTERPRET", None)  # CPU tensors take the reference path; the interpreter would be slow
+    env = process_env(HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "benchmarks.trl_integration", "--tiny", "--variants", "tigon", "--seq", "32"]
     command += ["--steps", "1", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -1,0 +1,565 @@
+"""The end-to-end benchmark's models: data only, no code that runs them.
+
+One preset per family of tigon's kernel table (`PRESETS`): the config.json values of a named public member (or
+transformers' defaults for the family), shortened where the family has no member of 1B-4B; the table's families
+without a preset and why (`NOT_BENCHMARKED`); `--shape`'s larger Llama (`LARGER_SHAPES`) and `--qlora`'s adapters
+(`QLORA`). benchmarks/end_to_end.py runs them (docs/benchmarks.md); the TRL and packed-attention benchmarks take
+their Llama from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Llama-3-8B's shape (random weights): end_to_end's `--shape llama-3-8b` and the multi-GPU headline runs
+LLAMA_3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One family's benchmark model: the config.json values of a named public member, and how it is run.
+
+    `config` holds the values that set shapes and the family's quirks, at the member's real depth;
+    `layers` shortens it (real widths, heads and vocabulary) where the family has no member of 1B-4B.
+    `params` is the member's published parameter count (the preset test counts `config` against it).
+    `liger` names the Liger-Kernel function for the family, None where Liger-Kernel has none.
+    `tiny` holds family-specific `--tiny` values on top of `tiny_shape`'s generic shrink.
+    `attention` is the run's `model.attn_implementation`.
+    """
+
+    family: str  # tigon's kernel table key, which is also the transformers model_type
+    source: str  # the Hugging Face model whose config.json the values are from
+    config: dict
+    params: float
+    liger: str | None
+    layers: int | None = None
+    tiny: dict = field(default_factory=dict)
+    attention: str = "sdpa"
+
+    def shape(self) -> dict:
+        """The benchmark's `model.config_overrides`: `config`, shortened to `layers`."""
+        return {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
+
+    def tiny_shape(self) -> dict:
+        """Small widths, 2 layers, vocabulary 512, no special tokens; the model_type and `config`'s quirks kept."""
+        config, shape = self.config, dict(self.config)
+        heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+        shape |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+        shape |= {"vocab_size": 512, "max_position_embeddings": 16384}  # past Llama 3 RoPE scaling's 8192
+        shape |= {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}  # the members' are past 512
+        if kv_heads is not None:  # multi-head, multi-query or grouped, as the member
+            shape["num_key_value_heads"] = 4 if kv_heads == heads else 1 if kv_heads == 1 else 2
+        shrink = {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,  # the members scale by head_dim
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 8,  # 8 x 32 wide: the experts' parameters are not the dense MLP's 128
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        }
+        shape |= {key: value for key, value in shrink.items() if key in config}
+        if config.get("sliding_window"):
+            shape["sliding_window"] = 16  # so the window acts at the smoke run's sequence lengths
+        return shape | self.tiny
+
+    def describe(self, tiny: bool = False) -> str:
+        if tiny:
+            return f"tiny {self.family} (2 layers, hidden 64, vocab 512; {self.source}'s quirks)"
+        depth = self.config["num_hidden_layers"]
+        if self.layers and self.layers < depth:
+            return f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers (random init)"
+        return f"{self.source} (random init from its config)"
+
+
+# Each preset's values are those of its source's config.json (keys as config.json spells them, which the
+# transformers 4.x and 5.x configs both take). Where a value was read from a copy that quoted only part of
+# the file, or is transformers' default, the comment says so.
+PRESETS: dict[str, Preset] = {
+    "llama": Preset(
+        "llama",
+        "meta-llama/Llama-3.2-1B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "max_position_embeddings": 131072,
+        },
+        params=1.24e9,
+        liger="apply_liger_kernel_to_llama",
+    ),
+    "mistral": Preset(
+        "mistral",
+        "mistralai/Mistral-7B-v0.3",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,  # head_dim 128 = 4096 / 32 (config.json has no head_dim)
+            "vocab_size": 32768,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "max_position_embeddings": 32768,
+        },
+        params=7.25e9,
+        liger="apply_liger_kernel_to_mistral",
+        layers=8,  # no Mistral of 1B-4B: 8 of 32 layers, 2.0B parameters
+    ),
+    "mixtral": Preset(
+        "mixtral",
+        "mistralai/Mixtral-8x7B-v0.1",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,  # each expert's
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "max_position_embeddings": 32768,
+        },
+        params=46.7e9,
+        liger="apply_liger_kernel_to_mixtral",
+        layers=2,  # 1.45B parameters a layer (8 experts of 3 x 4096 x 14336): 2 of 32 layers, 3.2B parameters
+    ),
+    "qwen2": Preset(
+        "qwen2",
+        "Qwen/Qwen2.5-1.5B",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 131072,  # Qwen2.5's 128K context; not in the copies checked
+        },
+        params=1.54e9,
+        liger="apply_liger_kernel_to_qwen2",
+    ),
+    "qwen2_moe": Preset(
+        "qwen2_moe",
+        "Qwen/Qwen1.5-MoE-A2.7B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "router_aux_loss_coef": 0.001,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 32768,
+        },
+        params=14.3e9,
+        liger=None,  # Liger-Kernel has no apply_liger_kernel_to_qwen2_moe
+        layers=4,  # 0.57B parameters a layer (60 experts and a shared one): 4 of 24 layers, 2.9B parameters
+    ),
+    "qwen3": Preset(
+        "qwen3",
+        "Qwen/Qwen3-1.7B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+        },
+        params=1.7e9,
+        liger="apply_liger_kernel_to_qwen3",
+    ),
+    "qwen3_moe": Preset(
+        "qwen3_moe",
+        "Qwen/Qwen3-30B-A3B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,  # the dense MLP of mlp_only_layers (none here)
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 40960,
+        },
+        params=30.5e9,
+        liger="apply_liger_kernel_to_qwen3_moe",
+        layers=4,  # 0.62B parameters a layer (128 experts of 3 x 2048 x 768): 4 of 48 layers, 3.1B parameters
+    ),
+    "gemma": Preset(
+        "gemma",
+        "google/gemma-2b",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 16384,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,  # transformers' GemmaConfig default; not in the copies checked
+            "max_position_embeddings": 8192,
+            # hidden_activation: transformers' default gelu_pytorch_tanh (the 2B's config.json says "gelu")
+        },
+        params=2.51e9,
+        liger="apply_liger_kernel_to_gemma",
+    ),
+    "gemma2": Preset(
+        "gemma2",
+        "google/gemma-2-2b",
+        {
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "sliding_window": 4096,  # every other layer
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        params=2.61e9,
+        liger="apply_liger_kernel_to_gemma2",
+        attention="eager",  # transformers refuses SDPA for Gemma 2 (its attention logits are softcapped)
+    ),
+    "gemma3_text": Preset(
+        "gemma3_text",
+        "google/gemma-3-1b-pt",
+        {
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "vocab_size": 262144,
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,  # five sliding-window layers, then a global one
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": None,
+            "max_position_embeddings": 32768,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+        params=1.0e9,
+        liger="apply_liger_kernel_to_gemma3_text",
+        tiny={"sliding_window_pattern": 2},  # one sliding-window layer and one global of the two
+    ),
+    "phi3": Preset(
+        "phi3",
+        "microsoft/Phi-3-mini-4k-instruct",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32064,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+            "sliding_window": 2047,
+            "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096,
+        },
+        params=3.82e9,
+        liger="apply_liger_kernel_to_phi3",
+    ),
+    "olmo2": Preset(
+        "olmo2",
+        "allenai/OLMo-2-0425-1B",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 100352,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 4096,  # OLMo 2's 4096-token context; not in the copy checked
+        },
+        params=1.48e9,
+        liger="apply_liger_kernel_to_olmo2",
+    ),
+    "glm4": Preset(
+        "glm4",
+        "THUDM/GLM-4-9B-0414",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 13696,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "vocab_size": 151552,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 32768,
+        },
+        params=9.4e9,
+        liger="apply_liger_kernel_to_glm4",
+        layers=8,  # no GLM-4 (glm4 model_type) of 1B-4B: 8 of 40 layers, 2.9B parameters
+    ),
+    "granite": Preset(
+        "granite",
+        "ibm-granite/granite-3.1-2b-base",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 49155,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 5000000.0,
+            "max_position_embeddings": 131072,
+            # The µP multipliers of IBM's 2B Granite configs, read from a copy of a later 2B's config, not
+            # from granite-3.1-2b-base's own (attention_multiplier is 1 / head_dim 64).
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.015625,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+        },
+        params=2.53e9,
+        liger="apply_liger_kernel_to_granite",  # has no fused linear cross entropy: Liger's cross entropy on logits
+    ),
+    # The presets below are transformers' own config defaults for the family (the shape its config class builds
+    # with no arguments; `params` is what that builds, counted by the preset test), written out in full.
+    "smollm3": Preset(
+        "smollm3",
+        "transformers' SmolLM3Config defaults (SmolLM3-3B's shape)",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "no_rope_layer_interval": 4,  # every fourth layer without RoPE
+            "max_position_embeddings": 32768,
+        },
+        params=3.08e9,
+        liger="apply_liger_kernel_to_smollm3",
+    ),
+    "olmo3": Preset(
+        "olmo3",
+        "transformers' Olmo3Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 50304,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 4096,
+            "max_position_embeddings": 2048,
+        },
+        params=6.89e9,
+        liger="apply_liger_kernel_to_olmo3",
+        layers=12,  # 12 of 32 layers, 2.8B parameters
+    ),
+    "glm4_moe": Preset(
+        "glm4_moe",
+        "transformers' Glm4MoeConfig defaults (GLM-4.5-Air's widths, without its MTP layer)",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 10944,  # the dense first layer's
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "vocab_size": 151552,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+        },
+        params=103.5e9,
+        liger="apply_liger_kernel_to_glm4_moe",
+        layers=2,  # the dense layer and one MoE layer (128 experts, 2.2B parameters): 3.7B parameters
+        tiny={"n_routed_experts": 8},
+    ),
+    "gpt_oss": Preset(
+        "gpt_oss",
+        "transformers' GptOssConfig defaults with 24 layers and 32 experts (gpt-oss-20b's shape)",
+        {
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 201088,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 128,
+            "max_position_embeddings": 131072,
+        },
+        params=20.9e9,
+        liger="apply_liger_kernel_to_gpt_oss",
+        layers=3,  # 0.8B parameters a layer (32 experts of 3 x 2880 x 2880): 3 of 24 layers, 3.6B parameters
+        attention="eager",  # its attention sinks: transformers runs them in eager attention (and flash kernels)
+    ),
+    "falcon_h1": Preset(
+        "falcon_h1",
+        "transformers' FalconH1Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192,
+        },
+        params=8.51e9,
+        liger="apply_liger_kernel_to_falcon_h1",
+        layers=10,  # 10 of 32 layers (attention and Mamba-2 mixer in parallel), 3.4B parameters
+        tiny={"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 8},
+    ),
+}
+# Families of tigon's kernel table with no preset here, and why.
+NOT_BENCHMARKED = {
+    family: "a vision-language model: the runtime builds a causal LM from a flat config (AutoModelForCausalLM)"
+    for family in (
+        "llama4",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "mllama",
+        "llava",
+        "paligemma",
+        "internvl",
+        "mistral3",
+    )
+} | {
+    "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
+    "llama4_text": "one Llama 4 Scout layer (16 experts of 3 x 5120 x 8192) and its embeddings are 4.3B parameters, "
+    "past what AdamW trains in bf16 beside the activations on one 80 GB GPU",
+}
+LLAMA_32_1B = PRESETS["llama"].shape()
+TINY = PRESETS["llama"].tiny_shape()
+#: --shape: a larger Llama than the preset's (Llama-3-8B, random weights)
+LARGER_SHAPES = {"llama-3-8b": LLAMA_3_8B}
+#: --qlora: the base in 4 bits (NF4, double quantization), rank-16 adapters on every projection
+QLORA = {
+    "enabled": True,
+    "r": 16,
+    "alpha": 32,
+    "quantize_base": "nf4",
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+VARIANTS = ("eager", "liger", "tigon", "planner")
+
+
+def parse_families(value: str) -> list[str]:
+    """`all`, or a comma-separated list of `PRESETS` keys."""
+    if value.strip() == "all":
+        return list(PRESETS)
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRESETS]
+    for name in names:
+        if name in NOT_BENCHMARKED:
+            raise ValueError(f"{name} has no benchmark preset: {NOT_BENCHMARKED[name]}")
+    if unknown or not names:
+        raise ValueError(f"unknown families {unknown}; choose from all, {', '.join(PRESETS)}")
+    return names

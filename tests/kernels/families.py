@@ -1,0 +1,235 @@
+"""The model families' tiny test models and what patching each swaps (`FAMILY_CASES`), and the comparisons the
+patching, loss, convergence, MoE and classification tests share."""
+
+import copy
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from tests.kernels.helpers import relative_error
+from tigon.kernels.patching import apply
+
+transformers = pytest.importorskip("transformers")
+
+
+# A one-layer vision tower per vision-language family (its config's own names), and for the rows whose language
+# tower is any model, the text model_type built here. The tests feed text only (the vision tower gets no gradient),
+# except test_patching.py's `test_vision_language_model_with_an_image_matches_eager`.
+VISION = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2
+)
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2)
+MULTIMODAL = {
+    "qwen2_vl": (dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2), {}),
+    "qwen2_5_vl": (dict(QWEN_VISION, window_size=4, fullatt_block_indexes=[0]), {}),
+    "qwen3_vl": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
+    "qwen3_vl_moe": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
+    "gemma3": (VISION, dict(mm_tokens_per_image=4)),
+    "mllama": (
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_global_layers=1,
+            attention_heads=2,
+            image_size=8,
+            patch_size=2,
+            max_num_tiles=1,
+            intermediate_layers_indices=[0],
+            vision_output_dim=64,
+            supported_aspect_ratios=[[1, 1]],
+        ),
+        {},
+    ),
+    "llama4": (
+        dict(VISION, vision_output_dim=32, projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5),
+        {},
+    ),
+    "llava": (dict(VISION, projection_dim=32), dict(model_type="llama")),
+    "paligemma": (dict(VISION, projection_dim=64), dict(model_type="gemma2")),
+    "internvl": (dict(VISION, image_size=[8, 8], patch_size=[2, 2]), dict(model_type="qwen2")),
+    "mistral3": (dict(VISION, head_dim=16), dict(model_type="mistral")),
+}
+# Phi-4-multimodal keeps its text settings at the top of its config, beside its vision and audio towers'.
+TOWERS = {
+    "phi4_multimodal": dict(
+        vision_config=dict(VISION, crop_size=8, image_token_id=3),
+        audio_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_blocks=1,
+            num_attention_heads=2,
+            ext_pw_out_channel=32,
+            depthwise_separable_out_channel=32,
+            nemo_conv_channels=32,
+            audio_token_id=4,
+        ),
+    )
+}
+
+
+def tiny(model_type: str, outer: dict | None = None, **overrides):
+    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top."""
+    common = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=131,
+        max_position_embeddings=64,
+        head_dim=16,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    torch.manual_seed(0)
+    if model_type not in MULTIMODAL:
+        config = transformers.AutoConfig.for_model(model_type, **common, **TOWERS.get(model_type, {}))
+        return transformers.AutoModelForCausalLM.from_config(config)
+    vision, text = MULTIMODAL[model_type]
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**common, **text}, vision_config=vision, **(outer or {})
+    )
+    return transformers.AutoModelForImageTextToText.from_config(config)
+
+
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+FALCON_H1 = dict(
+    mamba_d_ssm=32,
+    mamba_n_heads=4,
+    mamba_d_head=8,
+    mamba_d_state=8,
+    mamba_chunk_size=8,
+    mlp_multipliers=[0.5, 1.5],
+    lm_head_multiplier=0.7,
+)
+# Layer 0 dense, layer 1 MoE (Llama4TextMLP as its shared expert); both layers with RoPE
+LLAMA4 = dict(
+    num_local_experts=2,
+    intermediate_size=32,
+    intermediate_size_mlp=160,
+    moe_layers=[1],
+    no_rope_layers=[1, 1],
+    layer_types=["full_attention", "full_attention"],
+)
+TRANSFORMERS_4 = transformers.__version__.startswith("4.")
+# transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
+ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
+MROPE = {ROPE_KEY: dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])}
+
+
+class Swaps(NamedTuple):
+    """What `apply` swaps in a family's 2-layer tiny model, and what its report must skip."""
+
+    mlps: int  # gated MLPs swapped (GatedMLP or PackedGatedMLP)
+    experts: int  # MoE experts modules swapped (GatedExperts)
+    rope: bool  # RoPE swapped
+    skipped: list[str]  # the report's skipped entries start with these, in order
+
+
+class FamilyCase(NamedTuple):
+    """A family's tiny model (`tiny(model_type, **overrides)`) and what patching it swaps."""
+
+    overrides: dict  # config overrides on top of `tiny`'s common sizes
+    swaps: Swaps
+
+
+def case(overrides: dict, mlps: int, experts: int, rope: bool, skipped: list[str]) -> FamilyCase:
+    """One row of FAMILY_CASES, written flat."""
+    return FamilyCase(overrides, Swaps(mlps, experts, rope, skipped))
+
+
+FAMILY_CASES = {
+    "llama": case({}, 2, 0, True, []),
+    "qwen3": case({}, 2, 0, True, []),
+    "gemma": case({}, 2, 0, True, []),
+    "mixtral": case(dict(num_local_experts=4, num_experts_per_tok=2), 0, 2, True, []),
+    "qwen2_moe": case(dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, 2, True, []),
+    "qwen3_moe": case(dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
+    "gemma2": case({}, 2, 0, True, []),
+    "gemma3_text": case({}, 2, 0, True, []),
+    "phi3": case({}, 2, 0, True, []),
+    "olmo2": case({}, 2, 0, True, []),
+    "glm4": case({}, 2, 0, False, ["rope (Glm4"]),
+    "granite": case({}, 2, 0, True, []),
+    "smollm3": case({}, 2, 0, True, []),
+    "olmo3": case({}, 2, 0, True, []),
+    "glm4_moe": case(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **MOE), 2, 1, True, []),
+    "gpt_oss": case(GPT_OSS, 0, 0, False, ["rope (GPT-OSS", "swiglu (GPT-OSS"]),
+    "falcon_h1": case(FALCON_H1, 2, 0, True, ["rms_norm (the Mamba"]),
+    "llama4_text": case(LLAMA4, 2, 0, False, ["rope (Llama 4", "swiglu (Llama 4", "rms_norm (Llama 4"]),
+    "llama4": case(
+        LLAMA4, 2, 0, False, ["rope (Llama 4", "swiglu (Llama 4", "rms_norm (Llama 4", "swiglu (the vision"]
+    ),
+    "qwen2_vl": case(MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
+    "qwen2_5_vl": case(MROPE, 2 + 1, 0, True, ["rope (the vision"]),
+    "qwen3_vl": case(MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
+    "qwen3_vl_moe": case(dict(MROPE, num_experts=4, **MOE), 0, 2, True, ["rope (the vision", "swiglu (the vision"]),
+    "gemma3": case({}, 2, 0, True, ["swiglu (the vision"]),
+    "mllama": case(
+        dict(cross_attention_layers=[1], **{ROPE_KEY: dict(rope_type="default", rope_theta=10000.0)}),
+        2,
+        0,
+        True,
+        ["swiglu (the vision"],
+    ),
+    "phi4_multimodal": case({}, 2, 0, True, ["swiglu (the vision", "swiglu (the audio"]),
+    "llava": case({}, 2, 0, True, ["swiglu (the vision"]),
+    "paligemma": case({}, 2, 0, True, ["swiglu (the vision"]),
+    "internvl": case({}, 2, 0, True, ["swiglu (the vision"]),
+    "mistral3": case({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
+}
+
+
+def assert_same_training_step(baseline, patched, batch, **inputs):
+    """One forward and backward with labels: the same loss, eval logits and every gradient (a vision tower fed no
+    image has none, in both models)."""
+    expected = baseline(input_ids=batch, labels=batch, **inputs)
+    expected.loss.backward()
+    got = patched(input_ids=batch, labels=batch, **inputs)
+    got.loss.backward()
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-5
+    with torch.no_grad():
+        assert (
+            relative_error(patched(input_ids=batch, **inputs).logits, baseline(input_ids=batch, **inputs).logits) < 1e-5
+        )
+    for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        if theirs.grad is not None:
+            assert relative_error(ours.grad, theirs.grad) < 1e-4, name
+
+
+def own_failure(model, batch) -> Exception | None:
+    """The error transformers' own forward raises on a text batch with labels, or None when it runs (transformers
+    5.24's Llama4ForConditionalGeneration reads `image_outputs`, which its language model's output lacks)."""
+    try:
+        model(input_ids=batch, labels=batch)
+    except AttributeError as error:
+        return error
+    model.zero_grad(set_to_none=True)
+    return None
+
+
+def assert_lora_adapters_kept(model_type: str, targets: dict) -> None:
+    """PEFT LoRA on a swapped module's parameters: the swapped module keeps the adapters, same gradients."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, init_lora_weights=False, **targets)
+    wrapped = peft.get_peft_model(tiny(model_type, **FAMILY_CASES[model_type].overrides), config)
+    patched = copy.deepcopy(wrapped)
+    applied = apply(patched).applied
+    assert applied.get("gated_mlp" if model_type == "phi3" else "gated_experts") == 2
+    batch = torch.randint(0, 131, (2, 9))
+    expected, got = wrapped(input_ids=batch, labels=batch), patched(input_ids=batch, labels=batch)
+    expected.loss.backward()
+    got.loss.backward()
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-5
+    trained = [
+        (name, p, q) for (name, p), (_, q) in zip(wrapped.named_parameters(), patched.named_parameters(), strict=True)
+    ]
+    trained = [entry for entry in trained if entry[1].requires_grad]
+    assert any(".mlp." in name for name, _, _ in trained)
+    for name, theirs, ours in trained:
+        assert relative_error(ours.grad, theirs.grad) < 1e-4, name

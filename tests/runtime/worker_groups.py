@@ -1,0 +1,123 @@
+"""Processes the runtime tests start: the environment of one run from the repository (`process_env`), and torchrun
+worker groups that train run configs (gloo on the CPU, NCCL on GPUs) and record each rank's losses (`launch`), with
+the logits of an exported model to compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGITS_TOLERANCE = 1e-3
+IDS = torch.tensor([[1, 20, 21, 14, 22, 30, 25, 17]])
+
+WORKER = """
+import json, os, sys, time
+started = time.perf_counter()
+import torch.distributed as dist
+from tigon.runtime.config import load_config
+from tigon.runtime.trainer import train
+
+backend = os.environ["TEST_BACKEND"]
+if backend == "nccl":
+    import torch
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(backend)  # once for all runs; each run ends at a barrier, the group stays
+out = sys.argv[1]
+print(f"imports {time.perf_counter() - started:.1f} s", flush=True)
+for path in sys.argv[2:]:
+    started = time.perf_counter()
+    result = train(load_config(path))
+    print(f"{path}: {time.perf_counter() - started:.1f} s", flush=True)
+    name = os.path.basename(path).removesuffix(".yaml")
+    record = {"losses": result.losses, "world_size": result.world_size, "resumed_from": result.resumed_from_step,
+              "export_dir": result.export_dir, "eval": result.eval_metrics}
+    with open(f"{out}/{name}-rank{dist.get_rank()}.json", "w") as file:
+        json.dump(record, file)
+dist.destroy_process_group()
+"""
+
+
+def python_path() -> str:
+    """The repository first, then the caller's PYTHONPATH (where a GPU machine keeps tigon and carried wheels)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def process_env(**variables: str) -> dict[str, str]:
+    """The environment of a process started from the repository: tigon importable (`python_path`), Triton's
+    interpreter off (CPU tensors take the reference path; the interpreter would be slow), and `variables`."""
+    env = {**os.environ, "PYTHONPATH": python_path(), **variables}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def worker_env() -> dict[str, str]:
+    """`process_env` with one thread per process, for the members of a worker group."""
+    return process_env(OMP_NUM_THREADS="1")
+
+
+def write_configs(directory: Path, configs: dict[str, object]) -> list[str]:
+    """Each run config as `directory/<name>.yaml`; their paths, in order."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, config in configs.items():
+        path = directory / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        files.append(str(path))
+    return files
+
+
+def launch(
+    tmp_path: Path,
+    configs: dict[str, object],
+    backend: str = "gloo",
+    nproc: int = 2,
+    devices: str | None = None,
+    timeout: float = 300,
+    worker_source: str = WORKER,
+    max_restarts: int = 0,
+) -> dict[str, dict]:
+    """Train `configs` one after another in one `nproc`-process torchrun group; rank 0's record of each run.
+
+    `devices` sets CUDA_VISIBLE_DEVICES for the group (e.g. "2,3"), so that groups can share a machine;
+    `worker_source` replaces WORKER (it writes the same records), and torch elastic restarts the group up to
+    `max_restarts` times."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(worker_source)
+    files = write_configs(tmp_path, configs)
+    env = {**worker_env(), "TEST_BACKEND": backend}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    command += ["--max-restarts", str(max_restarts)]
+    done = subprocess.run(
+        [*command, str(worker), str(tmp_path), *files],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    print("\n".join(line for line in done.stdout.splitlines() if line.endswith(" s")))
+    records = {}
+    for name in configs:
+        ranks = [json.loads((tmp_path / f"{name}-rank{rank}.json").read_text()) for rank in range(nproc)]
+        assert ranks[0]["world_size"] == nproc, name
+        assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks), name
+        records[name] = ranks[0]
+    return records
+
+
+def exported_logits(directory: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
