@@ -93,8 +93,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from benchmarks.end_to_end_runner import random_dataset
+    from tigon.runtime import batches, trainer
     from tigon.runtime import checkpoint as ckpt
-    from tigon.runtime import trainer
     from tigon.runtime.distributed import barrier, init_distributed, shutdown
     from tigon.runtime.files import atomic_write_text
     from tigon.runtime.model import build_model
@@ -114,7 +114,7 @@ def worker(args: argparse.Namespace) -> None:
     build_seconds = time.perf_counter() - started
     micro = config.training.micro_batch_size
     dataset = random_dataset(micro * env.world_size * total, args.seq, vocab, config.training.seed)
-    sampler = trainer.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
+    sampler = batches.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
     state = ckpt.TrainState(world_size=env.world_size)
 
     def train_steps() -> list[float]:

@@ -99,8 +99,8 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     """
     import torch
 
+    from tigon.runtime import batches, trainer
     from tigon.runtime import checkpoint as ckpt
-    from tigon.runtime import trainer
     from tigon.runtime.distributed import DistEnv
     from tigon.runtime.model import build_model
     from tigon.runtime.parallel import build_strategy
@@ -130,7 +130,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     strategy.model.train()
     global_batch = training.micro_batch_size * training.gradient_accumulation_steps
     dataset = random_dataset(global_batch * (steps + warmup + profile), config.data.max_seq_len, vocab, training.seed)
-    sampler = trainer.GlobalBatchSampler(
+    sampler = batches.GlobalBatchSampler(
         len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
     )
     state = ckpt.TrainState()

@@ -143,7 +143,7 @@ def worker(spec: dict) -> dict:
     """One variant at one sequence length in this (fresh) process."""
     import torch
 
-    from tigon.runtime import trainer
+    from tigon.runtime import batches, trainer
     from tigon.runtime.config import ConfigError
     from tigon.runtime.distributed import DistEnv
     from tigon.runtime.model import build_model
@@ -180,8 +180,8 @@ def worker(spec: dict) -> dict:
         strategy.model.train()
 
         def step(rows: list[dict], number: int) -> float:
-            batches = [trainer.collate([row]) for row in rows]
-            return trainer.run_global_batch(strategy, batches, config, env, device, number)[0]
+            micro_batches = [batches.collate([row]) for row in rows]
+            return trainer.run_global_batch(strategy, micro_batches, config, env, device, number)[0]
     else:
         step = hf_step(model, config, device)
     losses, seconds, tokens = [], 0.0, 0
@@ -216,7 +216,7 @@ def hf_step(model, config, device):
     import torch
     from transformers import DataCollatorWithFlattening
 
-    from tigon.runtime.trainer import autocast
+    from tigon.runtime.batches import autocast
 
     collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.training.learning_rate, fused=device.type == "cuda")

@@ -866,3 +866,17 @@ def build_datasets(
     if held_out is not None:
         evaluation, summary.eval = _build(held_out[0], config.data, tokenizer, pad_token_id, held_out[1])
     return train, evaluation, summary
+
+
+def generation_examples(config: RunConfig, tokenizer) -> list[tuple[list[int], str]]:
+    """(prompt ids, reference answer) of every eval record, tokenized exactly as in training."""
+    source, split = eval_source(config.data)
+    records, _ = read_records(source, config.data.skip_malformed, config.data, split)
+    examples = []
+    for number, record in enumerate(records, start=1):
+        try:
+            examples.append(encode_prompt(record, config.data, tokenizer, where=f"{source}, record {number}"))
+        except MalformedRecordError:
+            if not config.data.skip_malformed:
+                raise
+    return examples

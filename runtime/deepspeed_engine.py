@@ -3,7 +3,7 @@
 The DeepSpeed config is built from the run's config (`deepspeed_config`): micro-batch and
 accumulation from `training`, clipping from `training.max_grad_norm`, bf16, fp16 (DeepSpeed's
 dynamic loss scaling, from 2^16 as torch's GradScaler) or fp32 from `training.precision`, AdamW
-with the runtime's betas, eps and weight decay (matrices only, as `trainer.param_groups`), and the
+with the runtime's betas, eps and weight decay (matrices only, as `optim.param_groups`), and the
 runtime's learning-rate schedule as the engine's scheduler. ZeRO stage and CPU offload come from
 `parallelism`. The loop keeps its loss normalization: each
 micro-batch's loss already carries the global-batch token count, so `engine.backward` does not
@@ -32,11 +32,12 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
+from tigon.runtime.optim import build_scheduler, param_groups
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
 
 TAG = "deepspeed"  # the sub-directory of a step-N checkpoint that holds DeepSpeed's files
 SCHEDULE = "tigon_schedule"  # the client-state key of the learning-rate schedule's state
-ADAMW_BETAS = (0.9, 0.95)  # as trainer.build_optimizer
+ADAMW_BETAS = (0.9, 0.95)  # as optim.build_optimizer
 ADAMW_EPS = 1e-8
 
 
@@ -44,7 +45,7 @@ def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool
     """The DeepSpeed JSON config equivalent to the run's training and parallelism sections.
 
     `optimizer_section=False` leaves the optimizer out, for a caller that hands DeepSpeed its own: the HF
-    adapter gives the Trainer `trainer.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
+    adapter gives the Trainer `optim.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
     over the same groups under ZeRO-Offload, as this config's optimizer section does."""
     training, parallelism = config.training, config.parallelism
     stage = parallelism.stage
@@ -132,8 +133,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
 
     @classmethod
     def build(cls, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
-        """`deepspeed.initialize` with the run's DeepSpeed config, AdamW over `trainer.param_groups`, the schedule."""
-        from tigon.runtime.trainer import build_scheduler, param_groups
+        """`deepspeed.initialize` with the run's DeepSpeed config, AdamW over `optim.param_groups`, the schedule."""
 
         deepspeed = import_deepspeed(device, config.training.precision)
         training = config.training

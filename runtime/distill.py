@@ -24,7 +24,9 @@ import logging
 import torch
 from torch import nn
 
+from tigon.runtime.batches import autocast, collate, eval_batches, label_tokens
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.data import model_inputs
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 from tigon.runtime.objectives import (
     IGNORE_INDEX,
@@ -129,7 +131,6 @@ def distill_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross entropy, summed distillation loss) over the micro-batch's completion tokens, float32."""
     from tigon.kernels import functional as F
-    from tigon.runtime.data import model_inputs
 
     objective = config.objective
     batch = {name: value.to(device) for name, value in batch.items()}
@@ -181,7 +182,6 @@ def distill_result(sums: dict[str, torch.Tensor], config: RunConfig, n_label: fl
 def evaluate_distill(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The distillation loss, its cross entropy and its distillation term per completion token over the held-out
     sequences (this rank's share, summed over ranks)."""
-    from tigon.runtime.trainer import autocast, collate, eval_batches, label_tokens
 
     teacher = state_of(model).reference
     totals = torch.zeros(3, dtype=torch.float64, device=device)

@@ -46,22 +46,19 @@ import torch
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.batches import GlobalBatchSampler, autocast, collate
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.objectives import ObjectiveStep, prepare_objective, state_of
+from tigon.runtime.optim import build_optimizer, build_scheduler
 from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
 from tigon.runtime.reporting import Reporter, final_values, make_reporter, memory_bytes, summary_text, write_summary
 from tigon.runtime.trainer import (
     Evaluation,
-    GlobalBatchSampler,
     Prepared,
     TrainResult,
-    autocast,
-    build_optimizer,
-    build_scheduler,
     check_config,
     check_resumable,
-    collate,
     non_finite_loss_message,
     plan_steps,
     prepare,

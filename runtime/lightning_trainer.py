@@ -34,20 +34,18 @@ from pathlib import Path
 
 import torch
 
+from tigon.runtime.batches import GlobalBatchSampler, collate
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.objectives import prepare_objective, state_of
+from tigon.runtime.optim import build_optimizer, build_scheduler
 from tigon.runtime.parallel import DDPStrategy, build_strategy
 from tigon.runtime.reporting import make_reporter, memory_bytes
 from tigon.runtime.trainer import (
     Evaluation,
-    GlobalBatchSampler,
     Prepared,
     TrainResult,
-    build_optimizer,
-    build_scheduler,
-    collate,
     plan_steps,
     run_global_batch,
     train_prepared,

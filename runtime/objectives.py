@@ -42,6 +42,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from tigon.runtime.batches import autocast, collate, eval_batches, global_token_counts
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import DataError
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
@@ -379,8 +380,6 @@ class ObjectiveStep:
         self.config, self.env, self.device = config, env, device
         self.sums: dict[str, torch.Tensor] = {}
         if config.objective.type == "distill":
-            from tigon.runtime.trainer import global_token_counts
-
             self.count, self.tokens = global_token_counts(micro_batches, env, device, number)
             self.micro_batch, self.result = distill.distill_micro_batch, distill.distill_result
         else:
@@ -405,7 +404,6 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
     """The objective's counterpart of `trainer.run_global_batch` (the torch and Lightning trainers): forward and
     backward over this rank's micro-batches, then the update. Returns (the step's loss, the gradient norm before
     clipping, tokens); the step's metrics land in the model's `ObjectiveState.metrics`."""
-    from tigon.runtime.trainer import autocast
 
     objective_step = ObjectiveStep(micro_batches, config, env, device, step)
     for index, batch in enumerate(micro_batches):
@@ -422,7 +420,6 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
     """Summed completion log-probs `(B, R)` float64 of a batch of items under `model`, without gradient, with the
     rows laid out as training lays them (`data.packing`)."""
     from tigon.kernels import functional as F
-    from tigon.runtime.trainer import autocast
 
     layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
     with torch.no_grad(), autocast(device, config.training.precision):
@@ -435,7 +432,6 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
 def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> None:
     """Fill `dataset.ref_logps` with the starting model's log-probs: each rank scores its share (under FSDP2 rank 0
     scores all, before the model is sharded), summed over ranks."""
-    from tigon.runtime.trainer import collate
 
     n, width = len(dataset), dataset.input_ids.shape[1]
     values = torch.zeros((n, width), dtype=torch.float64, device=device)
@@ -477,7 +473,6 @@ def prepare_objective(config: RunConfig, prepared) -> None:
 
 def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The preference loss and TRL's metrics over the held-out examples (this rank's share, summed over ranks)."""
-    from tigon.runtime.trainer import autocast, collate, eval_batches
 
     batches = eval_batches(dataset, config, env)
     if not any(batches):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tigon.runtime.data import DataError, DataSummary, PackedDataset, build_datasets
+from tigon.runtime.data import DataError, DataSummary, PackedDataset, build_datasets, generation_examples
 from tigon.runtime.files import atomic_path, atomic_write_text
 from tigon.runtime.preference_data import PreferenceDataset, PreferenceSummary, build_preference_datasets
 
@@ -72,8 +72,6 @@ def pack(config: RunConfig, tokenizer: PreTrainedTokenizerBase, fingerprint: str
         train, evaluation, summary = build_datasets(config, tokenizer)
     examples = None
     if evaluation is not None and config.data.format in ("instruction", "chat") and not config.objective.preference:
-        from tigon.runtime.trainer import generation_examples
-
         examples = generation_examples(config, tokenizer)
     manifest = {
         "format_version": FORMAT_VERSION,

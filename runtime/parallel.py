@@ -38,6 +38,7 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, wrap_model
+from tigon.runtime.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -71,7 +72,6 @@ class DDPStrategy:
     @classmethod
     def build(cls, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
         """The torch trainer's strategy: the model wrapped, then its optimizer and schedule."""
-        from tigon.runtime.trainer import build_optimizer, build_scheduler
 
         model = cls.wrap(module, config, env, device)
         optimizer = build_optimizer(module, config.training, fused=cls.fused_optimizer(config))

@@ -3,8 +3,9 @@
     result = train(load_config("examples/demo.yaml"))
 
 The pieces are functions, so an HF `Trainer` or Lightning adapter can share them:
-`prepare` (process group, tokenizer, data, model), `build_optimizer`, `build_scheduler`,
-`GlobalBatchSampler` (the data order), `token_loss_sum` (the loss), `evaluate`.
+`prepare` (process group, tokenizer, data, model), `token_loss_sum` (the loss), `evaluate`; the optimizer and
+schedule live in `tigon.runtime.optim`, the data order (`GlobalBatchSampler`) and batches in
+`tigon.runtime.batches`.
 
 Loss normalization: a step's loss is the sum of token losses over all its micro-batches and
 ranks divided by the number of label tokens among them, as if the whole global batch were one
@@ -18,7 +19,6 @@ micro-batch m of rank r takes chunk m * world_size + r. The order is therefore t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
@@ -35,7 +35,9 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import storage
-from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
+from tigon.runtime.batches import GlobalBatchSampler, autocast, collate, eval_batches, global_token_counts, label_tokens
+from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.data import generation_examples
 from tigon.runtime.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -68,9 +70,6 @@ from tigon.runtime.reporting import (
 )
 
 logger = logging.getLogger("tigon.runtime")
-
-IGNORE_INDEX = -100
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -160,113 +159,6 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: norms, biases (every tensor under 2-D) are not decayed."""
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        (no_decay if parameter.ndim < 2 or "norm" in name.lower() else decay).append(parameter)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
-
-
-def build_optimizer(model: nn.Module, training: TrainingConfig, fused: bool = True) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`; torch's fused kernel when every parameter is on the GPU, unless `fused` is False
-    (FSDP2's fp16 scaler cannot drive the fused step: see FSDPStrategy.fused_optimizer)."""
-    groups = param_groups(model, training.weight_decay)
-    if not groups:
-        raise ConfigError("the model has no trainable parameters (check lora.target_modules)")
-    on_gpu = all(p.is_cuda for group in groups for p in group["params"])
-    return torch.optim.AdamW(
-        groups, lr=training.learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=(fused and on_gpu) or None
-    )
-
-
-def lr_factor(step: int, training: TrainingConfig, total_steps: int) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based): linear warmup, then the schedule."""
-    warmup = training.warmup_steps
-    if step < warmup:
-        return (step + 1) / warmup
-    if training.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    if training.lr_schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, training, total_steps))
-
-
-class GlobalBatchSampler:
-    """This rank's micro-batches of each global batch, in an order independent of how it is split."""
-
-    def __init__(self, n_items: int, micro_batch: int, accumulation: int, world_size: int, rank: int, seed: int):
-        self.n_items, self.micro_batch, self.accumulation = n_items, micro_batch, accumulation
-        self.world_size, self.rank, self.seed = world_size, rank, seed
-        self.global_batch = micro_batch * accumulation * world_size
-        self._epoch, self._order = None, None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.n_items // self.global_batch
-
-    def order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.n_items, generator=generator)
-        return self._order
-
-    def micro_batches(self, epoch: int, batch: int) -> list[list[int]]:
-        """Indices of this rank's `accumulation` micro-batches in global batch `batch` of `epoch`."""
-        if not 0 <= batch < self.batches_per_epoch:
-            raise IndexError(f"global batch {batch} out of range (an epoch has {self.batches_per_epoch})")
-        order = self.order(epoch)
-        start = batch * self.global_batch
-        result = []
-        for micro in range(self.accumulation):
-            chunk = start + (micro * self.world_size + self.rank) * self.micro_batch
-            result.append(order[chunk : chunk + self.micro_batch].tolist())
-        return result
-
-
-def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
-
-
-def label_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry loss after the causal shift."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def global_token_counts(micro_batches: list[dict], env: DistEnv, device: torch.device, step: int) -> tuple[float, int]:
-    """(label tokens, all tokens) of the global batch, summed over ranks; an error if no token carries a label."""
-    counts = torch.tensor(
-        [
-            sum(label_tokens(batch["labels"]) for batch in micro_batches),
-            sum(batch["input_ids"].numel() for batch in micro_batches),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    all_reduce_sum(counts, env)
-    n_label, n_tokens = float(counts[0]), int(counts[1])
-    if n_label == 0:
-        raise ValueError(
-            f"step {step}: no token in the global batch carries a label (all -100); check data.format "
-            "and the prompt/response fields"
-        )
-    return n_label, n_tokens
-
-
 def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
     """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
     from tigon.runtime.data import model_inputs
@@ -282,21 +174,6 @@ def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, devi
 # ---------------------------------------------------------------- evaluation
 
 
-def eval_batches(dataset, config: RunConfig, env: DistEnv) -> list[list[int]]:
-    """This rank's held-out index chunks of micro_batch_size, at most eval.max_batches. With sharded parameters
-    every forward is a collective, so each rank runs as many as rank 0: an empty chunk is a forward whose result
-    is dropped (run on item 0)."""
-    indices = list(range(env.rank, len(dataset), env.world_size))
-    size = config.training.micro_batch_size
-    batches = [indices[i : i + size] for i in range(0, len(indices), size)]
-    if config.eval.max_batches is not None:
-        batches = batches[: config.eval.max_batches]
-    if config.parallelism.shards_parameters:
-        most = math.ceil(math.ceil(len(dataset) / env.world_size) / size)
-        batches += [[]] * (min(most, config.eval.max_batches or most) - len(batches))
-    return batches
-
-
 def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device: torch.device) -> float:
     """Token-level cross-entropy over the held-out sequences (this rank's share, summed over ranks)."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -308,22 +185,6 @@ def eval_loss(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device
             totals[1] += label_tokens(batch["labels"])
     all_reduce_sum(totals, env)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
-
-
-def generation_examples(config: RunConfig, tokenizer) -> list[tuple[list[int], str]]:
-    """(prompt ids, reference answer) of every eval record, tokenized exactly as in training."""
-    from tigon.runtime import data
-
-    source, split = data.eval_source(config.data)
-    records, _ = data.read_records(source, config.data.skip_malformed, config.data, split)
-    examples = []
-    for number, record in enumerate(records, start=1):
-        try:
-            examples.append(data.encode_prompt(record, config.data, tokenizer, where=f"{source}, record {number}"))
-        except data.MalformedRecordError:
-            if not config.data.skip_malformed:
-                raise
-    return examples
 
 
 def exact_match_rate(

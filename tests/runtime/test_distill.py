@@ -130,9 +130,11 @@ def reference_losses(config, steps: int) -> list[tuple[float, float, float]]:
     from transformers import AutoModelForCausalLM
 
     from tigon.kernels import reference
+    from tigon.runtime.batches import GlobalBatchSampler, collate
     from tigon.runtime.data import build_datasets, model_inputs
+    from tigon.runtime.optim import build_optimizer, build_scheduler
     from tigon.runtime.tokenizer import load_tokenizer
-    from tigon.runtime.trainer import GlobalBatchSampler, build_optimizer, build_scheduler, collate, seed_everything
+    from tigon.runtime.trainer import seed_everything
 
     objective, training = config.objective, config.training
     seed_everything(training.seed)

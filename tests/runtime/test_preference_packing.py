@@ -8,12 +8,13 @@ import torch
 
 from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, logged_steps, preference_config
 from tigon.runtime.attention import transformers_name
+from tigon.runtime.batches import collate
 from tigon.runtime.config import parse_config
 from tigon.runtime.objectives import final_hidden, sequence_reference_logps
 from tigon.runtime.preference_batch import preference_rows
 from tigon.runtime.preference_data import build_preference_datasets
 from tigon.runtime.tokenizer import load_tokenizer
-from tigon.runtime.trainer import collate, train
+from tigon.runtime.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
