@@ -123,6 +123,16 @@ class TrainingConfig(Section):
         description="with gradient_checkpointing: only the first N decoder layers recompute, the rest keep their "
         "activations (faster where memory allows); unset: every layer",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (tigon's kernels inside as custom ops, no graph break); the "
+        "torch trainer under ddp or fsdp only",
+    )
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor",
+        description="with compile: the torch.compile backend; inductor generates fused kernels, aot_eager runs the "
+        "traced graph on PyTorch's own ops (for debugging a compiled run)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
     plan: Literal["manual", "auto"] = Field(
         "manual",
@@ -470,6 +480,16 @@ class RunConfig(Section):
             raise ValueError(
                 f"logging.profile_step profiles a step of the torch trainer, not trainer: {self.trainer!r}; set "
                 "trainer: torch, or drop logging.profile_step and use the HF Trainer's or Lightning's own profiler"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compile_with_the_torch_trainer(self) -> RunConfig:
+        if self.training.compile and (self.trainer != "torch" or self.parallelism.strategy == "deepspeed"):
+            raise ValueError(
+                "training.compile compiles each decoder layer for the torch trainer under parallelism.strategy ddp "
+                f"or fsdp (this run has trainer {self.trainer!r}, strategy {self.parallelism.strategy!r}); set "
+                "trainer: torch with strategy ddp or fsdp, or training.compile: false"
             )
         return self
 
