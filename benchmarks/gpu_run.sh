@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Run on a GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [packed] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
+#   [compile (benchmarks/end_to_end.py with and without --compile: tokens/s and peak memory of HF eager and tigon, each
+#   with its decoder layers eager and compiled; COMPILE_FAMILIES, default "llama qwen3" (Llama-3.2-1B, Qwen3-1.7B);
+#   E2E_VARIANTS, E2E_SEQS (4096), E2E_MICRO (4))]
 #   [planner-tests] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
 #   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
@@ -72,6 +75,11 @@ for step in "$@"; do
     e2e-qlora) python3 -m benchmarks.end_to_end --family llama --shape llama-3-8b --qlora --variants "${E2E_VARIANTS:-eager,liger,tigon,planner}" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/e2e-qlora.json" 2>&1 | tee "$out/e2e-qlora.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     trl) python3 -m benchmarks.trl_integration --trainers "${TRL_TRAINERS:-dpo,sft}" --out "$out/trl.json" 2>&1 | tee "$out/trl.log" ;;
+    compile) for family in ${COMPILE_FAMILIES:-llama qwen3}; do for mode in eager compiled; do  # training.compile off and on
+        flag=(); [ "$mode" = compiled ] && flag=(--compile)
+        python3 -m benchmarks.end_to_end --family "$family" --variants "${E2E_VARIANTS:-eager,tigon}" "${flag[@]}" --seqs "${E2E_SEQS:-4096}" \
+          --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/compile-$family-$mode.json" 2>&1 | tee "$out/compile-$family-$mode.log"
+      done; done ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
     e2e-profile) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs "${E2E_SEQS:-4096}" --variants "$v" --profile --out "$out/e2e-profile.json" 2>&1 | tee "$out/e2e-profile.log" ;;
