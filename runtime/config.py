@@ -125,8 +125,8 @@ class TrainingConfig(Section):
     )
     compile: bool = Field(
         False,
-        description="torch.compile each decoder layer (tigon's kernels inside as custom ops, no graph break); the "
-        "torch trainer under ddp or fsdp only",
+        description="torch.compile each decoder layer (tigon's kernels inside as custom ops, no graph break); every "
+        "trainer, under parallelism.strategy ddp or fsdp",
     )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor",
@@ -484,12 +484,11 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _compile_with_the_torch_trainer(self) -> RunConfig:
-        if self.training.compile and (self.trainer != "torch" or self.parallelism.strategy == "deepspeed"):
+    def _compile_without_deepspeed(self) -> RunConfig:
+        if self.training.compile and self.parallelism.strategy == "deepspeed":
             raise ValueError(
-                "training.compile compiles each decoder layer for the torch trainer under parallelism.strategy ddp "
-                f"or fsdp (this run has trainer {self.trainer!r}, strategy {self.parallelism.strategy!r}); set "
-                "trainer: torch with strategy ddp or fsdp, or training.compile: false"
+                "training.compile compiles each decoder layer under parallelism.strategy ddp or fsdp, not strategy "
+                "'deepspeed' (its engine hooks every submodule); set strategy: ddp or fsdp, or training.compile: false"
             )
         return self
 

@@ -85,8 +85,9 @@ def test_compiled_layers_with_lora_train_as_eager(tmp_path):
 
 def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
     """2 ranks over gloo, micro-batch 2 each, against one eager process with micro-batch 4: DDP with partial
-    checkpointing, FSDP2 (each compiled layer sharded) with checkpointing on and with it off. Each rank also
-    reports Dynamo's counts: graphs compiled (the runs of a group share Dynamo's cache) and graph breaks."""
+    checkpointing, FSDP2 (each compiled layer sharded) with checkpointing on and with it off, and the HF Trainer
+    under FSDP2 and Lightning under DDP. Each rank also reports Dynamo's counts: graphs compiled (the runs of a
+    group share Dynamo's cache) and graph breaks."""
     ddp = {**COMPILED, "gradient_checkpointing": True, "checkpoint_layers": 1}
     record = '"eval": result.eval_metrics}'
     assert record in WORKER
@@ -109,6 +110,10 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
                 training={**COMPILED, "gradient_checkpointing": True},
                 parallelism={"strategy": "fsdp"},
             ),
+            "hf-fsdp": run_config(
+                tmp_path, "hf-fsdp", 4, False, trainer="hf", training=COMPILED, parallelism={"strategy": "fsdp"}
+            ),
+            "lightning-ddp": run_config(tmp_path, "lightning-ddp", 4, False, trainer="lightning", training=ddp),
         },
         worker_source=counting,
     )
@@ -121,17 +126,18 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
         assert worst < RELATIVE_TOLERANCE, (name, run["losses"], single.losses)
 
 
-@pytest.mark.parametrize(
-    "sections, named",
-    [
-        ({"parallelism": {"strategy": "deepspeed"}}, "strategy 'deepspeed'"),
-        ({"trainer": "hf"}, "trainer 'hf'"),
-        ({"trainer": "lightning"}, "trainer 'lightning'"),
-    ],
-)
-def test_compile_outside_the_torch_trainer_is_refused_with_the_fix(tmp_path, sections, named):
-    with pytest.raises(ConfigError, match=f"training.compile.*{named}.*training.compile: false"):
-        tiny_config(tmp_path, training={"compile": True}, **sections)
+def test_compile_under_deepspeed_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="training.compile.*strategy 'deepspeed'.*training.compile: false"):
+        tiny_config(tmp_path, training={"compile": True}, parallelism={"strategy": "deepspeed"})
+
+
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_the_hf_trainer_and_lightning_train_compiled_layers_as_eager(tmp_path, trainer):
+    sections = dict(trainer=trainer, eval={"metrics": []})
+    eager = train(tiny_config(tmp_path / "eager", training={"max_steps": 2}, **sections))
+    compiled = train(tiny_config(tmp_path / "compiled", training={"max_steps": 2, **COMPILED}, **sections))
+    assert counters["stats"]["unique_graphs"] >= 1 and dict(counters["graph_break"]) == {}
+    assert worst_relative(compiled.losses, eager.losses) < EXACT, (compiled.losses, eager.losses)
 
 
 def test_an_unknown_backend_is_refused(tmp_path):
