@@ -126,7 +126,7 @@ class TrainingConfig(Section):
     compile: bool = Field(
         False,
         description="torch.compile each decoder layer (tigon's kernels inside as custom ops, no graph break); every "
-        "trainer, under parallelism.strategy ddp or fsdp",
+        "trainer, under parallelism.strategy ddp, fsdp or deepspeed ZeRO 1 and 2",
     )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor",
@@ -484,11 +484,12 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _compile_without_deepspeed(self) -> RunConfig:
-        if self.training.compile and self.parallelism.strategy == "deepspeed":
+    def _compile_without_zero3(self) -> RunConfig:
+        if self.training.compile and self.parallelism.strategy == "deepspeed" and self.parallelism.stage == 3:
             raise ValueError(
-                "training.compile compiles each decoder layer under parallelism.strategy ddp or fsdp, not strategy "
-                "'deepspeed' (its engine hooks every submodule); set strategy: ddp or fsdp, or training.compile: false"
+                "training.compile with DeepSpeed ZeRO-3: its engine gathers each submodule's weights in hooks that "
+                "torch.compile cannot trace, so every layer would break into pieces; set parallelism.strategy: "
+                "fsdp (sharded weights, compiled layers), zero_stage 1 or 2, or training.compile: false"
             )
         return self
 

@@ -85,9 +85,9 @@ def test_compiled_layers_with_lora_train_as_eager(tmp_path):
 
 def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
     """2 ranks over gloo, micro-batch 2 each, against one eager process with micro-batch 4: DDP with partial
-    checkpointing, FSDP2 (each compiled layer sharded) with checkpointing on and with it off, and the HF Trainer
-    under FSDP2 and Lightning under DDP. Each rank also reports Dynamo's counts: graphs compiled (the runs of a
-    group share Dynamo's cache) and graph breaks."""
+    checkpointing, FSDP2 (each compiled layer sharded) with checkpointing on and with it off, the HF Trainer
+    under FSDP2, Lightning under DDP, and DeepSpeed ZeRO-2. Each rank also reports Dynamo's counts: graphs
+    compiled (the runs of a group share Dynamo's cache) and graph breaks."""
     ddp = {**COMPILED, "gradient_checkpointing": True, "checkpoint_layers": 1}
     record = '"eval": result.eval_metrics}'
     assert record in WORKER
@@ -114,6 +114,9 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
                 tmp_path, "hf-fsdp", 4, False, trainer="hf", training=COMPILED, parallelism={"strategy": "fsdp"}
             ),
             "lightning-ddp": run_config(tmp_path, "lightning-ddp", 4, False, trainer="lightning", training=ddp),
+            "zero2": run_config(
+                tmp_path, "zero2", 4, False, training=COMPILED, parallelism={"strategy": "deepspeed", "zero_stage": 2}
+            ),
         },
         worker_source=counting,
     )
@@ -126,9 +129,10 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
         assert worst < RELATIVE_TOLERANCE, (name, run["losses"], single.losses)
 
 
-def test_compile_under_deepspeed_is_refused_with_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="training.compile.*strategy 'deepspeed'.*training.compile: false"):
-        tiny_config(tmp_path, training={"compile": True}, parallelism={"strategy": "deepspeed"})
+def test_compile_under_zero3_is_refused_with_the_fix(tmp_path):
+    """ZeRO-3's weight-gathering hooks are compiler-disabled: Dynamo breaks the layer at each submodule."""
+    with pytest.raises(ConfigError, match="training.compile with DeepSpeed ZeRO-3.*training.compile: false"):
+        tiny_config(tmp_path, training={"compile": True}, parallelism={"strategy": "deepspeed", "zero_stage": 3})
 
 
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])
