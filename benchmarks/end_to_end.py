@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8; --tiny 2)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (default on)")
     parser.add_argument("--checkpoint-layers", type=int, help="checkpoint the first N layers (default all)")
+    parser.add_argument("--compile", action="store_true", help="training.compile: each decoder layer compiled")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence each variant fits")
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         "micro_batch": args.micro_batch or (2 if tiny else 8),
         "checkpointing": not args.no_checkpointing,
         "checkpoint_layers": args.checkpoint_layers,
+        "compile": args.compile,
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
         "profile": args.profile,

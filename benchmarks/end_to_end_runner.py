@@ -45,6 +45,7 @@ def bench_config(spec: dict, cuda: bool):
             "gradient_accumulation_steps": 1,
             "gradient_checkpointing": spec["checkpointing"],
             "checkpoint_layers": spec.get("checkpoint_layers") if spec["checkpointing"] else None,
+            "compile": spec.get("compile", False),
             "precision": "bf16" if cuda else "fp32",
             "plan": "auto" if spec["variant"] == "planner" else "manual",
         },

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Run on a GPU machine from the repository root: GPU tests, the demo, then benchmarks.
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [packed] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
+#   [compile (benchmarks/end_to_end.py with and without --compile: tokens/s and peak memory of HF eager and tigon, each
+#   with its decoder layers eager and compiled; COMPILE_FAMILIES, default "llama qwen3" (Llama-3.2-1B, Qwen3-1.7B);
+#   E2E_VARIANTS, E2E_SEQS (4096), E2E_MICRO (4))]
 #   [planner-tests] [preference-memory (benchmarks/preference_memory.py: the planner's estimate against measured
 #   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)]
 #   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
@@ -77,6 +80,11 @@ for step in "$@"; do
     adapter-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_adapter_parallelism_gpu.py > "$out/adapter-tests.log" 2>&1
       grep -E "worst|passed|failed|Error" "$out/adapter-tests.log" | tail -n 30 ;;
     trl) python3 -m benchmarks.trl_integration --trainers "${TRL_TRAINERS:-dpo,sft}" --out "$out/trl.json" 2>&1 | tee "$out/trl.log" ;;
+    compile) for family in ${COMPILE_FAMILIES:-llama qwen3}; do for mode in eager compiled; do  # training.compile off and on
+        flag=(); [ "$mode" = compiled ] && flag=(--compile)
+        python3 -m benchmarks.end_to_end --family "$family" --variants "${E2E_VARIANTS:-eager,tigon}" "${flag[@]}" --seqs "${E2E_SEQS:-4096}" \
+          --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/compile-$family-$mode.json" 2>&1 | tee "$out/compile-$family-$mode.log"
+      done; done ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
     e2e-profile) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs "${E2E_SEQS:-4096}" --variants "$v" --profile --out "$out/e2e-profile.json" 2>&1 | tee "$out/e2e-profile.log" ;;

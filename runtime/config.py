@@ -127,6 +127,16 @@ class TrainingConfig(Section):
         description="with gradient_checkpointing: only the first N decoder layers recompute, the rest keep their "
         "activations (faster where memory allows); unset: every layer",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (tigon's kernels inside as custom ops, no graph break); every "
+        "trainer, under parallelism.strategy ddp, fsdp or deepspeed ZeRO 1 and 2",
+    )
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor",
+        description="with compile: the torch.compile backend; inductor generates fused kernels, aot_eager runs the "
+        "traced graph on PyTorch's own ops (for debugging a compiled run)",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
     plan: Literal["manual", "auto"] = Field(
         "manual",
@@ -482,6 +492,16 @@ class RunConfig(Section):
         """Preference pairs keep TRL's padded rows unless `data.packing: true` is written (the default packs SFT)."""
         if self.objective.preference and "packing" not in self.data.model_fields_set:
             self.data.packing = False
+        return self
+
+    @model_validator(mode="after")
+    def _compile_without_zero3(self) -> RunConfig:
+        if self.training.compile and self.parallelism.strategy == "deepspeed" and self.parallelism.stage == 3:
+            raise ValueError(
+                "training.compile with DeepSpeed ZeRO-3: its engine gathers each submodule's weights in hooks that "
+                "torch.compile cannot trace, so every layer would break into pieces; set parallelism.strategy: "
+                "fsdp (sharded weights, compiled layers), zero_stage 1 or 2, or training.compile: false"
+            )
         return self
 
     @model_validator(mode="after")

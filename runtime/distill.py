@@ -97,7 +97,7 @@ def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, d
         update={
             "model": teacher_model,
             "lora": LoraConfig(),
-            "training": config.training.model_copy(update={"gradient_checkpointing": False}),
+            "training": config.training.model_copy(update={"gradient_checkpointing": False, "compile": False}),
         }
     )
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main

@@ -6,8 +6,8 @@
 (`tigon.runtime.hub`); `model.config_name` builds a randomly initialized model from a transformers config
 (`config_overrides` inline). Then tigon's kernels are applied per `config.kernels` (the PatchReport is
 logged and kept on `model.tigon_patch_report`), the base is stored in 4 bits for QLoRA
-(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, and LoRA
-adapters are added through peft when `lora.enabled`.
+(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, LoRA
+adapters are added through peft when `lora.enabled`, and each decoder layer is compiled when `training.compile`.
 """
 
 from __future__ import annotations
@@ -267,16 +267,38 @@ def enable_activation_checkpointing(model: nn.Module, layers: int | None = None)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if layers is None:
         return
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    decoder_layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    if not decoder_layers:
+    found = checkpointable_layers(model)
+    if not found:
         raise ConfigError(
             f"training.gradient_checkpointing: {layers} checkpoints some layers, but {type(model).__name__}'s layers "
             "cannot be checkpointed one by one in this transformers; set it to true or false"
         )
-    for layer in decoder_layers[layers:]:
+    for layer in found[layers:]:
         layer.gradient_checkpointing = False
+
+
+def checkpointable_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: transformers' GradientCheckpointingLayer instances, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+
+
+def compile_decoder_layers(model: nn.Module, backend: str) -> int:
+    """`torch.compile` each decoder layer in place (`nn.Module.compile`: parameter names and the state dict stay as
+    they are); returns how many. One layer at a time, as torchtitan does: every layer of a model runs the same code,
+    so one compiled graph serves them all, and the embeddings, the head and the loss stay eager. tigon's kernels
+    are custom ops, so a patched layer compiles without a graph break. Gradient checkpointing wraps the layer's
+    forward, so it is traced into the graph; FSDP2, applied after this, shards each compiled layer."""
+    layers = checkpointable_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"training.compile: {type(model).__name__} has no decoder layers that transformers marks as such "
+            "(GradientCheckpointingLayer); set training.compile: false"
+        )
+    for layer in layers:
+        layer.compile(backend=backend)
+    return len(layers)
 
 
 def build_model(
@@ -313,6 +335,9 @@ def build_model(
             enable_activation_checkpointing(model, config.training.checkpoint_layers)
         if config.lora.enabled:
             model = add_lora(model, config)
+        if config.training.compile:
+            count = compile_decoder_layers(model, config.training.compile_backend)
+            logger.info("torch.compile (%s): %d decoder layers", config.training.compile_backend, count)
     return model
 
 

@@ -61,8 +61,9 @@ columns for every token (`logits_buffer_bytes`).
 
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
-too); attention's are 3 c q + 4 q, and for eager attention also the scores' gradient in float32 and the
-softmax's input gradient (8 x heads x T); the larger counts.
+too; compiled layers, `training.compile`, run it out of place: 3 c i); attention's are 3 c q + 4 q, and for
+eager attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); the
+larger counts.
 
 A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2, which
@@ -312,6 +313,8 @@ class Workload:
             return self
         return dataclasses.replace(self, seq_len=self.tokens(micro_batch), packed_rows=False)
 
+    compiled: bool = False  # training.compile: compiled layers run tigon's gated activations out of place
+
     @property
     def linear_params(self) -> int:
         """The decoder layers' Linear weights (what QLoRA stores in 4 bits)."""
@@ -425,6 +428,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         sequences=2 if objective.preference else 1,
         packed_rows=objective.preference and config.data.packing,
         reference_pass=objective.preference and objective.reference_source == "precomputed",
+        compiled=config.training.compile,
     )
 
 
@@ -553,7 +557,7 @@ def layer_backward_bytes(work: Workload, kernels: bool) -> float:
     """Transient bytes per token while one layer runs its backward (gradients of its activations)."""
     s, c = work.shape, work.compute_bytes
     q = s.heads * s.head_dim
-    mlp = c * s.intermediate * (1 if kernels else 3)
+    mlp = c * s.intermediate * (1 if kernels and not work.compiled else 3)  # compiled code never writes in place
     attention = 3 * c * q + 4 * q
     if work.attention == "eager":  # the scores' gradient in float32, and the softmax's input gradient
         attention += 8 * s.heads * work.seq_len

@@ -219,7 +219,8 @@ def exact_match_rate(
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             input_ids = torch.tensor([ids for ids, _ in chunk], device=device)
-            with autocast(device, config.training.precision):
+            # decoding runs compiled layers eagerly: each step changes the cache, which they would recompile for
+            with autocast(device, config.training.precision), torch.compiler.set_stance("force_eager"):
                 output = unwrap(model).generate(
                     input_ids=input_ids,
                     attention_mask=torch.ones_like(input_ids),

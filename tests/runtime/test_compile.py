@@ -1,0 +1,163 @@
+"""`training.compile`: each decoder layer compiled, tigon's kernels inside, the same per-step losses as eager.
+
+The CPU tests compile with the `aot_eager` backend: Dynamo and AOTAutograd trace each layer (the kernels as
+custom ops, through their fake implementations) and the traced graph runs on PyTorch's own CPU ops, so a
+compiled fp32 run computes what the eager run does. Inductor, the default, builds C++ with gcc on the CPU, which
+for the tiny Llama's forward and backward graphs takes about as much CPU time as a whole test here should; the
+GPU benchmark (`bash benchmarks/gpu_run.sh compile`) runs it. AOTAutograd may decompose an op's backward into other ops,
+whose fp32 sums round differently, so the losses are compared within 1e-6 relative (measured: equal).
+Across processes the tolerance is the parallel tests' (the all-reduce sums in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.runtime.test_parallel import RELATIVE_TOLERANCE, WORKER, launch, run_config
+from tests.runtime.test_trainer import tiny_config
+from tigon.runtime.config import ConfigError
+from tigon.runtime.model import build_model
+from tigon.runtime.trainer import train
+
+EXACT = 1e-6
+COMPILED = {"compile": True, "compile_backend": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def worst_relative(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want) > 0
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
+def test_compiled_layers_with_kernels_and_partial_checkpointing_train_as_eager(tmp_path):
+    """Layer 0 recomputes in the backward, layer 1 keeps its activations: both compile, with no graph break."""
+    training = {"max_steps": 2, "micro_batch_size": 2, "gradient_checkpointing": True, "checkpoint_layers": 1}
+    # the fused loss sits outside the layers, and the Triton interpreter runs it slowly: the layers' kernels only
+    sections = dict(
+        kernels={"enabled": True, "fused_linear_cross_entropy": False}, eval={"metrics": []}, data={"max_seq_len": 24}
+    )
+    eager = train(tiny_config(tmp_path / "eager", training=training, **sections))
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = train(tiny_config(tmp_path / "compiled", training={**training, **COMPILED}, **sections))
+    assert counters["stats"]["unique_graphs"] >= 1  # the layers ran compiled
+    assert dict(counters["graph_break"]) == {}
+    assert worst_relative(compiled.losses, eager.losses) < EXACT, (compiled.losses, eager.losses)
+
+
+def test_a_patched_decoder_layer_compiles_as_one_graph(tmp_path):
+    """The layer whole, tigon's norms, RoPE and gated MLP inside: `fullgraph=True` fails at any graph break."""
+    config = tiny_config(tmp_path, training={"gradient_checkpointing": True, **COMPILED}, kernels={"enabled": True})
+    model = build_model(config, 64).train()
+    assert set(model.tigon_patch_report.applied) >= {"rms_norm", "rope", "gated_mlp"}
+    layers = model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    eager = build_model(tiny_config(tmp_path, training={"gradient_checkpointing": True}, kernels={"enabled": True}), 64)
+    assert list(model.state_dict()) == list(eager.state_dict())  # compiled in place: the same names
+    hidden = torch.randn(2, 9, 32, requires_grad=True)
+    positions = torch.arange(9).expand(2, 9)
+    rotary = model.model.rotary_emb(hidden, positions)
+    layer = layers[0]
+    whole = torch.compile(layer.forward, backend="aot_eager", fullgraph=True)
+    out = whole(hidden, position_embeddings=rotary, position_ids=positions, use_cache=False)
+    layer._compiled_call_impl = None
+    expected = layer(hidden, position_embeddings=rotary, position_ids=positions, use_cache=False)
+    assert (out - expected).abs().max().item() <= EXACT * expected.abs().max().item()
+
+
+def test_compiled_layers_with_lora_train_as_eager(tmp_path):
+    sections = dict(lora={"enabled": True, "r": 4}, eval={"metrics": []})
+    training = {"max_steps": 2, "gradient_checkpointing": True}
+    eager = train(tiny_config(tmp_path / "eager", training=training, **sections))
+    compiled = train(tiny_config(tmp_path / "compiled", training={**training, **COMPILED}, **sections))
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert dict(counters["graph_break"]) == {}
+    assert worst_relative(compiled.losses, eager.losses) < EXACT, (compiled.losses, eager.losses)
+
+
+def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
+    """2 ranks over gloo, micro-batch 2 each, against one eager process with micro-batch 4: DDP with partial
+    checkpointing, FSDP2 (each compiled layer sharded) with checkpointing on and with it off, the HF Trainer
+    under FSDP2, Lightning under DDP, and DeepSpeed ZeRO-2. Each rank also reports Dynamo's counts: graphs
+    compiled (the runs of a group share Dynamo's cache) and graph breaks."""
+    ddp = {**COMPILED, "gradient_checkpointing": True, "checkpoint_layers": 1}
+    record = '"eval": result.eval_metrics}'
+    assert record in WORKER
+    counting = WORKER.replace(record, '"eval": result.eval_metrics, **compiled()}').replace(
+        "out = sys.argv[1]\n",
+        "out = sys.argv[1]\nfrom torch._dynamo.utils import counters\n"
+        "def compiled():\n"
+        "    return {'graphs': counters['stats']['unique_graphs'], 'breaks': sum(counters['graph_break'].values())}\n",
+    )
+    runs = launch(
+        tmp_path,
+        {
+            "ddp": run_config(tmp_path, "ddp", 4, False, training=ddp),
+            "fsdp": run_config(tmp_path, "fsdp", 4, False, training=COMPILED, parallelism={"strategy": "fsdp"}),
+            "fsdp-checkpointed": run_config(
+                tmp_path,
+                "fsdp-checkpointed",
+                4,
+                False,
+                training={**COMPILED, "gradient_checkpointing": True},
+                parallelism={"strategy": "fsdp"},
+            ),
+            "hf-fsdp": run_config(
+                tmp_path, "hf-fsdp", 4, False, trainer="hf", training=COMPILED, parallelism={"strategy": "fsdp"}
+            ),
+            "lightning-ddp": run_config(tmp_path, "lightning-ddp", 4, False, trainer="lightning", training=ddp),
+            "zero2": run_config(
+                tmp_path, "zero2", 4, False, training=COMPILED, parallelism={"strategy": "deepspeed", "zero_stage": 2}
+            ),
+        },
+        worker_source=counting,
+    )
+    assert runs["ddp"]["graphs"] >= 1 and runs["fsdp-checkpointed"]["graphs"] > runs["ddp"]["graphs"], runs
+    assert all(run["breaks"] == 0 for run in runs.values()), runs
+    single = train(run_config(tmp_path, "single", 4, False, training={"micro_batch_size": 4}))
+    for name, run in runs.items():
+        worst = worst_relative(run["losses"], single.losses)
+        print(f"{name}: worst relative loss difference to one eager process {worst:.2e}")
+        assert worst < RELATIVE_TOLERANCE, (name, run["losses"], single.losses)
+
+
+def test_compile_under_zero3_is_refused_with_the_fix(tmp_path):
+    """ZeRO-3's weight-gathering hooks are compiler-disabled: Dynamo breaks the layer at each submodule."""
+    with pytest.raises(ConfigError, match="training.compile with DeepSpeed ZeRO-3.*training.compile: false"):
+        tiny_config(tmp_path, training={"compile": True}, parallelism={"strategy": "deepspeed", "zero_stage": 3})
+
+
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_the_hf_trainer_and_lightning_train_compiled_layers_as_eager(tmp_path, trainer):
+    sections = dict(trainer=trainer, eval={"metrics": []})
+    eager = train(tiny_config(tmp_path / "eager", training={"max_steps": 2}, **sections))
+    compiled = train(tiny_config(tmp_path / "compiled", training={"max_steps": 2, **COMPILED}, **sections))
+    assert counters["stats"]["unique_graphs"] >= 1 and dict(counters["graph_break"]) == {}
+    assert worst_relative(compiled.losses, eager.losses) < EXACT, (compiled.losses, eager.losses)
+
+
+def test_an_unknown_backend_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="training.compile_backend"):
+        tiny_config(tmp_path, training={"compile": True, "compile_backend": "cudagraphs"})
+
+
+def test_the_planner_counts_a_compiled_layers_gated_activation_backward_out_of_place(tmp_path):
+    """Compiled code runs tigon's SwiGLU backward out of place: 3 c i bytes a token, not the in-place c i. The tiny
+    Llama (fp32, c = 4; i = 64; q = 2 heads x 16 = 32): in place, attention's 3 c q + 4 q = 512 is the larger."""
+    from tigon.runtime import planner
+
+    kernels = {"enabled": True}
+    eager = planner.workload(tiny_config(tmp_path, kernels=kernels), world_size=1)
+    compiled = planner.workload(tiny_config(tmp_path, training={"compile": True}, kernels=kernels), world_size=1)
+    assert (eager.compiled, compiled.compiled) == (False, True)
+    assert planner.layer_backward_bytes(eager, kernels=True) == 3 * 4 * 32 + 4 * 32
+    assert planner.layer_backward_bytes(compiled, kernels=True) == 3 * 4 * 64
+    assert planner.layer_backward_bytes(compiled, kernels=False) == planner.layer_backward_bytes(eager, kernels=False)
