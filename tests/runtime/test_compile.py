@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.runtime.test_parallel import RELATIVE_TOLERANCE, WORKER, launch, run_config
+from tests.runtime.test_parallel import RELATIVE_TOLERANCE, run_config
 from tests.runtime.test_trainer import tiny_config
+from tests.runtime.worker_groups import WORKER, launch
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
 from tigon.runtime.trainer import train
