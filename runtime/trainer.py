@@ -515,11 +515,11 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
 
 
 def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
-    """The torch trainer's run on what `prepare` built. The adapters finish a run that has no step left to train
-    (resumed at its last step) here too: it loads the checkpoint they wrote, evaluates and exports."""
-    env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
+    """The torch trainer's run on what `prepare` built: resume (or start over), the step loop, then export and
+    report. The adapters finish a run that has no step left to train (resumed at its last step) here too: it
+    loads the checkpoint they wrote, evaluates and exports."""
+    env, device = prepared.env, prepared.device
     training = config.training
-    run_dir = Path(config.logging.run_dir)
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     if config.logging.profile_step is not None and config.logging.profile_step > total_steps:
         raise ConfigError(
@@ -549,8 +549,22 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
             config.data.max_seq_len,
             per_epoch,
         )
-
     remote = storage.run_storage(config.checkpoint.remote_dir)
+    state, resumed_from = resume_or_start_over(config, strategy, env, remote, total_steps)
+    config_json = config.model_dump_json(indent=2)
+    run_dir = Path(config.logging.run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.json", config_json + "\n")
+    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=state.step)
+    run = train_loop(config, prepared, strategy, sampler, state, remote, reporter, total_steps, per_epoch)
+    return finish(config, prepared, strategy, state, remote, reporter, run, resumed_from, config_json)
+
+
+def resume_or_start_over(config: RunConfig, strategy, env: DistEnv, remote, total_steps: int):
+    """(the train state, the step resumed from or None): the latest checkpoint's, when `checkpoint.resume` finds
+    one, or a fresh state with the run directory cleared of an earlier run's files."""
+    run_dir = Path(config.logging.run_dir)
     state = ckpt.TrainState(world_size=env.world_size)
     resumed_from = None
     latest = storage.resume_point(config.checkpoint.remote_dir, run_dir, env) if config.checkpoint.resume else None
@@ -571,15 +585,37 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
                     total_steps,
                 )
     else:
-        torch.manual_seed(training.seed + env.rank)  # per-rank randomness (dropout) from here on
+        torch.manual_seed(config.training.seed + env.rank)  # per-rank randomness (dropout) from here on
         start_over(config, env, remote)
     barrier(env)
+    return state, resumed_from
 
-    config_json = config.model_dump_json(indent=2)
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.json", config_json + "\n")
-    reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=state.step)
+
+@dataclass
+class LoopResult:
+    """What the step loop measured, for the run's result."""
+
+    train_seconds: float
+    tokens: int
+    profile: dict | None
+
+
+def train_loop(
+    config: RunConfig,
+    prepared: Prepared,
+    strategy,
+    sampler: GlobalBatchSampler,
+    state: ckpt.TrainState,
+    remote,
+    reporter: Reporter,
+    total_steps: int,
+    per_epoch: int,
+) -> LoopResult:
+    """Optimizer steps from `state.step` to `total_steps`: metrics to the reporter (closed at the end), evaluations
+    and checkpoints on their schedule, the profiled step where `logging.profile_step` asks."""
+    env, device = prepared.env, prepared.device
+    run_dir = Path(config.logging.run_dir)
+    config_json = config.model_dump_json(indent=2)  # each checkpoint records the run's config
     evaluation = Evaluation(config, prepared, state, reporter)
     evaluation.start()
     every_ckpt = config.checkpoint.every_steps
@@ -638,7 +674,24 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
         evaluation.finish()
     finally:
         reporter.close()
+    return LoopResult(train_seconds, tokens_this_run, profile)
 
+
+def finish(
+    config: RunConfig,
+    prepared: Prepared,
+    strategy,
+    state: ckpt.TrainState,
+    remote,
+    reporter: Reporter,
+    run: LoopResult,
+    resumed_from: int | None,
+    config_json: str,
+) -> TrainResult:
+    """Export (every rank), then the run's result, summary, plots and Hub push (rank 0)."""
+    env, device, tokenizer = prepared.env, prepared.device, prepared.tokenizer
+    run_dir = Path(config.logging.run_dir)
+    train_seconds, tokens_this_run, profile = run.train_seconds, run.tokens, run.profile
     export_dir = export_url = None
     if config.checkpoint.export:
         exported = strategy.export(tokenizer, run_dir / ckpt.EXPORT, config.checkpoint.merge_lora)  # every rank
