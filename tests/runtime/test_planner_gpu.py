@@ -11,18 +11,7 @@ import pytest
 
 from benchmarks.end_to_end_runner import run_in_subprocess
 from benchmarks.preference_memory import CASES as PREFERENCE_CASES
-from benchmarks.preference_memory import describe, run_case
-
-SMALL_LLAMA = {
-    "hidden_size": 1024,
-    "intermediate_size": 4096,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 4096,
-}
+from benchmarks.preference_memory import SMALL_LLAMA, describe, run_case
 
 
 @pytest.mark.gpu
