@@ -132,6 +132,19 @@ def worker(args: argparse.Namespace) -> None:
 
     train_steps()
     results = []
+    report = {
+        "shape": args.shape,
+        "config": SHAPES[args.shape],
+        "parameters": sum(p.numel() for p in model.parameters()),  # FSDP2's DTensors count whole
+        "world_size": env.world_size,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "interval": args.interval,
+        "build_seconds": build_seconds,
+        "results": results,
+    }
     for mode in MODES:
         async_save = mode == "async"
         run_dir = root / mode
@@ -174,23 +187,10 @@ def worker(args: argparse.Namespace) -> None:
             }
         )
         barrier(env)
-        if env.is_main:  # one checkpoint on disk at a time
+        if env.is_main:  # each mode's result as soon as it is measured; one checkpoint on disk at a time
+            atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
             shutil.rmtree(run_dir, ignore_errors=True)
     if env.is_main:
-        report = {
-            "shape": args.shape,
-            "config": SHAPES[args.shape],
-            "parameters": sum(p.numel() for p in model.parameters()),  # FSDP2's DTensors count whole
-            "world_size": env.world_size,
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "torch": torch.__version__,
-            "seq": args.seq,
-            "micro_batch": args.micro_batch,
-            "interval": args.interval,
-            "build_seconds": build_seconds,
-            "results": results,
-        }
-        atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
         print(table(report), flush=True)
         if args.remove_run_dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -29,11 +29,12 @@ from pathlib import Path
 import yaml
 
 from benchmarks.presets import LLAMA_3_8B
+from tigon.runtime.config import apply_override
 from tigon.runtime.files import atomic_path
 
 GiB = 2**30
 WARMUP_STEPS = 3
-VARIANTS = ("eager", "liger", "tigon", "planner")
+VARIANTS = ("eager", "liger", "tigon", "planner", "tigon-compiled", "planner-compiled")
 LLAMA_3_2_1B = {
     **LLAMA_3_8B,
     "hidden_size": 2048,
@@ -73,14 +74,17 @@ def prepare(
     tiny: bool = False,
     shape_name: str = "llama-3-8b",
     strategy: str = "fsdp",
+    settings: list[str] = (),
+    tag: str = "",
 ) -> Path:
-    """Write the run's data (shared per sequence length) and config; returns the config path."""
+    """Write the run's data (shared per sequence length) and config; returns the config path. `settings` are
+    `KEY=VALUE` overrides as `tigon train --set` takes them; `tag` names such a run apart (`tigon-TAG-4096`)."""
     data = out / "data" / f"text-{seq}.jsonl"
     write_data(data, n_docs=int(gpus * micro_batch * steps * 1.1) + 8, length=seq)
     shape = {**(TINY if tiny else SHAPES[shape_name]), "max_position_embeddings": max(8192, seq)}
     if layers:
         shape["num_hidden_layers"] = layers
-    run_dir = out / f"{variant}-{seq}"
+    run_dir = out / f"{variant}{'-' + tag if tag else ''}-{seq}"
     config = {
         "name": f"headline-{variant}-{seq}",
         "model": {
@@ -98,14 +102,17 @@ def prepare(
             "micro_batch_size": micro_batch,
             "gradient_checkpointing": True,
             "precision": "bf16",
-            "plan": "auto" if variant == "planner" else "manual",
+            "plan": "auto" if variant.startswith("planner") else "manual",
+            "compile": variant.endswith("-compiled"),
         },
-        "kernels": {"enabled": variant in ("tigon", "planner")},
+        "kernels": {"enabled": variant.startswith(("tigon", "planner"))},
         "parallelism": STRATEGIES[strategy],
         "checkpoint": {"every_steps": 0, "export": False, "resume": False},
         "logging": {"run_dir": str(run_dir.resolve()), "every_steps": 1, "tensorboard": False, "progress_bar": False},
         "eval": {"metrics": ["loss"]},
     }
+    for setting in settings:
+        apply_override(config, setting)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -281,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--tiny", action="store_true", help="a tiny Llama instead of Llama-3-8B (CPU smoke runs)")
     prep.add_argument("--shape", default="llama-3-8b", choices=SHAPES, help="the model's config (random weights)")
     prep.add_argument("--strategy", default="fsdp", choices=STRATEGIES, help="parallelism (zero3: DeepSpeed ZeRO-3)")
+    prep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
+    prep.add_argument("--tag", default="", help="names a run with overrides apart: VARIANT-TAG-SEQ")
     liger = commands.add_parser("liger-train", help="tigon train CONFIG with Liger-Kernel applied to Llama")
     liger.add_argument("config")
     gather = commands.add_parser("collect", help="tabulate every run under --out (headline.json, headline.md)")
@@ -306,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.tiny,
                 args.shape,
                 args.strategy,
+                args.set,
+                args.tag,
             )
         )
         return 0

@@ -9,6 +9,8 @@
 #   SEQS="4096 8192" VARIANTS="liger tigon" bash benchmarks/headline.sh
 #   MICRO_BATCH=1 SEQS="16384 32768" bash benchmarks/headline.sh       # the longest sequence at micro-batch 1
 #   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline.sh   # CPU smoke run
+#   VARIANTS="tigon-compiled planner-compiled" bash benchmarks/headline.sh   # decoder layers compiled (training.compile)
+#   TAG=ckpt10 SETS="training.checkpoint_layers=10" VARIANTS=tigon bash benchmarks/headline.sh   # config overrides
 #
 # A variant that runs out of memory at one length is not run at longer ones. Run from the repository root.
 set -uo pipefail
@@ -20,6 +22,8 @@ STEPS=${STEPS:-12}
 LAYERS=${LAYERS:-}
 MICRO_BATCH=${MICRO_BATCH:-8}
 TINY=${TINY:-}
+SETS=${SETS:-}  # KEY=VALUE config overrides (space-separated), applied to every run of this sweep
+TAG=${TAG:-}    # names the overridden runs apart: VARIANT-TAG-SEQ
 LIMIT=${LIMIT:-1800}  # seconds per run
 out=${OUT:-bench-out}/headline
 mkdir -p "$out"
@@ -29,18 +33,20 @@ if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,driver_ve
 declare -A stopped
 for seq in $SEQS; do
   for variant in $VARIANTS; do
+    name=$variant${TAG:+-$TAG}
     if [[ -n "${stopped[$variant]:-}" ]]; then
       echo "skip $variant at $seq (out of memory at ${stopped[$variant]})"
       continue
     fi
     config=$(python3 -m benchmarks.headline prepare --out "$out" --variant "$variant" --seq "$seq" --gpus "$GPUS" \
-      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny}) || exit 1
+      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny} ${TAG:+--tag "$TAG"} \
+      $(for setting in $SETS; do printf -- '--set %s ' "$setting"; done)) || exit 1
     if [[ "$variant" == liger ]]; then entry=(-m benchmarks.headline liger-train "$config"); else entry=(-m tigon.runtime train "$config"); fi
-    echo "== $variant at seq $seq on $GPUS GPUs"
-    timeout "$LIMIT" torchrun --standalone --nproc_per_node "$GPUS" "${entry[@]}" > "$out/$variant-$seq.log" 2>&1
+    echo "== $name at seq $seq on $GPUS GPUs${SETS:+ ($SETS)}"
+    timeout "$LIMIT" torchrun --standalone --nproc_per_node "$GPUS" "${entry[@]}" > "$out/$name-$seq.log" 2>&1
     status=$?
-    tail -n 3 "$out/$variant-$seq.log"
-    if grep -qi "out of memory" "$out/$variant-$seq.log"; then stopped[$variant]=$seq; fi
+    tail -n 3 "$out/$name-$seq.log"
+    if grep -qi "out of memory" "$out/$name-$seq.log"; then stopped[$variant]=$seq; fi
     echo "   exit $status"
   done
 done

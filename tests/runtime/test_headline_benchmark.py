@@ -55,3 +55,25 @@ def test_tiny_scaling_run_tabulates_tokens_per_gpu_and_efficiency(tmp_path):
     assert rows[2]["tokens_per_second_per_gpu"] == rows[2]["tokens_per_second"] / 2
     assert rows[2]["efficiency"] == rows[2]["tokens_per_second"] / (2 * rows[1]["tokens_per_second"])
     assert "| fsdp | 2 | 32 | 2 |" in (tmp_path / "scaling" / "scaling.md").read_text()
+
+
+def test_prepare_names_compiled_variants_and_applies_overrides(tmp_path):
+    from benchmarks.headline import prepare
+    from tigon.runtime.config import load_config
+
+    path = prepare(
+        tmp_path,
+        "planner-compiled",
+        32,
+        2,
+        5,
+        2,
+        None,
+        tiny=True,
+        settings=["training.checkpoint_layers=1"],
+        tag="ckpt1",
+    )
+    assert path == tmp_path / "planner-compiled-ckpt1-32" / "config.yaml"
+    config = load_config(path)
+    assert config.training.compile and config.training.plan == "auto" and config.kernels.enabled
+    assert config.training.checkpoint_layers == 1
