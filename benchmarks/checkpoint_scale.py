@@ -73,12 +73,13 @@ def run_config(args: argparse.Namespace, run_dir: Path, async_save: bool, cuda: 
         "model": {"config_name": "llama", "config_overrides": shape, "tokenizer": "char", "dtype": "float32"},
         "data": {"train": "random-tokens", "max_seq_len": args.seq, "packing": False},
         "training": {
-            "max_steps": args.interval * (1 + len(MODES)),
+            "max_steps": args.interval * (1 + len(args.modes)),
             "learning_rate": 1e-4,
             "lr_schedule": "constant",
             "micro_batch_size": args.micro_batch,
             "gradient_checkpointing": cuda,
             "precision": "bf16" if cuda else "fp32",
+            "deterministic": args.deterministic,
         },
         "parallelism": {"strategy": "fsdp"},
         "kernels": {"enabled": False},
@@ -102,10 +103,10 @@ def worker(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     root = Path(args.run_dir)
-    total = args.interval * (1 + len(MODES))
+    total = args.interval * (1 + len(args.modes))
     config = run_config(args, root, False, cuda)
     env, device = init_distributed(config)
-    trainer.seed_everything(config.training.seed)
+    trainer.seed_everything(config.training.seed, config.training.deterministic)
     vocab = config.model.config_overrides["vocab_size"]
     started = time.perf_counter()
     model = build_model(config, vocab, meta=not env.is_main, device=device)
@@ -142,10 +143,11 @@ def worker(args: argparse.Namespace) -> None:
         "seq": args.seq,
         "micro_batch": args.micro_batch,
         "interval": args.interval,
+        "deterministic": args.deterministic,
         "build_seconds": build_seconds,
         "results": results,
     }
-    for mode in MODES:
+    for mode in args.modes:
         async_save = mode == "async"
         run_dir = root / mode
         strategy.config = run_config(args, run_dir, async_save, cuda)  # write_state reads async_save there
@@ -224,11 +226,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank and step")
     parser.add_argument("--interval", type=int, default=2, help="steps before each save and after it (default 2)")
     parser.add_argument("--run-dir", help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of sync and async (default both)")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="training.deterministic: resumed losses comparable bit for bit"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--remove-run-dir", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seq is None:
         args.seq = 32 if args.shape == "tiny" else 1024
+    args.modes = args.modes.split(",")
+    if not args.modes or any(mode not in MODES for mode in args.modes):
+        parser.error(f"--modes takes {', '.join(MODES)} (comma-separated), got {','.join(args.modes)}")
     if args.interval < 1:
         parser.error(f"--interval must be at least 1, got {args.interval}")
     if args.worker:
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     command += ["-m", "benchmarks.checkpoint_scale", "--worker", "--out", str(args.out), "--shape", args.shape]
     command += ["--seq", str(args.seq), "--micro-batch", str(args.micro_batch), "--interval", str(args.interval)]
+    command += ["--modes", ",".join(args.modes)] + (["--deterministic"] if args.deterministic else [])
     if args.run_dir is None:  # the worker removes it at the end
         command += ["--run-dir", tempfile.mkdtemp(prefix="checkpoint-scale-"), "--remove-run-dir"]
     else:

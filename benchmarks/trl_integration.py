@@ -1,6 +1,7 @@
 """TRL's trainers three ways: TRL alone, TRL with `use_liger_kernel=True`, and TRL with `use_tigon(trainer)`.
 
     python -m benchmarks.trl_integration --out trl.json        # GPU: Llama-3.2-1B shape, bf16, seq 1024, DPO and SFT
+    python -m benchmarks.trl_integration --shape llama-3-8b --trainers dpo --batch 2 --out trl-8b.json   # GPU: 8B
     python -m benchmarks.trl_integration --tiny --out /tmp/trl.json   # CPU rehearsal (no Liger-Kernel there)
 
 The model is randomly initialized from Llama-3.2-1B's config (`benchmarks.presets.PRESETS["llama"]`; `--tiny`: its
@@ -15,9 +16,11 @@ each step's start and end); peak memory is `torch.cuda.max_memory_allocated` ove
 Variants: `trl` (TRL's own trainer: in TRL 1.16 its SFT, DPO and KTO trainers compute the loss with a chunked LM
 head of their own), `liger` (`use_liger_kernel=True`: Liger-Kernel's RMSNorm, RoPE and SwiGLU; TRL 1.16 keeps its
 own head there, as it refuses Liger's fused linear cross entropy), `tigon` (`use_tigon(trainer)`: tigon's kernels
-and its fused linear loss). Each run is a subprocess of its own (Liger-Kernel patches transformers' modules in
-place, and each peak is its own process's); a variant that cannot run here (Liger-Kernel without a GPU or its
-package) is recorded as unavailable. JSON goes to --out.
+and its fused linear loss), `runtime` (no TRL: `tigon train` with `objective: dpo` (reference: a frozen copy) or
+SFT on the same records, shape, micro-batch and settings, gradient checkpointing on; its tokens count every
+sequence's `--seq` tokens, chosen and rejected). Each run is a subprocess of its own (Liger-Kernel patches
+transformers' modules in place, and each peak is its own process's); a variant that cannot run here
+(Liger-Kernel without a GPU or its package) is recorded as unavailable. JSON goes to --out.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from pathlib import Path
 
 from benchmarks.end_to_end_runner import liger_function, run_worker
 from benchmarks.harness import write_json_atomic
-from benchmarks.presets import LLAMA_32_1B, PRESETS, TINY
+from benchmarks.presets import LLAMA_3_8B, LLAMA_32_1B, PRESETS, TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINERS = ("dpo", "sft")
-VARIANTS = ("trl", "liger", "tigon")
+VARIANTS = ("trl", "liger", "tigon", "runtime")
+SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "llama-3-8b": LLAMA_3_8B}
 
 
 def records(trainer: str, count: int, seq: int, seed: int) -> list[dict]:
@@ -57,6 +61,60 @@ def records(trainer: str, count: int, seq: int, seed: int) -> list[dict]:
     return [{"prompt": text(prompt), "completion": text(completion)} for _ in range(count)]
 
 
+def runtime_worker(spec: dict, head: dict) -> dict:
+    """`tigon train` on the same records and model: the runtime's own DPO (or SFT) step, measured from its
+    metrics (each step's end time) and summary (peak memory)."""
+    import torch
+
+    from tigon.runtime.config import parse_config
+    from tigon.runtime.trainer import train
+
+    cuda = torch.cuda.is_available()
+    steps = spec["warmup"] + spec["steps"]
+    root = Path(tempfile.mkdtemp())
+    data = root / "train.jsonl"
+    rows = records(spec["trainer"], spec["batch"] * steps, spec["seq"], seed=0)
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = parse_config(
+        {
+            "model": {
+                "config_name": "llama",
+                "config_overrides": spec["shape"],
+                "tokenizer": "char",
+                "dtype": "bfloat16" if cuda else "float32",
+            },
+            "data": {"train": str(data), "max_seq_len": spec["seq"], "packing": False},
+            "objective": {"type": "dpo", "beta": 0.1, "reference": "model"} if spec["trainer"] == "dpo" else {},
+            "training": {
+                "max_steps": steps,
+                "learning_rate": 1e-6,
+                "lr_schedule": "constant",
+                "micro_batch_size": spec["batch"],
+                "gradient_checkpointing": True,
+                "precision": "bf16" if cuda else "fp32",
+            },
+            "checkpoint": {"every_steps": 0, "export": False, "resume": False},
+            "logging": {"run_dir": str(root / "run"), "every_steps": 1, "tensorboard": False, "progress_bar": False},
+            "eval": {"metrics": ["loss"]},
+        },
+        "trl_integration runtime",
+    )
+    train(config)
+    metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    logged = [m for m in metrics if m.get("tokens_per_second")]
+    ends = [m["tokens_seen"] / m["tokens_per_second"] for m in logged]  # seconds of training at each step's end
+    seconds = ends[-1] - (ends[spec["warmup"] - 1] if spec["warmup"] else 0.0)
+    sequences = 2 if spec["trainer"] == "dpo" else 1
+    summary = json.loads((root / "run" / "summary.json").read_text())
+    return {
+        **head,
+        "tokens_per_second": sequences * spec["batch"] * spec["seq"] * spec["steps"] / seconds,
+        "peak_bytes": summary["peak_memory_bytes"] if cuda else None,
+        "losses": [m["loss"] for m in logged],
+        "gradient_checkpointing": True,
+    }
+
+
 def worker(spec: dict) -> dict:
     """One trainer and variant: build, train `warmup + steps` optimizer steps, measure."""
     import datasets
@@ -69,6 +127,8 @@ def worker(spec: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     head = {"trainer": spec["trainer"], "variant": spec["variant"]}
+    if spec["variant"] == "runtime":
+        return runtime_worker(spec, head)
     if spec["variant"] == "liger":
         _, why = liger_function("llama", cuda)
         if why is not None:
@@ -195,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --tiny 1)")
     parser.add_argument("--tiny", action="store_true", help="the small Llama shape: a rehearsal that runs on the CPU")
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES, help="the model's config (random weights)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -206,13 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown trainers or variants {unknown}; trainers: {TRAINERS}, variants: {VARIANTS}")
     spec = {
-        "shape": TINY if args.tiny else LLAMA_32_1B,
+        "shape": TINY if args.tiny else SHAPES[args.shape],
         "seq": args.seq or (64 if args.tiny else 1024),
         "batch": args.batch or (2 if args.tiny else 4),
         "steps": args.steps or (2 if args.tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if args.tiny else 2),
     }
-    model = PRESETS["llama"].describe(tiny=args.tiny)
+    model = PRESETS["llama"].describe(tiny=True) if args.tiny else f"{args.shape} shape (random weights)"
     print(f"TRL trainers on {model}, seq {spec['seq']}, micro-batch {spec['batch']}, {spec['steps']} timed steps")
     results = []
     for trainer in trainers:

@@ -121,6 +121,11 @@ class TrainingConfig(Section):
     gradient_accumulation_steps: int = Field(1, gt=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm; null turns it off")
     seed: int = 0
+    deterministic: bool = Field(
+        False,
+        description="deterministic GPU kernels: the same run gives the same per-step losses bit for bit (PyTorch's "
+        "deterministic algorithms, warning where an op has none; no cuDNN attention); a few percent slower",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers' activations in the backward")
     checkpoint_layers: PositiveInt | None = Field(
         None,

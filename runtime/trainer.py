@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -148,7 +149,9 @@ def non_finite_loss_message(loss: float, step: int, config: RunConfig) -> str:
     return f"the loss became {loss} at step {step}; {advice}"
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed every generator; with `deterministic`, also choose PyTorch's deterministic kernels, so a resumed or
+    repeated run on a GPU reproduces each step's loss (non-deterministic ones reduce in a varying order)."""
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -157,6 +160,12 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
     except ImportError:
         pass
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reduces in a fixed order with it
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention's backward has no deterministic mode
 
 
 def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
@@ -346,7 +355,7 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     fetch_model(config.model, env)  # one download per node, before any model is built
     check_push(config)
     check_trackers(config)
-    seed_everything(config.training.seed)
+    seed_everything(config.training.seed, config.training.deterministic)
     tokenizer = load_tokenizer(config.model)
     examples = manifest = None
     if datasets is not None:
