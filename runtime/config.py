@@ -124,7 +124,8 @@ class TrainingConfig(Section):
     deterministic: bool = Field(
         False,
         description="deterministic GPU kernels: the same run gives the same per-step losses bit for bit (PyTorch's "
-        "deterministic algorithms, warning where an op has none; no cuDNN attention); a few percent slower",
+        "deterministic algorithms, no cuDNN attention); an op with no deterministic version stops the run with "
+        "PyTorch's error naming it",
     )
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers' activations in the backward")
     checkpoint_layers: PositiveInt | None = Field(

@@ -253,7 +253,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        deterministic="warn" if config.training.deterministic else None,  # None: keeps what prepare set
+        deterministic=config.training.deterministic or None,  # None: keeps what prepare set
     )
     try:
         evaluation.start()

@@ -162,7 +162,7 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         pass
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reduces in a fixed order with it
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True)  # strict: flash attention's backward turns deterministic only so
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN attention's backward has no deterministic mode
