@@ -267,6 +267,7 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
     """FSDP2: every decoder layer and then the root `fully_shard`ed over all ranks (`shard_model`)."""
 
     _async_group = None  # the background checkpoint writer's process group (`async_group`)
+    _stager = None  # the background checkpoint writer's pinned host buffers (`stager`)
 
     @staticmethod
     def wrap(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
@@ -310,7 +311,10 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
 
         writing = None
         if self.config.checkpoint.async_save:
-            writing = dcp.async_save(self._state(), checkpoint_id=directory / "dcp", process_group=self.async_group())
+            stager = {"async_stager": self.stager()} if self.stager() is not None else {}
+            writing = dcp.async_save(
+                self._state(), checkpoint_id=directory / "dcp", process_group=self.async_group(), **stager
+            )
         else:
             dcp.save(self._state(), checkpoint_id=directory / "dcp")
         if self.env.is_main:  # the scaler's state is the same on every rank: it all-reduces its overflow checks
@@ -319,6 +323,22 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
                 schedule["scaler"] = self.scaler.state_dict()
             torch.save(schedule, directory / "scheduler.pt")
         return writing
+
+    def stager(self):
+        """Where a background save first copies the shards: pinned host buffers, allocated at the first save and
+        reused by the next, so the copy that holds training runs at the host link's speed rather than through
+        freshly allocated pageable memory. None on a torch without DCP's stagers (its default copy then)."""
+        if self._stager is None:
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError:
+                return None
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
 
     def async_group(self):
         """A gloo group of all ranks for the background writer's own collectives, apart from training's (made
