@@ -94,7 +94,13 @@ def runtime_worker(spec: dict, head: dict) -> dict:
                 "precision": "bf16" if cuda else "fp32",
             },
             "checkpoint": {"every_steps": 0, "export": False, "resume": False},
-            "logging": {"run_dir": str(root / "run"), "every_steps": 1, "tensorboard": False, "progress_bar": False},
+            "logging": {
+                "run_dir": str(root / "run"),
+                "every_steps": 1,
+                "tensorboard": False,
+                "progress_bar": False,
+                "profile_step": spec.get("profile_step"),
+            },
             "eval": {"metrics": ["loss"]},
         },
         "trl_integration runtime",
@@ -106,7 +112,9 @@ def runtime_worker(spec: dict, head: dict) -> dict:
     seconds = ends[-1] - (ends[spec["warmup"] - 1] if spec["warmup"] else 0.0)
     sequences = 2 if spec["trainer"] == "dpo" else 1
     summary = json.loads((root / "run" / "summary.json").read_text())
+    profile = root / "run" / "profile.json"
     return {
+        **({"profile": json.loads(profile.read_text())} if profile.is_file() else {}),
         **head,
         "tokens_per_second": sequences * spec["batch"] * spec["seq"] * spec["steps"] / seconds,
         "peak_bytes": summary["peak_memory_bytes"] if cuda else None,
@@ -257,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="the small Llama shape: a rehearsal that runs on the CPU")
     parser.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES, help="the model's config (random weights)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
+    parser.add_argument(
+        "--profile-step", type=int, default=None, help="the runtime variant: profile this step (logging.profile_step)"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -272,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch": args.batch or (2 if args.tiny else 4),
         "steps": args.steps or (2 if args.tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if args.tiny else 2),
+        "profile_step": args.profile_step,
     }
     model = PRESETS["llama"].describe(tiny=True) if args.tiny else f"{args.shape} shape (random weights)"
     print(f"TRL trainers on {model}, seq {spec['seq']}, micro-batch {spec['batch']}, {spec['steps']} timed steps")
