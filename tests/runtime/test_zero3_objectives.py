@@ -1,0 +1,87 @@
+"""The preference objectives and distillation under DeepSpeed ZeRO-3, on the CPU with 2 processes over gloo.
+
+One `torchrun --nproc_per_node 2` worker group (`worker_groups.launch`) trains each case under ZeRO-2 and under
+ZeRO-3: 2 ranks x micro-batch 2 x accumulation 2, 2 steps, then a held-out evaluation. Under ZeRO-3 the policy's
+lm_head is partitioned (the fused op runs as the head's forward, whose hooks gather it), and so are the frozen
+reference copy and the teacher (engines of their own). The models' vocabulary is padded to VOCAB rows, so that
+lm_head (VOCAB x 32) is past DeepSpeed's `stage3_param_persistence_threshold` (1e5 elements): below it ZeRO-3
+keeps a parameter whole after its first gather, and a head read without gathering would pass unnoticed.
+
+Per-step losses, the last step's TRL metrics (DPO's rewards/margins among them; distillation's two terms) and the
+evaluation agree within TOLERANCE relative (fp32: ZeRO-3 reduce-scatters each parameter's gradient where ZeRO-2
+reduces them in buckets, so the sums run in another order; measured differences are about 1e-7) plus ABSOLUTE
+near zero (the first step's rewards, where policy and reference are the same model).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.runtime.test_distill import distill_config, save_llama
+from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, logged_steps, preference_config
+from tests.runtime.worker_groups import launch
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-5
+ABSOLUTE = 1e-7
+VOCAB = 3200  # the char tokenizer's 100 tokens, padded: lm_head has 102,400 elements, past the threshold
+CASES = {  # name: (objective, records); distill reads distill_config's records and teacher
+    "dpo": ({"type": "dpo"}, PAIRS),
+    "dpo-precomputed": ({"type": "dpo", "reference": "precomputed"}, PAIRS),
+    "orpo": ({"type": "orpo"}, PAIRS),
+    "kto": ({"type": "kto"}, KTO_RECORDS),
+    "distill": (None, None),
+}
+STAGES = (2, 3)
+NOT_COMPARED = {"step", "loss", "lr", "grad_norm", "epoch", "tokens_per_second", "memory_bytes", "tokens_seen"}
+ADAPTER_CASES = [("dpo", "hf"), ("dpo", "lightning"), ("distill", "hf"), ("distill", "lightning")]
+
+
+def case_config(tmp_path, name: str, stage: int, trainer: str = "torch"):
+    """`name`'s run under ZeRO `stage` with `trainer`, in its own run directory."""
+    directory = tmp_path / name
+    held_out = {"eval": str(directory / "train.jsonl")}
+    sections = {
+        "trainer": trainer,
+        "parallelism": {"strategy": "deepspeed", "zero_stage": stage},
+        "logging": {"run_dir": str(directory / f"{trainer}-zero{stage}")},
+    }
+    if name == "distill":
+        save_llama(directory / "teacher", seed=1, hidden=48, init=0.3, vocab_extra=VOCAB - 100)
+        save_llama(directory / "student", seed=0, hidden=32, vocab_extra=VOCAB - 100)
+        return distill_config(directory, training={"micro_batch_size": 1}, data=held_out, **sections)
+    save_llama(directory / "model", seed=0, hidden=32, vocab_extra=VOCAB - 100)  # preference_config's model
+    objective, records = CASES[name]
+    training = {"micro_batch_size": 2, "max_steps": 2}
+    return preference_config(directory, objective, records, training=training, data=held_out, **sections)
+
+
+def test_objectives_under_zero3_match_zero2_in_every_trainer(tmp_path):
+    started = time.perf_counter()
+    runs = {}
+    for name in CASES:
+        (tmp_path / name).mkdir()
+        for stage in STAGES:
+            runs[f"{name}-torch-zero{stage}"] = case_config(tmp_path, name, stage)
+    for name, trainer in ADAPTER_CASES:
+        runs[f"{name}-{trainer}-zero3"] = case_config(tmp_path, name, 3, trainer)
+    records = launch(tmp_path, runs, timeout=900)
+    zero3_runs = [(name, "torch") for name in CASES] + list(ADAPTER_CASES)
+    for name, trainer in zero3_runs:
+        zero2, zero3 = records[f"{name}-torch-zero2"], records[f"{name}-{trainer}-zero3"]
+        last2, last3 = (logged_steps(tmp_path / name / run)[-1] for run in ("torch-zero2", f"{trainer}-zero3"))
+        metrics = [key for key in last2 if key not in NOT_COMPARED]  # TRL's, or distillation's two terms
+        assert {"distill": "distill_loss", "kto": "kl"}.get(name, "rewards/margins") in metrics, (name, metrics)
+        pairs = [*zip(zero3["losses"], zero2["losses"], strict=True)]
+        pairs += [(last3[key], last2[key]) for key in metrics]
+        pairs += [(zero3["eval"][key], zero2["eval"][key]) for key in zero2["eval"]]
+        worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in pairs)
+        print(f"{name} {trainer}: {len(pairs)} values, worst relative difference {worst:.1e}")
+        assert zero2["losses"][-1] != zero2["losses"][0], (name, zero2["losses"])  # the model trained
+        for got, want in pairs:
+            assert abs(got - want) <= TOLERANCE * abs(want) + ABSOLUTE, (name, trainer, zero2, zero3, last2, last3)
+    print(f"zero3 objectives: {time.perf_counter() - started:.1f} s")
