@@ -7,10 +7,12 @@ reference copy and the teacher (engines of their own). The models' vocabulary is
 lm_head (VOCAB x 32) is past DeepSpeed's `stage3_param_persistence_threshold` (1e5 elements): below it ZeRO-3
 keeps a parameter whole after its first gather, and a head read without gathering would pass unnoticed.
 
-Per-step losses, the last step's TRL metrics (DPO's rewards/margins among them; distillation's two terms) and the
-evaluation agree within TOLERANCE relative (fp32: ZeRO-3 reduce-scatters each parameter's gradient where ZeRO-2
-reduces them in buckets, so the sums run in another order; measured differences are about 1e-7) plus ABSOLUTE
-near zero (the first step's rewards, where policy and reference are the same model).
+Per-step losses, the last step's TRL metrics (DPO's rewards/margins among them; KTO's kl; distillation's two terms)
+and the evaluation agree within TOLERANCE relative plus ABSOLUTE (fp32: ZeRO-3 reduces each parameter's gradient
+where ZeRO-2 reduces them in buckets, so the sums run in another order). The rewards, margins and KTO's kl are
+differences of summed log-probs of about 25 nats, so their rounding is absolute, about 25 x 1e-7 (measured: at most
+1.9e-6 on the log-probs, 1.9e-7 on the rewards, up to 1.1e-5 relative); ABSOLUTE covers it. A policy or frozen
+head read without its gather fails outright: the fused op gets the rank's empty partition.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = 1e-5
-ABSOLUTE = 1e-7
+ABSOLUTE = 1e-5
 VOCAB = 3200  # the char tokenizer's 100 tokens, padded: lm_head has 102,400 elements, past the threshold
 CASES = {  # name: (objective, records); distill reads distill_config's records and teacher
     "dpo": ({"type": "dpo"}, PAIRS),
@@ -79,8 +81,9 @@ def test_objectives_under_zero3_match_zero2_in_every_trainer(tmp_path):
         pairs = [*zip(zero3["losses"], zero2["losses"], strict=True)]
         pairs += [(last3[key], last2[key]) for key in metrics]
         pairs += [(zero3["eval"][key], zero2["eval"][key]) for key in zero2["eval"]]
-        worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in pairs)
-        print(f"{name} {trainer}: {len(pairs)} values, worst relative difference {worst:.1e}")
+        worst = max(abs(a - b) for a, b in pairs)
+        relative = max(abs(a - b) / abs(b) for a, b in pairs if abs(b) > 1e-2)
+        print(f"{name} {trainer}: {len(pairs)} values, worst {worst:.1e} absolute, {relative:.1e} relative over 1e-2")
         assert zero2["losses"][-1] != zero2["losses"][0], (name, zero2["losses"])  # the model trained
         for got, want in pairs:
             assert abs(got - want) <= TOLERANCE * abs(want) + ABSOLUTE, (name, trainer, zero2, zero3, last2, last3)
