@@ -38,19 +38,24 @@ CASES = {  # name: (objective, records); distill reads distill_config's records 
     "kto": ({"type": "kto"}, KTO_RECORDS),
     "distill": (None, None),
 }
-STAGES = (2, 3)
 NOT_COMPARED = {"step", "loss", "lr", "grad_norm", "epoch", "tokens_per_second", "memory_bytes", "tokens_seen"}
 ADAPTER_CASES = [("dpo", "hf"), ("dpo", "lightning"), ("distill", "hf"), ("distill", "lightning")]
+OFFLOADED = "dpo"  # also under ZeRO-3 with cpu_offload: the policy's and the reference's parameters on the CPU
 
 
-def case_config(tmp_path, name: str, stage: int, trainer: str = "torch"):
-    """`name`'s run under ZeRO `stage` with `trainer`, in its own run directory."""
+def run_name(trainer: str, stage: int, offload: bool = False) -> str:
+    return f"{trainer}-zero{stage}" + ("-offload" if offload else "")
+
+
+def case_config(tmp_path, name: str, stage: int, trainer: str = "torch", offload: bool = False):
+    """`name`'s run under ZeRO `stage` with `trainer` (`offload`: parallelism.cpu_offload), in its own run
+    directory."""
     directory = tmp_path / name
     held_out = {"eval": str(directory / "train.jsonl")}
     sections = {
         "trainer": trainer,
-        "parallelism": {"strategy": "deepspeed", "zero_stage": stage},
-        "logging": {"run_dir": str(directory / f"{trainer}-zero{stage}")},
+        "parallelism": {"strategy": "deepspeed", "zero_stage": stage, "cpu_offload": offload},
+        "logging": {"run_dir": str(directory / run_name(trainer, stage, offload))},
     }
     if name == "distill":
         save_llama(directory / "teacher", seed=1, hidden=48, init=0.3, vocab_extra=VOCAB - 100)
@@ -64,18 +69,19 @@ def case_config(tmp_path, name: str, stage: int, trainer: str = "torch"):
 
 def test_objectives_under_zero3_match_zero2_in_every_trainer(tmp_path):
     started = time.perf_counter()
+    zero3_runs = [(name, "torch", False) for name in CASES] + [(*case, False) for case in ADAPTER_CASES]
+    zero3_runs.append((OFFLOADED, "torch", True))
     runs = {}
     for name in CASES:
         (tmp_path / name).mkdir()
-        for stage in STAGES:
-            runs[f"{name}-torch-zero{stage}"] = case_config(tmp_path, name, stage)
-    for name, trainer in ADAPTER_CASES:
-        runs[f"{name}-{trainer}-zero3"] = case_config(tmp_path, name, 3, trainer)
+        runs[f"{name}-torch-zero2"] = case_config(tmp_path, name, 2)
+    for name, trainer, offload in zero3_runs:
+        runs[f"{name}-{run_name(trainer, 3, offload)}"] = case_config(tmp_path, name, 3, trainer, offload)
     records = launch(tmp_path, runs, timeout=900)
-    zero3_runs = [(name, "torch") for name in CASES] + list(ADAPTER_CASES)
-    for name, trainer in zero3_runs:
-        zero2, zero3 = records[f"{name}-torch-zero2"], records[f"{name}-{trainer}-zero3"]
-        last2, last3 = (logged_steps(tmp_path / name / run)[-1] for run in ("torch-zero2", f"{trainer}-zero3"))
+    for name, trainer, offload in zero3_runs:
+        run = run_name(trainer, 3, offload)
+        zero2, zero3 = records[f"{name}-torch-zero2"], records[f"{name}-{run}"]
+        last2, last3 = (logged_steps(tmp_path / name / directory)[-1] for directory in ("torch-zero2", run))
         metrics = [key for key in last2 if key not in NOT_COMPARED]  # TRL's, or distillation's two terms
         assert {"distill": "distill_loss", "kto": "kl"}.get(name, "rewards/margins") in metrics, (name, metrics)
         pairs = [*zip(zero3["losses"], zero2["losses"], strict=True)]
@@ -83,8 +89,8 @@ def test_objectives_under_zero3_match_zero2_in_every_trainer(tmp_path):
         pairs += [(zero3["eval"][key], zero2["eval"][key]) for key in zero2["eval"]]
         worst = max(abs(a - b) for a, b in pairs)
         relative = max(abs(a - b) / abs(b) for a, b in pairs if abs(b) > 1e-2)
-        print(f"{name} {trainer}: {len(pairs)} values, worst {worst:.1e} absolute, {relative:.1e} relative over 1e-2")
+        print(f"{name} {run}: {len(pairs)} values, worst {worst:.1e} absolute, {relative:.1e} relative over 1e-2")
         assert zero2["losses"][-1] != zero2["losses"][0], (name, zero2["losses"])  # the model trained
         for got, want in pairs:
-            assert abs(got - want) <= TOLERANCE * abs(want) + ABSOLUTE, (name, trainer, zero2, zero3, last2, last3)
+            assert abs(got - want) <= TOLERANCE * abs(want) + ABSOLUTE, (name, run, zero2, zero3, last2, last3)
     print(f"zero3 objectives: {time.perf_counter() - started:.1f} s")
