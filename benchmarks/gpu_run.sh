@@ -28,7 +28,8 @@
 #   default 480; the checkpoints go to CKPT_RUN_DIR, default a temporary directory, which needs room for one)]
 #   [distill-smoke trains the demo as a
 #   teacher (TEACHER_STEPS, 150), then examples/distill.yaml and the DPO and KTO examples in bf16 for DISTILL_STEPS (50)
-#   under DDP and FSDP2 (one process; DISTILL_RUNS=objective:strategy ...) on the GPU's kernels, and prints each loss]
+#   under DDP and FSDP2 (DISTILL_RUNS=objective:strategy ..., strategy ddp, fsdp or zero3 for DeepSpeed ZeRO-3) on the
+#   GPU's kernels, in DISTILL_NPROC processes (1; more through torchrun, one GPU each), and prints each loss]
 #   [convergence] (every table family against float64 at real widths) [patching] (the CPU patching and fused-loss
 #   tests against this machine's transformers); FAMILIES_K, a pytest -k expression such as "smollm3 or gpt_oss",
 #   picks the families of either
@@ -105,10 +106,14 @@ for step in "$@"; do
     distill-smoke) python3 -m tigon.runtime train examples/demo.yaml --set training.max_steps="${TEACHER_STEPS:-150}" \
         --set eval.every_steps=0 --set checkpoint.every_steps=0 --set logging.tensorboard=false \
         --set logging.run_dir="$out/distill-teacher" > "$out/distill-teacher.log" 2>&1; echo "teacher: exit $?"
+      launch=(python3); nproc=${DISTILL_NPROC:-1}
+      [ "$nproc" -gt 1 ] && launch=(python3 -m torch.distributed.run --standalone --nproc_per_node "$nproc")
       for run in ${DISTILL_RUNS:-distill:ddp distill:fsdp dpo:fsdp kto:fsdp}; do
         teacher=(); [ "${run%%:*}" = distill ] && teacher=(--set objective.teacher.path="$out/distill-teacher/export")
-        python3 -m tigon.runtime train "examples/${run%%:*}.yaml" "${teacher[@]}" --set training.precision=bf16 \
-          --set training.max_steps="${DISTILL_STEPS:-50}" --set parallelism.strategy="${run##*:}" --set eval.every_steps=0 \
+        strategy=(--set parallelism.strategy="${run##*:}")
+        [ "${run##*:}" = zero3 ] && strategy=(--set parallelism.strategy=deepspeed --set parallelism.zero_stage=3)
+        "${launch[@]}" -m tigon.runtime train "examples/${run%%:*}.yaml" "${teacher[@]}" --set training.precision=bf16 \
+          --set training.max_steps="${DISTILL_STEPS:-50}" "${strategy[@]}" --set eval.every_steps=0 \
           --set checkpoint.every_steps=0 --set checkpoint.export=false --set logging.tensorboard=false \
           --set logging.progress_bar=false --set logging.run_dir="$out/${run/:/-}" > "$out/${run/:/-}.log" 2>&1
         echo "bf16 $run: exit $?"

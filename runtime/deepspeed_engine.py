@@ -202,6 +202,20 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         return {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
 
 
+def frozen_engine(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device):
+    """A frozen model (a preference objective's reference copy, distillation's teacher) partitioned as ZeRO-3
+    partitions the trained one: DeepSpeed's engine without an optimizer, as TRL prepares its reference model. Its
+    hooks gather each submodule's weights for its forward, so each rank keeps 1/world of the weights (none on the GPU
+    under cpu_offload, which offloads its parameters too). The run's DeepSpeed config without the optimizer and its
+    offload, which an engine without one would try to build."""
+    deepspeed = import_deepspeed(device, config.training.precision)
+    built = deepspeed_config(config, env.world_size, optimizer_section=False)
+    built["zero_optimization"].pop("offload_optimizer", None)
+    engine, *_ = deepspeed.initialize(model=module, config=built, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
 def build_cpu_ops() -> None:
     """JIT-build the ops DeepSpeed's CPU accelerator loads (once; cached on disk): the communication op it loads at
     start, and CPU Adam, which ZeRO-Offload steps with."""

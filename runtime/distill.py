@@ -1,7 +1,6 @@
 """Distillation (`objective.type: distill`) in every trainer: a frozen teacher beside the student.
 
-    check_distill(config)                                   # settings that cannot run, with the fix
-    teacher = load_teacher(config, model, tokenizer, env, device)   # checked, loaded, frozen (sharded under fsdp)
+    teacher = load_teacher(config, model, tokenizer, env, device)   # checked, loaded, frozen (sharded: fsdp, zero3)
     loss, sums = distill_micro_batch(model, batch, config, env, device, n_label)   # through objectives.ObjectiveStep
 
 The data are the next-token run's (`data.format` text, instruction or chat, packed or not); the completion tokens
@@ -30,23 +29,17 @@ from tigon.runtime.data import model_inputs
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 from tigon.runtime.objectives import (
     IGNORE_INDEX,
-    check_parallelism,
     final_hidden,
     freeze,
+    frozen_head,
     head,
     in_compute_dtype,
     in_root_forward,
+    on_head,
     state_of,
 )
 
 logger = logging.getLogger("tigon.runtime")
-
-
-def check_distill(config: RunConfig) -> None:
-    """Settings distillation cannot run with, named with the fix."""
-    if config.objective.type != "distill":
-        return
-    check_parallelism("objective.type 'distill'", config)
 
 
 def check_vocabulary(config: RunConfig, tokenizer, vocab_rows: int) -> None:
@@ -84,7 +77,8 @@ def check_vocabulary(config: RunConfig, tokenizer, vocab_rows: int) -> None:
 def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, device: torch.device) -> nn.Module:
     """The teacher, fetched, checked and loaded by the code that loads the student (`hub.fetch_model`,
     `model.build_model`: revision, trust_remote_code, object stores), frozen, in eval mode, on `device`; under
-    FSDP2 sharded like the student (rank 0 loads, the others receive its weights), with no optimizer."""
+    FSDP2 sharded like the student (rank 0 loads, the others receive its weights), under DeepSpeed ZeRO-3
+    partitioned by an inference engine of its own (`objectives.freeze`), with no optimizer."""
     from tigon.runtime.config import LoraConfig
     from tigon.runtime.hub import fetch_model
     from tigon.runtime.model import build_model
@@ -115,9 +109,9 @@ def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, d
     return freeze(teacher, config, env, device)
 
 
-def head_weight(model: nn.Module, who: str, whole: bool = False) -> torch.Tensor:
-    """The lm_head weight the fused JSD reads (`whole`: gathered if sharded); a head with a bias is refused."""
-    weight, bias = head(model, whole)
+def head_weight(model: nn.Module, who: str) -> torch.Tensor:
+    """The lm_head weight the fused JSD reads (as the strategy keeps it); a head with a bias is refused."""
+    weight, bias = head(model)
     if bias is not None:
         raise ConfigError(
             f"objective.type 'distill': {who}'s lm_head has a bias, and the fused linear JSD computes a head without "
@@ -137,27 +131,30 @@ def distill_sums(
     inputs = model_inputs(batch, config.model.attn_implementation)
     labels = inputs.pop("labels")
     target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    head_weight(model, "the student")
+    head_weight(teacher, "the teacher")
     with torch.no_grad():
         teacher_hidden = final_hidden(teacher, inputs)
-        teacher_weight = head_weight(teacher, "the teacher", whole=True)
-    teacher_hidden, teacher_weight = in_compute_dtype(teacher_hidden, teacher_weight)
-    teacher_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     alpha = objective.resolved_alpha
+    with frozen_head(teacher) as (teacher_weight, _):  # whole until the student's ops are done
+        teacher_hidden, teacher_weight = in_compute_dtype(teacher_hidden, teacher_weight)
+        teacher_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
 
-    def losses(direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = final_hidden(model, inputs, direct=direct)
-        hidden, weight = in_compute_dtype(hidden, head_weight(model, "the student"))
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        with torch.set_grad_enabled(torch.is_grad_enabled() and alpha > 0):
-            ce = F.fused_linear_cross_entropy(hidden, weight, target, reduction="sum")
-        with torch.set_grad_enabled(torch.is_grad_enabled() and alpha < 1):
-            jsd = F.fused_linear_jsd(
-                hidden, weight, teacher_hidden, teacher_weight, target, beta=objective.resolved_beta,
-                temperature=objective.temperature, reduction="sum",
-            )  # fmt: skip
-        return ce.float(), jsd.float()
+        def op(hidden: torch.Tensor, weight: torch.Tensor, _bias: None) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and alpha > 0):
+                ce = F.fused_linear_cross_entropy(hidden, weight, target, reduction="sum")
+            with torch.set_grad_enabled(torch.is_grad_enabled() and alpha < 1):
+                jsd = F.fused_linear_jsd(
+                    hidden, weight, teacher_hidden, teacher_weight, target, beta=objective.resolved_beta,
+                    temperature=objective.temperature, reduction="sum",
+                )  # fmt: skip
+            return ce.float(), jsd.float()
 
-    return in_root_forward(model, losses)
+        def losses(direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = final_hidden(model, inputs, direct=direct)
+            return on_head(model, op, hidden.reshape(-1, hidden.shape[-1]))
+
+        return in_root_forward(model, losses)
 
 
 def distill_micro_batch(

@@ -16,11 +16,13 @@ rejected rows (as TRL orders them), cut to the longest sequence; the model runs 
 as one packed row whose hidden states are gathered into those rows (`tigon.runtime.preference_batch`).
 
 Under FSDP2 the fused op runs inside the root module's forward (`in_root_forward`), where lm_head's weight is
-whole, as tigon's fused next-token loss does inside the patched forward.
+whole, as tigon's fused next-token loss does inside the patched forward; under DeepSpeed ZeRO-3 it runs as the
+head's own forward (`on_head`), whose hooks gather the partitioned weight and partition its gradient, as the
+fused next-token loss does there.
 
 The reference log-probs (DPO, KTO) come from `objective.reference`: `model`, a frozen copy of the starting model
-run beside the policy in the same fused pass (`ref_hidden`; under FSDP2 sharded as the policy is, with no
-optimizer); `precomputed`, one pass over the training data
+run beside the policy in the same fused pass (`ref_hidden`; under FSDP2 sharded as the policy is, under ZeRO-3
+partitioned by an engine of its own, with no optimizer in either case); `precomputed`, one pass over the training data
 before the first step that stores each sequence's summed completion log-probs; `none`, zero (reference-free DPO).
 
 Normalization: each op averages over the pairs (KTO: sequences) it is given, so a micro-batch's loss is
@@ -31,11 +33,12 @@ and ranks, as TRL's trainers (HF's gradient accumulation) compute it. The metric
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -80,16 +83,11 @@ def state_of(model: nn.Module) -> ObjectiveState:
 
 
 def check_objective(config: RunConfig) -> None:
-    """Settings a preference objective (or distillation) cannot run with, named with the fix."""
+    """Settings a preference objective cannot run with, named with the fix."""
     objective = config.objective
-    if objective.type == "distill":
-        from tigon.runtime.distill import check_distill
-
-        check_distill(config)
     if not objective.preference:
         return
     name = f"objective.type {objective.type!r}"
-    check_parallelism(name, config)
     if config.data.format != "text":
         raise ConfigError(
             f"{name} reads TRL's preference records (prompt/chosen/rejected; kto: prompt/completion/label), as text "
@@ -101,17 +99,6 @@ def check_objective(config: RunConfig) -> None:
         raise ConfigError(
             f"{name} with LoRA: a frozen reference copy would duplicate the base weights; set objective.reference: "
             "precomputed (one pass before training)"
-        )
-
-
-def check_parallelism(name: str, config: RunConfig) -> None:
-    """The strategies the fused objectives run under: DDP, FSDP2, DeepSpeed ZeRO-1 and -2. ZeRO-3 partitions the
-    head's weight, which the fused op reads after the forward, and the frozen model would need partitioning too."""
-    if config.parallelism.strategy == "deepspeed" and config.parallelism.stage == 3:
-        raise ConfigError(
-            f"{name} runs under parallelism.strategy 'ddp', 'fsdp' or 'deepspeed' with zero_stage 1 or 2; ZeRO-3 "
-            "partitions the head weight the fused loss reads. Set zero_stage: 2, or strategy: fsdp (which shards "
-            "the weights too)"
         )
 
 
@@ -146,19 +133,25 @@ def in_root_forward(model: nn.Module, function: Callable[[bool], T]) -> T:
 
 def freeze(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.device) -> nn.Module:
     """A frozen model run beside the trained one (a reference or a teacher): eval mode, no gradients; under FSDP2
-    sharded as the trained model is (`parallel.shard_model`, with no optimizer), so it fits where that fits."""
+    sharded as the trained model is (`parallel.shard_model`, with no optimizer), under DeepSpeed ZeRO-3 partitioned
+    by an inference engine of its own (`deepspeed_engine.frozen_engine`), so it fits where the trained model fits."""
     model.eval()
     model.requires_grad_(False)
-    if config.parallelism.strategy == "fsdp":
+    parallelism = config.parallelism
+    if parallelism.strategy == "fsdp":
         from tigon.runtime.parallel import shard_model
 
         shard_model(model, config, env, device, frozen=True)
+    elif parallelism.strategy == "deepspeed" and parallelism.stage == 3:
+        from tigon.runtime.deepspeed_engine import frozen_engine
+
+        return frozen_engine(model, config, env, device)
     return model
 
 
-def head(model: nn.Module, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """lm_head's weight and bias, for a head the fused ops compute exactly (a plain linear map). `whole`: a
-    frozen model's sharded (DTensor) weight gathered, without gradient."""
+def head(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """lm_head's weight and bias, for a head the fused ops compute exactly (a plain linear map); as the strategy
+    keeps them (a shard, or a ZeRO-3 partition: see `on_head` and `frozen_head` for the whole weight)."""
     config = unwrap(model).config
     quirks = [name for name in ("final_logit_softcapping", "logits_scaling") if getattr(config, name, None)]
     if quirks:
@@ -173,13 +166,43 @@ def head(model: nn.Module, whole: bool = False) -> tuple[torch.Tensor, torch.Ten
             f"the fused loss reads lm_head's weight, but lm_head is a {type(module).__name__}; keep "
             "adapters (lora.target_modules) off lm_head"
         )
-    weight, bias = module.weight, module.bias
-    if whole:
-        from tigon.kernels.utils import gather_dtensors
+    return module.weight, module.bias
 
+
+def on_head(model: nn.Module, function: Callable[..., T], hidden: torch.Tensor) -> T:
+    """`function(hidden, weight, bias)` on the trained model's head, with `hidden` and the head in the compute dtype
+    (`in_compute_dtype`). Where the weight is whole only inside the head's own forward (DeepSpeed ZeRO-3), it runs
+    as that forward (`causal_lm.run_as_forward`, as tigon's fused next-token loss does): the hooks gather the
+    partitioned weight around it, and its gradient flows back into the partition."""
+    from tigon.kernels.patching.causal_lm import gathered_in_own_forward, run_as_forward
+
+    head(model)  # the checks, before the module is used
+    module = unwrap(model).get_output_embeddings()
+
+    def call(hidden: torch.Tensor) -> T:
+        return function(*in_compute_dtype(hidden, module.weight, module.bias))
+
+    return run_as_forward(module, call, hidden) if gathered_in_own_forward(module) else call(hidden)
+
+
+@contextlib.contextmanager
+def frozen_head(model: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A frozen model's lm_head weight and bias, whole while the context is open, without gradient: FSDP2's shards
+    gathered (`full_tensor`); ZeRO-3's partitions gathered in place (`deepspeed.zero.GatheredParameters`, a
+    collective) and partitioned again on exit. The fused ops keep only gradients for their backward, never the
+    frozen weight, so nothing reads it after the context."""
+    from tigon.kernels.utils import gather_dtensors
+
+    weight, bias = head(model)
+    if not hasattr(weight, "ds_id"):
         with torch.no_grad():
             weight, bias = gather_dtensors(weight, bias)
-    return weight, bias
+        yield weight, bias
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([t for t in (weight, bias) if t is not None]):
+        yield weight, bias
 
 
 def in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -200,19 +223,21 @@ def preference_loss(
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
-    if source == "model":
-        frozen = state_of(model).reference
-        with torch.no_grad():
-            ref_hidden = layout.op_layout(final_hidden(frozen, layout.inputs))
-        ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, *head(frozen, whole=True))
-        reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
-    elif source == "precomputed":
-        reference = {"ref_logps": rows(batch["ref_logps"]).to(device)}
-    elif source == "none":
-        reference = {"ref_logps": torch.zeros(target.shape[0], dtype=torch.float64, device=device)}
-    return in_root_forward(
-        model, lambda direct: policy_loss(model, layout, reference, batch, config, device, env, direct)
-    )
+    with contextlib.ExitStack() as stack:
+        if source == "model":
+            frozen = state_of(model).reference
+            with torch.no_grad():
+                ref_hidden = layout.op_layout(final_hidden(frozen, layout.inputs))
+            ref_weight, ref_bias = stack.enter_context(frozen_head(frozen))  # whole until the policy's op is done
+            ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, ref_weight, ref_bias)
+            reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
+        elif source == "precomputed":
+            reference = {"ref_logps": rows(batch["ref_logps"]).to(device)}
+        elif source == "none":
+            reference = {"ref_logps": torch.zeros(target.shape[0], dtype=torch.float64, device=device)}
+        return in_root_forward(
+            model, lambda direct: policy_loss(model, layout, reference, batch, config, device, env, direct)
+        )
 
 
 def policy_loss(
@@ -226,12 +251,26 @@ def policy_loss(
     direct: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The fused preference op on the trained model's final hidden states and head (`direct`: see final_hidden)."""
+    hidden = layout.op_layout(final_hidden(model, layout.inputs, direct))
+    op = functools.partial(preference_op, target=layout.target, reference=reference, batch=batch, config=config)
+    return on_head(model, functools.partial(op, device=device, env=env), hidden)
+
+
+def preference_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    reference: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    config: RunConfig,
+    device: torch.device,
+    env: DistEnv | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective's fused op on the final hidden states and lm_head's whole weight and bias."""
     from tigon.kernels import functional as F
 
     objective = config.objective
-    target = layout.target
-    hidden = layout.op_layout(final_hidden(model, layout.inputs, direct))
-    hidden, weight, bias = in_compute_dtype(hidden, *head(model))
     beta = objective.resolved_beta
     if objective.type == "dpo":
         return F.fused_linear_dpo(
@@ -426,8 +465,9 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
     layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
     with torch.no_grad(), autocast(device, config.training.precision):
         hidden = layout.op_layout(final_hidden(model, layout.inputs))
-        hidden, weight, bias = in_compute_dtype(hidden, *head(model, whole=True))
-        logps = F.sequence_logps(hidden, weight, layout.target, bias)
+        with frozen_head(model) as (weight, bias):
+            hidden, weight, bias = in_compute_dtype(hidden, weight, bias)
+            logps = F.sequence_logps(hidden, weight, layout.target, bias)
     return logps.reshape(batch["input_ids"].shape[1], -1).transpose(0, 1)
 
 

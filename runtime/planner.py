@@ -66,10 +66,10 @@ eager attention also the scores' gradient in float32 and the softmax's input gra
 larger counts.
 
 A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
-distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2, which
-shards it too), its final hidden states (its compute dtype x its width per token) and under FSDP2 its gathered
-head to the loss moment, whose fused op reads them, and a moment of its own before the trained model's forward:
-its no-grad forward's transient buffers (`frozen_bytes`).
+distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2 and
+DeepSpeed ZeRO-3, which shard and partition it too), its final hidden states (its compute dtype x its width per
+token) and, sharded, its gathered head to the loss moment, whose fused op reads them, and a moment of its own
+before the trained model's forward: its no-grad forward's transient buffers (`frozen_bytes`).
 
 Preference objectives (`Workload.loss` "pairs" or "kto"): a micro-batch of N items is 2N sequences (`Workload.tokens`),
 as padded rows or, with `data.packing: true`, one packed row, whose mask and scores under sdpa and eager span the
@@ -656,18 +656,20 @@ def reference_pass_bytes(work: Workload, micro_batch: int, weights: int) -> int:
 def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     """(weights, what the loss reads, forward buffers) of the frozen model for a micro-batch of `tokens`, per GPU.
 
-    Weights as loaded, sharded over the ranks under FSDP2 (none on the GPU with cpu_offload). Its forward runs
-    under no_grad, so it saves nothing: the buffers are transient, the residual stream, its normed copy and the
-    attention output (4 h) and one MLP's gate, up and product (3 i) per token, plus under FSDP2 the two layers and
-    the embedding and head it gathers. The fused loss reads its final hidden states (h per token) and, under
-    FSDP2, its head gathered whole (V h)."""
+    Weights as loaded, sharded over the ranks under FSDP2 and partitioned under ZeRO-3, which shard and partition
+    it as they do the trained model (none on the GPU with cpu_offload). Its forward runs under no_grad, so it saves
+    nothing: the buffers are transient, the residual stream, its normed copy and the attention output (4 h) and one
+    MLP's gate, up and product (3 i) per token, plus, sharded, the two layers and the embedding and head it
+    gathers. The fused loss reads its final hidden states (h per token) and, sharded, its head gathered whole
+    (V h)."""
     frozen, n = work.frozen, work.world_size
     if frozen is None:
         return 0, 0, 0
     s, c = frozen.shape, frozen.compute_bytes
     weights = s.params * frozen.weight_bytes
     gathered = 0
-    if work.strategy == "fsdp" and n > 1:
+    zero3 = work.strategy == "deepspeed" and work.zero_stage == 3
+    if (work.strategy == "fsdp" or zero3) and n > 1:
         weights = 0 if work.cpu_offload else weights // n
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
     forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens + gathered

@@ -541,12 +541,12 @@ def test_moe_block_formula_matches_what_autograd_saves(family, kernels, restore_
     assert measured == planner.moe_bytes(bf16_work(shape, 16), kernels) * 3 * 16 + 4 * shape.moe.experts
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
 def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_path, strategy):
     """sft -> distill with a 48-wide bf16 teacher, and sft -> dpo with its frozen copy (fp32 as the model): the
     persistent moments grow by the frozen model's weights (its parameters counted on the built model, halved by
-    FSDP2 over 2 ranks), the loss moment also by its final hidden states (2 or 4 bytes x width per token) and, under
-    FSDP2, its head gathered whole, and its no-grad forward is a moment of its own."""
+    FSDP2 or DeepSpeed ZeRO-3 over 2 ranks), the loss moment also by its final hidden states (2 or 4 bytes x width
+    per token) and, sharded, its head gathered whole, and its no-grad forward is a moment of its own."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from tests.runtime.test_distill import save_llama
@@ -556,8 +556,9 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
     teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
     student_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**TINY_MODEL, vocab_size=100)).parameters())
     setting = Setting(4, 2, False, False)
-    world = 2 if strategy == "fsdp" else 1
-    parallelism = {"strategy": strategy}
+    sharded = strategy != "ddp"
+    world = 2 if sharded else 1
+    parallelism = {"strategy": "deepspeed", "zero_stage": 3} if strategy == "zero3" else {"strategy": strategy}
     base = estimate(planner.workload(tiny_config(tmp_path, parallelism=parallelism), world_size=world), setting)
     assert "frozen forward" not in base.moments
     teacher = {"type": "distill", "teacher": {"path": str(teacher_dir), "dtype": "bfloat16"}}
@@ -571,11 +572,11 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
         weights = params * size // world
         assert got.moments["optimizer"] - base.moments["optimizer"] == weights
         tokens = work.tokens(4)  # DPO: 4 pairs are 8 sequences
-        read = size * hidden * tokens + (100 * hidden * size if strategy == "fsdp" else 0)  # + the head, gathered
+        read = size * hidden * tokens + (100 * hidden * size if sharded else 0)  # + the head, gathered
         teacher_logits = planner.loss_bytes(work, 4, True) - planner.loss_bytes(without, 4, True)  # distill's chunk
         assert got.moments["loss"] - alone.moments["loss"] == weights + read + teacher_logits
         forward = (4 * hidden + 3 * width) * size * tokens
-        if strategy == "fsdp":  # two of its layers, its embedding and its head, gathered
+        if sharded:  # two of its layers, its embedding and its head, gathered
             forward += (2 * work.frozen.shape.layer_params + 2 * 100 * hidden) * size
         assert planner.frozen_bytes(work, tokens) == (weights, read, forward)
         assert "frozen forward" in got.moments
