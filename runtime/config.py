@@ -350,9 +350,15 @@ class TeacherConfig(Section):
         )
 
 
+DpoLossType = Literal[
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+    "discopop", "sigmoid_norm", "sft",
+]  # fmt: skip
 OBJECTIVE_SETTINGS = {  # objective setting -> the objectives it applies to
     "beta": ("dpo", "orpo", "simpo", "cpo", "kto", "distill"),
     "loss_type": ("dpo", "cpo", "simpo"),
+    "loss_weights": ("dpo",),
+    "rpo_alpha": ("dpo",),
     "label_smoothing": ("dpo", "cpo", "simpo"),
     "alpha": ("cpo", "simpo", "distill"),
     "temperature": ("distill",),
@@ -382,11 +388,24 @@ class ObjectiveConfig(Section):
         "generalized JSD's mix, 0 = KL(teacher || student) (forward KL), 1 = KL(student || teacher) (reverse KL), "
         "default 0.5; not for sft",
     )
-    loss_type: Literal["sigmoid"] = Field(
-        "sigmoid", description="dpo, cpo, simpo: the preference loss -log sigmoid of the margin (TRL's 'sigmoid')"
+    loss_type: DpoLossType | list[DpoLossType] = Field(
+        "sigmoid",
+        description="dpo: one of TRL's DPO loss types (sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
+        "sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft), or a list of them summed with loss_weights; "
+        "cpo, simpo: sigmoid, -log sigmoid of the margin",
+    )
+    loss_weights: list[float] | None = Field(
+        None, description="dpo: one weight per entry of a loss_type list (TRL's loss_weights); default 1 each"
+    )
+    rpo_alpha: float | None = Field(
+        None, ge=0, description="dpo: adds rpo_alpha times the chosen completions' mean NLL (RPO, TRL's rpo_alpha)"
     )
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="dpo, cpo, simpo: conservative DPO's probability that a label is flipped"
+        0.0,
+        ge=0,
+        lt=1,
+        description="dpo, cpo, simpo: conservative DPO's probability that a label is flipped (below 0.5); "
+        "exo_pair's epsilon (between 0 and 1) and robust's (below 0.5)",
     )
     alpha: float | None = Field(
         None,
@@ -420,6 +439,7 @@ class ObjectiveConfig(Section):
                     f"objective.{name} applies to {', '.join(applies)}, not to objective.type {self.type!r}; "
                     f"remove it or change the type"
                 )
+        self._check_loss_types()
         if self.type == "kto" and self.reference == "none":
             raise ValueError(
                 "objective.reference: none is not available for kto (its loss needs reference log-probs); "
@@ -440,6 +460,35 @@ class ObjectiveConfig(Section):
         if self.type in ("dpo", "orpo", "simpo", "cpo", "kto") and self.beta == 0:
             raise ValueError(f"objective.beta must be greater than 0 for {self.type}")
         return self
+
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """loss_type as a tuple (one entry, or the list)."""
+        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+
+    def _check_loss_types(self) -> None:
+        """The loss types against the objective, their weights and label_smoothing, as the fused ops take them."""
+        types = self.loss_types
+        if not types:
+            raise ValueError("objective.loss_type is an empty list; name one loss type, e.g. sigmoid")
+        if self.type in ("cpo", "simpo") and types != ("sigmoid",):
+            raise ValueError(
+                f"objective.loss_type {self.loss_type!r}: {self.type} trains the sigmoid loss; other loss types "
+                "are dpo's (objective.type: dpo)"
+            )
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ValueError(
+                f"objective.loss_weights has {len(self.loss_weights)} entries for {len(types)} loss types; give one "
+                "weight per entry of objective.loss_type"
+            )
+        smoothing = self.label_smoothing
+        if "exo_pair" in types and not 0 < smoothing < 1:
+            raise ValueError("objective.loss_type exo_pair needs 0 < label_smoothing < 1 (the EXO paper uses 1e-3)")
+        if smoothing >= 0.5 and {"sigmoid", "robust"} & set(types):
+            raise ValueError(
+                f"objective.label_smoothing {smoothing}: the sigmoid and robust losses take a flip probability "
+                "below 0.5"
+            )
 
     @property
     def preference(self) -> bool:

@@ -274,8 +274,10 @@ def preference_op(
     beta = objective.resolved_beta
     if objective.type == "dpo":
         return F.fused_linear_dpo(
-            hidden, weight, target, bias, beta=beta, label_smoothing=objective.label_smoothing, **reference
-        )
+            hidden, weight, target, bias, beta=beta, label_smoothing=objective.label_smoothing,
+            loss_type=objective.loss_types, loss_weights=objective.loss_weights, rpo_alpha=objective.rpo_alpha,
+            **reference,
+        )  # fmt: skip
     if objective.type == "cpo":
         return F.fused_linear_cpo(
             hidden, weight, target, bias, beta=beta, alpha=objective.resolved_alpha,

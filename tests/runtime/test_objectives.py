@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -79,15 +80,34 @@ def test_objective_config_is_validated_with_the_fix(tmp_path):
         ({"type": "dpo", "betta": 0.1}, "objective.betta: unknown key (did you mean 'beta'?)"),
         ({"type": "dpo", "gamma": 1.0}, "objective.gamma applies to simpo, not to objective.type 'dpo'"),
         ({"type": "dop"}, "objective.type: Input should be 'sft', 'dpo'"),
-        ({"type": "dpo", "label_smoothing": 0.5}, "objective.label_smoothing: Input should be less than 0.5"),
+        ({"type": "dpo", "label_smoothing": 0.5}, "the sigmoid and robust losses take a flip probability below 0.5"),
         ({"type": "kto", "reference": "none"}, "objective.reference: none is not available for kto"),
-        ({"type": "dpo", "loss_type": "ipo"}, "objective.loss_type: Input should be 'sigmoid'"),
+        ({"type": "dpo", "loss_type": "kto_pair"}, "objective.loss_type"),
+        ({"type": "cpo", "loss_type": "ipo"}, "cpo trains the sigmoid loss"),
+        ({"type": "dpo", "loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}, "give one weight per entry"),
+        ({"type": "dpo", "loss_type": "exo_pair"}, "exo_pair needs 0 < label_smoothing < 1"),
+        ({"type": "cpo", "rpo_alpha": 1.0}, "objective.rpo_alpha applies to dpo, not to objective.type 'cpo'"),
     ]
     for objective, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config({**base, "objective": objective})
     with pytest.raises(ConfigError, match=re.escape("remove data.format")):
         train(parse_config({**base, "objective": "dpo", "data": {**base["data"], "format": "chat"}}))
+
+
+def test_dpo_loss_types_weights_and_rpo_reach_the_loss(tmp_path):
+    """At the first step the policy is its reference, so every log-ratio is 0 and each loss type has a known value
+    (beta 0.1): sigmoid log 2, ipo (1 / (2 beta))^2 = 25, hinge 1; RPO adds rpo_alpha times the logged NLL."""
+    objective = {
+        "type": "dpo", "loss_type": ["sigmoid", "ipo", "hinge"], "loss_weights": [1.0, 0.5, 2.0], "rpo_alpha": 0.3,
+    }  # fmt: skip
+    config = preference_config(tmp_path, objective, training={"max_steps": 1})
+    result = train(config)
+    (first,) = logged_steps(config.logging.run_dir)
+    expected = math.log(2) + 0.5 * 25 + 2.0 * 1 + 0.3 * first["nll_loss"]
+    assert first["nll_loss"] > 0
+    assert result.losses[0] == pytest.approx(expected, rel=1e-6)
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_preference_records_as_text_and_chat_with_masks_and_clear_errors(tmp_path):
