@@ -535,6 +535,13 @@ def fused_linear_dpo(
     for name, type_weight in zip(types, weights, strict=True):
         if name == "sft":
             loss = loss + type_weight * nll
+        elif name in ("aot", "aot_unpaired"):  # TRL's: sort over the batch, then the sigmoid loss
+            chosen, rejected = logps[:pairs], logps[pairs:]
+            if name == "aot":
+                delta = torch.sort(chosen - rejected).values - torch.sort(ref[:pairs] - ref[pairs:]).values
+            else:
+                delta = torch.sort(ratios[:pairs]).values - torch.sort(ratios[pairs:]).values
+            loss = loss + type_weight * _sigmoid_preference(beta * delta, label_smoothing).mean()
         else:
             per_pair = _dpo_pair_loss(
                 name, ratios[:pairs], ratios[pairs:], averages[:pairs], averages[pairs:], beta, label_smoothing,

@@ -219,7 +219,7 @@ def _dpo_smoothing(trainer) -> float:
 
 
 def dpo_compute_loss(self, model, inputs, return_outputs):
-    """DPOTrainer's loss (every loss type but 'aot' and 'aot_unpaired', and their weighted sums) and its metrics."""
+    """DPOTrainer's loss (every loss type, and their weighted sums) and its metrics."""
     mode = "train" if self.model.training else "eval"
     skip = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
     model_inputs = {name: value for name, value in inputs.items() if name not in skip}

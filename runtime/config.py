@@ -352,7 +352,7 @@ class TeacherConfig(Section):
 
 DpoLossType = Literal[
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
-    "discopop", "sigmoid_norm", "sft",
+    "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft",
 ]  # fmt: skip
 OBJECTIVE_SETTINGS = {  # objective setting -> the objectives it applies to
     "beta": ("dpo", "orpo", "simpo", "cpo", "kto", "distill"),
@@ -391,7 +391,8 @@ class ObjectiveConfig(Section):
     loss_type: DpoLossType | list[DpoLossType] = Field(
         "sigmoid",
         description="dpo: one of TRL's DPO loss types (sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, "
-        "sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, sft), or a list of them summed with loss_weights; "
+        "sppo_hard, apo_zero, apo_down, discopop, sigmoid_norm, aot, aot_unpaired, sft), or a list of them summed "
+        "with loss_weights; "
         "cpo, simpo: sigmoid, -log sigmoid of the margin",
     )
     loss_weights: list[float] | None = Field(

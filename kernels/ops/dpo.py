@@ -17,12 +17,16 @@ partner ``r`` with ``n`` target tokens each: ``x_c = logp_c - ref_c``, ``x_r = l
     apo_down      sigmoid(beta x_c) + 1 - sigmoid(z)
     discopop      -log sigmoid(z) (1 - sigmoid(z / tau)) + exp(-z) sigmoid(z / tau)   (tau = discopop_tau)
     sigmoid_norm  -log sigmoid(beta (x_c / n_c - x_r / n_r))
+    aot           the sigmoid loss of d = sort(logp_c - logp_r) - sort(ref_c - ref_r), sorted over the batch
+    aot_unpaired  the sigmoid loss of d = sort(x_c) - sort(x_r), sorted over the batch
     sft           the chosen tokens' mean negative log-likelihood (not per pair)
 
 The loss is the mean over pairs, and with several loss types the sum of each mean times its weight
 (``loss_weights``, TRL's). ``rpo_alpha`` adds ``rpo_alpha`` times the chosen tokens' mean negative
-log-likelihood (RPO). Every one of these is a sum over pairs (the NLL a sum over tokens), so the chunked pass
-computes it chunk by chunk; TRL's ``aot`` and ``aot_unpaired``, which sort the whole batch, are not offered.
+log-likelihood (RPO). Every one of these but the two ``aot`` types is a sum over pairs (the NLL a sum over
+tokens), so the chunked pass computes it chunk by chunk; ``aot`` and ``aot_unpaired`` (the alignment-via-optimal-
+transport losses) pair the batch's sorted log-ratios, so with either among the types the whole loss is computed
+once from every sequence's log-probs (``batch_loss``: one more forward matmul per chunk).
 Metrics, as TRL logs them: ``chosen_rewards = beta * x_c``, ``rejected_rewards = beta * x_r``,
 ``chosen_logps``, ``rejected_logps`` (one value per pair, averaged with ``average_log_prob``), and
 ``chosen_logits_mean``/``rejected_logits_mean`` (the mean logit over the target tokens and the vocabulary),
@@ -57,8 +61,9 @@ from tigon.kernels.utils import eager_under_compile, use_triton
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
-    "discopop", "sigmoid_norm", "sft",
+    "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft",
 )  # fmt: skip
+SORTED_TYPES = ("aot", "aot_unpaired")  # they pair the batch's sorted log-ratios: the whole batch at once
 
 
 def sigmoid_preference(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -109,6 +114,18 @@ def pair_losses(
     raise ValueError(f"loss_type={loss_type!r} is not a pairwise DPO loss")
 
 
+def sorted_losses(
+    loss_type: str, logp_c: torch.Tensor, logp_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, beta: float,
+    label_smoothing: float,
+) -> torch.Tensor:  # fmt: skip
+    """Per-rank loss of `aot` or `aot_unpaired` (the module docstring) over the whole batch's pairs."""
+    if loss_type == "aot":
+        delta = torch.sort(logp_c - logp_r).values - torch.sort(ref_c - ref_r).values
+    else:
+        delta = torch.sort(logp_c - ref_c).values - torch.sort(logp_r - ref_r).values
+    return sigmoid_preference(beta * delta, label_smoothing)
+
+
 def check_dpo_options(
     loss_type: str | Sequence[str], loss_weights: Sequence[float] | None, label_smoothing: float, discopop_tau: float,
     rpo_alpha: float | None,
@@ -118,11 +135,6 @@ def check_dpo_options(
     if not types:
         raise ValueError("loss_type is empty; pass one of TRL's DPO loss types, e.g. 'sigmoid'")
     for name in types:
-        if name in ("aot", "aot_unpaired"):
-            raise ValueError(
-                f"loss_type={name!r} sorts the log-ratios over the whole batch, which the chunked fused loss cannot "
-                "do; use TRL's own loss for it"
-            )
         if name not in DPO_LOSS_TYPES:
             raise ValueError(f"loss_type={name!r} is not one of {DPO_LOSS_TYPES}")
     weights = tuple(float(w) for w in loss_weights) if loss_weights is not None else (1.0,) * len(types)
@@ -167,6 +179,10 @@ class DPO(PreferenceLoss):
         types, _ = self.weighted_types
         check_unit_interval("label_smoothing", self.label_smoothing, 0.5 if "sigmoid" in types else 1.0)
 
+    def batch_loss(self, batch: Batch) -> ChunkLoss | None:
+        """The whole loss at once when a sorted type is among the types (they rank the whole batch)."""
+        return self.chunk_loss(batch) if set(SORTED_TYPES) & set(self.weighted_types[0]) else None
+
     def chunk_loss(self, batch: Batch) -> ChunkLoss:
         types, weights = self.weighted_types
         beta, label_smoothing, discopop_tau = self.beta, self.label_smoothing, self.discopop_tau
@@ -179,10 +195,19 @@ class DPO(PreferenceLoss):
             logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor
         ) -> torch.Tensor:
             k = logps.shape[0] // 2
-            ratios = (safe_average(logps, counts) - safe_average(ref, counts)) if average_log_prob else logps - ref
+            if average_log_prob:
+                logps_seen, ref_seen = safe_average(logps, counts), safe_average(ref, counts)
+            else:
+                logps_seen, ref_seen = logps, ref
+            ratios = logps_seen - ref_seen
             loss = -logps[:k].sum() / chosen_tokens * nll_weight
             for name, type_weight in zip(types, weights, strict=True):
-                if name != "sft":
+                if name in SORTED_TYPES:
+                    losses = sorted_losses(
+                        name, logps_seen[:k], logps_seen[k:], ref_seen[:k], ref_seen[k:], beta, label_smoothing
+                    )
+                    loss = loss + losses.sum() / pairs * type_weight
+                elif name != "sft":
                     losses = pair_losses(
                         name, ratios[:k], ratios[k:], counts[:k], counts[k:], beta, label_smoothing, discopop_tau
                     )

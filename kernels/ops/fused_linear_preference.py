@@ -319,6 +319,39 @@ def run_preference(
     return result
 
 
+def run_whole_batch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | torch.Tensor | None,
+    loss_fn: ChunkLoss,
+    settings: PassSettings,
+) -> PassResult:
+    """A loss of the whole batch's log-probs (`PreferenceLoss.batch_loss`): a first pass computes every sequence's
+    log-probs (and the reference's), autograd on the loss gives `dL/dlogp` of each, and the chunked pass then writes
+    the gradients with those factors (as the loss linear in each log-prob, whose gradient is the same). One more
+    forward matmul per chunk than a chunked loss; the reference head runs once."""
+    if settings.nll_target is not None:
+        raise ValueError("a whole-batch preference loss takes no nll_target")
+    target = target.contiguous()
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        first, _ = chunked_pass(hidden, weight, bias, target, ref, None, settings, (False, False, False))
+    counts = (target != settings.ignore_index).sum(1).to(torch.float64)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    with torch.enable_grad():
+        leaf = first.logps.clone().requires_grad_(True)
+        value = loss_fn(leaf, counts, first.ref_logps, rows)
+        (factors,) = torch.autograd.grad(value, leaf)
+
+    def linear(logps: torch.Tensor, counts: torch.Tensor, ref: torch.Tensor | None, rows: torch.Tensor):
+        return (factors[rows] * logps).sum()
+
+    result = run_preference(hidden, weight, bias, target, first.ref_logps, linear, settings)
+    result.loss = result.loss + (value.detach().float() - result.loss.detach())  # the loss's value, linear's gradient
+    return result
+
+
 @eager_under_compile
 def sequence_logps(
     hidden: torch.Tensor,
@@ -556,6 +589,11 @@ class PreferenceLoss(ABC):
     def chunk_loss(self, batch: Batch) -> ChunkLoss:
         """The formula: one chunk's share of the loss from its sequences' log-probs (see `ChunkLoss`)."""
 
+    def batch_loss(self, batch: Batch) -> ChunkLoss | None:
+        """The formula over the whole batch's log-probs at once, for a loss that ranks the batch's sequences against
+        each other (so no chunk's share can be computed alone); None (the default): the loss is a sum of chunks'."""
+        return None
+
     @abstractmethod
     def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
         """The metrics TRL logs, from the pass's per-sequence results: detached, float32."""
@@ -642,5 +680,9 @@ def fused_linear_preference(
     if nll_target is not None:
         settings = replace(settings, nll_target=nll_target.contiguous())
     source = reference_source(ref_logps, ref_hidden, ref_weight, ref_bias)
-    result = run_preference(hidden, weight, bias, target, source, loss.chunk_loss(batch), settings)
+    whole = loss.batch_loss(batch)
+    if whole is not None:
+        result = run_whole_batch(hidden, weight, bias, target, source, whole, settings)
+    else:
+        result = run_preference(hidden, weight, bias, target, source, loss.chunk_loss(batch), settings)
     return result.loss, loss.metrics(batch, result)

@@ -149,6 +149,8 @@ DPO_TYPES = {
     "apo_down": {},
     "discopop": {"discopop_tau": 0.5},
     "sigmoid_norm": {"beta": 2.0},
+    "aot": {},
+    "aot_unpaired": {"label_smoothing": 0.1},
     "sft": {},
 }
 
@@ -166,6 +168,8 @@ def test_dpo_loss_types(loss_type, device):
         {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [0.5, 2.0, 0.3], "ref": "logps"},
         {"loss_type": "apo_zero", "average_log_prob": True, "rpo_alpha": 0.7, "beta": 1.0},
         {"loss_type": "bco_pair", "average_log_prob": True, "beta": 2.0},
+        {"loss_type": ["aot", "sigmoid", "sft"], "loss_weights": [1.0, 0.5, 0.2], "beta": 2.0},
+        {"loss_type": "aot_unpaired", "average_log_prob": True, "rpo_alpha": 0.5, "beta": 2.0, "ref": "logps"},
     ],
 )
 def test_dpo_combined_types_average_log_prob_and_rpo(options, dtype, device):
@@ -212,7 +216,6 @@ def test_dpo_bad_options(device):
     h, w, _, target = make_inputs(4, 5, 8, 33, torch.float32, device, 0, with_bias=False)
     ref = torch.zeros(4, device=device)
     cases = [
-        ({"loss_type": "aot"}, "sorts the log-ratios over the whole batch"),
         ({"loss_type": "kto_pair"}, "is not one of"),
         ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}, "one per type"),
         ({"loss_type": "exo_pair"}, "0 < label_smoothing < 1"),

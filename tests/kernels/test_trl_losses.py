@@ -80,8 +80,12 @@ def close(ours: list[dict], theirs: list[dict], names, relative: float, absolute
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"precompute_ref_log_probs": True, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}],
-    ids=["reference-model", "precomputed-sigmoid-and-sft"],
+    [
+        {},
+        {"precompute_ref_log_probs": True, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+        {"precompute_ref_log_probs": True, "loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5]},
+    ],
+    ids=["reference-model", "precomputed-sigmoid-and-sft", "precomputed-aot-types"],
 )
 def test_dpo_trainer_with_tigon_logs_trls_losses_and_metrics(tmp_path, settings):
     ours, theirs, _, _ = tigon_and_trl(tmp_path, trl.DPOConfig, trl.DPOTrainer, PAIRS, beta=0.1, **settings)
@@ -160,7 +164,6 @@ def test_settings_tigon_cannot_compute_raise_with_the_fix(tmp_path):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     cases = [
-        (trl.DPOConfig, trl.DPOTrainer, {"loss_type": ["aot"]}, "loss_type='aot' sorts the log-ratios"),
         (trl.DPOConfig, trl.DPOTrainer, {"use_weighting": True}, "DPOConfig.use_weighting=True .* set use_weighting"),
         (trl.DPOConfig, trl.DPOTrainer, {"ld_alpha": 0.5}, r"DPOConfig.ld_alpha=0.5 .* set ld_alpha=None"),
         (CPOConfig, CPOTrainer, {"loss_type": "ipo"}, "CPOConfig.loss_type='ipo' .* use loss_type 'sigmoid'"),

@@ -437,3 +437,12 @@ def test_preference_objectives_under_fsdp_and_zero2_match_ddp(tmp_path):
         assert len(pairs) > 8, name
         for got, want in pairs:
             assert abs(got - want) <= 1e-5 * abs(want) + 1e-7, (name, strategy, ddp, sharded)
+
+
+def test_the_config_offers_every_dpo_loss_type_the_op_computes():
+    from typing import get_args
+
+    from tigon.kernels.ops.dpo import DPO_LOSS_TYPES
+    from tigon.runtime.config import DpoLossType
+
+    assert sorted(get_args(DpoLossType)) == sorted(DPO_LOSS_TYPES)
