@@ -220,6 +220,8 @@ def preference_loss(
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
     layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
+    if "desirable" in batch:  # copied before any forward is queued: a copy from the host waits for the GPU
+        batch = {**batch, "desirable": batch["desirable"].to(device)}
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
