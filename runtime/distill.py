@@ -127,7 +127,7 @@ def distill_sums(
     from tigon.kernels import functional as F
 
     objective = config.objective
-    batch = {name: value.to(device) for name, value in batch.items()}
+    batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
     inputs = model_inputs(batch, config.model.attn_implementation)
     labels = inputs.pop("labels")
     target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)

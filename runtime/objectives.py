@@ -220,8 +220,8 @@ def preference_loss(
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
     layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
-    if "desirable" in batch:  # copied before any forward is queued: a copy from the host waits for the GPU
-        batch = {**batch, "desirable": batch["desirable"].to(device)}
+    if "desirable" in batch:  # on the GPU before the forward, not waited for between forward and loss
+        batch = {**batch, "desirable": batch["desirable"].to(device, non_blocking=True)}
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
@@ -234,7 +234,7 @@ def preference_loss(
             ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, ref_weight, ref_bias)
             reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
         elif source == "precomputed":
-            reference = {"ref_logps": rows(batch["ref_logps"]).to(device)}
+            reference = {"ref_logps": rows(batch["ref_logps"]).to(device, non_blocking=True)}
         elif source == "none":
             reference = {"ref_logps": torch.zeros(target.shape[0], dtype=torch.float64, device=device)}
         return in_root_forward(

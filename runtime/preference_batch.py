@@ -55,9 +55,15 @@ def preference_rows(
     input_ids = rows(batch["input_ids"][..., :length])
     mask = rows(batch["attention_mask"][..., :length])
     labels = rows(batch["labels"][..., :length])
-    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(device)
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(device, non_blocking=True)
     if not packing:
-        return PreferenceRows({"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}, target)
+        return PreferenceRows(
+            {
+                "input_ids": input_ids.to(device, non_blocking=True),
+                "attention_mask": mask.to(device, non_blocking=True),
+            },
+            target,
+        )
     keep = mask.bool()  # right padding: each row's tokens come first
     tokens = int(keep.sum())
     index = torch.full(mask.shape, tokens, dtype=torch.long)
@@ -68,4 +74,4 @@ def preference_rows(
     packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions[keep][None]}
     inputs = model_inputs(packed, attn_implementation, device)
     inputs.pop("labels")
-    return PreferenceRows(inputs, target, index.to(device))
+    return PreferenceRows(inputs, target, index.to(device, non_blocking=True))
