@@ -53,7 +53,9 @@ class Family:
 
     `norm_casting` is "gemma" for norms that scale in float32 and cast once at the end.
     `rope` is False where the family's `apply_rotary_pos_emb` is not the Llama rotate-half form;
-    `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
+    `partial_rope` routes calls whose `cos` covers only part of the head dim to the original;
+    `rope_one_tensor` marks a family whose `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)` rotates one tensor
+    (Gemma 4 rotates queries and keys in separate calls).
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
     `transformers4` lists `(field, value)` pairs that replace this row's fields on the transformers 4.x
@@ -81,6 +83,7 @@ class Family:
     norm_casting: str = "llama"
     rope: bool = True
     partial_rope: bool = False
+    rope_one_tensor: bool = False
     unfit: tuple[tuple[str, str], ...] = ()
     vision_mlp: tuple[str, ...] = ()
     layer_norm: bool = False
@@ -134,6 +137,17 @@ _LLAMA4_TEXT = (
     ),
     ("rms_norm", "Llama 4's weightless QK L2 norm (Llama4TextL2Norm) stays"),
 )
+# Gemma 4: a gated MLP no module holds, and the audio tower's ungated one.
+_GEMMA4_PER_LAYER = (
+    "swiglu",
+    "Gemma 4's per-layer embeddings (hidden_size_per_layer_input) gate act(per_layer_input_gate(h)) * "
+    "per_layer_input inside the decoder layer's forward, not in a module tigon swaps",
+)
+_GEMMA4_AUDIO_MLP = (
+    "swiglu",
+    "the audio tower's feed-forward is ffw_layer_1, an activation, ffw_layer_2 with no gate: no tigon kernel "
+    "computes it",
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
@@ -181,6 +195,18 @@ FAMILIES: dict[str, Family] = {
         in_place_norm_backward=False,
         final_logit_softcapping=True,
         causal_lm="Gemma3ForCausalLM",
+    ),
+    "gemma4_text": Family(
+        _models("gemma4"),
+        ("Gemma4RMSNorm",),  # scales by weight, not 1 + weight; with_scale=False (value, router norms): no weight
+        ("Gemma4TextMLP",),  # use_double_wide_mlp: the key-sharing layers' MLP is twice as wide, the same GeGLU
+        experts=("Gemma4TextExperts",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        rope_one_tensor=True,  # proportional RoPE's cos/sin span the head dim (1 and 0 past the rotated part)
+        final_logit_softcapping=True,
+        unfit=(_GEMMA4_PER_LAYER,),
+        causal_lm="Gemma4ForCausalLM",
     ),
     "phi3": Family(
         _models("phi3"),
@@ -340,6 +366,20 @@ FAMILIES: dict[str, Family] = {
         unfit=(_VISION_FC_MLP,),
         causal_lm="Gemma3ForConditionalGeneration",  # no final_logit_softcapping here, unlike Gemma3ForCausalLM
     ),
+    "gemma4": Family(
+        _models("gemma4"),
+        ("Gemma4RMSNorm",),  # the language, vision and audio towers' and the multimodal embedders'
+        ("Gemma4TextMLP",),
+        experts=("Gemma4TextExperts",),
+        vision_mlp=("Gemma4VisionMLP",),  # its clipped Linear layers stay, clamps included
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        rope_one_tensor=True,  # the vision tower's 2-D RoPE calls the same function once per axis
+        layer_norm=True,  # the audio tower's subsampling projection's
+        final_logit_softcapping=True,
+        unfit=(_GEMMA4_PER_LAYER, _GEMMA4_AUDIO_MLP),
+        causal_lm="Gemma4ForConditionalGeneration",
+    ),
     "mllama": Family(
         _models("mllama"),
         ("MllamaTextRMSNorm",),
@@ -472,6 +512,8 @@ def _unfit(family: Family, wanted: dict[str, bool]) -> list[str]:
 
 def _rope_function(family: Family, module):
     """tigon's RoPE, or for partial-rotary families a wrapper that leaves partial calls to the original."""
+    if family.rope_one_tensor:
+        return functional.apply_rotary_pos_emb_one
     if not family.partial_rope:
         return functional.apply_rotary_pos_emb
     current = module.apply_rotary_pos_emb

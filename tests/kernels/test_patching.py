@@ -3,7 +3,6 @@
 import copy
 import dataclasses
 import importlib
-import importlib.util
 import logging
 import re
 
@@ -17,6 +16,7 @@ from tests.kernels.families import (
     Swaps,
     assert_lora_adapters_kept,
     assert_same_training_step,
+    family_params,
     own_failure,
     tiny,
 )
@@ -43,15 +43,6 @@ CASES_4X = {
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
 
-def shipped(model_type: str) -> bool:
-    """Whether the installed transformers has the family's modeling module (older releases predate newer families;
-    transformers 4.57 ships every family of the table)."""
-    return importlib.util.find_spec(patching.FAMILIES[model_type].modeling) is not None
-
-
-SHIPPED_CASES = [model_type for model_type in FAMILY_CASES if shipped(model_type)]
-
-
 def expected_swaps(model_type: str) -> Swaps:
     """What patching the family's tiny model swaps and skips, on the installed transformers line."""
     if TRANSFORMERS_4 and model_type in CASES_4X:
@@ -59,7 +50,7 @@ def expected_swaps(model_type: str) -> Swaps:
     return FAMILY_CASES[model_type].swaps
 
 
-@pytest.mark.parametrize("model_type", SHIPPED_CASES)
+@pytest.mark.parametrize("model_type", family_params(FAMILY_CASES))
 def test_patched_model_matches_eager(model_type, restore_rope):
     overrides = FAMILY_CASES[model_type].overrides
     mlps, experts, rope, skipped = expected_swaps(model_type)
@@ -85,7 +76,9 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     assert report.applied.get("layer_norm", 0) == vision_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
     norm = next(module for module in decoder_of(patched).layers[0].modules() if isinstance(module, modules.RMSNorm))
-    in_place = model_type not in ("gemma2", "gemma3_text", "gemma3", "paligemma", "olmo2", "olmo3", "glm4")
+    in_place = model_type not in (
+        *("gemma2", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "paligemma", "olmo2", "olmo3", "glm4"),
+    )
     assert norm.in_place_backward is in_place
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
     assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
