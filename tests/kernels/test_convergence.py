@@ -11,9 +11,9 @@ Compared, with the bounds below:
   error < 1e-4;
 and the loss must fall by a third, so the test compares real training. Before any step, every
 parameter's gradient agrees within 1e-4, so a kernel error shows at step 0, before the optimizer
-can amplify it. A family whose training amplifies rounding more (Gemma 4) has wider trajectory bounds in
-CHAOTIC_BOUNDS, with the measurements behind them; its step-0 gradients are held to the same bound. On the CPU
-the kernels run through Triton's interpreter at tiny sizes.
+can amplify it. A family whose training amplifies rounding more (Qwen2-VL's key bias, Gemma 4) has
+wider trajectory bounds in WIDER_BOUNDS, with the measurements behind them; its step-0 gradients are held
+to the same bound. On the CPU the kernels run through Triton's interpreter at tiny sizes.
 
 The GPU variant runs every family at real widths (hidden 1024, vocabulary 32,000) against the truth, a
 float64 run of the unpatched model, next to transformers' own fp32 run. There every fp32 trajectory,
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.kernels.families import FAMILY_CASES, GEMMA4, MULTIMODAL, ROPE_KEY, TOWERS, family_params
+from tests.kernels.families import FAMILY_CASES, GEMMA4, MROPE, MULTIMODAL, ROPE_KEY, TOWERS, family_params
 from tests.kernels.helpers import installed_modeling, relative_error
 from tigon.kernels.patching import FAMILIES, apply
 
@@ -67,19 +67,30 @@ CPU_FAMILIES = {
     "qwen3": {},
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_vl": MROPE,  # the language tower (the vision tower, fed no image, stays as built)
     # The double-wide MLP, key sharing, per-layer embeddings, logit softcapping; full-attention heads of 16, not the
-    # patching tests' 32, where transformers' own fp32 run ends 1% from float64 (see CHAOTIC_BOUNDS).
+    # patching tests' 32, where transformers' own fp32 run ends 1% from float64 (see WIDER_BOUNDS).
     "gemma4_text": dict(GEMMA4, global_head_dim=16, hidden_size_per_layer_input=16),
 }
 
-# Per-step loss, final parameters and eval logits for a family whose training amplifies rounding past the bounds
-# above; step 0 (every gradient within GRAD_BOUND) still holds it as tightly as the rest. Gemma 4 scores attention at
-# scale 1 on RMS-normed queries and keys, and its query/key norm weights' gradients cancel (transformers' own fp32
-# gradient for them is 5.6e-6 from float64 at step 0, tigon's 1.5e-5). Measured on this row (CPU, 30 steps):
-# transformers' fp32 run ends 7.5e-5 / 1.5e-3 / 4.8e-4 from its float64 run, tigon's 1.7e-4 / 4.2e-3 / 1.3e-3 from
-# transformers' fp32; computing transformers' own norm with rsqrt in place of pow(x, -0.5) alone moved the losses
-# 8e-4 apart with heads of 32.
-CHAOTIC_BOUNDS = {"gemma4_text": (5e-4, 1e-2, 4e-3)}
+# Per-step loss, final parameters and eval logits for the families whose training amplifies rounding past the bounds
+# above: transformers' own fp32 run departs from its float64 run by as much there, so any rounding difference of
+# tigon's moves as far. Step 0 (every gradient within GRAD_BOUND) holds them as tightly as the rest. All runs fp32;
+# measured on the CPU (kernels in Triton's interpreter), 30 steps.
+WIDER_BOUNDS = {
+    # Qwen2's key bias: softmax ignores a shift shared by all of a query's scores, so most of the key bias's gradient
+    # cancels (its step-0 norm is 1.8e-3 where the value bias's is 0.35) and what is left is mostly rounding, which
+    # Adam scales to full-size steps. transformers' fp32 run ends with layer 1's k_proj.bias 3.0e-4 from float64;
+    # tigon's is 1.6e-4 from transformers' (2.1e-4 from float64), every other parameter under 8e-5. The RMSNorm, the
+    # gated MLP or the fused loss alone each move it 1.8e-4 to 2.7e-4: it is no one op's error.
+    "qwen2_vl": (LOSS_BOUND, 4e-4, LOGITS_BOUND),
+    # Gemma 4 scores attention at scale 1 on RMS-normed queries and keys, and its query/key norm weights' gradients
+    # cancel (transformers' fp32 gradient for them is 5.6e-6 from float64 at step 0, tigon's 1.5e-5). transformers'
+    # fp32 run ends 7.5e-5 / 1.5e-3 / 4.8e-4 from float64, tigon's 1.7e-4 / 4.2e-3 / 1.3e-3 from transformers' fp32;
+    # computing transformers' own norm with rsqrt in place of pow(x, -0.5) alone moved the losses 8e-4 apart with
+    # full-attention heads of 32.
+    "gemma4_text": (5e-4, 1e-2, 4e-3),
+}
 
 
 def build(model_type: str, size: dict, overrides: dict) -> torch.nn.Module:
@@ -204,7 +215,7 @@ def assert_same_training(model_type: str, size: dict, overrides: dict, shape: tu
     ours, theirs, _ = train_all(model_type, size, overrides, shape, "cpu", kernels)
     loss_error, param_error, logits_error = distances(ours, theirs)
     print(f"{model_type}: loss {loss_error:.2e}, parameters {param_error:.2e}, eval logits {logits_error:.2e}")
-    loss_bound, param_bound, logits_bound = CHAOTIC_BOUNDS.get(model_type, (LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND))
+    loss_bound, param_bound, logits_bound = WIDER_BOUNDS.get(model_type, (LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND))
     assert loss_error <= loss_bound, f"per-step losses differ by {loss_error:.2e} (relative)"
     assert param_error < param_bound, f"final parameters differ by {param_error:.2e} (relative)"
     assert logits_error < logits_bound, f"eval logits differ by {logits_error:.2e} (relative)"
