@@ -525,6 +525,7 @@ NOT_BENCHMARKED = {
         "qwen3_vl",
         "qwen3_vl_moe",
         "gemma3",
+        "gemma4",
         "mllama",
         "llava",
         "paligemma",
@@ -532,6 +533,7 @@ NOT_BENCHMARKED = {
         "mistral3",
     )
 } | {
+    "gemma4_text": "the benchmark image's transformers predates Gemma 4 (it has no modeling_gemma4)",
     "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
     "llama4_text": "one Llama 4 Scout layer (16 experts of 3 x 5120 x 8192) and its embeddings are 4.3B parameters, "
     "past what AdamW trains in bf16 beside the activations on one 80 GB GPU",

@@ -24,6 +24,7 @@ from tigon.kernels.ops.simpo import fused_linear_simpo
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_one",
     "cross_entropy",
     "fused_add_rms_norm",
     "fused_linear_cpo",
@@ -66,3 +67,15 @@ def apply_rotary_pos_emb(
         q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     raise ValueError(f"unsqueeze_dim must be 1 (q is B,H,S,D) or 2 (q is B,S,H,D), got {unsqueeze_dim}")
+
+
+def apply_rotary_pos_emb_one(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> torch.Tensor:
+    """Drop-in for Gemma 4's one-tensor `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)`.
+
+    Gemma 4 rotates queries and keys in separate calls (its key-sharing layers rotate no keys), so this runs
+    tigon's RoPE on `x` alone: `x` as q, beside a key of zero heads that the kernel never reads.
+    """
+    none = x.narrow(2 if unsqueeze_dim == 2 else 1, 0, 0)
+    return apply_rotary_pos_emb(x, none, cos, sin, unsqueeze_dim=unsqueeze_dim)[0]

@@ -53,11 +53,10 @@ def device():
 @pytest.fixture
 def restore_rope():
     """RoPE patching replaces a module-level function; put the originals back after the test."""
-    import importlib
-
+    from tests.kernels.helpers import installed_modeling
     from tigon.kernels.patching import FAMILIES
 
-    modelings = {importlib.import_module(family.modeling) for family in FAMILIES.values()}
+    modelings = {module for family in FAMILIES.values() if (module := installed_modeling(family.modeling))}
     saved = {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
     yield
     for module, function in saved.items():
@@ -67,14 +66,15 @@ def restore_rope():
 @pytest.fixture
 def restore_modeling(restore_rope):
     """apply_to swaps module-level classes; put the originals back after the test."""
-    import importlib
-
+    from tests.kernels.helpers import installed_modeling
     from tigon.kernels.patching import FAMILIES
 
     saved = {}
     for family in FAMILIES.values():
         family = family.installed()
-        module = importlib.import_module(family.modeling)
+        module = installed_modeling(family.modeling)
+        if module is None:
+            continue
         names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts, *family.expert_mlp)
         saved[module] = {name: getattr(module, name) for name in names}
         causal_lm = getattr(module, family.causal_lm)

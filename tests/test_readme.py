@@ -28,3 +28,14 @@ def test_kernels_guide_python_examples_run(restore_modeling):  # it calls apply_
     pytest.importorskip("transformers")
     namespace = run_python_blocks(ROOT / "docs" / "kernels.md", at_least=9)
     assert namespace["loss"].ndim == 0 and "fused_linear_cross_entropy x1" in str(namespace["report"])
+    gemma4 = namespace["gemma4"]  # the double-wide MLP of the key-sharing layer, swapped at its own width
+    assert (
+        type(gemma4.model.layers[2].mlp).__name__ == "GatedMLP"
+        and gemma4.model.layers[2].mlp.up_proj.out_features == 192
+    )
+    assert namespace["gemma4_report"].applied == {
+        "rms_norm": 24,
+        "gated_mlp": 3,
+        "rope": 1,
+        "fused_linear_cross_entropy": 1,
+    }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -53,7 +54,11 @@ class Family:
 
     `norm_casting` is "gemma" for norms that scale in float32 and cast once at the end.
     `rope` is False where the family's `apply_rotary_pos_emb` is not the Llama rotate-half form;
-    `partial_rope` routes calls whose `cos` covers only part of the head dim to the original.
+    `partial_rope` routes calls whose `cos` covers only part of the head dim to the original;
+    `mlp_width(config, layer_idx)` is the width of the row's `mlp` classes where transformers builds them from
+    `(config, layer_idx)` (Gemma 4's double-wide MLP): `apply_to`'s classes then take those arguments.
+    `rope_one_tensor` marks a family whose `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)` rotates one tensor
+    (Gemma 4 rotates queries and keys in separate calls).
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
     `transformers4` lists `(field, value)` pairs that replace this row's fields on the transformers 4.x
@@ -81,6 +86,8 @@ class Family:
     norm_casting: str = "llama"
     rope: bool = True
     partial_rope: bool = False
+    rope_one_tensor: bool = False
+    mlp_width: Callable[[object, int], int] | None = None
     unfit: tuple[tuple[str, str], ...] = ()
     vision_mlp: tuple[str, ...] = ()
     layer_norm: bool = False
@@ -135,6 +142,26 @@ _LLAMA4_TEXT = (
     ("rms_norm", "Llama 4's weightless QK L2 norm (Llama4TextL2Norm) stays"),
 )
 
+
+def _gemma4_mlp_width(config, layer_idx: int) -> int:
+    """Gemma4TextMLP's width: twice `intermediate_size` in the layers that reuse another layer's keys and values,
+    under `use_double_wide_mlp`."""
+    double = config.use_double_wide_mlp and config.kv_sharing_modes[layer_idx] == "reuse"
+    return config.intermediate_size * (2 if double else 1)
+
+
+# Gemma 4: a gated MLP no module holds, and the audio tower's ungated one.
+_GEMMA4_PER_LAYER = (
+    "swiglu",
+    "Gemma 4's per-layer embeddings (hidden_size_per_layer_input) gate act(per_layer_input_gate(h)) * "
+    "per_layer_input inside the decoder layer's forward, not in a module tigon swaps",
+)
+_GEMMA4_AUDIO_MLP = (
+    "swiglu",
+    "the audio tower's feed-forward is ffw_layer_1, an activation, ffw_layer_2 with no gate: no tigon kernel "
+    "computes it",
+)
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
     "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",), causal_lm="MistralForCausalLM"),
@@ -181,6 +208,19 @@ FAMILIES: dict[str, Family] = {
         in_place_norm_backward=False,
         final_logit_softcapping=True,
         causal_lm="Gemma3ForCausalLM",
+    ),
+    "gemma4_text": Family(
+        _models("gemma4"),
+        ("Gemma4RMSNorm",),  # scales by weight, not 1 + weight; with_scale=False (value, router norms): no weight
+        ("Gemma4TextMLP",),  # use_double_wide_mlp: the key-sharing layers' MLP is twice as wide, the same GeGLU
+        experts=("Gemma4TextExperts",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        rope_one_tensor=True,  # proportional RoPE's cos/sin span the head dim (1 and 0 past the rotated part)
+        mlp_width=_gemma4_mlp_width,
+        final_logit_softcapping=True,
+        unfit=(_GEMMA4_PER_LAYER,),
+        causal_lm="Gemma4ForCausalLM",
     ),
     "phi3": Family(
         _models("phi3"),
@@ -340,6 +380,21 @@ FAMILIES: dict[str, Family] = {
         unfit=(_VISION_FC_MLP,),
         causal_lm="Gemma3ForConditionalGeneration",  # no final_logit_softcapping here, unlike Gemma3ForCausalLM
     ),
+    "gemma4": Family(
+        _models("gemma4"),
+        ("Gemma4RMSNorm",),  # the language, vision and audio towers' and the multimodal embedders'
+        ("Gemma4TextMLP",),
+        experts=("Gemma4TextExperts",),
+        vision_mlp=("Gemma4VisionMLP",),  # its clipped Linear layers stay, clamps included
+        in_place_norm_backward=False,
+        norm_casting="gemma",
+        rope_one_tensor=True,  # the vision tower's 2-D RoPE calls the same function once per axis
+        mlp_width=_gemma4_mlp_width,
+        layer_norm=True,  # the audio tower's subsampling projection's
+        final_logit_softcapping=True,
+        unfit=(_GEMMA4_PER_LAYER, _GEMMA4_AUDIO_MLP),
+        causal_lm="Gemma4ForConditionalGeneration",
+    ),
     "mllama": Family(
         _models("mllama"),
         ("MllamaTextRMSNorm",),
@@ -472,6 +527,8 @@ def _unfit(family: Family, wanted: dict[str, bool]) -> list[str]:
 
 def _rope_function(family: Family, module):
     """tigon's RoPE, or for partial-rotary families a wrapper that leaves partial calls to the original."""
+    if family.rope_one_tensor:
+        return functional.apply_rotary_pos_emb_one
     if not family.partial_rope:
         return functional.apply_rotary_pos_emb
     current = module.apply_rotary_pos_emb
@@ -601,23 +658,33 @@ def apply(
 
 
 def _norm_class(family: Family, original: type) -> type:
-    """A tigon norm with the HF constructor (`hidden_size` or `dim`, `eps`) and the HF class name."""
+    """A tigon norm with the HF constructor (`hidden_size` or `dim`, `eps`, Gemma 4's `with_scale`) and the HF
+    class name."""
     base = GemmaRMSNorm if family.gemma_norm else RMSNorm
     options = {"in_place_backward": family.in_place_norm_backward}
     if not family.gemma_norm:
         options["casting"] = family.norm_casting
 
-    def __init__(self, hidden_size=None, eps=1e-6, dim=None):
-        base.__init__(self, hidden_size if hidden_size is not None else dim, eps, **options)
+    def __init__(self, hidden_size=None, eps=1e-6, dim=None, with_scale=True):
+        weightless = {} if with_scale else {"with_weight": False}
+        base.__init__(self, hidden_size if hidden_size is not None else dim, eps, **options, **weightless)
 
     return type(
         original.__name__, (base,), {"__init__": __init__, "__module__": __name__, "__tigon_original__": original}
     )
 
 
-def _mlp_class(base: type, original: type) -> type:
-    """A tigon MLP or experts module with the HF constructor (`config`, optional sizes) and the HF class name."""
-    return type(original.__name__, (base,), {"__module__": __name__, "__tigon_original__": original})
+def _mlp_class(base: type, original: type, width: Callable[[object, int], int] | None = None) -> type:
+    """A tigon MLP or experts module with the HF constructor (`config`, optional sizes; with `width`,
+    `(config, layer_idx)`) and the HF class name."""
+    namespace = {"__module__": __name__, "__tigon_original__": original}
+    if width is not None:
+
+        def __init__(self, config, layer_idx: int):
+            base.__init__(self, config, width(config, layer_idx))
+
+        namespace["__init__"] = __init__
+    return type(original.__name__, (base,), namespace)
 
 
 def apply_to(
@@ -651,7 +718,8 @@ def apply_to(
         swaps += [(name, "rms_norm", _norm_class) for name in family.rms_norm]
     if swiglu:
         for name, (base, swap) in _swapped_classes(family).items():
-            swaps.append((name, swap, lambda _, original, base=base: _mlp_class(base, original)))
+            width = family.mlp_width if name in family.mlp else None
+            swaps.append((name, swap, lambda _, original, base=base, width=width: _mlp_class(base, original, width)))
     for name, kernel, make in swaps:
         current = getattr(module, name)
         original = getattr(current, "__tigon_original__", current)

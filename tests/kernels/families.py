@@ -2,13 +2,14 @@
 patching, loss, convergence, MoE and classification tests share."""
 
 import copy
+import importlib.util
 from typing import NamedTuple
 
 import pytest
 import torch
 
 from tests.kernels.helpers import relative_error
-from tigon.kernels.patching import apply
+from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,6 +27,7 @@ MULTIMODAL = {
     "qwen3_vl": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
     "qwen3_vl_moe": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
     "gemma3": (VISION, dict(mm_tokens_per_image=4)),
+    "gemma4": (dict(VISION, head_dim=16, pooling_kernel_size=2), {}),
     "mllama": (
         dict(
             hidden_size=32,
@@ -114,6 +116,29 @@ LLAMA4 = dict(
     no_rope_layers=[1, 1],
     layer_types=["full_attention", "full_attention"],
 )
+# Gemma 4, three layers: the third shares the keys and values of the second (both full attention, whose heads are
+# wider, with proportional RoPE) and has the double-wide MLP; per-layer embeddings on. Its multimodal row runs the
+# MoE block beside each layer's MLP instead, without per-layer embeddings.
+GEMMA4 = dict(
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
+    sliding_window=4,
+    global_head_dim=32,
+    num_kv_shared_layers=1,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=1000,
+    final_logit_softcapping=30.0,
+)
+GEMMA4_MOE = dict(
+    global_head_dim=32,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    final_logit_softcapping=30.0,
+)
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 # transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
 ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
@@ -150,6 +175,7 @@ FAMILY_CASES = {
     "qwen3_moe": case(dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
     "gemma2": case({}, 2, 0, True, []),
     "gemma3_text": case({}, 2, 0, True, []),
+    "gemma4_text": case(GEMMA4, 3, 0, True, ["swiglu (Gemma 4's per-layer"]),
     "phi3": case({}, 2, 0, True, []),
     "olmo2": case({}, 2, 0, True, []),
     "glm4": case({}, 2, 0, False, ["rope (Glm4"]),
@@ -168,6 +194,7 @@ FAMILY_CASES = {
     "qwen3_vl": case(MROPE, 2, 0, True, ["rope (the vision", "swiglu (the vision"]),
     "qwen3_vl_moe": case(dict(MROPE, num_experts=4, **MOE), 0, 2, True, ["rope (the vision", "swiglu (the vision"]),
     "gemma3": case({}, 2, 0, True, ["swiglu (the vision"]),
+    "gemma4": case(GEMMA4_MOE, 2 + 1, 2, True, ["swiglu (Gemma 4's per-layer", "swiglu (the audio"]),
     "mllama": case(
         dict(cross_attention_layers=[1], **{ROPE_KEY: dict(rope_type="default", rope_theta=10000.0)}),
         2,
@@ -181,6 +208,29 @@ FAMILY_CASES = {
     "internvl": case({}, 2, 0, True, ["swiglu (the vision"]),
     "mistral3": case({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
 }
+
+
+def shipped(model_type: str) -> bool:
+    """Whether the installed transformers has the family's modeling module (older releases predate newer families)."""
+    try:
+        return importlib.util.find_spec(FAMILIES[model_type].modeling) is not None
+    except ModuleNotFoundError:  # its model folder is missing too
+        return False
+
+
+def family_params(model_types) -> list:
+    """One pytest param per family; a family the installed transformers predates is skipped, with the reason."""
+    return [
+        pytest.param(
+            model_type,
+            marks=pytest.mark.skipif(
+                not shipped(model_type),
+                reason=f"transformers {transformers.__version__} has no {FAMILIES[model_type].modeling}: "
+                f"{model_type} needs a newer transformers",
+            ),
+        )
+        for model_type in model_types
+    ]
 
 
 def assert_same_training_step(baseline, patched, batch, **inputs):

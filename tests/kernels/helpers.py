@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import torch
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -45,3 +48,11 @@ def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
     return sum(storages.values())
+
+
+def installed_modeling(name: str) -> ModuleType | None:
+    """The modeling module `name`, or None where the installed transformers predates its family."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        return None

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tests.kernels.families import FAMILY_CASES, own_failure, tiny
+from tests.kernels.families import FAMILY_CASES, family_params, own_failure, tiny
 from tests.kernels.helpers import relative_error
 from tigon.kernels.patching import apply
 
@@ -18,6 +18,8 @@ VOCAB = 131
 HEAD_OVERRIDES = {
     "gemma2": dict(final_logit_softcapping=3.0),
     "gemma3_text": dict(final_logit_softcapping=3.0),
+    "gemma4_text": dict(final_logit_softcapping=3.0),
+    "gemma4": dict(final_logit_softcapping=3.0),
     "granite": dict(logits_scaling=2.5),
     "mixtral": dict(output_router_logits=True, router_aux_loss_coef=0.1),
     "qwen3_vl_moe": dict(output_router_logits=True, router_aux_loss_coef=0.1),  # the coefficient on the text config
@@ -42,7 +44,7 @@ def assert_same_grads(patched, baseline, bound: float = 1e-5):
         assert relative_error(ours.grad, theirs.grad) < bound, name
 
 
-@pytest.mark.parametrize("model_type", list(FAMILY_CASES))
+@pytest.mark.parametrize("model_type", family_params(FAMILY_CASES))
 def test_loss_and_grads_match_transformers_without_logits(model_type):
     baseline, patched = loss_only_pair(model_type)
     batch = torch.randint(0, VOCAB, (2, 11))

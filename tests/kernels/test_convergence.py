@@ -11,7 +11,9 @@ Compared, with the bounds below:
   error < 1e-4;
 and the loss must fall by a third, so the test compares real training. Before any step, every
 parameter's gradient agrees within 1e-4, so a kernel error shows at step 0, before the optimizer
-can amplify it. On the CPU the kernels run through Triton's interpreter at tiny sizes.
+can amplify it. A family whose training amplifies rounding more (Qwen2-VL's key bias, Gemma 4) has
+wider trajectory bounds in WIDER_BOUNDS, with the measurements behind them; its step-0 gradients are held
+to the same bound. On the CPU the kernels run through Triton's interpreter at tiny sizes.
 
 The GPU variant runs every family at real widths (hidden 1024, vocabulary 32,000) against the truth, a
 float64 run of the unpatched model, next to transformers' own fp32 run. There every fp32 trajectory,
@@ -31,14 +33,13 @@ The distances after the chaotic steps are printed for the record, not asserted.
 
 import contextlib
 import copy
-import importlib
 from typing import NamedTuple
 
 import pytest
 import torch
 
-from tests.kernels.families import FAMILY_CASES, MULTIMODAL, ROPE_KEY, TOWERS
-from tests.kernels.helpers import relative_error
+from tests.kernels.families import FAMILY_CASES, GEMMA4, MROPE, MULTIMODAL, ROPE_KEY, TOWERS, family_params
+from tests.kernels.helpers import installed_modeling, relative_error
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -66,6 +67,29 @@ CPU_FAMILIES = {
     "qwen3": {},
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_vl": MROPE,  # the language tower (the vision tower, fed no image, stays as built)
+    # The double-wide MLP, key sharing, per-layer embeddings, logit softcapping; full-attention heads of 16, not the
+    # patching tests' 32, where transformers' own fp32 run ends 1% from float64 (see WIDER_BOUNDS).
+    "gemma4_text": dict(GEMMA4, global_head_dim=16, hidden_size_per_layer_input=16),
+}
+
+# Per-step loss, final parameters and eval logits for the families whose training amplifies rounding past the bounds
+# above: transformers' own fp32 run departs from its float64 run by as much there, so any rounding difference of
+# tigon's moves as far. Step 0 (every gradient within GRAD_BOUND) holds them as tightly as the rest. All runs fp32;
+# measured on the CPU (kernels in Triton's interpreter), 30 steps.
+WIDER_BOUNDS = {
+    # Qwen2's key bias: softmax ignores a shift shared by all of a query's scores, so most of the key bias's gradient
+    # cancels (its step-0 norm is 1.8e-3 where the value bias's is 0.35) and what is left is mostly rounding, which
+    # Adam scales to full-size steps. transformers' fp32 run ends with layer 1's k_proj.bias 3.0e-4 from float64;
+    # tigon's is 1.6e-4 from transformers' (2.1e-4 from float64), every other parameter under 8e-5. The RMSNorm, the
+    # gated MLP or the fused loss alone each move it 1.8e-4 to 2.7e-4: it is no one op's error.
+    "qwen2_vl": (LOSS_BOUND, 4e-4, LOGITS_BOUND),
+    # Gemma 4 scores attention at scale 1 on RMS-normed queries and keys, and its query/key norm weights' gradients
+    # cancel (transformers' fp32 gradient for them is 5.6e-6 from float64 at step 0, tigon's 1.5e-5). transformers'
+    # fp32 run ends 7.5e-5 / 1.5e-3 / 4.8e-4 from float64, tigon's 1.7e-4 / 4.2e-3 / 1.3e-3 from transformers' fp32;
+    # computing transformers' own norm with rsqrt in place of pow(x, -0.5) alone moved the losses 8e-4 apart with
+    # full-attention heads of 32.
+    "gemma4_text": (5e-4, 1e-2, 4e-3),
 }
 
 
@@ -133,7 +157,7 @@ def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
 
 def rope_functions() -> dict:
     """Every table family's modeling module -> its module-level `apply_rotary_pos_emb` now."""
-    modelings = {importlib.import_module(family.modeling) for family in FAMILIES.values()}
+    modelings = {module for family in FAMILIES.values() if (module := installed_modeling(family.modeling))}
     return {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
 
 
@@ -191,15 +215,16 @@ def assert_same_training(model_type: str, size: dict, overrides: dict, shape: tu
     ours, theirs, _ = train_all(model_type, size, overrides, shape, "cpu", kernels)
     loss_error, param_error, logits_error = distances(ours, theirs)
     print(f"{model_type}: loss {loss_error:.2e}, parameters {param_error:.2e}, eval logits {logits_error:.2e}")
-    assert loss_error <= LOSS_BOUND, f"per-step losses differ by {loss_error:.2e} (relative)"
-    assert param_error < PARAM_BOUND, f"final parameters differ by {param_error:.2e} (relative)"
-    assert logits_error < LOGITS_BOUND, f"eval logits differ by {logits_error:.2e} (relative)"
+    loss_bound, param_bound, logits_bound = WIDER_BOUNDS.get(model_type, (LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND))
+    assert loss_error <= loss_bound, f"per-step losses differ by {loss_error:.2e} (relative)"
+    assert param_error < param_bound, f"final parameters differ by {param_error:.2e} (relative)"
+    assert logits_error < logits_bound, f"eval logits differ by {logits_error:.2e} (relative)"
 
 
-@pytest.mark.parametrize("model_type", list(CPU_FAMILIES))
+@pytest.mark.parametrize("model_type", family_params(CPU_FAMILIES))
 def test_tiny_model_trains_the_same_with_kernels(model_type, restore_rope):
     # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others
-    # leave it to the GPU variant (its exactness is in test_rope.py), which keeps the file near 60 s on one core.
+    # leave it to the GPU variant (its exactness is in test_rope.py), which keeps the file near 90 s of one core's time.
     kernels = dict(rope=model_type == "llama")
     assert_same_training(model_type, TINY, CPU_FAMILIES[model_type], shape=(4, 8, 1), kernels=kernels)
 
@@ -218,7 +243,7 @@ REAL_WIDTHS = dict(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", list(FAMILY_CASES))
+@pytest.mark.parametrize("model_type", family_params(FAMILY_CASES))
 def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_rope):
     overrides = FAMILY_CASES[model_type].overrides
     if "moe_intermediate_size" in overrides:

@@ -3,7 +3,6 @@
 import copy
 import dataclasses
 import importlib
-import importlib.util
 import logging
 import re
 
@@ -17,6 +16,7 @@ from tests.kernels.families import (
     Swaps,
     assert_lora_adapters_kept,
     assert_same_training_step,
+    family_params,
     own_failure,
     tiny,
 )
@@ -43,15 +43,6 @@ CASES_4X = {
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
 
-def shipped(model_type: str) -> bool:
-    """Whether the installed transformers has the family's modeling module (older releases predate newer families;
-    transformers 4.57 ships every family of the table)."""
-    return importlib.util.find_spec(patching.FAMILIES[model_type].modeling) is not None
-
-
-SHIPPED_CASES = [model_type for model_type in FAMILY_CASES if shipped(model_type)]
-
-
 def expected_swaps(model_type: str) -> Swaps:
     """What patching the family's tiny model swaps and skips, on the installed transformers line."""
     if TRANSFORMERS_4 and model_type in CASES_4X:
@@ -59,7 +50,7 @@ def expected_swaps(model_type: str) -> Swaps:
     return FAMILY_CASES[model_type].swaps
 
 
-@pytest.mark.parametrize("model_type", SHIPPED_CASES)
+@pytest.mark.parametrize("model_type", family_params(FAMILY_CASES))
 def test_patched_model_matches_eager(model_type, restore_rope):
     overrides = FAMILY_CASES[model_type].overrides
     mlps, experts, rope, skipped = expected_swaps(model_type)
@@ -85,8 +76,8 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     assert report.applied.get("layer_norm", 0) == vision_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
     norm = next(module for module in decoder_of(patched).layers[0].modules() if isinstance(module, modules.RMSNorm))
-    in_place = model_type not in ("gemma2", "gemma3_text", "gemma3", "paligemma", "olmo2", "olmo3", "glm4")
-    assert norm.in_place_backward is in_place
+    post_norms = ("gemma2", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "paligemma", "olmo2", "olmo3", "glm4")
+    assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
     assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
     assert patched.state_dict().keys() == baseline.state_dict().keys()
@@ -183,6 +174,30 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
         patching.FAMILIES["qwen3"].modeling
     ).Qwen3MLP.__tigon_original__.__module__.startswith("transformers")
     assert again.applied == report.applied
+
+
+@pytest.mark.parametrize("model_type", family_params(["gemma4_text"]))
+def test_apply_to_builds_gemma4_with_its_weightless_norms(model_type, restore_modeling):
+    """Gemma 4 builds its value norms with `with_scale=False`: the swapped class takes it and has no weight, and the
+    double-wide MLP is built at its own width."""
+    overrides = FAMILY_CASES[model_type].overrides
+    baseline = tiny(model_type, **overrides)
+    report = tigon.kernels.apply_to(model_type)
+    assert report.applied == {
+        "rms_norm": 1,
+        "gated_mlp": 1,
+        "gated_experts": 1,
+        "fused_linear_cross_entropy": 1,
+        "rope": 1,
+    }
+    patched = tiny(model_type, **overrides)
+    assert patched.state_dict().keys() == baseline.state_dict().keys()
+    patched.load_state_dict(baseline.state_dict())
+    value_norm = patched.model.layers[0].self_attn.v_norm
+    assert isinstance(value_norm, modules.RMSNorm) and value_norm.weight is None and value_norm.casting == "gemma"
+    assert isinstance(patched.model.layers[2].mlp, modules.GatedMLP)
+    assert patched.model.layers[2].mlp.up_proj.out_features == 2 * overrides.get("intermediate_size", 160)
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (2, 9)))
 
 
 @pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
