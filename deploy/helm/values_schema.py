@@ -107,7 +107,7 @@ class ServiceAccount(Values):
 class SecurityContext(Values):
     runAsUser: int = Field(1000, ge=1, description="uid of training containers (the image's `tigon` user)")
     runAsGroup: int = Field(1000, ge=1, description="gid of training containers")
-    fsGroup: int = Field(1000, ge=1, description="group that owns mounted volumes (Triton cache)")
+    fsGroup: int = Field(1000, ge=1, description="group that owns mounted volumes (the Triton and Hugging Face caches)")
 
 
 class Rbac(Values):

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 
 import helm_python as helm
 import kubernetes_validate
@@ -25,6 +26,7 @@ from tests.deploy.helm import (
     KUBERNETES_VERSION,
     NAMESPACE,
     OPERATOR_CHART,
+    ROOT,
     VALUES_FILES,
     chart,
     effective_values,
@@ -513,6 +515,16 @@ def test_hf_cache_disabled_renders_no_claim_no_mount_no_hf_home():
     assert cache_claims(both_off) == {}
     for pod in by_kind(both_off, "PodTemplate"):
         assert cache_mounts(pod["template"]["spec"]) == {}
+
+
+def test_the_documented_hf_cache_values_render_as_written():
+    """docs/deploy.md's hfCache example is valid values: its claim uses the class and size it names."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = re.findall(r"```yaml\n( *hfCache:\n.*?)```", text, re.DOTALL)
+    values = yaml.safe_load(textwrap.dedent(block))
+    claims = cache_claims(objects(render(values)))
+    spec = claims[("tigon-development", "tigon-hf-cache")]["spec"]
+    assert (spec["storageClassName"], spec["resources"]["requests"]["storage"]) == ("efs-sc", "100Gi")
 
 
 # ---------------------------------------------------------------- kind values wire MinIO and PostgreSQL into Flyte
