@@ -1,7 +1,7 @@
 """The `tigon` command: the platform's commands, then the runtime's (train, schema, demo-data).
 
     tigon render-job CONFIG --job-template NAME [--nodes N] [--namespace NS] [--triton-cache-claim NAME]
-                     [--set key=value ...]
+                     [--hf-cache-claim NAME] [--set key=value ...]
     tigon templates                      list the job templates ($TIGON_JOB_TEMPLATES, else deploy/job-templates,
                                          else the copy installed with tigon)
     tigon submit CONFIG --job-template NAME [--nodes N] [--steps N] [--set key=value ...] [--dry-run]
@@ -23,7 +23,7 @@ EXIT_ERROR = 2
 
 
 def render_job(argv: list[str]) -> int:
-    from tigon.platform.jobs import TRITON_CACHE_CLAIM, JobSpecError, pytorchjob_manifests, render_yaml
+    from tigon.platform.jobs import HF_CACHE_CLAIM, TRITON_CACHE_CLAIM, JobSpecError, pytorchjob_manifests, render_yaml
     from tigon.platform.submit import SubmissionError, add_run_arguments, check_submission
     from tigon.platform.templates import TemplateError, get_template
     from tigon.runtime.config import ConfigError, load_config
@@ -37,11 +37,16 @@ def render_job(argv: list[str]) -> int:
         default=TRITON_CACHE_CLAIM,
         help=f"the namespace's Triton cache claim to mount (default {TRITON_CACHE_CLAIM}, the chart's; '' for none)",
     )
+    parser.add_argument(
+        "--hf-cache-claim",
+        default=HF_CACHE_CLAIM,
+        help=f"the namespace's Hugging Face cache claim to mount (default {HF_CACHE_CLAIM}, the chart's; '' for none)",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
         template = check_submission(config, get_template(args.job_template), args.nodes or 0)
-        manifests = pytorchjob_manifests(config, template, args.namespace, args.triton_cache_claim)
+        manifests = pytorchjob_manifests(config, template, args.namespace, args.triton_cache_claim, args.hf_cache_claim)
     except (ConfigError, TemplateError, SubmissionError, JobSpecError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_ERROR

@@ -27,6 +27,11 @@ REPLICA_TYPES = ("Master", "Worker")
 #: the chart's Triton cache claim (release `tigon`) and where the image's warm-up and Triton look for it
 TRITON_CACHE_CLAIM = "tigon-triton-cache"
 TRITON_CACHE_DIR = "/cache/triton"
+#: the chart's Hugging Face cache claim (release `tigon`) and where huggingface_hub, transformers and datasets keep it
+HF_CACHE_CLAIM = "tigon-hf-cache"
+HF_HOME = "/cache/huggingface"
+#: each cache's volume name: the variable that points the process at it and its mount path unless a template sets it
+CACHE_MOUNTS = {"triton-cache": ("TRITON_CACHE_DIR", TRITON_CACHE_DIR), "hf-cache": ("HF_HOME", HF_HOME)}
 #: the image's `tigon` user; with these, every pod meets the Pod Security Standard "restricted"
 TRAINER_UID = 1000
 POD_SECURITY_CONTEXT: dict[str, Any] = {
@@ -105,7 +110,7 @@ def secret_env(template: JobTemplate) -> list[dict[str, Any]]:
 
 
 def _pod_template(
-    template: JobTemplate, config_map: str, run: str, cache_claim: str, warmup: dict[str, str]
+    template: JobTemplate, config_map: str, run: str, cache_claims: dict[str, str], warmup: dict[str, str]
 ) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
@@ -113,9 +118,11 @@ def _pod_template(
     if template.shared_memory:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if cache_claim:
-        volumes.append({"name": "triton-cache", "persistentVolumeClaim": {"claimName": cache_claim}})
-        mounts.append({"name": "triton-cache", "mountPath": env.setdefault("TRITON_CACHE_DIR", TRITON_CACHE_DIR)})
+    for volume, claim in cache_claims.items():
+        if claim:
+            variable, path = CACHE_MOUNTS[volume]
+            volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim}})
+            mounts.append({"name": volume, "mountPath": env.setdefault(variable, path)})
     container = {
         "name": "pytorch",
         "image": template.image,
@@ -146,13 +153,18 @@ def _pod_template(
 
 
 def pytorchjob_manifests(
-    config: RunConfig, template: JobTemplate, namespace: str | None = None, cache_claim: str = TRITON_CACHE_CLAIM
+    config: RunConfig,
+    template: JobTemplate,
+    namespace: str | None = None,
+    triton_cache_claim: str = TRITON_CACHE_CLAIM,
+    hf_cache_claim: str = HF_CACHE_CLAIM,
 ) -> list[dict]:
     """A ConfigMap holding the run config and the PyTorchJob that trains it.
 
     One node: a single Master replica (torchrun --standalone). Several: Workers only with an elasticPolicy, as
     Flyte's pytorch plugin creates them; with a Master beside them the operator would add a root init container
-    to every Worker. `cache_claim`: the Triton cache claim to mount ("" for none). A template's `queue` labels the
+    to every Worker. `triton_cache_claim` and `hf_cache_claim`: the Triton and Hugging Face cache claims to mount
+    ("" for none), at the template's TRITON_CACHE_DIR and HF_HOME if it sets them. A template's `queue` labels the
     job for Kueue, which then admits it whole (all pods at once) or holds it suspended.
     """
     name = job_name(config.name)
@@ -165,7 +177,8 @@ def pytorchjob_manifests(
         "metadata": {**metadata, "name": f"{name}-config"},
         "data": {"config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)},
     }
-    pod = _pod_template(template, f"{name}-config", name, cache_claim, warmup_env(config))
+    claims = {"triton-cache": triton_cache_claim, "hf-cache": hf_cache_claim}
+    pod = _pod_template(template, f"{name}-config", name, claims, warmup_env(config))
     replica = "Master" if template.nnodes == 1 else "Worker"
     replicas = {replica: {"replicas": template.nnodes, "restartPolicy": "OnFailure", "template": pod}}
     spec: dict[str, Any] = {

@@ -107,7 +107,7 @@ class ServiceAccount(Values):
 class SecurityContext(Values):
     runAsUser: int = Field(1000, ge=1, description="uid of training containers (the image's `tigon` user)")
     runAsGroup: int = Field(1000, ge=1, description="gid of training containers")
-    fsGroup: int = Field(1000, ge=1, description="group that owns mounted volumes (Triton cache)")
+    fsGroup: int = Field(1000, ge=1, description="group that owns mounted volumes (the Triton and Hugging Face caches)")
 
 
 class Rbac(Values):
@@ -178,15 +178,29 @@ class PodTemplates(Values):
     )
 
 
-class TritonCache(Values):
-    enabled: bool = Field(True, description="mount a persistent Triton kernel cache into training pods")
-    mountPath: str = Field("/cache/triton", description="where it is mounted; TRITON_CACHE_DIR points here")
-    size: str = Field("20Gi", pattern=QUANTITY, description="size of the cache volume claim")
+class CacheVolume(Values):
+    """A persistent cache mounted into every training pod: a claim per training namespace, or an existing one."""
+
+    enabled: bool = Field(True, description="mount the cache into training pods")
+    mountPath: str = Field(description="where it is mounted")
+    size: str = Field(pattern=QUANTITY, description="size of the cache volume claim")
     storageClassName: str | None = Field(None, description="storage class; null uses the cluster's default")
     accessModes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]] = Field(
         default_factory=lambda: ["ReadWriteMany"], min_length=1, description="ReadWriteMany lets nodes share it"
     )
     existingClaim: str = Field("", description="use this claim instead of creating one per training namespace")
+
+
+class TritonCache(CacheVolume):
+    enabled: bool = Field(True, description="mount a persistent Triton kernel cache into training pods")
+    mountPath: str = Field("/cache/triton", description="where it is mounted; TRITON_CACHE_DIR points here")
+    size: str = Field("20Gi", pattern=QUANTITY, description="size of the cache volume claim")
+
+
+class HfCache(CacheVolume):
+    enabled: bool = Field(True, description="mount a persistent Hugging Face cache into training pods")
+    mountPath: str = Field("/cache/huggingface", description="where it is mounted; HF_HOME points here")
+    size: str = Field("100Gi", pattern=QUANTITY, description="size of the cache volume claim (an 8B model: 16 GB)")
 
 
 class ObjectStore(Values):
@@ -374,6 +388,7 @@ class ChartValues(Values):
     kueue: Kueue = Field(default_factory=Kueue, description="gang admission of PyTorchJobs by Kueue")
     podTemplates: PodTemplates = Field(default_factory=PodTemplates, description="Flyte PodTemplates")
     tritonCache: TritonCache = Field(default_factory=TritonCache, description="persistent Triton kernel cache")
+    hfCache: HfCache = Field(default_factory=HfCache, description="persistent Hugging Face cache (HF_HOME)")
     objectStore: ObjectStore = Field(default_factory=ObjectStore, description="checkpoint and export storage")
     minio: Minio = Field(default_factory=Minio, description="MinIO for kind")
     postgres: Postgres = Field(default_factory=Postgres, description="PostgreSQL for Flyte on kind")

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import textwrap
 
 import helm_python as helm
 import kubernetes_validate
@@ -25,6 +26,7 @@ from tests.deploy.helm import (
     KUBERNETES_VERSION,
     NAMESPACE,
     OPERATOR_CHART,
+    ROOT,
     VALUES_FILES,
     chart,
     effective_values,
@@ -358,7 +360,10 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
     templates = load_templates(tmp_path)
     pod_templates = by_kind(objs, "PodTemplate")
     training = load_values(values_file).get("namespaces", {}).get("training", ["tigon-development"])
-    cache = effective_values(values_file)["tritonCache"]["enabled"]
+    values = effective_values(values_file)
+    cache = values["tritonCache"]["enabled"]
+    hf_cache = values["hfCache"]["enabled"]
+    assert hf_cache == cache  # every shipped values file mounts both caches or neither
     for namespace in training:
         here = {p["metadata"]["name"]: p for p in pod_templates if p["metadata"]["namespace"] == namespace}
         assert set(here) == {f"tigon-{name}" for name in templates} | {"tigon-default"}
@@ -390,13 +395,15 @@ def test_pod_templates_follow_the_job_templates(values_file, tmp_path):
             env = {e["name"]: e.get("value") for e in container["env"]}
             assert {k: env[k] for k in template.env} == template.env
             assert env.get("TRITON_CACHE_DIR") == ("/cache/triton" if cache else template.env.get("TRITON_CACHE_DIR"))
+            assert env.get("HF_HOME") == ("/cache/huggingface" if hf_cache else template.env.get("HF_HOME"))
             from_secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
             for name, ref in template.secret_env.items():
                 assert from_secrets[name] == {"name": ref.secret, "key": ref.key, "optional": ref.optional}
             shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
             assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": template.shared_memory}
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
-            assert {"/dev/shm", "/cache/triton"} & mounts == ({"/dev/shm", "/cache/triton"} if cache else {"/dev/shm"})
+            caches = {"/cache/triton", "/cache/huggingface"}
+            assert ({"/dev/shm"} | caches) & mounts == ({"/dev/shm"} | caches if cache else {"/dev/shm"})
     priority_classes = {p["metadata"]["name"] for p in by_kind(objs, "PriorityClass")}
     assert {t.priority_class for t in templates.values() if t.priority_class} <= priority_classes
 
@@ -406,13 +413,118 @@ def test_template_defaults_match_the_platform_model():
     from tigon.platform.templates import JobTemplate
 
     minimal = {"name": "tiny", "image": "example.org/tiny:1.0"}
-    objs = objects(render({"jobTemplates": {"tiny": minimal}, "tritonCache": {"enabled": False}}))
+    values = {"jobTemplates": {"tiny": minimal}, "tritonCache": {"enabled": False}, "hfCache": {"enabled": False}}
+    objs = objects(render(values))
     (pod,) = [p for p in by_kind(objs, "PodTemplate") if p["metadata"]["name"] == "tigon-tiny"]
     spec, model = pod["template"]["spec"], JobTemplate(**minimal)
     requests = spec["containers"][0]["resources"]["requests"]
     assert (requests["cpu"], requests["memory"]) == (model.cpu, model.memory) and "nvidia.com/gpu" not in requests
     assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": model.shared_memory}}]
     assert spec["serviceAccountName"] == model.service_account
+
+
+# ---------------------------------------------------------------- the persistent caches
+
+CACHES = {"triton-cache": ("tritonCache", "TRITON_CACHE_DIR"), "hf-cache": ("hfCache", "HF_HOME")}
+
+
+def cache_mounts(spec: dict) -> dict[str, tuple[str, str, str | None]]:
+    """volume name -> (its claim, its mount path, the env value of the cache's variable) of a cache in a pod."""
+    (container,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec.get("volumes", []) if v["name"] in CACHES
+    }
+    paths = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in CACHES}
+    assert set(claims) == set(paths)
+    return {name: (claims[name], paths[name], env.get(CACHES[name][1])) for name in claims}
+
+
+def cache_claims(objs) -> dict[tuple[str, str], dict]:
+    return {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in by_kind(objs, "PersistentVolumeClaim")}
+
+
+@pytest.mark.parametrize("values_file", ["values.yaml", "values-aws.yaml", "values-gcp.yaml"])
+def test_each_training_namespace_gets_both_cache_claims_kept_on_uninstall(values_file):
+    values = effective_values(values_file)
+    _, objs = rendered_file(values_file)
+    claims = cache_claims(objs)
+    training = values["namespaces"]["training"]
+    assert set(claims) == {(ns, f"tigon-{name}") for ns in training for name in CACHES}
+    for (_, name), claim in claims.items():
+        cache = values[CACHES[name.removeprefix("tigon-")][0]]
+        assert component(claim) == name.removeprefix("tigon-")
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert claim["spec"]["accessModes"] == cache["accessModes"] == ["ReadWriteMany"]
+        assert claim["spec"]["resources"]["requests"]["storage"] == cache["size"]
+        assert claim["spec"].get("storageClassName") == cache["storageClassName"]
+    hf = {name: claim["spec"] for (_, name), claim in claims.items() if name == "tigon-hf-cache"}
+    expected = {
+        "values.yaml": ("100Gi", None),
+        "values-aws.yaml": ("100Gi", "efs-sc"),
+        "values-gcp.yaml": ("1Ti", "standard-rwx"),
+    }[values_file]
+    assert {(s["resources"]["requests"]["storage"], s.get("storageClassName")) for s in hf.values()} == {expected}
+
+
+def test_every_training_pod_mounts_both_caches_and_points_at_them():
+    _, objs = rendered_file("values.yaml")
+    pods = by_kind(objs, "PodTemplate")
+    assert len(pods) == 5 and {p["metadata"]["namespace"] for p in pods} == {"tigon-development"}
+    for pod in pods:
+        assert cache_mounts(pod["template"]["spec"]) == {
+            "triton-cache": ("tigon-triton-cache", "/cache/triton", "/cache/triton"),
+            "hf-cache": ("tigon-hf-cache", "/cache/huggingface", "/cache/huggingface"),
+        }
+
+
+def test_hf_cache_mount_path_and_a_job_templates_own_hf_home():
+    """HF_HOME follows mountPath; a job template that sets HF_HOME itself keeps its value."""
+    values = {
+        "hfCache": {"mountPath": "/models"},
+        "jobTemplates": {"h100x1": {"env": {"HF_HOME": "/models/h100"}}},
+    }
+    pods = {p["metadata"]["name"]: p["template"]["spec"] for p in by_kind(objects(render(values)), "PodTemplate")}
+    assert cache_mounts(pods["tigon-h100x8"])["hf-cache"] == ("tigon-hf-cache", "/models", "/models")
+    assert cache_mounts(pods["tigon-h100x1"])["hf-cache"] == ("tigon-hf-cache", "/models", "/models/h100")
+    env = {e["name"]: e.get("value") for e in pods["tigon-h100x1"]["containers"][0]["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/cache/triton"  # the template's other variables are merged, not replaced
+
+
+def test_hf_cache_existing_claim_replaces_the_charts_claim():
+    objs = objects(render({"hfCache": {"existingClaim": "shared-models"}}))
+    assert set(cache_claims(objs)) == {("tigon-development", "tigon-triton-cache")}
+    pods = by_kind(objs, "PodTemplate")
+    assert pods
+    for pod in pods:
+        mounts = cache_mounts(pod["template"]["spec"])
+        assert mounts["hf-cache"] == ("shared-models", "/cache/huggingface", "/cache/huggingface")
+        assert mounts["triton-cache"][0] == "tigon-triton-cache"
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_hf_cache_disabled_renders_no_claim_no_mount_no_hf_home():
+    objs = objects(render({"hfCache": {"enabled": False}}))
+    assert set(cache_claims(objs)) == {("tigon-development", "tigon-triton-cache")}
+    for pod in by_kind(objs, "PodTemplate"):
+        spec = pod["template"]["spec"]
+        assert set(cache_mounts(spec)) == {"triton-cache"}
+        assert "HF_HOME" not in {e["name"] for e in spec["containers"][0]["env"]}
+    both_off = objects(render({"hfCache": {"enabled": False}, "tritonCache": {"enabled": False}}))
+    assert cache_claims(both_off) == {}
+    for pod in by_kind(both_off, "PodTemplate"):
+        assert cache_mounts(pod["template"]["spec"]) == {}
+
+
+def test_the_documented_hf_cache_values_render_as_written():
+    """docs/deploy.md's hfCache example is valid values: its claim uses the class and size it names."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = re.findall(r"```yaml\n( *hfCache:\n.*?)```", text, re.DOTALL)
+    values = yaml.safe_load(textwrap.dedent(block))
+    claims = cache_claims(objects(render(values)))
+    spec = claims[("tigon-development", "tigon-hf-cache")]["spec"]
+    assert (spec["storageClassName"], spec["resources"]["requests"]["storage"]) == ("efs-sc", "100Gi")
 
 
 # ---------------------------------------------------------------- kind values wire MinIO and PostgreSQL into Flyte

@@ -155,8 +155,11 @@ def unconsumed_claims(objs: list[dict]) -> set[tuple[str, str]]:
 def test_kind_install_waits_on_no_unbound_claim():
     kind = load_values("values-kind.yaml")
     assert unconsumed_claims(objects(render(kind))) == set()
-    with_cache = merge_values(kind, {"tritonCache": {"enabled": True}})
-    assert unconsumed_claims(objects(render(with_cache))) == {("tigon-development", "tigon-triton-cache")}
+    with_caches = merge_values(kind, {"tritonCache": {"enabled": True}, "hfCache": {"enabled": True}})
+    assert unconsumed_claims(objects(render(with_caches))) == {
+        ("tigon-development", "tigon-triton-cache"),
+        ("tigon-development", "tigon-hf-cache"),
+    }
 
 
 # How each cloud's ingress controller is told that the admin service speaks gRPC (HTTP/2 to the backend).

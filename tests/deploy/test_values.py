@@ -22,6 +22,9 @@ BAD_VALUES = [
     ({"tritonCache": {"size": 20}}, "/tritonCache/size"),
     ({"tritonCache": {"size": "lots"}}, "/tritonCache/size"),
     ({"tritonCache": {"accessModes": ["ReadWriteAll"]}}, "/tritonCache/accessModes/0"),
+    ({"hfCache": {"size": "lots"}}, "/hfCache/size"),
+    ({"hfCache": {"accessModes": []}}, "/hfCache/accessModes"),
+    ({"hfCache": {"claim": "models"}}, "additional properties 'claim' not allowed"),
     ({"minio": {"image": {"tag": "latest"}}}, "/minio/image/tag"),
     ({"tests": {"image": {"tag": ""}}}, "/tests/image/tag"),
     ({"namespaces": {"training": ["Tigon_Dev"]}}, "/namespaces/training/0"),
@@ -60,6 +63,10 @@ TEMPLATE_CHECKS = [
     ({"podTemplates": {"default": "h200x64"}}, 'podTemplates.default is "h200x64", which names no job template'),
     ({"objectStore": {"provider": "minio"}}, "enable minio or set the endpoint"),
     ({"minio": {"enabled": True, "service": {"type": "NodePort"}}}, "set minio.service.nodePort"),
+    (
+        {"hfCache": {"mountPath": "/cache/triton"}},
+        "tritonCache.mountPath and hfCache.mountPath are both /cache/triton: give each cache its own path",
+    ),
 ]
 
 

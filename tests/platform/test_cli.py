@@ -25,8 +25,9 @@ def test_render_job_prints_config_map_and_pytorchjob(capsys):
         for v in workers["template"]["spec"]["volumes"]
         if "persistentVolumeClaim" in v
     ]
-    assert claims == ["tigon-triton-cache"]
-    assert main(["render-job", DEMO, "--job-template", "h100x8", "--triton-cache-claim", ""]) == 0
+    assert claims == ["tigon-triton-cache", "tigon-hf-cache"]
+    argv = ["render-job", DEMO, "--job-template", "h100x8", "--triton-cache-claim", "", "--hf-cache-claim", ""]
+    assert main(argv) == 0
     _, job = yaml.safe_load_all(capsys.readouterr().out)
     volumes = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["volumes"]
     assert [v["name"] for v in volumes] == ["config", "dshm"]

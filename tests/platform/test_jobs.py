@@ -66,9 +66,13 @@ def test_rendered_manifests_are_valid(name):
         assert restricted_violations(pod["spec"]) == []
         assert pod["spec"]["automountServiceAccountToken"] is False  # the run calls no Kubernetes API
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        assert mounts["triton-cache"] == "/cache/triton"
+        assert mounts["triton-cache"] == "/cache/triton" and mounts["hf-cache"] == "/cache/huggingface"
+        volumes = pod["spec"]["volumes"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
+        assert claims == {"triton-cache": "tigon-triton-cache", "hf-cache": "tigon-hf-cache"}
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["TRITON_CACHE_DIR"] == "/cache/triton" and env["TIGON_WARMUP"] == "1"  # kernels run here
+        assert env["HF_HOME"] == "/cache/huggingface"  # models and tokenizers by Hub id land on the claim
     assert job["metadata"]["name"] == "demo-run-1"
     (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
     container = replica["template"]["spec"]["containers"][0]
@@ -95,6 +99,22 @@ def test_multi_node_job_has_only_workers_and_an_elastic_policy():
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
+
+
+def test_cache_claims_mount_where_the_template_points_and_can_be_left_out():
+    template = get_template("h100x8").model_copy(update={"env": {"HF_HOME": "/models"}})
+    _, job = pytorchjob_manifests(run_config(), template, hf_cache_claim="shared-models")
+    spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert {"name": "hf-cache", "persistentVolumeClaim": {"claimName": "shared-models"}} in spec["volumes"]
+    assert mounts["hf-cache"] == "/models" and mounts["triton-cache"] == "/cache/triton"
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert env["HF_HOME"] == "/models"
+    _, job = pytorchjob_manifests(run_config(), get_template("h100x8"), triton_cache_claim="", hf_cache_claim="")
+    spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert [v["name"] for v in spec["volumes"]] == ["config", "dshm"]
+    env = {e["name"] for e in spec["containers"][0]["env"]}
+    assert "HF_HOME" not in env and "TRITON_CACHE_DIR" in env  # the template's own setting stays
 
 
 def test_hf_token_comes_from_a_secret_in_pytorchjobs_and_flyte_tasks():

@@ -92,8 +92,60 @@ The job template rules are those of tigon.platform.templates.JobTemplate.
 {{- if and (eq .Values.objectStore.provider "minio") (not .Values.minio.enabled) (not .Values.objectStore.endpoint) }}
 {{- fail "objectStore.provider is minio but minio.enabled is false and objectStore.endpoint is empty: enable minio or set the endpoint" }}
 {{- end }}
+{{- if and .Values.tritonCache.enabled .Values.hfCache.enabled (eq .Values.tritonCache.mountPath .Values.hfCache.mountPath) }}
+{{- fail (printf "tritonCache.mountPath and hfCache.mountPath are both %s: give each cache its own path" .Values.hfCache.mountPath) }}
+{{- end }}
 {{- if and (eq .Values.minio.service.type "NodePort") (not .Values.minio.service.nodePort) }}
 {{- fail "minio.service.type is NodePort: set minio.service.nodePort (30000-32767)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The persistent caches of training pods, as a YAML list: the volume name (also the claim's suffix and its
+component label), the values section, and the variable that points the process at the mount.
+*/}}
+{{- define "tigon.caches" -}}
+- {name: triton-cache, env: TRITON_CACHE_DIR, values: {{ toJson .Values.tritonCache }}}
+- {name: hf-cache, env: HF_HOME, values: {{ toJson .Values.hfCache }}}
+{{- end }}
+
+{{/*
+The claim a cache mounts: its existingClaim, else the chart's claim <fullname>-<name> in each training namespace.
+Arguments: dict "root" $ "cache" <an entry of tigon.caches>.
+*/}}
+{{- define "tigon.cacheClaimName" -}}
+{{- default (printf "%s-%s" (include "tigon.fullname" .root) .cache.name) .cache.values.existingClaim }}
+{{- end }}
+
+{{/*
+The cache's PersistentVolumeClaim in every training namespace, kept on uninstall (only a cache, but a warm one);
+none when the cache is off or names an existing claim. Arguments: as tigon.cacheClaimName.
+*/}}
+{{- define "tigon.cacheClaims" -}}
+{{- $root := .root }}
+{{- $cache := .cache }}
+{{- if and $cache.values.enabled (not $cache.values.existingClaim) }}
+{{- range $ns := $root.Values.namespaces.training }}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {{ include "tigon.cacheClaimName" (dict "root" $root "cache" $cache) }}
+  namespace: {{ $ns }}
+  labels:
+    {{- include "tigon.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ $cache.name }}
+  annotations:
+    helm.sh/resource-policy: keep
+spec:
+  accessModes: {{- toYaml $cache.values.accessModes | nindent 4 }}
+  {{- with $cache.values.storageClassName }}
+  storageClassName: {{ . }}
+  {{- end }}
+  resources:
+    requests:
+      storage: {{ $cache.values.size }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -116,8 +168,12 @@ Defaults mirror tigon.platform.templates.JobTemplate for keys a template leaves 
 {{- if hasKey $t "service_account" }}{{ $sa = $t.service_account }}{{ end }}
 {{- $env := dict }}
 {{- range $name, $value := (default dict $t.env) }}{{ $_ := set $env $name $value }}{{ end }}
-{{- if and $v.tritonCache.enabled (not (hasKey $env "TRITON_CACHE_DIR")) }}
-{{- $_ := set $env "TRITON_CACHE_DIR" $v.tritonCache.mountPath }}
+{{- $caches := list }}
+{{- range (include "tigon.caches" $root | fromYamlArray) }}
+{{- if .values.enabled }}{{ $caches = append $caches . }}{{ end }}
+{{- end }}
+{{- range $caches }}
+{{- if not (hasKey $env .env) }}{{ $_ := set $env .env .values.mountPath }}{{ end }}
 {{- end }}
 {{- with $v.objectStore.region }}{{ $_ := set $env "AWS_REGION" . }}{{ end }}
 {{- with (include "tigon.objectStoreEndpoint" $root) }}
@@ -204,18 +260,18 @@ spec:
         privileged: false
         capabilities:
           drop: [ALL]
-      {{- if or $shm $v.tritonCache.enabled }}
+      {{- if or $shm $caches }}
       volumeMounts:
         {{- if $shm }}
         - name: dshm
           mountPath: /dev/shm
         {{- end }}
-        {{- if $v.tritonCache.enabled }}
-        - name: triton-cache
-          mountPath: {{ $v.tritonCache.mountPath }}
+        {{- range $caches }}
+        - name: {{ .name }}
+          mountPath: {{ .values.mountPath }}
         {{- end }}
       {{- end }}
-  {{- if or $shm $v.tritonCache.enabled }}
+  {{- if or $shm $caches }}
   volumes:
     {{- if $shm }}
     - name: dshm
@@ -223,10 +279,10 @@ spec:
         medium: Memory
         sizeLimit: {{ $shm }}
     {{- end }}
-    {{- if $v.tritonCache.enabled }}
-    - name: triton-cache
+    {{- range $caches }}
+    - name: {{ .name }}
       persistentVolumeClaim:
-        claimName: {{ default (printf "%s-triton-cache" (include "tigon.fullname" $root)) $v.tritonCache.existingClaim }}
+        claimName: {{ include "tigon.cacheClaimName" (dict "root" $root "cache" .) }}
     {{- end }}
   {{- end }}
 {{- end }}
