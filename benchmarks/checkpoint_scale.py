@@ -94,19 +94,20 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from benchmarks.end_to_end_runner import random_dataset
-    from tigon.runtime import batches, trainer
+    from tigon.runtime import batches, torch_trainer
     from tigon.runtime import checkpoint as ckpt
     from tigon.runtime.distributed import barrier, init_distributed, shutdown
     from tigon.runtime.files import atomic_write_text
     from tigon.runtime.model import build_model
-    from tigon.runtime.parallel import build_strategy
+    from tigon.runtime.run import seed_everything
+    from tigon.runtime.strategies import build_strategy
 
     cuda = torch.cuda.is_available()
     root = Path(args.run_dir)
     total = args.interval * (1 + len(args.modes))
     config = run_config(args, root, False, cuda)
     env, device = init_distributed(config)
-    trainer.seed_everything(config.training.seed, config.training.deterministic)
+    seed_everything(config.training.seed, config.training.deterministic)
     vocab = config.model.config_overrides["vocab_size"]
     started = time.perf_counter()
     model = build_model(config, vocab, meta=not env.is_main, device=device)
@@ -122,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         """`--interval` optimizer steps from where `state` stands; their losses."""
         losses = []
         for _ in range(args.interval):
-            loss, _, _ = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+            loss, _, _ = torch_trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
             if cuda:
                 torch.cuda.synchronize(device)
             state.step += 1

@@ -100,11 +100,12 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     """
     import torch
 
-    from tigon.runtime import batches, trainer
+    from tigon.runtime import batches, torch_trainer
     from tigon.runtime import checkpoint as ckpt
     from tigon.runtime.distributed import DistEnv
     from tigon.runtime.model import build_model
-    from tigon.runtime.parallel import build_strategy
+    from tigon.runtime.run import seed_everything
+    from tigon.runtime.strategies import build_strategy
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -113,7 +114,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     if cuda:
         torch.zeros((), device=device)  # initializes CUDA: resetting the peak before that is an error
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.seed_everything(training.seed)
+    seed_everything(training.seed)
     adapters = config.lora.enabled
     if liger is not None and adapters:
         liger()  # patches the classes: the model built next has Liger's modules under peft's adapters
@@ -137,7 +138,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     state = ckpt.TrainState()
 
     def one_step() -> tuple[float, int]:
-        loss, _, n_tokens = trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+        loss, _, n_tokens = torch_trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
         state.batches_in_epoch += 1
         return loss, n_tokens
 

@@ -143,11 +143,12 @@ def worker(spec: dict) -> dict:
     """One variant at one sequence length in this (fresh) process."""
     import torch
 
-    from tigon.runtime import batches, trainer
+    from tigon.runtime import batches, torch_trainer
     from tigon.runtime.config import ConfigError
     from tigon.runtime.distributed import DistEnv
     from tigon.runtime.model import build_model
-    from tigon.runtime.parallel import build_strategy
+    from tigon.runtime.run import seed_everything
+    from tigon.runtime.strategies import build_strategy
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -163,7 +164,7 @@ def worker(spec: dict) -> dict:
     if cuda:
         torch.zeros((), device=device)
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.seed_everything(config.training.seed)
+    seed_everything(config.training.seed)
     try:
         with device:
             model = build_model(config, spec["shape"]["vocab_size"])
@@ -181,7 +182,7 @@ def worker(spec: dict) -> dict:
 
         def step(rows: list[dict], number: int) -> float:
             micro_batches = [batches.collate([row]) for row in rows]
-            return trainer.run_global_batch(strategy, micro_batches, config, env, device, number)[0]
+            return torch_trainer.run_global_batch(strategy, micro_batches, config, env, device, number)[0]
     else:
         step = hf_step(model, config, device)
     losses, seconds, tokens = [], 0.0, 0

@@ -57,7 +57,7 @@ def gpu_settings(config: RunConfig) -> list[str]:
 def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -> JobTemplate:
     """The template as this run will use it (with its node count), or SubmissionError/TemplateError/ConfigError
     saying why not (settings that cannot run together fail here, not in the train pod)."""
-    from tigon.runtime.trainer import check_config
+    from tigon.runtime.run import check_config
 
     check_config(config)
     template = template.with_nodes(nodes or None)

@@ -1,5 +1,6 @@
 """Batches of the training and held-out data, shared by the trainers and the objectives: the data order
-(`GlobalBatchSampler`), collation, autocast, and the global batch's token counts."""
+(`GlobalBatchSampler`), collation, autocast, a micro-batch's next-token loss (`token_loss_sum`), and the global
+batch's token counts."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import contextlib
 import math
 
 import torch
+from torch import nn
 
 from tigon.runtime.config import RunConfig
-from tigon.runtime.data import IGNORE_INDEX
+from tigon.runtime.data import IGNORE_INDEX, model_inputs
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,6 +62,16 @@ def autocast(device: torch.device, precision: str):
 def label_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry loss after the causal shift."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
+    """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
+    inputs = model_inputs(batch, attn_implementation, device)
+    inputs["use_cache"] = False
+    # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
+    # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.
+    with autocast(device, precision):
+        return model(**inputs, num_items_in_batch=1).loss.float()
 
 
 def global_token_counts(micro_batches: list[dict], env: DistEnv, device: torch.device, step: int) -> tuple[float, int]:

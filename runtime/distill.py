@@ -1,7 +1,7 @@
 """Distillation (`objective.type: distill`) in every trainer: a frozen teacher beside the student.
 
     teacher = load_teacher(config, model, tokenizer, env, device)   # checked, loaded, frozen (sharded: fsdp, zero3)
-    loss, sums = distill_micro_batch(model, batch, config, env, device, n_label)   # through objectives.ObjectiveStep
+    loss, sums = distill_micro_batch(model, batch, config, env, device, n_label)   # through post_training.ObjectiveStep
 
 The data are the next-token run's (`data.format` text, instruction or chat, packed or not); the completion tokens
 are those with a label. On each micro-batch both models run with no logit positions kept, and two fused linear
@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from tigon.runtime.batches import autocast, collate, eval_batches, label_tokens
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.config import ConfigError, LoraConfig, RunConfig
 from tigon.runtime.data import model_inputs
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
+from tigon.runtime.hub import config_json, fetch_model
+from tigon.runtime.model import build_model
 from tigon.runtime.objectives import (
     IGNORE_INDEX,
     final_hidden,
@@ -38,6 +40,7 @@ from tigon.runtime.objectives import (
     on_head,
     state_of,
 )
+from tigon.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -45,9 +48,6 @@ logger = logging.getLogger("tigon.runtime")
 def check_vocabulary(config: RunConfig, tokenizer, vocab_rows: int) -> None:
     """The teacher's tokenizer and head must be the student's: the JSD compares the two distributions token by
     token. Read from the teacher's files before its weights are loaded."""
-    from tigon.runtime.hub import config_json
-    from tigon.runtime.tokenizer import load_tokenizer
-
     teacher = config.objective.teacher.as_model(config.model)
     where = f"objective.teacher.path {teacher.path}"
     raw = config_json(teacher)
@@ -79,10 +79,6 @@ def load_teacher(config: RunConfig, model: nn.Module, tokenizer, env: DistEnv, d
     `model.build_model`: revision, trust_remote_code, object stores), frozen, in eval mode, on `device`; under
     FSDP2 sharded like the student (rank 0 loads, the others receive its weights), under DeepSpeed ZeRO-3
     partitioned by an inference engine of its own (`objectives.freeze`), with no optimizer."""
-    from tigon.runtime.config import LoraConfig
-    from tigon.runtime.hub import fetch_model
-    from tigon.runtime.model import build_model
-
     teacher_model = config.objective.teacher.as_model(config.model)
     fetch_model(teacher_model, env)
     vocab_rows = unwrap(model).get_output_embeddings().weight.shape[0]
@@ -162,7 +158,7 @@ def distill_micro_batch(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's loss to backpropagate (its terms summed over its completion tokens, divided by the global
     batch's `n_label`, times the world size: data parallelism averages the gradients over the ranks) and its sums
-    of the two terms (`objectives.ObjectiveStep` runs it)."""
+    of the two terms (`post_training.ObjectiveStep` runs it)."""
     alpha = config.objective.resolved_alpha
     ce, jsd = distill_sums(model, state_of(model).reference, batch, config, device)
     sums = {"ce_loss": ce.detach().double(), "distill_loss": jsd.detach().double()}

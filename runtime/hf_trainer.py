@@ -13,7 +13,7 @@ checkpoints (every N steps, last K kept, atomic) from a callback and resumes fro
 per-step losses go through tigon's Reporter; HF's own logging reports, under `hf/`, to the same
 TensorBoard directory and wandb and MLflow runs (`logging.trackers`).
 
-The preference objectives and distillation use the torch trainer's step (`objectives.ObjectiveStep`):
+The preference objectives and distillation use the torch trainer's step (`post_training.ObjectiveStep`):
 `get_batch_samples` counts the step's pairs or completion tokens over the ranks, and `compute_loss` returns
 each micro-batch's share of the step's loss, already normalized (HF's division by the accumulation steps
 stays off); the step's metrics (TRL's names, or distillation's two terms) go to the Reporter and, averaged
@@ -26,17 +26,14 @@ tigon shards the model itself (`parallel.shard_model`: the torch trainer's decod
 gradient reduction, rank 0's weights) and hands it to the Trainer as already wrapped (`ShardedModel`),
 so accelerate neither wraps it in DDP nor shards it again. In every case `epoch_order` deals the
 micro-batches of each global batch to the ranks as the torch trainer does, and each step's loss is
-summed over the ranks. `AdapterCheckpoints`, `OrderSampler` and `finish_adapter_run` are shared with
-the Lightning adapter.
+summed over the ranks. `AdapterCheckpoints` and `finish_adapter_run` (`tigon.runtime.adapters`) are shared
+with the Lightning adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -45,34 +42,21 @@ from statistics import mean
 import torch
 from torch import nn
 
-from tigon.runtime import checkpoint as ckpt
+from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.batches import GlobalBatchSampler, autocast, collate
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
-from tigon.runtime.objectives import ObjectiveStep, prepare_objective, state_of
+from tigon.runtime.data import model_inputs
+from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed
+from tigon.runtime.distributed import DistEnv, all_reduce_sum
+from tigon.runtime.evaluation import Evaluation
+from tigon.runtime.objectives import state_of
 from tigon.runtime.optim import build_optimizer, build_scheduler
-from tigon.runtime.parallel import DDPStrategy, shard_model, strategy_class
-from tigon.runtime.reporting import Reporter, final_values, make_reporter, memory_bytes, summary_text, write_summary
-from tigon.runtime.trainer import (
-    Evaluation,
-    Prepared,
-    TrainResult,
-    check_config,
-    check_resumable,
-    non_finite_loss_message,
-    plan_steps,
-    prepare,
-    publish_result,
-    start_over,
-)
-
-logger = logging.getLogger("tigon.runtime")
-
-
-def prepare_adapter(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
-    """`prepare` for an adapter (pre-packed `datasets` too), after the checks for this adapter's config."""
-    check_config(config)
-    return prepare(config.model_copy(update={"trainer": "torch"}), datasets)
+from tigon.runtime.parallel import DDPStrategy, shard_model
+from tigon.runtime.post_training import ObjectiveStep, prepare_objective
+from tigon.runtime.reporting import make_reporter, memory_bytes
+from tigon.runtime.run import Prepared, TrainResult, plan_steps
+from tigon.runtime.strategies import strategy_class
+from tigon.runtime.torch_trainer import train_prepared
 
 
 def epoch_order(config: RunConfig, n_items: int, world_size: int = 1) -> GlobalBatchSampler:
@@ -85,17 +69,6 @@ def epoch_order(config: RunConfig, n_items: int, world_size: int = 1) -> GlobalB
     return GlobalBatchSampler(
         n_items, training.micro_batch_size, training.gradient_accumulation_steps * world_size, 1, 0, training.seed
     )
-
-
-def positions(state: ckpt.TrainState, per_epoch: int, steps: int) -> list[tuple[int, int]]:
-    """(epoch, global batch) of the next `steps` optimizer steps after `state`, as the torch trainer walks them."""
-    epoch, batch, result = state.epoch, state.batches_in_epoch, []
-    for _ in range(steps):
-        if batch >= per_epoch:
-            epoch, batch = epoch + 1, 0
-        result.append((epoch, batch))
-        batch += 1
-    return result
 
 
 class OrderSampler(torch.utils.data.Sampler):
@@ -114,125 +87,6 @@ class OrderSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.steps) * self.sampler.global_batch
-
-
-class AdapterCheckpoints:
-    """The torch trainer's checkpoints for an adapter: where the run stands, resume, and `step-N` every N steps.
-
-    Construct on every rank before training: it finds the newest checkpoint (or clears stale ones when not
-    resuming). `restore` loads its model, optimizer, schedule and RNG states just before the first step;
-    `advance` records each optimizer step, and `save_if_due` writes a checkpoint when one is due (on every rank).
-    """
-
-    def __init__(self, config: RunConfig, env: DistEnv, per_epoch: int):
-        from tigon.runtime import storage
-
-        self.config, self.env, self.per_epoch = config, env, per_epoch
-        self.run_dir = Path(config.logging.run_dir)
-        self.remote = storage.run_storage(config.checkpoint.remote_dir)
-        self.config_json = config.model_dump_json(indent=2)
-        self.state = ckpt.TrainState(world_size=env.world_size)
-        self.latest: Path | None = None
-        if config.checkpoint.resume:
-            self.latest = storage.resume_point(config.checkpoint.remote_dir, self.run_dir, env)
-        if self.latest is not None:
-            check_resumable(self.latest, config)
-            self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
-            self.state.world_size = env.world_size
-        else:
-            start_over(config, env, self.remote)
-        barrier(env)
-        if env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.atomic_write_text(self.run_dir / "config.json", self.config_json + "\n")
-        self.resumed_from = self.state.step if self.latest is not None else None
-        self.pending = self.latest is not None  # states still to load before the first step
-
-    def remaining(self, total_steps: int) -> list[tuple[int, int]]:
-        return positions(self.state, self.per_epoch, max(0, total_steps - self.state.step))
-
-    def restore(self, strategy: DDPStrategy) -> None:
-        """Load the checkpoint's states into `strategy` (the parallelism's model, optimizer, schedule) once; call
-        right before the first step (after any data loader started, which draws from the RNG)."""
-        if self.pending:
-            self.pending = False
-            strategy.load_checkpoint(self.latest)
-            if self.env.is_main:
-                logger.info("resumed from %s (step %d, epoch %d)", self.latest, self.state.step, self.state.epoch)
-
-    def advance(self, loss: float, tokens: int) -> None:
-        """Record an optimizer step: the position, the tokens and the loss."""
-        state = self.state
-        if not math.isfinite(loss):
-            raise FloatingPointError(non_finite_loss_message(loss, state.step + 1, self.config))
-        if state.batches_in_epoch >= self.per_epoch:
-            state.epoch, state.batches_in_epoch = state.epoch + 1, 0
-        state.step += 1
-        state.batches_in_epoch += 1
-        state.tokens_seen += tokens
-        state.losses.append(loss)
-
-    def save_if_due(self, total_steps: int, strategy: DDPStrategy) -> None:
-        """Write `step-N` (in `strategy`'s format) when `checkpoint.every_steps` or the last step says so; call on
-        every rank."""
-        state = self.state
-        every, keep = self.config.checkpoint.every_steps, self.config.checkpoint.keep_last
-        if every > 0 and (state.step % every == 0 or state.step == total_steps):
-            strategy.save_checkpoint(self.run_dir, state, keep, self.config_json, self.remote)
-
-
-def finish_adapter_run(
-    config: RunConfig,
-    prepared: Prepared,
-    checkpoints: AdapterCheckpoints,
-    reporter: Reporter,
-    train_seconds: float,
-    tokens: int,
-    strategy: DDPStrategy,
-) -> TrainResult:
-    """Export through `strategy` (a sharded one gathers the weights to rank 0), and write the loss curve and summary
-    as the torch trainer does (after `Evaluation.finish`); call on every rank."""
-    run_dir = Path(config.logging.run_dir)
-    model, device, state = prepared.model, prepared.device, checkpoints.state
-    losses, eval_history = state.losses, state.eval_history
-    export_dir = export_url = None
-    if config.checkpoint.export:
-        exported = strategy.export(prepared.tokenizer, run_dir / ckpt.EXPORT, config.checkpoint.merge_lora)
-        if prepared.env.is_main:
-            export_dir = str(exported)
-            if checkpoints.remote is not None:
-                export_url = checkpoints.remote.upload_export(export_dir)
-        barrier(prepared.env)
-    latest = ckpt.latest_checkpoint(run_dir)
-    patch = getattr(model, "tigon_patch_report", None)
-    result = TrainResult(
-        run_dir=str(run_dir),
-        steps=state.step,
-        losses=list(losses),
-        final_loss=losses[-1] if losses else None,
-        eval_metrics={k: v for k, v in (eval_history[-1] if eval_history else {}).items() if k != "step"},
-        export_dir=export_dir,
-        tokens_per_second=tokens / train_seconds if train_seconds > 0 else 0.0,
-        peak_memory_bytes=memory_bytes(device),
-        resumed_from_step=checkpoints.resumed_from,
-        eval_history=eval_history,
-        device=str(device),
-        world_size=prepared.env.world_size,
-        checkpoint_dir=str(latest) if latest is not None else None,
-        tensorboard_dir=str(run_dir / "tensorboard") if "tensorboard" in config.logging.active_trackers else None,
-        train_seconds=train_seconds,
-        kernels=str(patch) if patch is not None else None,
-        export_url=export_url,
-        data_manifest=prepared.data_manifest,
-        objective_metrics=dict(state_of(model).metrics) or None,
-    )
-    if prepared.env.is_main:
-        reporter.plot(result.losses, result.eval_history)
-        write_summary(run_dir, {**result.__dict__, "config": json.loads(checkpoints.config_json)})
-        reporter.finish(final_values(result))
-        publish_result(config, prepared, result)
-        print(summary_text(result), flush=True)
-    return result
 
 
 class ShardedModel(nn.Module):
@@ -265,8 +119,6 @@ def deepspeed_arguments(config: RunConfig, env: DistEnv, device: torch.device) -
     section (the Trainer hands DeepSpeed tigon's optimizer); none unless the strategy is deepspeed."""
     if config.parallelism.strategy != "deepspeed":
         return {}
-    from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed
-
     import_deepspeed(device, config.training.precision)  # DeepSpeed's CPU accelerator on a CPU, before transformers
     return {"deepspeed": deepspeed_config(config, env.world_size, optimizer_section=False)}
 
@@ -368,9 +220,6 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     """Train (or resume) as configured with transformers' `Trainer`; returns what the torch trainer would.
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
     from transformers import PrinterCallback, Trainer, TrainerCallback
-
-    from tigon.runtime.data import model_inputs
-    from tigon.runtime.trainer import train_prepared
 
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tigon.runtime.config import ConfigError
+from tigon.runtime.distributed import barrier
 
 if TYPE_CHECKING:
     from tigon.runtime.config import ModelConfig
@@ -232,8 +233,6 @@ def config_json(model_config: ModelConfig) -> dict:
 def fetch_model(model_config: ModelConfig, env: DistEnv) -> None:
     """Fetch the model (and a separate tokenizer) once per node: local rank 0 downloads, every rank waits at a
     barrier, then the others find the files in the cache. Call on every rank, before building the model."""
-    from tigon.runtime.distributed import barrier
-
     sources = [(model_config.path, "model.path"), (model_config.tokenizer, "model.tokenizer")]
     remote = [(source, key) for source, key in sources if source and source != "char" and not _local(source)]
     if not remote:

@@ -4,7 +4,7 @@
 
 Shared with the torch trainer: `prepare`, `build_optimizer`, `build_scheduler`, the data order
 (`GlobalBatchSampler`), the loss (`token_loss_sum`, or a preference objective's or distillation's through
-`objectives.ObjectiveStep`) and its normalization, one global batch's forward, backward and update
+`post_training.ObjectiveStep`) and its normalization, one global batch's forward, backward and update
 (`run_global_batch`), the parallelism strategies, and its checkpoints
 (`AdapterCheckpoints`: every N steps, last K kept, atomic; resume continues exactly). Optimization is
 manual: Lightning's automatic accumulation divides each micro-batch's loss by the number of
@@ -18,7 +18,7 @@ Parallelism under torchrun (`lightning_strategy`):
 - `ddp`: Lightning's DDPStrategy over the process group `prepare` created (`LightningDDP`: backward
   through `manual_backward`, gradients all-reduced on the last micro-batch only).
 - `fsdp` and `deepspeed`: Lightning's ModelParallelStrategy, the strategy for a module that applies its
-  own parallelism. The torch trainer's strategy does it (`parallel.build_strategy`: FSDP2 through
+  own parallelism. The torch trainer's strategy does it (`strategies.build_strategy`: FSDP2 through
   `shard_model`, or tigon's DeepSpeed engine) before `fit`, because the evaluation at step 0 runs on the
   sharded model then. Lightning's FSDPStrategy is FSDP1, and its DeepSpeedStrategy runs on CUDA only
   (it refuses a CPU accelerator) and wraps the LightningModule, whose name then prefixes every weight
@@ -34,22 +34,19 @@ from pathlib import Path
 
 import torch
 
+from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.batches import GlobalBatchSampler, collate
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
-from tigon.runtime.hf_trainer import AdapterCheckpoints, finish_adapter_run, prepare_adapter
-from tigon.runtime.objectives import prepare_objective, state_of
+from tigon.runtime.evaluation import Evaluation
+from tigon.runtime.objectives import state_of
 from tigon.runtime.optim import build_optimizer, build_scheduler
-from tigon.runtime.parallel import DDPStrategy, build_strategy
+from tigon.runtime.parallel import DDPStrategy
+from tigon.runtime.post_training import prepare_objective
 from tigon.runtime.reporting import make_reporter, memory_bytes
-from tigon.runtime.trainer import (
-    Evaluation,
-    Prepared,
-    TrainResult,
-    plan_steps,
-    run_global_batch,
-    train_prepared,
-)
+from tigon.runtime.run import Prepared, TrainResult, plan_steps
+from tigon.runtime.strategies import build_strategy
+from tigon.runtime.torch_trainer import run_global_batch, train_prepared
 
 
 class GlobalBatches(torch.utils.data.Sampler):

@@ -20,16 +20,14 @@ import logging
 import torch
 from torch import nn
 
+from tigon.runtime import planner
 from tigon.runtime.attention import transformers_name
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.dtypes import torch_dtype
+from tigon.runtime.hub import model_directory
+from tigon.runtime.quantization import quantize_base
 
 logger = logging.getLogger("tigon.runtime")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 def _check_attention(config: RunConfig) -> None:
@@ -69,8 +67,6 @@ def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights:
     for a rank that builds on the meta device and receives rank 0's weights).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tigon.runtime.hub import model_directory
 
     path = model_directory(config.model)
     trust = config.model.trust_remote_code
@@ -217,7 +213,6 @@ def loss_chunk_tokens(model: nn.Module, config: RunConfig) -> int | None:
     if chunk != "auto":
         return chunk
     from tigon.kernels.patching import FAMILIES
-    from tigon.runtime import planner
 
     if not config.kernels.fused_linear_cross_entropy or getattr(model.config, "model_type", None) not in FAMILIES:
         return None  # no fused loss to size (a family outside the kernel table keeps its own loss)
@@ -328,8 +323,6 @@ def build_model(
             model = build_from_config(config, vocab_size, tokenizer)
         model.tigon_patch_report = apply_kernels(model, config)
         if config.lora.quantize_base and not meta:
-            from tigon.runtime.quantization import quantize_base
-
             quantize_base(model, config, device)
         if config.training.gradient_checkpointing:
             enable_activation_checkpointing(model, config.training.checkpoint_layers)

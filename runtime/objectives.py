@@ -1,13 +1,12 @@
 """Preference objectives (DPO, ORPO, SimPO, CPO, KTO) through tigon's fused linear ops, in every trainer; the
 frozen-model plumbing and the per-step code distillation shares (`tigon.runtime.distill`).
 
-    check_objective(config)                          # settings that cannot run, with the fix
-    prepare_objective(config, prepared)              # the reference: a frozen copy, or log-probs stored once
-    step = ObjectiveStep(micro_batches, config, env, device, number)   # one step: each micro-batch's loss, metrics
-    loss, grad_norm, tokens = run_global_batch(strategy, micro_batches, config, env, device, step)
+    check_objective(config)                                              # settings that cannot run, with the fix
+    loss, metrics = preference_loss(model, batch, config, device, env)   # the fused op's loss and TRL's metrics
+    metrics = evaluate_objective(model, dataset, config, env, device)
 
-The torch and Lightning trainers run a step through `run_global_batch`; the HF Trainer adapter calls
-`ObjectiveStep.loss` from its `compute_loss`, so the three compute the same loss and metrics.
+The trainers run a step through `tigon.runtime.post_training` (the reference, one step), which picks this module
+or distillation by `objective.type`.
 
 The model runs with no logit positions kept (`logits_to_keep` = an empty index); a forward hook on its decoder
 hands the final hidden states to the fused op (`tigon.kernels.functional.fused_linear_dpo`, ...), which reads
@@ -34,9 +33,7 @@ and ranks, as TRL's trainers (HF's gradient accumulation) compute it. The metric
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,14 +42,14 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from tigon.runtime.batches import autocast, collate, eval_batches, global_token_counts
+from tigon.runtime.batches import autocast, collate, eval_batches
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import DataError
+from tigon.runtime.deepspeed_engine import frozen_engine
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.distributed import unwrap as unwrap_ddp
+from tigon.runtime.parallel import shard_model
 from tigon.runtime.preference_batch import PreferenceRows, preference_rows, rows
-
-logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
 T = TypeVar("T")
@@ -139,12 +136,8 @@ def freeze(model: nn.Module, config: RunConfig, env: DistEnv, device: torch.devi
     model.requires_grad_(False)
     parallelism = config.parallelism
     if parallelism.strategy == "fsdp":
-        from tigon.runtime.parallel import shard_model
-
         shard_model(model, config, env, device, frozen=True)
     elif parallelism.strategy == "deepspeed" and parallelism.stage == 3:
-        from tigon.runtime.deepspeed_engine import frozen_engine
-
         return frozen_engine(model, config, env, device)
     return model
 
@@ -407,60 +400,6 @@ def preference_result(sums: dict[str, torch.Tensor], config: RunConfig, pairs: f
     return float(sums.pop("loss")), _averages(sums, config.objective.type)
 
 
-class ObjectiveStep:
-    """One optimizer step of a preference objective or of distillation, as the three trainers run it.
-
-        step = ObjectiveStep(micro_batches, config, env, device, number)  # this rank's micro-batches of the step
-        for batch in micro_batches:
-            backward(step.loss(model, batch))       # under the run's autocast; adds the batch's metrics
-        loss, metrics = step.finish()               # summed over the ranks
-
-    The micro-batches are counted over the ranks first (pairs, KTO completions, or distillation's completion
-    tokens), so that each micro-batch's loss is its exact share of the global batch's, as the next-token loss is
-    normalized. `tokens`: the tokens the step processes on all ranks."""
-
-    def __init__(self, micro_batches: list[dict], config: RunConfig, env: DistEnv, device: torch.device, number: int):
-        from tigon.runtime import distill
-
-        self.config, self.env, self.device = config, env, device
-        self.sums: dict[str, torch.Tensor] = {}
-        if config.objective.type == "distill":
-            self.count, self.tokens = global_token_counts(micro_batches, env, device, number)
-            self.micro_batch, self.result = distill.distill_micro_batch, distill.distill_result
-        else:
-            self.count, self.tokens = global_pairs(micro_batches, env, device)
-            self.micro_batch, self.result = preference_micro_batch, preference_result
-
-    def loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
-        """The micro-batch's loss to backpropagate (`model`: as the strategy wraps it, through DDP or DeepSpeed)."""
-        loss, sums = self.micro_batch(model, batch, self.config, self.env, self.device, self.count)
-        for name, value in sums.items():
-            self.sums[name] = self.sums.get(name, 0) + value
-        return loss
-
-    def finish(self) -> tuple[float, dict[str, float]]:
-        """The step's loss and metrics over the global batch (a collective: call on every rank)."""
-        names = sorted(self.sums)
-        stacked = all_reduce_sum(torch.stack([self.sums[name] for name in names]), self.env)
-        return self.result(dict(zip(names, stacked, strict=True)), self.config, self.count)
-
-
-def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
-    """The objective's counterpart of `trainer.run_global_batch` (the torch and Lightning trainers): forward and
-    backward over this rank's micro-batches, then the update. Returns (the step's loss, the gradient norm before
-    clipping, tokens); the step's metrics land in the model's `ObjectiveState.metrics`."""
-
-    objective_step = ObjectiveStep(micro_batches, config, env, device, step)
-    for index, batch in enumerate(micro_batches):
-        with strategy.accumulating(last=index == len(micro_batches) - 1):
-            with autocast(device, config.training.precision):
-                loss = objective_step.loss(strategy.model, batch)
-            strategy.backward(loss)
-    grad_norm = strategy.step()
-    loss, state_of(strategy.model).metrics = objective_step.finish()
-    return loss, float(grad_norm), objective_step.tokens
-
-
 def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, device: torch.device) -> torch.Tensor:
     """Summed completion log-probs `(B, R)` float64 of a batch of items under `model`, without gradient, with the
     rows laid out as training lays them (`data.packing`)."""
@@ -493,28 +432,6 @@ def precompute_reference(model: nn.Module, dataset, config: RunConfig, env: Dist
         values[chunk] = sequence_reference_logps(model, batch, config, device)
     model.train(was_training)
     dataset.ref_logps = all_reduce_sum(values, env).cpu()
-
-
-def prepare_objective(config: RunConfig, prepared) -> None:
-    """Before the strategy wraps the model (`prepared`: trainer.Prepared): the frozen reference copy or the teacher
-    (sharded under FSDP2), or the reference log-probs stored in the data."""
-    objective, model, env, device = config.objective, prepared.model, prepared.env, prepared.device
-    if objective.type == "distill":
-        from tigon.runtime.distill import load_teacher
-
-        state_of(model).reference = load_teacher(config, model, prepared.tokenizer, env, device)
-        return
-    if not objective.preference:
-        return
-    source = objective.reference_source
-    if source == "model":
-        state_of(model).reference = freeze(copy.deepcopy(unwrap(model)), config, env, device)
-    elif source == "precomputed":
-        for dataset in (prepared.train_dataset, prepared.eval_dataset):
-            if dataset is not None:
-                precompute_reference(model, dataset, config, env, device)
-        if env.is_main:
-            logger.info("reference log-probs precomputed for %d training examples", len(prepared.train_dataset))
 
 
 def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:

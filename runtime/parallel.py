@@ -1,6 +1,6 @@
 """Parallelism strategies behind one small interface, so the torch trainer runs one loop for all of them.
 
-    strategy = build_strategy(model, config, env, device, total_steps)
+    strategy = build_strategy(model, config, env, device, total_steps)  # tigon.runtime.strategies
     with strategy.accumulating(last_micro_batch):
         strategy.backward(loss_of(strategy.model))
     grad_norm = strategy.step()  # clip, optimizer and schedule step, zero the gradients
@@ -19,10 +19,11 @@ object store), and exports the whole model as a
 `save_pretrained` directory: a sharded strategy gathers the full state dict to rank 0, which loads
 it into a plain copy of the model and exports that (LoRA merged when asked).
 
-`build` makes a strategy for the torch trainer: it wraps the model and creates the optimizer and
-schedule. The HF Trainer and Lightning adapters let their framework run the parallelism and construct
-the strategy around what the framework built (`Strategy(module, model, optimizer, scheduler, ...)`), so
-that the three trainers share the sharding (`shard_model`), the checkpoints and the export.
+`build` makes a strategy for the torch trainer (`tigon.runtime.strategies.build_strategy` picks the class): it
+wraps the model and creates the optimizer and schedule. The HF Trainer and Lightning adapters let their framework
+run the parallelism and construct the strategy around what the framework built (`Strategy(module, model,
+optimizer, scheduler, ...)`), so that the three trainers share the sharding (`shard_model`), the checkpoints and
+the export.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, wrap_model
+from tigon.runtime.model import build_model
 from tigon.runtime.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger("tigon.runtime")
@@ -191,8 +193,6 @@ class ShardedExport:
 
 def export_state_dict(state_dict: dict, config: RunConfig, tokenizer, out_dir: Path, merge_lora: bool) -> Path:
     """Build the run's model again on the CPU (kernels, LoRA), load `state_dict` into it and export it."""
-    from tigon.runtime.model import build_model
-
     with torch.random.fork_rng():
         plain = build_model(config, len(tokenizer), tokenizer)
     dtype = next(plain.parameters()).dtype
@@ -218,7 +218,7 @@ def shard_model(
 
     The MixedPrecisionPolicy keeps parameters in bf16 or fp16 for the forward and backward, per
     `training.precision`, and reduces gradients in fp32; `parallelism.cpu_offload` adds a CPUOffloadPolicy.
-    Ranks but 0 may hold the model on the meta device (`trainer.prepare`): they receive rank 0's weights once
+    Ranks but 0 may hold the model on the meta device (`run.prepare`): they receive rank 0's weights once
     it is sharded.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -366,20 +366,3 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         return state if self.env.is_main else None
-
-
-def strategy_class(config: RunConfig) -> type[DDPStrategy]:
-    """The class of the configured strategy (DeepSpeed's imported only when chosen)."""
-    strategy = config.parallelism.strategy
-    if strategy == "fsdp":
-        return FSDPStrategy
-    if strategy == "deepspeed":
-        from tigon.runtime.deepspeed_engine import DeepSpeedStrategy
-
-        return DeepSpeedStrategy
-    return DDPStrategy
-
-
-def build_strategy(module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
-    """The configured strategy around `module` (already on its device), with its optimizer and schedule."""
-    return strategy_class(config).build(module, config, env, device, total_steps)

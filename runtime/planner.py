@@ -103,6 +103,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.hub import config_json
+from tigon.runtime.tokenizer import load_tokenizer
 
 #: QLoRA: bytes a 4-bit weight takes with its block's scale, by `lora.double_quant`: half a byte, plus an fp32
 #: scale per 64 weights, or with double quantization an 8-bit scale per 64 and an fp32 one per 256 of those
@@ -366,8 +368,6 @@ def model_shape(config: RunConfig) -> ModelShape:
     from transformers import AutoConfig
 
     if config.model.path is not None:
-        from tigon.runtime.hub import config_json
-
         raw = config_json(config.model)
         try:
             return ModelShape.from_hf_config(AutoConfig.for_model(**raw))
@@ -375,8 +375,6 @@ def model_shape(config: RunConfig) -> ModelShape:
             raise ConfigError(f"model.path: cannot read a config from {config.model.path}: {error}") from None
     overrides = dict(config.model.config_overrides)
     if "vocab_size" not in overrides:
-        from tigon.runtime.tokenizer import load_tokenizer
-
         overrides["vocab_size"] = len(load_tokenizer(config.model))
     try:
         return ModelShape.from_hf_config(AutoConfig.for_model(config.model.config_name, **overrides))

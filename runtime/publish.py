@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tigon.runtime.config import ConfigError
+from tigon.runtime.data import is_hub_dataset
+from tigon.runtime.hub import is_hub_id
 
 if TYPE_CHECKING:
     from tigon.runtime.config import RunConfig
@@ -60,9 +62,6 @@ def data_fingerprint(train_dataset, manifest: dict | None) -> str:
 
 def model_card(config: RunConfig, metrics: dict[str, Any], fingerprint: str) -> str:
     """README.md for the Hub: metadata (base model, library, datasets, tags), the config, the data and the results."""
-    from tigon.runtime.data import is_hub_dataset
-    from tigon.runtime.hub import is_hub_id
-
     base = config.model.path if config.model.path and is_hub_id(config.model.path) else None
     datasets = [name for name in (config.data.train, config.data.eval) if name and is_hub_dataset(name)]
     metadata: dict[str, Any] = {"library_name": "peft" if config.lora.enabled else "transformers"}

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.dtypes import torch_dtype
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -46,8 +47,6 @@ def check_quantized_base(config: RunConfig) -> None:
 
 def compute_dtype(config: RunConfig) -> torch.dtype:
     """The dtype a 4-bit layer computes in: the autocast dtype under bf16/fp16 precision, else the model's."""
-    from tigon.runtime.model import torch_dtype
-
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.precision) or torch_dtype(
         config.model.dtype
     )

@@ -233,7 +233,7 @@ def make_reporter(
 
 
 def final_values(result) -> dict:
-    """What the trackers' summaries record at the end (`result` is a trainer.TrainResult)."""
+    """What the trackers' summaries record at the end (`result` is a run.TrainResult)."""
     values = {"final_loss": result.final_loss, "steps": result.steps, "tokens_per_second": result.tokens_per_second}
     values.update({f"final_eval_{name}": value for name, value in result.eval_metrics.items()})
     values["peak_memory_bytes"] = result.peak_memory_bytes
@@ -241,7 +241,7 @@ def final_values(result) -> dict:
 
 
 def summary_text(result) -> str:
-    """The end-of-run summary printed on rank 0 (`result` is a trainer.TrainResult)."""
+    """The end-of-run summary printed on rank 0 (`result` is a run.TrainResult)."""
     lines = [f"tigon run finished: {result.steps} optimizer steps"]
     if result.resumed_from_step:
         lines[0] += f" (resumed from step {result.resumed_from_step})"

@@ -58,6 +58,7 @@ from tigon.runtime.checkpoint import (
 )
 from tigon.runtime.checkpoint import resume_checkpoint as checkpoint_resume
 from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object
+from tigon.runtime.lock import RunDirInUse
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -286,8 +287,6 @@ class RunLease:
     def acquire(self) -> RunLease:
         """Take the lease, waiting up to `ttl` seconds for a silent holder's to lapse; RunDirInUse when a live run
         holds it, StorageError (with the fix) when the store cannot be read or written."""
-        from tigon.runtime.lock import RunDirInUse
-
         url = self.storage.url
         try:
             held = self._read()

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tigon.runtime import planner
 from tigon.runtime.config import ConfigError
 from tigon.runtime.files import atomic_write_text
 
@@ -64,8 +65,6 @@ def _flat(values: dict, prefix: str = "") -> dict[str, Any]:
 
 def planner_estimate(config: RunConfig) -> dict[str, Any] | None:
     """The memory planner's peak estimate for this run's setting (per GPU), or None where it cannot size it."""
-    from tigon.runtime import planner
-
     try:
         estimate = planner.estimate(planner.workload(config), planner.setting_of(config))
     except (ConfigError, OSError, ValueError, KeyError, AttributeError) as error:
