@@ -54,6 +54,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_unit_interval,
     chosen_nll,
     fused_linear_preference,
+    metric_logps,
     paired_metrics,
     safe_average,
 )
@@ -217,10 +218,7 @@ class DPO(PreferenceLoss):
         return loss_fn
 
     def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
-        counts = batch.counts
-        logps, ref = result.logps, result.ref_logps
-        if self.average_log_prob:
-            logps, ref = safe_average(logps, counts), safe_average(ref, counts)
+        logps, ref = metric_logps(batch, result, self.average_log_prob)
         metrics = paired_metrics(batch, result, logps, self.beta * (logps - ref))
         if "sft" in self.weighted_types[0] or self.rpo_alpha is not None:
             metrics["nll_loss"] = chosen_nll(batch, result)

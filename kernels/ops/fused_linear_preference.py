@@ -104,6 +104,15 @@ def safe_average(logps: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(counts > 0, logps / counts.clamp_min(1), 0.0)
 
 
+def metric_logps(batch: Batch, result: PassResult, average_log_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's and the reference's sequence log-probs as DPO's and KTO's metrics report them: summed, or with
+    `average_log_prob` averaged over each sequence's target tokens."""
+    logps, ref = result.logps, result.ref_logps
+    if average_log_prob:
+        return safe_average(logps, batch.counts), safe_average(ref, batch.counts)
+    return logps, ref
+
+
 def logits_mean(logits_sums: torch.Tensor, counts: torch.Tensor, vocab: int) -> torch.Tensor:
     """Mean logit over the given sequences' target tokens and the vocabulary (TRL's logits/chosen); 0 without tokens."""
     return logits_sums.sum() / (counts.sum() * vocab).clamp_min(1)

@@ -37,6 +37,7 @@ from tigon.kernels.ops.fused_linear_preference import (
     check_positive,
     check_sequence_target,
     fused_linear_preference,
+    metric_logps,
     safe_average,
     sequence_logps,
 )
@@ -159,9 +160,7 @@ class KTO(PreferenceLoss):
 
     def metrics(self, batch: Batch, result: PassResult) -> dict[str, torch.Tensor]:
         counts = batch.counts
-        logps, ref = result.logps, result.ref_logps
-        if self.average_log_prob:
-            logps, ref = safe_average(logps, counts), safe_average(ref, counts)
+        logps, ref = metric_logps(batch, result, self.average_log_prob)
         return {
             "rewards": (self.beta * (logps - ref)).float(),
             "logps": logps.float(),
