@@ -140,3 +140,44 @@ def crd_validator(crd: dict, version: str | None = None) -> jsonschema.Draft7Val
     versions = crd["spec"]["versions"]
     (served,) = [v for v in versions if v["name"] == version] if version else versions
     return jsonschema.Draft7Validator(strict(served["schema"]["openAPIV3Schema"]))
+
+
+def operator_objects(objs) -> dict[tuple[str, str], dict]:
+    """The training operator's objects among `objs`, by (kind, name)."""
+    found = {}
+    for obj in objs:
+        if obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "training-operator":
+            found[(obj["kind"], obj["metadata"]["name"])] = obj
+    return found
+
+
+def pytorchjob_crd(objs=None) -> dict:
+    """The PyTorchJob CRD among `objs` (the chart rendered with values.yaml when none are given)."""
+    objs = objs if objs is not None else rendered_file("values.yaml")[1]
+    return operator_objects(objs)[("CustomResourceDefinition", "pytorchjobs.kubeflow.org")]
+
+
+def structural_errors(node: dict, path: str = "") -> list[str]:
+    """The structural-schema rules the API server enforces on a CRD that matter here: every node has a type
+    (unless it preserves unknown fields or is int-or-string), and properties never meet additionalProperties."""
+    errors = []
+    if (
+        "type" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+        and not node.get("x-kubernetes-int-or-string")
+    ):
+        errors.append(f"{path or '/'}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        errors.append(f"{path}: properties and additionalProperties together")
+    for key, child in node.get("properties", {}).items():
+        errors += structural_errors(child, f"{path}/{key}")
+    if isinstance(node.get("additionalProperties"), dict):
+        errors += structural_errors(node["additionalProperties"], f"{path}/*")
+    if "items" in node:
+        errors += structural_errors(node["items"], f"{path}[]")
+    return errors
+
+
+def strict_validator() -> jsonschema.Draft7Validator:
+    """A validator of PyTorchJobs against the rendered CRD, unknown fields refused."""
+    return crd_validator(pytorchjob_crd())

@@ -20,6 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.docker import tool
 from tests.deploy.helm import (
     CHART,
     DEPENDENCIES,
@@ -39,7 +40,6 @@ from tests.deploy.helm import (
     values_schema_module,
 )
 from tests.deploy.pod_security import restricted_violations
-from tests.deploy.test_docker import tool
 from tigon.platform import image
 from tigon.platform.jobs import check_pytorchjob, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates

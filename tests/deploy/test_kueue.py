@@ -12,8 +12,16 @@ import pytest
 import yaml
 from kubernetes.utils import parse_quantity
 
-from tests.deploy.helm import ROOT, VALUES_FILES, crd_validator, objects, render, rendered_file
-from tests.deploy.test_training_operator import _strict_validator, _structural_errors
+from tests.deploy.helm import (
+    ROOT,
+    VALUES_FILES,
+    crd_validator,
+    objects,
+    render,
+    rendered_file,
+    strict_validator,
+    structural_errors,
+)
 from tigon.platform.jobs import KUEUE_QUEUE_LABEL, pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
 from tigon.runtime.config import load_config
@@ -43,7 +51,7 @@ def test_vendored_crds_are_upstreams_v0_19_2():
         stored = [v["name"] for v in definition["spec"]["versions"] if v["storage"] and v["served"]]
         assert stored == ["v1beta2"], (kind, stored)
         schema = next(v for v in definition["spec"]["versions"] if v["name"] == "v1beta2")["schema"]
-        assert _structural_errors(schema["openAPIV3Schema"]) == [], kind
+        assert structural_errors(schema["openAPIV3Schema"]) == [], kind
 
 
 @pytest.mark.parametrize("values_file", VALUES_FILES)
@@ -92,7 +100,7 @@ def test_multi_node_template_job_carries_the_queue_label():
     for template in templates.values():
         _, job = pytorchjob_manifests(config, template, namespace=TRAINING[0])
         assert job["metadata"]["labels"].get(KUEUE_QUEUE_LABEL) == template.queue, template.name
-        assert not [e.message for e in _strict_validator().iter_errors(job)]
+        assert not [e.message for e in strict_validator().iter_errors(job)]
 
 
 def _requests(template) -> dict[str, object]:

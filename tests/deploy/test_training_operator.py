@@ -11,7 +11,6 @@ import copy
 import hashlib
 
 import helm_python as helm
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -21,12 +20,15 @@ from tests.deploy.helm import (
     NAMESPACE,
     OPERATOR_CHART,
     VALUES_FILES,
-    crd_validator,
     load_values,
     objects,
+    operator_objects,
     pod_specs,
+    pytorchjob_crd,
     render,
     rendered_file,
+    strict_validator,
+    structural_errors,
 )
 from tigon.platform.jobs import pytorchjob_manifests
 from tigon.platform.templates import REPO_TEMPLATES, load_templates
@@ -36,14 +38,6 @@ NAME = "tigon-training-operator"
 WEBHOOK_CONFIGURATION = "validator.training-operator.kubeflow.org"  # fixed by the v1.9 operator's cert-controller
 UPSTREAM_CRD = OPERATOR_CHART / "files" / "kubeflow.org_pytorchjobs.yaml"
 CERT_DIR = "/tmp/k8s-webhook-server/serving-certs"  # controller-runtime's default, where cert-controller looks
-
-
-def operator_objects(objs) -> dict[tuple[str, str], dict]:
-    found = {}
-    for obj in objs:
-        if obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "training-operator":
-            found[(obj["kind"], obj["metadata"]["name"])] = obj
-    return found
 
 
 def _flags(container: dict) -> dict[str, list[str]]:
@@ -65,32 +59,6 @@ def _tigon_pytorchjobs() -> list[dict]:
     )
     templates = load_templates(REPO_TEMPLATES).values()
     return [pytorchjob_manifests(config, t, namespace="tigon-development")[1] for t in templates]
-
-
-def _crd(objs=None) -> dict:
-    objs = objs if objs is not None else rendered_file("values.yaml")[1]
-    return operator_objects(objs)[("CustomResourceDefinition", "pytorchjobs.kubeflow.org")]
-
-
-def _structural_errors(node: dict, path: str = "") -> list[str]:
-    """The structural-schema rules the API server enforces on a CRD that matter here: every node has a type
-    (unless it preserves unknown fields or is int-or-string), and properties never meet additionalProperties."""
-    errors = []
-    if (
-        "type" not in node
-        and not node.get("x-kubernetes-preserve-unknown-fields")
-        and not node.get("x-kubernetes-int-or-string")
-    ):
-        errors.append(f"{path or '/'}: no type")
-    if "properties" in node and "additionalProperties" in node:
-        errors.append(f"{path}: properties and additionalProperties together")
-    for key, child in node.get("properties", {}).items():
-        errors += _structural_errors(child, f"{path}/{key}")
-    if isinstance(node.get("additionalProperties"), dict):
-        errors += _structural_errors(node["additionalProperties"], f"{path}/*")
-    if "items" in node:
-        errors += _structural_errors(node["items"], f"{path}[]")
-    return errors
 
 
 # ---------------------------------------------------------------- rendered for every values file
@@ -122,7 +90,7 @@ def test_operator_renders_valid_for_every_values_file(values_file):
 
 def test_schema_validation_really_checks_crds():
     """kubernetes-validate descends into a CRD's schema: a wrong type inside it fails."""
-    crd = copy.deepcopy(_crd())
+    crd = copy.deepcopy(pytorchjob_crd())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     schema["properties"]["spec"]["properties"]["nprocPerNode"]["type"] = 8
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -133,7 +101,7 @@ def test_schema_validation_really_checks_crds():
 
 
 def test_crd_names_match_the_platforms_pytorchjob():
-    crd, jobs = _crd(), _tigon_pytorchjobs()
+    crd, jobs = pytorchjob_crd(), _tigon_pytorchjobs()
     group, version = jobs[0]["apiVersion"].split("/")
     assert {(j["apiVersion"], j["kind"]) for j in jobs} == {("kubeflow.org/v1", "PyTorchJob")}
     assert crd["spec"]["group"] == group == "kubeflow.org"
@@ -161,21 +129,17 @@ def test_crd_is_upstreams_v1_9_2_crd():
     readme = (UPSTREAM_CRD.parent / "README.md").read_text()
     assert f"sha256 `{digest}`" in readme and "v1.9.2" in readme
     assert "Apache License" in (UPSTREAM_CRD.parent / "LICENSE").read_text()
-    upstream, rendered = yaml.safe_load(text), _crd()
+    upstream, rendered = yaml.safe_load(text), pytorchjob_crd()
     assert rendered["spec"] == upstream["spec"]
     assert rendered["metadata"]["name"] == upstream["metadata"]["name"]
     kept = {**upstream["metadata"]["annotations"], "helm.sh/resource-policy": "keep"}
     assert rendered["metadata"]["annotations"] == kept
 
 
-def _strict_validator() -> jsonschema.Draft7Validator:
-    return crd_validator(_crd())
-
-
 def test_crd_schema_is_structural_and_accepts_tigons_jobs():
-    schema = _crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    assert _structural_errors(schema) == []
-    validator = _strict_validator()
+    schema = pytorchjob_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert structural_errors(schema) == []
+    validator = strict_validator()
     jobs = _tigon_pytorchjobs()
     assert any("Worker" in j["spec"]["pytorchReplicaSpecs"] and "elasticPolicy" in j["spec"] for j in jobs)
     for job in jobs:
@@ -201,7 +165,7 @@ def test_crd_rejects_misspelled_fields(path, value):
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    messages = [e.message for e in _strict_validator().iter_errors(job)]
+    messages = [e.message for e in strict_validator().iter_errors(job)]
     assert any(f"'{path[-1]}' was unexpected" in m for m in messages), messages
 
 
@@ -220,16 +184,16 @@ def test_crd_schema_rejects_wrong_types(path, value, message):
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
-    errors = list(_strict_validator().iter_errors(job))
+    errors = list(strict_validator().iter_errors(job))
     assert any(message in e.message for e in errors), [e.message for e in errors]
 
 
 def test_crd_is_kept_on_uninstall_and_can_be_left_out():
-    assert _crd()["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pytorchjob_crd()["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     objs = objects(render({"training-operator": {"crd": {"create": False}}}))
     found = operator_objects(objs)
     assert ("CustomResourceDefinition", "pytorchjobs.kubeflow.org") not in found and ("Deployment", NAME) in found
-    unkept = _crd(objects(render({"training-operator": {"crd": {"keep": False}}})))
+    unkept = pytorchjob_crd(objects(render({"training-operator": {"crd": {"keep": False}}})))
     assert "helm.sh/resource-policy" not in unkept["metadata"]["annotations"]
 
 
@@ -401,7 +365,7 @@ def test_helm_test_pod_asks_for_the_crds_group_version():
     """The `helm test` pod still renders beside the operator and asks for the API the CRD serves (test_chart.py runs
     its check on discovery answers naming the CRD's plural)."""
     _, objs = rendered_file("values.yaml")
-    crd = _crd(objs)
+    crd = pytorchjob_crd(objs)
     (pod,) = [o for o in objs if o["kind"] == "Pod" and o["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     kubernetes_validate.validate(pod, KUBERNETES_VERSION, strict=True)
     script = pod["spec"]["containers"][0]["args"][0]

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from torch import nn
 
 from tests.kernels.helpers import relative_error
 from tigon.kernels.patching import FAMILIES, apply
@@ -283,3 +284,19 @@ def assert_lora_adapters_kept(model_type: str, targets: dict) -> None:
     assert any(".mlp." in name for name, _, _ in trained)
     for name, theirs, ours in trained:
         assert relative_error(ours.grad, theirs.grad) < 1e-4, name
+
+
+def moe_experts(family: str, implementation: str):
+    """A transformers 5.x experts module (3-D gate_up_proj/down_proj) with random weights, and its config."""
+    import transformers
+
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    name = {"mixtral": "MixtralExperts", "qwen2_moe": "Qwen2MoeExperts", "qwen3_moe": "Qwen3MoeExperts"}[family]
+    assert hasattr(modeling, name), f"transformers {transformers.__version__} has no {name} (3-D experts are 5.x)"
+    sizes = dict(hidden_size=48, intermediate_size=40, moe_intermediate_size=40, num_experts_per_tok=2)
+    config = transformers.AutoConfig.for_model(family, num_experts=5, **sizes)
+    config._experts_implementation = implementation
+    experts = getattr(modeling, name)(config)
+    nn.init.normal_(experts.gate_up_proj, std=0.2)
+    nn.init.normal_(experts.down_proj, std=0.2)
+    return experts, config

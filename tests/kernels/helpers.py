@@ -56,3 +56,22 @@ def installed_modeling(name: str) -> ModuleType | None:
         return importlib.import_module(name)
     except ModuleNotFoundError:
         return None
+
+
+IGNORE = -100  # the ignored target of the preference tests
+
+
+def make_inputs(sequences, tokens, hidden, vocab, dtype, device, seed, with_bias=True, ignore_index=IGNORE):
+    """hidden (B, T, H), head weight and bias, targets with the first token (prompt) and some others ignored."""
+    torch.manual_seed(seed)
+    h = torch.randn(sequences, tokens, hidden, device=device).to(dtype)
+    w = (torch.randn(vocab, hidden, device=device) * 1.5 / hidden**0.5).to(dtype)
+    b = (torch.randn(vocab, device=device) * 0.2).to(dtype) if with_bias else None
+    target = torch.randint(0, vocab, (sequences, tokens), device=device)
+    target[:, 0] = ignore_index
+    target[torch.rand(sequences, tokens, device=device) < 0.2] = ignore_index
+    return h, w, b, target
+
+
+def leaves(*tensors, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).clone().requires_grad_(True) for t in tensors]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.kernels.families import moe_experts
 from tests.kernels.helpers import assert_close
 from tigon.kernels import functional, modules
 
@@ -157,20 +158,6 @@ def test_packed_gated_mlp_keeps_lora_adapters(device):
     assert type(ours.base_model.model[0].gate_up_proj).__module__.startswith("peft")
     compare_modules(theirs, ours, torch.randn(2, 5, 48, device=device))
     assert ours.base_model.model[0].gate_up_proj.lora_A["default"].weight.grad is not None
-
-
-def moe_experts(family: str, implementation: str):
-    """A transformers 5.x experts module (3-D gate_up_proj/down_proj) with random weights, and its config."""
-    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    name = {"mixtral": "MixtralExperts", "qwen2_moe": "Qwen2MoeExperts", "qwen3_moe": "Qwen3MoeExperts"}[family]
-    assert hasattr(modeling, name), f"transformers {transformers.__version__} has no {name} (3-D experts are 5.x)"
-    sizes = dict(hidden_size=48, intermediate_size=40, moe_intermediate_size=40, num_experts_per_tok=2)
-    config = transformers.AutoConfig.for_model(family, num_experts=5, **sizes)
-    config._experts_implementation = implementation
-    experts = getattr(modeling, name)(config)
-    nn.init.normal_(experts.gate_up_proj, std=0.2)
-    nn.init.normal_(experts.down_proj, std=0.2)
-    return experts, config
 
 
 def compare_experts(theirs: nn.Module, ours: nn.Module, device: str, tokens: int = 13) -> None:

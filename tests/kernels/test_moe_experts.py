@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.kernels.families import FAMILY_CASES, assert_lora_adapters_kept, assert_same_training_step, tiny
+from tests.kernels.families import moe_experts as transformers_experts
 from tests.kernels.helpers import DTYPES, as_float64, assert_close, leaf, saved_bytes
-from tests.kernels.test_modules import moe_experts as transformers_experts
 from tigon.kernels import modules, reference
 from tigon.kernels.ops import moe_experts as op
 from tigon.kernels.patching import apply

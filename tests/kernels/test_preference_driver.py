@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.helpers import assert_close
-from tests.kernels.test_preference_losses import IGNORE, leaves, make_inputs
+from tests.kernels.helpers import IGNORE, assert_close, leaves, make_inputs
 from tigon.kernels import modules, reference
 from tigon.kernels.ops.fused_linear_preference import (
     Batch,

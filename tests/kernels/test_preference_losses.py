@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from tests.kernels.helpers import DTYPES, assert_close
+from tests.kernels.helpers import DTYPES, IGNORE, assert_close, leaves, make_inputs
 from tigon.kernels import functional, modules, reference
 from tigon.kernels.ops import fused_linear_preference
 
-IGNORE = -100
 # A loss on summed log-probs multiplies each token's logit rounding (bf16: 2^-8 relative) by beta times the
 # sequence length in its gradient factor, so the default betas are TRL's (0.1 on summed log-probs); larger
 # ones are tested in fp32 and fp16.
@@ -32,22 +31,6 @@ OPTIONS = {
     ],
 }
 OP_ONLY = ("chunk_size", "accumulate_in_fp32", "check_targets")
-
-
-def make_inputs(sequences, tokens, hidden, vocab, dtype, device, seed, with_bias=True, ignore_index=IGNORE):
-    """hidden (B, T, H), head weight and bias, targets with the first token (prompt) and some others ignored."""
-    torch.manual_seed(seed)
-    h = torch.randn(sequences, tokens, hidden, device=device).to(dtype)
-    w = (torch.randn(vocab, hidden, device=device) * 1.5 / hidden**0.5).to(dtype)
-    b = (torch.randn(vocab, device=device) * 0.2).to(dtype) if with_bias else None
-    target = torch.randint(0, vocab, (sequences, tokens), device=device)
-    target[:, 0] = ignore_index
-    target[torch.rand(sequences, tokens, device=device) < 0.2] = ignore_index
-    return h, w, b, target
-
-
-def leaves(*tensors, dtype=None):
-    return [None if t is None else t.detach().to(dtype or t.dtype).clone().requires_grad_(True) for t in tensors]
 
 
 def resolve(name, options, h, w, b, target, device):

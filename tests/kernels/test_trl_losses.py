@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.runtime.test_objectives import PAIRS, tiny_model_dir, trl_trainer
+from tests.runtime.configs import PAIRS, tiny_model_dir, trl_trainer
 from tigon.kernels.integrations import use_tigon
 from tigon.kernels.trl_losses import UnsupportedByTigon
 

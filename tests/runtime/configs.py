@@ -1,12 +1,19 @@
 """Run configs for the runtime tests: one builder (`run_config`), the tiny Llama run (`tiny_config`) most tests
-train, and the smallest run around a data section (`data_config`)."""
+train and its variants (`resumable_config`, `adapter_config`), the smallest run around a data section
+(`data_config`), the preference and distillation runs (`preference_config`, `distill_config`, `objective_config`)
+with their records and saved tiny models, and TRL's trainer on the same run (`trl_trainer`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch
+
+from tests.runtime.hub_cache import save_tiny_llama
 from tigon.runtime.config import RunConfig, parse_config
 from tigon.runtime.tasks import write_arithmetic_dataset
+from tigon.runtime.tokenizer import build_char_tokenizer
 
 TINY_MODEL = {
     "hidden_size": 32,
@@ -61,3 +68,210 @@ def data_config(train: str | Path, **data) -> RunConfig:
     """The smallest valid run around a data section that reads `train`: a char-tokenized Llama, one step."""
     model = {"config_name": "llama", "tokenizer": "char"}
     return run_config({"model": model, "data": {"train": str(train), **data}, "training": {"max_steps": 1}})
+
+
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+    for a, b in [(3, 4), (12, 9), (40, 2), (7, 77), (5, 5), (31, 18), (2, 60), (9, 9)]
+]
+
+KTO_RECORDS = [
+    {"prompt": pair["prompt"], "completion": pair[key], "label": key == "chosen"}
+    for pair in PAIRS
+    for key in ("chosen", "rejected")
+]
+
+TRL_ARGS = {  # the run preference_config describes: AdamW (betas 0.9/0.95), constant lr 1e-2, clipping at 1, fp32
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "learning_rate": 1e-2,
+    "lr_scheduler_type": "constant",
+    "max_steps": 4,
+    "logging_steps": 1,
+    "max_length": 32,
+    "adam_beta2": 0.95,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "bf16": False,  # TRL turns on bf16 autocast by default, on the CPU too
+    "report_to": "none",
+    "use_cpu": True,
+    "save_strategy": "no",
+    "seed": 0,
+}
+
+DISTILL_RECORDS = [
+    {"instruction": f"{a}+{b}=", "response": str(a + b)} for a, b in [(3, 4), (12, 9), (40, 2), (7, 77)] * 2
+]
+
+DISTILL_OBJECTIVE = {"type": "distill", "alpha": 0.3, "beta": 0.4, "temperature": 2.0}
+
+DISTILL_STEPS = 3
+
+OBJECTIVES = {  # name: objective section (distill: distill_config's teacher and mix)
+    "dpo": {"type": "dpo"},
+    "kto-precomputed": {"type": "kto", "reference": "precomputed"},
+    "orpo": {"type": "orpo"},
+    "distill": {},
+}
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def tiny_model_dir(tmp_path: Path) -> Path:
+    """A tiny Llama (random init, seed 0) and the char tokenizer, saved as a from_pretrained directory."""
+    directory = tmp_path / "model"
+    return directory if directory.is_dir() else save_tiny_llama(directory, tie_word_embeddings=False)
+
+
+def preference_config(tmp_path: Path, objective: dict | str, records: list[dict] = PAIRS, **sections):
+    """A run of 4 steps of 4 pairs x 2 micro-batches (the whole data set each step) on the tiny model."""
+    raw = {
+        "model": {"path": str(tiny_model_dir(tmp_path))},
+        "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", records)), "max_seq_len": 32},
+        "objective": objective,
+        "training": {
+            "max_steps": 4,
+            "learning_rate": 1e-2,
+            "lr_schedule": "constant",
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+        },
+        "kernels": {"enabled": False},
+        "checkpoint": {"export": False, "resume": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+    }
+    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    return parse_config(raw)
+
+
+def trl_trainer(tmp_path: Path, config_class, trainer_class, records: list[dict], peft_config=None, **settings):
+    """TRL's `trainer_class` built on `records` from tiny_model_dir, with TRL_ARGS and `settings` (and a PEFT
+    adapter from `peft_config`), not yet trained."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_model_dir(tmp_path)
+    return trainer_class(
+        model=str(model_dir),
+        args=config_class(output_dir=str(tmp_path / "trl"), **{**TRL_ARGS, **settings}),
+        train_dataset=Dataset.from_list(records),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        **({"peft_config": peft_config} if peft_config is not None else {}),
+    )
+
+
+def save_llama(directory: Path, seed: int, hidden: int, vocab_extra: int = 0, init: float = 0.02) -> Path:
+    """A tiny Llama (random init from `seed`, weights of standard deviation `init`: larger gives the peaked
+    distributions of a trained model) and the char tokenizer, saved for from_pretrained."""
+    import transformers
+
+    if directory.is_dir():
+        return directory
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        vocab_size=len(tokenizer) + vocab_extra,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=init,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
+    """3 steps of 4 sequences (2 x 2 micro-batches: the whole data set each step) distilling a 48-wide teacher
+    into a 32-wide student."""
+    teacher = save_llama(tmp_path / "teacher", seed=1, hidden=48, init=0.3)
+    raw = {
+        "model": {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))},
+        "data": {
+            "train": str(write_jsonl(tmp_path / "train.jsonl", DISTILL_RECORDS)),
+            "format": "instruction",
+            "max_seq_len": 16,
+        },
+        "objective": {**DISTILL_OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})},
+        "training": {
+            "max_steps": DISTILL_STEPS,
+            "learning_rate": 1e-2,
+            "lr_schedule": "constant",
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+        },
+        "kernels": {"enabled": False},
+        "checkpoint": {"export": False, "resume": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+    }
+    return run_config(raw, **sections)
+
+
+def resumable_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
+    """A tiny run (tiny_config) with checkpoints every 3 steps and resume on."""
+    training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
+    return tiny_config(
+        tmp_path,
+        training=training,
+        checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": export},
+        eval={"metrics": ["loss", "exact_match"], "max_batches": 1},
+        logging={"run_dir": str(tmp_path / name), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+        **sections,
+    )
+
+
+def adapter_config(tmp_path, trainer: str, n_train: int = 40, **sections):
+    """A tiny run for `trainer`: micro-batch 2 x accumulation 2, cosine schedule with warmup and clipping, so every
+    piece the trainers share is exercised."""
+    training = {
+        "max_steps": 6,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "lr_schedule": "cosine",
+        "warmup_steps": 2,
+        "weight_decay": 0.1,
+        "max_grad_norm": 0.5,
+        **sections.pop("training", {}),
+    }
+    return tiny_config(
+        tmp_path,
+        n_train=n_train,  # 40: about 3 steps per epoch, so the run crosses epochs (the data order reshuffles)
+        trainer=trainer,
+        training=training,
+        data={"max_seq_len": 32},
+        eval={"metrics": ["loss"], "max_batches": 1, **sections.pop("eval", {})},
+        logging={
+            "run_dir": str(tmp_path / f"run-{trainer}"),
+            "tensorboard": False,
+            "progress_bar": False,
+            **sections.pop("logging", {}),
+        },
+        **sections,
+    )
+
+
+def objective_config(tmp_path, objective: str, trainer: str, **sections):
+    """2 steps of 2 x 2 micro-batches (pairs, KTO completions, or distillation's sequences) on the tiny Llama of
+    preference_config (distill_config's student and teacher for distill), evaluated on the training records."""
+    sections = {
+        "trainer": trainer,
+        "training": {"max_steps": 2, "micro_batch_size": 2, **sections.pop("training", {})},
+        "data": {"eval": str(tmp_path / "train.jsonl")},
+        "logging": {"run_dir": str(tmp_path / trainer), **sections.pop("logging", {})},
+        **sections,
+    }
+    if objective == "distill":
+        return distill_config(tmp_path, **sections)
+    records = KTO_RECORDS if objective.startswith("kto") else PAIRS
+    return preference_config(tmp_path, OBJECTIVES[objective], records, **sections)

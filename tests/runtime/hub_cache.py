@@ -73,3 +73,6 @@ def offline(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     # huggingface_hub reads these variables once, at import: set its module-level copies too
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+REPO = "tigon-test/tiny-llama"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_trainer_adapters import adapter_config
+from tests.runtime.configs import adapter_config
 from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch
 from tigon.runtime.trainer import train
 
@@ -53,7 +53,7 @@ LORA = {
 
 
 def run(tmp_path: Path, trainer: str, name: str, max_steps: int, parallelism: dict | None = None, **sections):
-    """A 2-rank adapter run (test_trainer_adapters.adapter_config) with checkpoints every 3 steps and resume on."""
+    """A 2-rank adapter run (configs.adapter_config) with checkpoints every 3 steps and resume on."""
     training = {"max_steps": max_steps, "lr_schedule": "constant", **sections.pop("training", {})}
     return adapter_config(
         tmp_path,

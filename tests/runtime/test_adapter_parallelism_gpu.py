@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.test_objectives import logged_steps
-from tests.runtime.test_trainer_adapters import adapter_config, assert_close, objective_config
+from tests.runtime.configs import adapter_config, objective_config
+from tests.runtime.worker_groups import assert_close, logged_steps
 from tigon.runtime.trainer import train
 
 RELATIVE_TOLERANCE = 1e-4

@@ -14,27 +14,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from tests.runtime.documents import packed_batch
 from tigon.runtime.attention import VARLEN, document_boundaries, resolve, transformers_name
 from tigon.runtime.data import model_inputs
 from tigon.runtime.model import enable_activation_checkpointing
-
-DOCUMENTS = [[1, 7, 13], [3, 11, 5, 4], [23]]  # per row: document lengths (odd, 1-token ones too)
-
-
-def packed_batch(rows=DOCUMENTS, vocab=97, seed=0) -> dict[str, torch.Tensor]:
-    """input_ids, labels and position_ids of rows of documents, as PackedDataset makes them: position ids restart
-    at 0 per document, whose first token has label -100; a shorter row's padding (label -100) goes on counting the
-    last document's positions."""
-    generator = torch.Generator().manual_seed(seed)
-    length = max(sum(row) for row in rows)
-    positions = torch.tensor(
-        [[p for n in row[:-1] for p in range(n)] + list(range(length - sum(row[:-1]))) for row in rows]
-    )
-    ids = torch.randint(0, vocab, positions.shape, generator=generator)
-    labels = torch.where(positions == 0, -100, ids)  # no document's first token is predicted
-    for number, row in enumerate(rows):
-        labels[number, sum(row) :] = -100
-    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def test_document_boundaries_are_the_documents_offsets():
@@ -186,7 +169,8 @@ def test_every_trainer_trains_packed_rows_through_varlen(tmp_path):
     """The torch trainer, HF Trainer and Lightning with model.attn_implementation: varlen reach the losses of the
     dense-mask run: each builds the model with tigon's attention and hands it the boundaries (model_inputs)."""
     pytest.importorskip("lightning")
-    from tests.runtime.test_trainer_adapters import RELATIVE_TOLERANCE, adapter_config
+    from tests.runtime.configs import adapter_config
+    from tests.runtime.worker_groups import RELATIVE_TOLERANCE
     from tigon.runtime.data import build_datasets, single_documents
     from tigon.runtime.tokenizer import load_tokenizer
     from tigon.runtime.trainer import train
@@ -209,7 +193,7 @@ def test_a_checkpoint_resumes_under_another_attention(tmp_path):
     """Every attention implementation computes the same function: a run saved under sdpa resumes under auto."""
     from tests.runtime.configs import tiny_config
     from tigon.runtime.config import ConfigError
-    from tigon.runtime.trainer import check_resumable
+    from tigon.runtime.run import check_resumable
 
     saved = tiny_config(tmp_path, model={"attn_implementation": "sdpa"})
     (tmp_path / "config.json").write_text(saved.model_dump_json())

@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tests.kernels.helpers import saved_bytes
-from tests.runtime.test_attention import packed_batch
+from tests.runtime.documents import packed_batch
 from tigon.runtime import attention, planner
 from tigon.runtime.data import model_inputs
 

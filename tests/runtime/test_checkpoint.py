@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
+from tests.runtime.worker_groups import capture_before_export
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.trainer import train
@@ -126,7 +127,7 @@ def test_resume_accepts_a_checkpoint_from_before_new_settings_and_another_cache(
     """A checkpoint's config.json without later fields (they take their defaults) or with another download cache."""
     import json
 
-    from tigon.runtime.trainer import check_resumable
+    from tigon.runtime.run import check_resumable
 
     config = tiny_config(tmp_path)
     saved = json.loads(config.model_dump_json())
@@ -165,26 +166,11 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
     assert (random.random(), torch.rand(3)) == (expected[0], pytest.approx(expected[1]))
 
 
-def _capture_before_export(monkeypatch, ids: torch.Tensor) -> dict:
-    """Logits of the trained model just before the trainer exports it."""
-    captured = {}
-    original = ckpt.export_model
-
-    def export(model, *args, **kwargs):
-        model.eval()
-        with torch.no_grad():
-            captured["logits"] = model(input_ids=ids).logits
-        return original(model, *args, **kwargs)
-
-    monkeypatch.setattr(ckpt, "export_model", export)
-    return captured
-
-
 def test_export_loads_with_from_pretrained(tmp_path, restore_rope, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = torch.tensor([[1, 20, 21, 14, 22, 30]])
-    captured = _capture_before_export(monkeypatch, ids)
+    captured = capture_before_export(monkeypatch, ids)
     config = tiny_config(
         tmp_path,
         training={"max_steps": 2},
@@ -209,7 +195,7 @@ def test_lora_export_is_merged_into_plain_weights(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([[1, 20, 21, 14, 22, 30]])
-    captured = _capture_before_export(monkeypatch, ids)
+    captured = capture_before_export(monkeypatch, ids)
     config = tiny_config(
         tmp_path, training={"max_steps": 3}, lora={"enabled": True, "r": 4}, checkpoint={"export": True}
     )

@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.runtime.test_parallel import RELATIVE_TOLERANCE, run_config
-from tests.runtime.test_trainer import tiny_config
-from tests.runtime.worker_groups import WORKER, launch
+from tests.runtime.configs import resumable_config, tiny_config
+from tests.runtime.worker_groups import RELATIVE_TOLERANCE, WORKER, launch
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
 from tigon.runtime.trainer import train
@@ -101,9 +100,9 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
     runs = launch(
         tmp_path,
         {
-            "ddp": run_config(tmp_path, "ddp", 4, False, training=ddp),
-            "fsdp": run_config(tmp_path, "fsdp", 4, False, training=COMPILED, parallelism={"strategy": "fsdp"}),
-            "fsdp-checkpointed": run_config(
+            "ddp": resumable_config(tmp_path, "ddp", 4, False, training=ddp),
+            "fsdp": resumable_config(tmp_path, "fsdp", 4, False, training=COMPILED, parallelism={"strategy": "fsdp"}),
+            "fsdp-checkpointed": resumable_config(
                 tmp_path,
                 "fsdp-checkpointed",
                 4,
@@ -111,11 +110,11 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
                 training={**COMPILED, "gradient_checkpointing": True},
                 parallelism={"strategy": "fsdp"},
             ),
-            "hf-fsdp": run_config(
+            "hf-fsdp": resumable_config(
                 tmp_path, "hf-fsdp", 4, False, trainer="hf", training=COMPILED, parallelism={"strategy": "fsdp"}
             ),
-            "lightning-ddp": run_config(tmp_path, "lightning-ddp", 4, False, trainer="lightning", training=ddp),
-            "zero2": run_config(
+            "lightning-ddp": resumable_config(tmp_path, "lightning-ddp", 4, False, trainer="lightning", training=ddp),
+            "zero2": resumable_config(
                 tmp_path, "zero2", 4, False, training=COMPILED, parallelism={"strategy": "deepspeed", "zero_stage": 2}
             ),
         },
@@ -123,7 +122,7 @@ def test_compiled_layers_under_ddp_and_fsdp2_match_one_eager_process(tmp_path):
     )
     assert runs["ddp"]["graphs"] >= 1 and runs["fsdp-checkpointed"]["graphs"] > runs["ddp"]["graphs"], runs
     assert all(run["breaks"] == 0 for run in runs.values()), runs
-    single = train(run_config(tmp_path, "single", 4, False, training={"micro_batch_size": 4}))
+    single = train(resumable_config(tmp_path, "single", 4, False, training={"micro_batch_size": 4}))
     for name, run in runs.items():
         worst = worst_relative(run["losses"], single.losses)
         print(f"{name}: worst relative loss difference to one eager process {worst:.2e}")

@@ -13,72 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.configs import run_config
-from tests.runtime.test_objectives import logged_steps, write_jsonl
-from tests.runtime.worker_groups import launch, process_env
+from tests.runtime.configs import DISTILL_STEPS, distill_config, save_llama
+from tests.runtime.worker_groups import launch, logged_steps, process_env
 from tigon.runtime.config import ConfigError, parse_config
-from tigon.runtime.tokenizer import build_char_tokenizer
 from tigon.runtime.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = [{"instruction": f"{a}+{b}=", "response": str(a + b)} for a, b in [(3, 4), (12, 9), (40, 2), (7, 77)] * 2]
-OBJECTIVE = {"type": "distill", "alpha": 0.3, "beta": 0.4, "temperature": 2.0}
-STEPS = 3
-
-
-def save_llama(directory: Path, seed: int, hidden: int, vocab_extra: int = 0, init: float = 0.02) -> Path:
-    """A tiny Llama (random init from `seed`, weights of standard deviation `init`: larger gives the peaked
-    distributions of a trained model) and the char tokenizer, saved for from_pretrained."""
-    import transformers
-
-    if directory.is_dir():
-        return directory
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        vocab_size=len(tokenizer) + vocab_extra,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        initializer_range=init,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
-    """3 steps of 4 sequences (2 x 2 micro-batches: the whole data set each step) distilling a 48-wide teacher
-    into a 32-wide student."""
-    teacher = save_llama(tmp_path / "teacher", seed=1, hidden=48, init=0.3)
-    raw = {
-        "model": {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))},
-        "data": {
-            "train": str(write_jsonl(tmp_path / "train.jsonl", RECORDS)),
-            "format": "instruction",
-            "max_seq_len": 16,
-        },
-        "objective": {**OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})},
-        "training": {
-            "max_steps": STEPS,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
-    return run_config(raw, **sections)
 
 
 def test_distill_config_is_validated_with_the_fix(tmp_path):
@@ -128,8 +69,8 @@ def reference_losses(config, steps: int) -> list[tuple[float, float, float]]:
     from tigon.runtime.batches import GlobalBatchSampler, collate
     from tigon.runtime.data import build_datasets, model_inputs
     from tigon.runtime.optim import build_optimizer, build_scheduler
+    from tigon.runtime.run import seed_everything
     from tigon.runtime.tokenizer import load_tokenizer
-    from tigon.runtime.trainer import seed_everything
 
     objective, training = config.objective, config.training
     seed_everything(training.seed)
@@ -176,9 +117,9 @@ def test_distill_matches_a_plain_pytorch_loop_step_by_step(tmp_path):
     config = distill_config(tmp_path)
     result = train(config)
     steps = logged_steps(result.run_dir)
-    want = reference_losses(config, STEPS)
+    want = reference_losses(config, DISTILL_STEPS)
     got = [(step["loss"], step["ce_loss"], step["distill_loss"]) for step in steps]
-    assert len(got) == STEPS and got[0][2] > 0.01
+    assert len(got) == DISTILL_STEPS and got[0][2] > 0.01
     for step_got, step_want in zip(got, want, strict=True):
         for a, b in zip(step_got, step_want, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (got, want)

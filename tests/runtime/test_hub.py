@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.runtime.configs import tiny_config
+from tests.runtime.hub_cache import REPO
 from tigon.runtime.config import ConfigError, ModelConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.hub import config_json, fetch_model, hub_error, model_directory
@@ -15,8 +16,6 @@ from tigon.runtime.model import build_model
 from tigon.runtime.tokenizer import load_tokenizer
 
 from .hub_cache import HubCache, offline, save_tiny_llama
-
-REPO = "tigon-test/tiny-llama"
 
 
 @pytest.fixture
@@ -112,13 +111,13 @@ def test_fsdp2_ranks_fetch_once_per_node_then_load_from_the_cache(tmp_path, hub)
     """2 FSDP2 ranks over gloo: the model from an object-store URL (fsspec's `local://` where s3:// would be), the
     tokenizer by Hub id. Local rank 0 fetches both; rank 1 waits at the barrier and may only read the local copies
     (it raises if they are absent), then builds on the meta device and receives rank 0's weights."""
-    from tests.runtime.test_parallel import run_config
+    from tests.runtime.configs import resumable_config
     from tests.runtime.worker_groups import launch
 
     hub.add_model(REPO, tmp_path)
     source = save_tiny_llama(tmp_path / "store" / "tiny")
     model = {"path": f"local://{source}", "tokenizer": REPO, "config_name": None, "config_overrides": {}}
-    config = run_config(tmp_path, "fsdp", 2, False, model=model, parallelism={"strategy": "fsdp"})
+    config = resumable_config(tmp_path, "fsdp", 2, False, model=model, parallelism={"strategy": "fsdp"})
     runs = launch(tmp_path, {"fsdp": config})
     assert len(runs["fsdp"]["losses"]) == 2
     (copy,) = (hub.root / "tigon-objects").iterdir()

@@ -4,7 +4,7 @@ need 4):
 
     python -m pytest -m gpu tests/runtime/test_multi_gpu.py
 
-Every case of CASES trains a tiny Llama (tests/runtime/test_trainer_adapters.adapter_config: cosine schedule
+Every case of CASES trains a tiny Llama (tests/runtime/configs.adapter_config: cosine schedule
 with warm-up, clipping, weight decay, gradient accumulation, crossing epochs) for 6 steps at one global batch
 of 16 sequences, spread as 1 GPU x micro-batch 4 x accumulation 4, 2 GPUs x 4 x 2 and 4 GPUs x 2 x 2. On 4
 GPUs the one-GPU runs (split over GPUs 0 and 1) and the two-GPU group (GPUs 2 and 3) run at the same time, then
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.test_trainer_adapters import adapter_config
+from tests.runtime.configs import adapter_config
 from tests.runtime.worker_groups import launch
 
 RELATIVE_TOLERANCE = 1e-4

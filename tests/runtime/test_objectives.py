@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.hub_cache import save_tiny_llama
+from tests.runtime.configs import KTO_RECORDS, PAIRS, preference_config, trl_trainer
+from tests.runtime.worker_groups import logged_steps
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.data import MalformedRecordError
 from tigon.runtime.preference_data import build_preference_datasets, tokenize_preference
@@ -23,49 +24,7 @@ from tigon.runtime.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a, b in [(3, 4), (12, 9), (40, 2), (7, 77), (5, 5), (31, 18), (2, 60), (9, 9)]
-]
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
-
-
-def tiny_model_dir(tmp_path: Path) -> Path:
-    """A tiny Llama (random init, seed 0) and the char tokenizer, saved as a from_pretrained directory."""
-    directory = tmp_path / "model"
-    return directory if directory.is_dir() else save_tiny_llama(directory, tie_word_embeddings=False)
-
-
-def preference_config(tmp_path: Path, objective: dict | str, records: list[dict] = PAIRS, **sections):
-    """A run of 4 steps of 4 pairs x 2 micro-batches (the whole data set each step) on the tiny model."""
-    raw = {
-        "model": {"path": str(tiny_model_dir(tmp_path))},
-        "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", records)), "max_seq_len": 32},
-        "objective": objective,
-        "training": {
-            "max_steps": 4,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 4,
-            "gradient_accumulation_steps": 2,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
-    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
-        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
-    return parse_config(raw)
-
-
-def logged_steps(run_dir: str | Path) -> list[dict]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if "loss" in record]
 
 
 def test_objective_config_is_validated_with_the_fix(tmp_path):
@@ -247,41 +206,6 @@ def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
         assert abs(ranks[0]["eval"][name] - single.eval_metrics[name]) <= 1e-5, name
 
 
-TRL_ARGS = {  # the run preference_config describes: AdamW (betas 0.9/0.95), constant lr 1e-2, clipping at 1, fp32
-    "per_device_train_batch_size": 4,
-    "gradient_accumulation_steps": 2,
-    "learning_rate": 1e-2,
-    "lr_scheduler_type": "constant",
-    "max_steps": 4,
-    "logging_steps": 1,
-    "max_length": 32,
-    "adam_beta2": 0.95,
-    "weight_decay": 0.0,
-    "max_grad_norm": 1.0,
-    "bf16": False,  # TRL turns on bf16 autocast by default, on the CPU too
-    "report_to": "none",
-    "use_cpu": True,
-    "save_strategy": "no",
-    "seed": 0,
-}
-
-
-def trl_trainer(tmp_path: Path, config_class, trainer_class, records: list[dict], peft_config=None, **settings):
-    """TRL's `trainer_class` built on `records` from tiny_model_dir, with TRL_ARGS and `settings` (and a PEFT
-    adapter from `peft_config`), not yet trained."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    model_dir = tiny_model_dir(tmp_path)
-    return trainer_class(
-        model=str(model_dir),
-        args=config_class(output_dir=str(tmp_path / "trl"), **{**TRL_ARGS, **settings}),
-        train_dataset=Dataset.from_list(records),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        **({"peft_config": peft_config} if peft_config is not None else {}),
-    )
-
-
 def trl_logged_steps(tmp_path: Path, config_class, trainer_class, records: list[dict], **settings) -> list[dict]:
     """`trl_trainer` trained: its step logs."""
     trainer = trl_trainer(tmp_path, config_class, trainer_class, records, **settings)
@@ -391,11 +315,6 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_reference(tmp_path):
     assert resumed.resumed_from_step == 2 and resumed.losses == whole, (resumed.losses, whole)
 
 
-KTO_RECORDS = [
-    {"prompt": pair["prompt"], "completion": pair[key], "label": key == "chosen"}
-    for pair in PAIRS
-    for key in ("chosen", "rejected")
-]
 SHARDED_OBJECTIVES = {  # name: (objective, records)
     "dpo": ({"type": "dpo"}, PAIRS),
     "dpo-precomputed": ({"type": "dpo", "reference": "precomputed"}, PAIRS),
@@ -412,7 +331,7 @@ def test_preference_objectives_under_fsdp_and_zero2_match_ddp(tmp_path):
     sharding) and under DeepSpeed ZeRO-2, against DDP. Per-step losses, the last step's metrics and the evaluation
     agree within 1e-5 relative (fp32; FSDP2 and ZeRO-2 reduce-scatter the gradients where DDP all-reduces them:
     another order), and 1e-7 absolute near zero (the first step's rewards: policy and reference are the same)."""
-    from tests.runtime.test_parallel import launch
+    from tests.runtime.worker_groups import launch
 
     runs = {}
     for name, (objective, records) in SHARDED_OBJECTIVES.items():

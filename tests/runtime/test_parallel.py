@@ -21,29 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime.configs import tiny_config
-from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch
+from tests.runtime.configs import resumable_config, tiny_config
+from tests.runtime.worker_groups import LOGITS_TOLERANCE, RELATIVE_TOLERANCE, exported_logits, launch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.deepspeed_engine import import_deepspeed, supports_precision
 from tigon.runtime.trainer import train
 
-RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 2e-2  # bf16 weights in the forward (FSDP2) vs fp32 weights under bf16 autocast
 FP16_TOLERANCE = 1e-3  # fp16 weights (FSDP2, DeepSpeed) vs fp32 weights under fp16 autocast; measured 4e-5
-
-
-def run_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
-    """A tiny run (see configs.tiny_config) with checkpoints every 3 steps and resume on."""
-    training = {"micro_batch_size": 2, "max_steps": max_steps, **sections.pop("training", {})}
-    return tiny_config(
-        tmp_path,
-        training=training,
-        checkpoint={"every_steps": 3, "keep_last": 2, "resume": True, "export": export},
-        eval={"metrics": ["loss", "exact_match"], "max_batches": 1},
-        logging={"run_dir": str(tmp_path / name), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-        **sections,
-    )
 
 
 def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dict[str, dict]:
@@ -51,13 +37,13 @@ def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dic
     runs = launch(
         tmp_path,
         {
-            "full": run_config(tmp_path, "full", 6, True, **sections),
-            "killed": run_config(tmp_path, "resumed", 3, False, **sections),
-            "resumed": run_config(tmp_path, "resumed", 6, False, **sections),
+            "full": resumable_config(tmp_path, "full", 6, True, **sections),
+            "killed": resumable_config(tmp_path, "resumed", 3, False, **sections),
+            "resumed": resumable_config(tmp_path, "resumed", 6, False, **sections),
         },
         backend,
     )
-    single = train(run_config(tmp_path, "single", 6, True, training={"micro_batch_size": 4}))
+    single = train(resumable_config(tmp_path, "single", 6, True, training={"micro_batch_size": 4}))
     full = runs["full"]["losses"]
     assert len(full) == 6 and full[-1] < full[0], full
     worst = max(abs(a - b) / abs(b) for a, b in zip(full, single.losses, strict=True))
@@ -131,9 +117,9 @@ def test_fsdp2_rank1_builds_on_meta_and_receives_rank0_weights(tmp_path):
     AutoModelForCausalLM.from_config(model_config).save_pretrained(tmp_path / "pretrained")
     model = {"path": str(tmp_path / "pretrained"), "tokenizer": "char", "config_name": None, "config_overrides": {}}
     runs = launch(
-        tmp_path, {"meta": run_config(tmp_path, "meta", 3, False, model=model, parallelism={"strategy": "fsdp"})}
+        tmp_path, {"meta": resumable_config(tmp_path, "meta", 3, False, model=model, parallelism={"strategy": "fsdp"})}
     )
-    single = train(run_config(tmp_path, "single", 3, False, model=model, training={"micro_batch_size": 4}))
+    single = train(resumable_config(tmp_path, "single", 3, False, model=model, training={"micro_batch_size": 4}))
     worst = max(abs(a - b) / abs(b) for a, b in zip(runs["meta"]["losses"], single.losses, strict=True))
     assert worst < RELATIVE_TOLERANCE, (runs["meta"]["losses"], single.losses)
 
@@ -148,13 +134,13 @@ def test_fp16_under_fsdp2_deepspeed_and_lightning_matches_ddp_and_resumes_exactl
     fp16 = {"precision": "fp16"}
     fsdp, zero2 = {"strategy": "fsdp"}, {"strategy": "deepspeed", "zero_stage": 2}
     configs = {
-        "ddp": run_config(tmp_path, "ddp", 4, False, training=fp16),
-        "fsdp": run_config(tmp_path, "fsdp", 4, False, parallelism=fsdp, training=fp16),
-        "fsdp-killed": run_config(tmp_path, "fsdp-resumed", 3, False, parallelism=fsdp, training=fp16),
-        "fsdp-resumed": run_config(tmp_path, "fsdp-resumed", 4, False, parallelism=fsdp, training=fp16),
-        "zero2": run_config(tmp_path, "zero2", 4, False, parallelism=zero2, training=fp16),
-        "lightning": run_config(tmp_path, "lightning", 4, False, trainer="lightning", training=fp16),
-        "hf-zero2": run_config(tmp_path, "hf-zero2", 4, False, trainer="hf", parallelism=zero2, training=fp16),
+        "ddp": resumable_config(tmp_path, "ddp", 4, False, training=fp16),
+        "fsdp": resumable_config(tmp_path, "fsdp", 4, False, parallelism=fsdp, training=fp16),
+        "fsdp-killed": resumable_config(tmp_path, "fsdp-resumed", 3, False, parallelism=fsdp, training=fp16),
+        "fsdp-resumed": resumable_config(tmp_path, "fsdp-resumed", 4, False, parallelism=fsdp, training=fp16),
+        "zero2": resumable_config(tmp_path, "zero2", 4, False, parallelism=zero2, training=fp16),
+        "lightning": resumable_config(tmp_path, "lightning", 4, False, trainer="lightning", training=fp16),
+        "hf-zero2": resumable_config(tmp_path, "hf-zero2", 4, False, trainer="hf", parallelism=zero2, training=fp16),
     }
     matched = ["fsdp", "zero2", "lightning", "hf-zero2"]
     if not supports_precision(import_deepspeed(torch.device("cpu")), "fp16"):
@@ -204,10 +190,12 @@ def check_lora_run(tmp_path: Path, parallelism: dict, more: dict | None = None) 
     (their CPU references): 2 ranks match one process within RELATIVE_TOLERANCE (fp32), and the export holds
     the merged weights (plain from_pretrained, same logits as one process's export)."""
     runs = launch(
-        tmp_path, {"lora": run_config(tmp_path, "lora", 4, True, parallelism=parallelism, **LORA), **(more or {})}
+        tmp_path, {"lora": resumable_config(tmp_path, "lora", 4, True, parallelism=parallelism, **LORA), **(more or {})}
     )
     single = train(
-        run_config(tmp_path, "single", 4, True, **{**LORA, "training": {**LORA["training"], "micro_batch_size": 4}})
+        resumable_config(
+            tmp_path, "single", 4, True, **{**LORA, "training": {**LORA["training"], "micro_batch_size": 4}}
+        )
     )
     worst = max(abs(a - b) / abs(b) for a, b in zip(runs["lora"]["losses"], single.losses, strict=True))
     print(f"{parallelism} + LoRA: worst relative loss difference to one process {worst:.2e}")
@@ -220,9 +208,9 @@ def check_lora_run(tmp_path: Path, parallelism: dict, more: dict | None = None) 
 def test_fsdp2_with_lora_gradient_checkpointing_kernels_and_bf16(tmp_path):
     """Also FSDP2's bf16 MixedPrecisionPolicy against one process's bf16 autocast, within BF16_TOLERANCE."""
     bf16 = {"gradient_checkpointing": True, "precision": "bf16"}
-    more = {"bf16": run_config(tmp_path, "bf16", 4, False, parallelism={"strategy": "fsdp"}, training=bf16)}
+    more = {"bf16": resumable_config(tmp_path, "bf16", 4, False, parallelism={"strategy": "fsdp"}, training=bf16)}
     runs = check_lora_run(tmp_path, {"strategy": "fsdp"}, more)
-    single = train(run_config(tmp_path, "single-bf16", 4, False, training={**bf16, "micro_batch_size": 4}))
+    single = train(resumable_config(tmp_path, "single-bf16", 4, False, training={**bf16, "micro_batch_size": 4}))
     worst = max(abs(a - b) / abs(b) for a, b in zip(runs["bf16"]["losses"], single.losses, strict=True))
     print(f"fsdp bf16: worst relative loss difference to one process {worst:.2e}")
     assert worst < BF16_TOLERANCE, (runs["bf16"]["losses"], single.losses)
@@ -280,7 +268,7 @@ def test_one_process_fsdp2_cpu_offload_and_zero1_match_ddp(tmp_path):
         ("zero1", {"strategy": "deepspeed", "zero_stage": 1}),
         ("zero2", {"strategy": "deepspeed", "zero_stage": 2}),
     ]:
-        config = run_config(tmp_path, name, 3, False, parallelism=parallelism, training={"micro_batch_size": 4})
+        config = resumable_config(tmp_path, name, 3, False, parallelism=parallelism, training={"micro_batch_size": 4})
         runs[name] = train(config.model_copy(update={"eval": config.eval.model_copy(update={"metrics": []})}))
     for name in ("fsdp-offload", "zero1", "zero2"):
         worst = max(abs(a - b) / abs(b) for a, b in zip(runs[name].losses, runs["ddp"].losses, strict=True))

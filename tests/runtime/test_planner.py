@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from tests.kernels.helpers import saved_bytes
-from tests.runtime.test_trainer import tiny_config
+from tests.runtime.configs import tiny_config
 from tigon.runtime import cli, planner
 from tigon.runtime.config import parse_config
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
@@ -549,8 +549,7 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
     per token) and, sharded, its head gathered whole, and its no-grad forward is a moment of its own."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from tests.runtime.test_distill import save_llama
-    from tests.runtime.test_trainer import TINY_MODEL
+    from tests.runtime.configs import TINY_MODEL, save_llama
 
     teacher_dir = save_llama(tmp_path / "teacher", seed=1, hidden=48)
     teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
@@ -709,7 +708,7 @@ def test_plan_auto_sizes_preference_and_distill_runs(tmp_path, capsys):
     a smaller micro-batch or checkpointing, and `tigon plan` says what a micro-batch item is and which loss runs."""
     import yaml
 
-    from tigon.runtime.objectives import check_objective
+    from tigon.runtime.post_training import check_objective
 
     sft = plan_config(tmp_path, seq_len=1024)
     raw = sft.model_dump(mode="json")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, logged_steps, preference_config
+from tests.runtime.configs import KTO_RECORDS, PAIRS, preference_config
+from tests.runtime.worker_groups import logged_steps
 from tigon.runtime.attention import transformers_name
 from tigon.runtime.batches import collate
 from tigon.runtime.config import parse_config
@@ -131,7 +132,7 @@ def test_packed_pairs_under_fsdp2_give_the_padded_ddp_run(tmp_path):
     """torchrun, 2 ranks x micro-batch 2 x accumulation 2, 2 steps with a held-out evaluation: packed DPO rows
     (varlen boundaries) under FSDP2, the policy and its frozen reference copy sharded and the fused op run inside the
     root's forward, give the padded DDP run's per-step losses, last-step metrics and evaluation within 1e-5."""
-    from tests.runtime.test_parallel import launch
+    from tests.runtime.worker_groups import launch
 
     runs = {}
     for name, packing, strategy in [("padded-ddp", False, "ddp"), ("packed-fsdp", True, "fsdp")]:

@@ -8,11 +8,11 @@ import pytest
 import yaml
 
 from tests.runtime.configs import tiny_config
+from tests.runtime.hub_cache import REPO
 from tigon.runtime.config import ConfigError
 from tigon.runtime.trainer import train
 
 from .hub_cache import HubCache, offline
-from .test_hub import REPO
 
 
 def test_lora_run_stages_merged_model_adapter_and_card_then_push_is_refused_offline(tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ from tigon.runtime import planner
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
 from tigon.runtime.quantization import dense_weight, merge_into_dense
-from tigon.runtime.trainer import check_config, train
+from tigon.runtime.run import check_config
+from tigon.runtime.trainer import train
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
+from tests.runtime.configs import adapter_config
+from tests.runtime.worker_groups import tensorboard_tags
 from tigon.runtime.trainer import train
-
-from .test_trainer_adapters import adapter_config
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -56,14 +56,6 @@ def wandb_offline_run(path) -> tuple[list[dict], dict]:
             else:
                 summary.update(values)
     return history, summary
-
-
-def tensorboard_tags(directory) -> set[str]:
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-
-    events = EventMultiplexer().AddRunsFromDirectory(str(directory))
-    events.Reload()
-    return {tag for run in events.Runs().values() for tag in run.get("scalars", [])}
 
 
 @pytest.mark.parametrize("trainer", ["torch", "hf", "lightning"])

@@ -18,10 +18,10 @@ import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
 from tests.runtime.worker_groups import process_env
-from tigon.runtime.batches import GlobalBatchSampler, collate, label_tokens
+from tigon.runtime.batches import GlobalBatchSampler, collate, label_tokens, token_loss_sum
 from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.optim import build_optimizer, lr_factor, param_groups
-from tigon.runtime.trainer import token_loss_sum, train
+from tigon.runtime.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,8 @@ import fsspec
 import pytest
 import torch
 
-from tests.runtime.test_checkpoint import _capture_before_export
-from tests.runtime.test_trainer import TINY_MODEL, tiny_config
+from tests.runtime.configs import OBJECTIVES, TINY_MODEL, adapter_config, objective_config
+from tests.runtime.worker_groups import RELATIVE_TOLERANCE, assert_close, capture_before_export
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.storage import RunStorage
@@ -27,37 +27,6 @@ from tigon.runtime.trainer import train
 
 pytest.importorskip("transformers")
 pytest.importorskip("lightning")
-
-RELATIVE_TOLERANCE = 1e-4
-
-
-def adapter_config(tmp_path, trainer: str, n_train: int = 40, **sections):
-    # micro-batch 2 x accumulation 2, cosine schedule with warmup and clipping: every shared piece is exercised
-    training = {
-        "max_steps": 6,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "lr_schedule": "cosine",
-        "warmup_steps": 2,
-        "weight_decay": 0.1,
-        "max_grad_norm": 0.5,
-        **sections.pop("training", {}),
-    }
-    return tiny_config(
-        tmp_path,
-        n_train=n_train,  # 40: about 3 steps per epoch, so the run crosses epochs (the data order reshuffles)
-        trainer=trainer,
-        training=training,
-        data={"max_seq_len": 32},
-        eval={"metrics": ["loss"], "max_batches": 1, **sections.pop("eval", {})},
-        logging={
-            "run_dir": str(tmp_path / f"run-{trainer}"),
-            "tensorboard": False,
-            "progress_bar": False,
-            **sections.pop("logging", {}),
-        },
-        **sections,
-    )
 
 
 def test_torch_hf_and_lightning_reach_the_same_losses(tmp_path):
@@ -141,7 +110,7 @@ def test_adapter_export_loads_with_from_pretrained(tmp_path, monkeypatch, traine
     from transformers import AutoModelForCausalLM
 
     ids = torch.tensor([[1, 20, 21, 14, 22, 30]])
-    captured = _capture_before_export(monkeypatch, ids)
+    captured = capture_before_export(monkeypatch, ids)
     config = adapter_config(
         tmp_path,
         trainer,
@@ -164,7 +133,7 @@ def test_hf_and_lightning_ddp_two_processes_match_the_torch_trainer_and_resume_e
     with Lightning (its DDP strategy, gloo) == the torch trainer in one process with micro-batch 2 x
     accumulation 4, within RELATIVE_TOLERANCE. Each adapter, stopped at its step-3 checkpoint and resumed on
     2 ranks, repeats its uninterrupted losses exactly."""
-    from tests.runtime.test_parallel import launch
+    from tests.runtime.worker_groups import launch
 
     def config(trainer: str, run: str, max_steps: int, **sections):
         return adapter_config(
@@ -210,43 +179,6 @@ def test_hf_and_lightning_ddp_two_processes_match_the_torch_trainer_and_resume_e
 # so the ops run their PyTorch reference (TRITON_INTERPRET unset), not Triton's interpreter, which would take nine
 # tenths of each run.
 OBJECTIVE_TOLERANCE = 1e-6  # fp32, one process, the same ops in the same order; measured: equal bit for bit
-OBJECTIVES = {  # name: objective section (distill: test_distill's teacher and mix)
-    "dpo": {"type": "dpo"},
-    "kto-precomputed": {"type": "kto", "reference": "precomputed"},
-    "orpo": {"type": "orpo"},
-    "distill": {},
-}
-
-
-def objective_config(tmp_path, objective: str, trainer: str, **sections):
-    """2 steps of 2 x 2 micro-batches (pairs, KTO completions, or distillation's sequences) on the tiny Llama of
-    test_objectives (test_distill's student and teacher for distill), evaluated on the training records."""
-    from tests.runtime.test_distill import distill_config
-    from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, preference_config
-
-    sections = {
-        "trainer": trainer,
-        "training": {"max_steps": 2, "micro_batch_size": 2, **sections.pop("training", {})},
-        "data": {"eval": str(tmp_path / "train.jsonl")},
-        "logging": {"run_dir": str(tmp_path / trainer), **sections.pop("logging", {})},
-        **sections,
-    }
-    if objective == "distill":
-        return distill_config(tmp_path, **sections)
-    records = KTO_RECORDS if objective.startswith("kto") else PAIRS
-    return preference_config(tmp_path, OBJECTIVES[objective], records, **sections)
-
-
-def assert_close(got: dict, want: dict, tolerance: float, where) -> float:
-    """The same names, and values within `tolerance` relative (absolute near 0: rewards start there); returns the
-    worst difference so measured."""
-    assert sorted(got) == sorted(want), (where, got, want)
-    worst = 0.0
-    for name, value in want.items():
-        difference = abs(got[name] - value) / max(1.0, abs(value))
-        assert difference <= tolerance, (where, name, got[name], value)
-        worst = max(worst, difference)
-    return worst
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
@@ -259,8 +191,7 @@ def test_hf_and_lightning_train_each_objective_to_the_torch_trainers_losses_and_
     (TensorBoard, under hf/ and lightning/) carries the metrics too. The model (from from_pretrained, in eval mode)
     trains in train mode under Lightning too: Lightning warns of no module in eval mode (the frozen model is no
     submodule)."""
-    from tests.runtime.test_objectives import logged_steps
-    from tests.runtime.test_trackers import tensorboard_tags
+    from tests.runtime.worker_groups import logged_steps, tensorboard_tags
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     results = {
@@ -314,8 +245,7 @@ def test_hf_and_lightning_dpo_on_two_processes_under_ddp_fsdp2_and_zero2_match_o
     sft. Per step losses and TRL's metrics, and the held-out evaluation, within 1e-5 relative (1e-5 absolute near
     0): gloo sums the gradients, FSDP2 and ZeRO-2 reduce-scatter them, in another order than one process adds
     them."""
-    from tests.runtime.test_objectives import logged_steps
-    from tests.runtime.test_parallel import launch
+    from tests.runtime.worker_groups import launch, logged_steps
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     trainers, strategies = ("hf", "lightning"), ("ddp", "fsdp", "deepspeed")

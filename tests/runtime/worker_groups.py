@@ -1,6 +1,7 @@
 """Processes the runtime tests start: the environment of one run from the repository (`process_env`), and torchrun
-worker groups that train run configs (gloo on the CPU, NCCL on GPUs) and record each rank's losses (`launch`), with
-the logits of an exported model to compare."""
+worker groups that train run configs (gloo on the CPU, NCCL on GPUs) and record each rank's losses (`launch`), and
+what a run leaves to compare: the logits of its export (`exported_logits`, `capture_before_export`), its logged
+steps (`logged_steps`) and TensorBoard tags (`tensorboard_tags`), and values within a tolerance (`assert_close`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from tigon.runtime import checkpoint as ckpt
+
 ROOT = Path(__file__).resolve().parents[2]
 LOGITS_TOLERANCE = 1e-3
+RELATIVE_TOLERANCE = 1e-4  # per-step losses of two runs that differ only in how the work is split
 IDS = torch.tensor([[1, 20, 21, 14, 22, 30, 25, 17]])
 
 WORKER = """
@@ -121,3 +125,43 @@ def exported_logits(directory: str) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(directory)
     with torch.no_grad():
         return model(input_ids=IDS).logits
+
+
+def capture_before_export(monkeypatch, ids: torch.Tensor) -> dict:
+    """Logits of the trained model just before the trainer exports it."""
+    captured = {}
+    original = ckpt.export_model
+
+    def export(model, *args, **kwargs):
+        model.eval()
+        with torch.no_grad():
+            captured["logits"] = model(input_ids=ids).logits
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "export_model", export)
+    return captured
+
+
+def logged_steps(run_dir: str | Path) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if "loss" in record]
+
+
+def tensorboard_tags(directory) -> set[str]:
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    events = EventMultiplexer().AddRunsFromDirectory(str(directory))
+    events.Reload()
+    return {tag for run in events.Runs().values() for tag in run.get("scalars", [])}
+
+
+def assert_close(got: dict, want: dict, tolerance: float, where) -> float:
+    """The same names, and values within `tolerance` relative (absolute near 0: rewards start there); returns the
+    worst difference so measured."""
+    assert sorted(got) == sorted(want), (where, got, want)
+    worst = 0.0
+    for name, value in want.items():
+        difference = abs(got[name] - value) / max(1.0, abs(value))
+        assert difference <= tolerance, (where, name, got[name], value)
+        worst = max(worst, difference)
+    return worst
