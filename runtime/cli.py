@@ -84,6 +84,7 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tigon` console script; returns (and, as a script, exits with) the status."""
     args = _parser().parse_args(argv)
+    # each command imports what it runs, so `tigon schema` and `tigon demo-data` start without torch
     from tigon.runtime.config import ConfigError, json_schema, load_config
 
     if args.command == "schema":
