@@ -37,6 +37,19 @@ def run_config(raw: dict, **sections) -> RunConfig:
     return parse_config(raw)
 
 
+def quiet_run(tmp_path: Path, model: dict, data: dict, **training) -> dict:
+    """The sections of a tiny test run: `model`, `data`, a learning rate of 1e-2 held constant (`training` adds to
+    that section), no kernels, no checkpoints or export, quiet logging to `tmp_path/run`."""
+    return {
+        "model": model,
+        "data": data,
+        "training": {"learning_rate": 1e-2, "lr_schedule": "constant", **training},
+        "kernels": {"enabled": False},
+        "checkpoint": {"export": False, "resume": False},
+        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
+    }
+
+
 def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
     """A run small enough for the CPU test suite: a 2-layer, 32-wide Llama with tigon's character tokenizer on a
     generated arithmetic task (written under `tmp_path/data` once); `sections` as in `run_config`."""
@@ -47,20 +60,9 @@ def tiny_config(tmp_path: Path, n_train: int = 160, **sections) -> RunConfig:
         write_arithmetic_dataset(
             train_file, n_train, seed=0, max_operand=49, exclude={r["instruction"] for r in held_out}
         )
-    raw = {
-        "model": {"config_name": "llama", "config_overrides": dict(TINY_MODEL), "tokenizer": "char"},
-        "data": {"train": str(train_file), "eval": str(eval_file), "format": "instruction", "max_seq_len": 48},
-        "training": {
-            "max_steps": 8,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 4,
-            "seed": 0,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
+    model = {"config_name": "llama", "config_overrides": dict(TINY_MODEL), "tokenizer": "char"}
+    data = {"train": str(train_file), "eval": str(eval_file), "format": "instruction", "max_seq_len": 48}
+    raw = quiet_run(tmp_path, model, data, max_steps=8, micro_batch_size=4, seed=0)
     return run_config(raw, **sections)
 
 
@@ -128,24 +130,10 @@ def tiny_model_dir(tmp_path: Path) -> Path:
 
 def preference_config(tmp_path: Path, objective: dict | str, records: list[dict] = PAIRS, **sections):
     """A run of 4 steps of 4 pairs x 2 micro-batches (the whole data set each step) on the tiny model."""
-    raw = {
-        "model": {"path": str(tiny_model_dir(tmp_path))},
-        "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", records)), "max_seq_len": 32},
-        "objective": objective,
-        "training": {
-            "max_steps": 4,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 4,
-            "gradient_accumulation_steps": 2,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
-    for section, values in sections.items():  # a section's keys are merged; a top-level value (trainer) is set
-        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
-    return parse_config(raw)
+    model = {"path": str(tiny_model_dir(tmp_path))}
+    data = {"train": str(write_jsonl(tmp_path / "train.jsonl", records)), "max_seq_len": 32}
+    raw = quiet_run(tmp_path, model, data, max_steps=4, micro_batch_size=4, gradient_accumulation_steps=2)
+    return run_config({**raw, "objective": objective}, **sections)
 
 
 def trl_trainer(tmp_path: Path, config_class, trainer_class, records: list[dict], peft_config=None, **settings):
@@ -196,26 +184,12 @@ def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
     """3 steps of 4 sequences (2 x 2 micro-batches: the whole data set each step) distilling a 48-wide teacher
     into a 32-wide student."""
     teacher = save_llama(tmp_path / "teacher", seed=1, hidden=48, init=0.3)
-    raw = {
-        "model": {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))},
-        "data": {
-            "train": str(write_jsonl(tmp_path / "train.jsonl", DISTILL_RECORDS)),
-            "format": "instruction",
-            "max_seq_len": 16,
-        },
-        "objective": {**DISTILL_OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})},
-        "training": {
-            "max_steps": DISTILL_STEPS,
-            "learning_rate": 1e-2,
-            "lr_schedule": "constant",
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-        },
-        "kernels": {"enabled": False},
-        "checkpoint": {"export": False, "resume": False},
-        "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False, "every_steps": 1},
-    }
-    return run_config(raw, **sections)
+    model = {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))}
+    records = write_jsonl(tmp_path / "train.jsonl", DISTILL_RECORDS)
+    data = {"train": str(records), "format": "instruction", "max_seq_len": 16}
+    raw = quiet_run(tmp_path, model, data, max_steps=DISTILL_STEPS, micro_batch_size=2, gradient_accumulation_steps=2)
+    objective = {**DISTILL_OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})}
+    return run_config({**raw, "objective": objective}, **sections)
 
 
 def resumable_config(tmp_path: Path, name: str, max_steps: int, export: bool, **sections):
