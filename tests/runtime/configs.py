@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from tests.runtime.hub_cache import save_tiny_llama
 from tigon.runtime.config import RunConfig, parse_config
 from tigon.runtime.tasks import write_arithmetic_dataset
 from tigon.runtime.tokenizer import build_char_tokenizer
@@ -120,6 +119,27 @@ OBJECTIVES = {  # name: objective section (distill: distill_config's teacher and
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
+
+
+def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
+    """A 2-layer, 32-wide Llama and tigon's character tokenizer, saved with save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tigon.runtime.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{**TINY_MODEL, **overrides},
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def tiny_model_dir(tmp_path: Path) -> Path:

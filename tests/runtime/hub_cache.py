@@ -17,28 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.configs import TINY_MODEL
-
-
-def save_tiny_llama(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A 2-layer, 32-wide Llama and tigon's character tokenizer, saved with save_pretrained."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tigon.runtime.tokenizer import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **{**TINY_MODEL, **overrides},
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+from tests.runtime.configs import save_tiny_llama
 
 
 class HubCache:

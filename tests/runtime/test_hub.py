@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.runtime.configs import tiny_config
+from tests.runtime.configs import save_tiny_llama, tiny_config
 from tests.runtime.hub_cache import REPO
 from tigon.runtime.config import ConfigError, ModelConfig
 from tigon.runtime.distributed import DistEnv
@@ -15,7 +15,7 @@ from tigon.runtime.hub import config_json, fetch_model, hub_error, model_directo
 from tigon.runtime.model import build_model
 from tigon.runtime.tokenizer import load_tokenizer
 
-from .hub_cache import HubCache, offline, save_tiny_llama
+from .hub_cache import HubCache, offline
 
 
 @pytest.fixture
