@@ -708,7 +708,7 @@ def test_plan_auto_sizes_preference_and_distill_runs(tmp_path, capsys):
     a smaller micro-batch or checkpointing, and `tigon plan` says what a micro-batch item is and which loss runs."""
     import yaml
 
-    from tigon.runtime.post_training import check_objective
+    from tigon.runtime.objectives import check_objective
 
     sft = plan_config(tmp_path, seq_len=1024)
     raw = sft.model_dump(mode="json")

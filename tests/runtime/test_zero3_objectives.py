@@ -21,9 +21,8 @@ import time
 
 import pytest
 
-from tests.runtime.test_distill import distill_config, save_llama
-from tests.runtime.test_objectives import KTO_RECORDS, PAIRS, logged_steps, preference_config
-from tests.runtime.worker_groups import launch
+from tests.runtime.configs import KTO_RECORDS, PAIRS, distill_config, preference_config, save_llama
+from tests.runtime.worker_groups import launch, logged_steps
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.usefixtures("one_thread")
