@@ -6,7 +6,8 @@
 (`tigon.runtime.hub`); `model.config_name` builds a randomly initialized model from a transformers config
 (`config_overrides` inline). Then tigon's kernels are applied per `config.kernels` (the PatchReport is
 logged and kept on `model.tigon_patch_report`), the base is stored in 4 bits for QLoRA
-(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, LoRA
+(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, the decoder layers'
+Linear layers train in FP8 under `training.precision: fp8` (`tigon.runtime.fp8`), LoRA
 adapters are added through peft when `lora.enabled`, and each decoder layer is compiled when `training.compile`.
 """
 
@@ -331,6 +332,10 @@ def build_model(
             from tigon.runtime.quantization import quantize_base
 
             quantize_base(model, config, device)
+        if config.training.precision == "fp8":
+            from tigon.runtime.fp8 import convert_to_fp8
+
+            model.tigon_fp8_layers = convert_to_fp8(model, config)
         if config.training.gradient_checkpointing:
             enable_activation_checkpointing(model, config.training.checkpoint_layers)
         if config.lora.enabled:
