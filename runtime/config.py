@@ -148,16 +148,21 @@ class TrainingConfig(Section):
         description="autocast precision of the forward pass; fp8: the decoder layers' Linear layers in FP8 "
         "(torchao float8 training, a GPU of compute capability 8.9 or higher), everything else in bf16",
     )
-    fp8_scaling: Literal["tensorwise", "rowwise"] = Field(
-        "tensorwise",
+    fp8_scaling: Literal["tensorwise", "rowwise"] | None = Field(
+        None,
         description="with precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP2) or one per "
-        "row (more accurate)",
+        "row (closer to bf16); unset: tensorwise",
     )
     plan: Literal["manual", "auto"] = Field(
         "manual",
         description="auto: the memory planner picks micro-batch (same global batch), gradient checkpointing and "
         "kernels to fit this GPU (see `tigon plan`)",
     )
+
+    @property
+    def resolved_fp8_scaling(self) -> str:
+        """fp8_scaling, or tensorwise."""
+        return self.fp8_scaling or "tensorwise"
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingConfig:
@@ -573,7 +578,7 @@ class RunConfig(Section):
     def _fp8_where_it_runs(self) -> RunConfig:
         training = self.training
         if training.precision != "fp8":
-            if "fp8_scaling" in training.model_fields_set:
+            if training.fp8_scaling is not None:
                 raise ValueError(
                     f"training.fp8_scaling applies to precision fp8, not {training.precision!r}; set "
                     "training.precision: fp8, or remove fp8_scaling"

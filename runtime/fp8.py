@@ -58,8 +58,8 @@ def float8_config(config: RunConfig):
     """torchao's Float8LinearConfig for the run: the scaling recipe, FP8 all-gather under FSDP2 (tensorwise only)."""
     from torchao.float8 import Float8LinearConfig
 
-    recipe = Float8LinearConfig.from_recipe_name(config.training.fp8_scaling)
-    all_gather = config.parallelism.strategy == "fsdp" and config.training.fp8_scaling == "tensorwise"
+    recipe = Float8LinearConfig.from_recipe_name(config.training.resolved_fp8_scaling)
+    all_gather = config.parallelism.strategy == "fsdp" and config.training.resolved_fp8_scaling == "tensorwise"
     return dataclasses.replace(recipe, enable_fsdp_float8_all_gather=all_gather, emulate=emulated())
 
 
@@ -91,7 +91,9 @@ def convert_to_fp8(model: nn.Module, config: RunConfig) -> list[str]:
         )
     chosen = set(names)
     convert_to_float8_training(model, config=float8_config(config), module_filter_fn=lambda _, name: name in chosen)
-    logger.info("fp8 (%s scaling): %d Linear layers of the decoder layers", config.training.fp8_scaling, len(names))
+    logger.info(
+        "fp8 (%s scaling): %d Linear layers of the decoder layers", config.training.resolved_fp8_scaling, len(names)
+    )
     return names
 
 
