@@ -1,8 +1,8 @@
 """FP8 against bf16 loss curves: the demo task trained with `training.precision` bf16 and fp8 (tensorwise and
 rowwise scaling), the same seed and data order, and how far apart the per-step losses are.
 
-    python -m benchmarks.fp8_loss_curve --steps 600 --hidden 512 --layers 4 --out fp8-loss.json   # GPU
-    TIGON_FP8_EMULATE=1 python -m benchmarks.fp8_loss_curve --steps 4 --out /tmp/fp8-loss.json        # CPU smoke run
+    python -m benchmarks.fp8_loss_curve --steps 600 --hidden 1024 --layers 4 --out fp8-loss.json   # GPU
+    TIGON_FP8_EMULATE=1 python -m benchmarks.fp8_loss_curve --steps 4 --compile-backend aot_eager --out fp8.json  # CPU
 
 The model is examples/demo.yaml's Llama (two-digit addition, packed), optionally wider and deeper; every run
 compiles its decoder layers (fp8 needs training.compile, and bf16 compiled is the fair baseline). Reported per
@@ -30,6 +30,7 @@ def run_config(args: argparse.Namespace, training: dict, run_dir: Path):
     overrides = [
         f"training.max_steps={args.steps}",
         "training.compile=true",
+        f"training.compile_backend={args.compile_backend}",
         "eval.every_steps=0",
         "eval.metrics=[loss]",
         "checkpoint.every_steps=0",
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     parser.add_argument("--hidden", type=int, help="hidden size (a multiple of 64; heads of 64); default the config's")
     parser.add_argument("--layers", type=int, help="decoder layers; default the config's")
+    parser.add_argument(
+        "--compile-backend", default="inductor", choices=["inductor", "aot_eager"], help="training.compile_backend"
+    )
     args = parser.parse_args(argv)
     if args.hidden is not None and (args.hidden <= 0 or args.hidden % 64):
         parser.error(f"--hidden {args.hidden}: give a positive multiple of 64 (attention heads of width 64)")
