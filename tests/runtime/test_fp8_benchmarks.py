@@ -34,6 +34,7 @@ def test_compare_gives_the_relative_differences_to_bf16():
 
 def test_the_loss_curve_script_trains_bf16_and_both_fp8_scalings(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(EMULATE_VARIABLE, "1")
+    monkeypatch.delenv("TRITON_INTERPRET")  # the demo's kernels take their references: the interpreter is slow
     monkeypatch.chdir(ROOT)  # the demo config's data paths are relative to the repository
     out = tmp_path / "fp8-loss.json"
     torch._dynamo.reset()
