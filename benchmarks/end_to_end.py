@@ -6,6 +6,7 @@
     python -m benchmarks.end_to_end --tiny --family all --variants eager,tigon --out /tmp/e2e.json   # CPU smoke run
     python -m benchmarks.end_to_end --merge part1.json part2.json --out families.json   # one table and a plot
     python -m benchmarks.end_to_end --seqs 4096 --variants liger,tigon --profile --out e2e.json   # + time per kind
+    python -m benchmarks.end_to_end --shape llama-3-8b --variants tigon --compile --precision fp8 --out fp8.json
 
 One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
 randomly initialized from the config of a named public member, or transformers' defaults for the family
@@ -21,6 +22,8 @@ with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens b
 - tigon:   tigon's kernels (kernels.enabled: true)
 - planner: the memory planner's choice for this GPU (`training.plan: auto`), same global batch
 
+`--precision fp8` trains the decoder layers' Linear layers in FP8 (`training.precision: fp8`, with `--compile`; on
+a CPU only with TIGON_FP8_EMULATE=1, the tests' emulation).
 Every variant runs in a fresh subprocess so peaks do not mix; warm-up steps are not timed. The
 planner's estimate is recorded next to each measured peak (the planner models eager and tigon;
 Liger's rows have none, nor have models whose parameters the planner's shape does not count: a
@@ -67,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (default on)")
     parser.add_argument("--checkpoint-layers", type=int, help="checkpoint the first N layers (default all)")
     parser.add_argument("--compile", action="store_true", help="training.compile: each decoder layer compiled")
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp8"],
+        help="training.precision on a GPU (default bf16; the CPU runs fp32); fp8 needs --compile",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; --tiny 1)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence each variant fits")
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             plot_longest(report, out.with_name(out.stem + "-longest.png"))
         print(f"{markdown(report)}\nwrote {out}, its .md and the plots")
         return
+    if args.precision == "fp8" and not args.compile:
+        parser.error("--precision fp8 trains compiled decoder layers (training.compile): add --compile")
     if args.trace_dir:
         if not args.profile:
             parser.error("--trace-dir writes the profiled step's trace: add --profile")
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "checkpointing": not args.no_checkpointing,
         "checkpoint_layers": args.checkpoint_layers,
         "compile": args.compile,
+        "precision": args.precision,
         "steps": args.steps or (2 if tiny else 10),
         "warmup": args.warmup if args.warmup is not None else (1 if tiny else 3),
         "profile": args.profile,

@@ -37,7 +37,8 @@ def markdown(report: dict) -> str:
         f"End-to-end training: {env.get('gpu') or 'CPU'}, torch {env['torch']}, transformers {env['transformers']}"
         + (f", triton {env['triton']}" if env.get("triton") else "")
         + (f", liger-kernel {env['liger_kernel']}" if env.get("liger_kernel") else "")
-        + (", decoder layers compiled (training.compile)" if report.get("settings", {}).get("compile") else ""),
+        + (", decoder layers compiled (training.compile)" if report.get("settings", {}).get("compile") else "")
+        + (", FP8 matmuls (training.precision: fp8)" if report.get("settings", {}).get("precision") == "fp8" else ""),
         "",
         "| family | model | parameters | Liger-Kernel |",
         "|---|---|---|---|",

@@ -46,7 +46,7 @@ def bench_config(spec: dict, cuda: bool):
             "gradient_checkpointing": spec["checkpointing"],
             "checkpoint_layers": spec.get("checkpoint_layers") if spec["checkpointing"] else None,
             "compile": spec.get("compile", False),
-            "precision": "bf16" if cuda else "fp32",
+            "precision": spec.get("precision") or ("bf16" if cuda else "fp32"),
             "plan": "auto" if spec["variant"] == "planner" else "manual",
         },
         "kernels": {"enabled": spec["variant"] in ("tigon", "planner")},

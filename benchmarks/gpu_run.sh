@@ -4,6 +4,10 @@
 #   [compile (benchmarks/end_to_end.py with and without --compile: tokens/s and peak memory of HF eager and tigon, each
 #   with its decoder layers eager and compiled; COMPILE_FAMILIES, default "llama qwen3" (Llama-3.2-1B, Qwen3-1.7B);
 #   E2E_VARIANTS, E2E_SEQS (4096), E2E_MICRO (4))]
+#   [fp8 (benchmarks/end_to_end.py --compile, tigon in bf16 and with --precision fp8: tokens/s and peak memory of the
+#   Llama-3-8B shape on one GPU; E2E_SHAPE, E2E_SEQS (4096), E2E_MICRO (4))]
+#   [fp8-loss (benchmarks/fp8_loss_curve.py: the demo task, widened to FP8_HIDDEN (1024) x FP8_LAYERS (4), trained
+#   FP8_STEPS (600) steps in bf16 and in fp8 tensorwise and rowwise; the curves' relative difference)]
 #   [planner-tests] [preference-memory (benchmarks/preference_memory.py: the planner's estimate against measured
 #   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)]
 #   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
@@ -86,6 +90,14 @@ for step in "$@"; do
         python3 -m benchmarks.end_to_end --family "$family" --variants "${E2E_VARIANTS:-eager,tigon}" "${flag[@]}" --seqs "${E2E_SEQS:-4096}" \
           --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/compile-$family-$mode.json" 2>&1 | tee "$out/compile-$family-$mode.log"
       done; done ;;
+    fp8) for precision in bf16 fp8; do  # tigon compiled, bf16 against FP8 matmuls
+        python3 -m benchmarks.end_to_end --family llama --shape "${E2E_SHAPE:-llama-3-8b}" --variants tigon --compile \
+          --precision "$precision" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 \
+          --out "$out/fp8-e2e-$precision.json" 2>&1 | tee "$out/fp8-e2e-$precision.log"
+      done ;;
+    fp8-loss) python3 -m benchmarks.fp8_loss_curve --steps "${FP8_STEPS:-600}" --hidden "${FP8_HIDDEN:-1024}" \
+        --layers "${FP8_LAYERS:-4}" --out "$out/fp8-loss.json" > "$out/fp8-loss.log" 2>&1; echo "fp8-loss: exit $?"
+      grep -E "against bf16|loss .* ->|wrote|Error" "$out/fp8-loss.log" | tail -n 20 ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;
     e2e-profile) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs "${E2E_SEQS:-4096}" --variants "$v" --profile --out "$out/e2e-profile.json" 2>&1 | tee "$out/e2e-profile.log" ;;

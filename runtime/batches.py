@@ -14,7 +14,7 @@ from tigon.runtime.config import RunConfig
 from tigon.runtime.data import IGNORE_INDEX, model_inputs
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: outside FP8 matmuls
 
 
 class GlobalBatchSampler:

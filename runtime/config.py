@@ -143,12 +143,26 @@ class TrainingConfig(Section):
         description="with compile: the torch.compile backend; inductor generates fused kernels, aot_eager runs the "
         "traced graph on PyTorch's own ops (for debugging a compiled run)",
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of the forward pass")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        "fp32",
+        description="autocast precision of the forward pass; fp8: the decoder layers' Linear layers in FP8 "
+        "(torchao float8 training, a GPU of compute capability 8.9 or higher), everything else in bf16",
+    )
+    fp8_scaling: Literal["tensorwise", "rowwise"] | None = Field(
+        None,
+        description="with precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP2) or one per "
+        "row (closer to bf16); unset: tensorwise",
+    )
     plan: Literal["manual", "auto"] = Field(
         "manual",
         description="auto: the memory planner picks micro-batch (same global batch), gradient checkpointing and "
         "kernels to fit this GPU (see `tigon plan`)",
     )
+
+    @property
+    def resolved_fp8_scaling(self) -> str:
+        """fp8_scaling, or tensorwise."""
+        return self.fp8_scaling or "tensorwise"
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingConfig:
@@ -558,6 +572,37 @@ class RunConfig(Section):
                 "torch.compile cannot trace, so every layer would break into pieces; set parallelism.strategy: "
                 "fsdp (sharded weights, compiled layers), zero_stage 1 or 2, or training.compile: false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_where_it_runs(self) -> RunConfig:
+        training = self.training
+        if training.precision != "fp8":
+            if training.fp8_scaling is not None:
+                raise ValueError(
+                    f"training.fp8_scaling applies to precision fp8, not {training.precision!r}; set "
+                    "training.precision: fp8, or remove fp8_scaling"
+                )
+            return self
+        problems = {
+            "lora.enabled": (self.lora.enabled, "FP8 trains full weights; LoRA's frozen base gains nothing"),
+            "parallelism.strategy deepspeed": (
+                self.parallelism.strategy == "deepspeed",
+                "DeepSpeed's engine casts the model itself; use strategy ddp or fsdp",
+            ),
+            f"trainer {self.trainer!r}": (self.trainer != "torch", "FP8 runs in the torch trainer; set trainer: torch"),
+            "model.dtype float16": (
+                self.model.dtype == "float16",
+                "everything outside the FP8 matmuls runs in bf16; set model.dtype: bfloat16 or float32",
+            ),
+            "training.compile false": (
+                not training.compile,
+                "torchao's FP8 casts are fast only when torch.compile fuses them; set training.compile: true",
+            ),
+        }
+        for setting, (present, fix) in problems.items():
+            if present:
+                raise ValueError(f"training.precision: fp8 with {setting}: {fix}")
         return self
 
     @model_validator(mode="after")

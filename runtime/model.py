@@ -6,7 +6,8 @@
 (`tigon.runtime.hub`); `model.config_name` builds a randomly initialized model from a transformers config
 (`config_overrides` inline). Then tigon's kernels are applied per `config.kernels` (the PatchReport is
 logged and kept on `model.tigon_patch_report`), the base is stored in 4 bits for QLoRA
-(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, LoRA
+(`lora.quantize_base`, `tigon.runtime.quantization`), gradient checkpointing is turned on if asked, the decoder layers'
+Linear layers train in FP8 under `training.precision: fp8` (`tigon.runtime.fp8`), LoRA
 adapters are added through peft when `lora.enabled`, and each decoder layer is compiled when `training.compile`.
 """
 
@@ -24,6 +25,7 @@ from tigon.runtime import planner
 from tigon.runtime.attention import transformers_name
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.dtypes import torch_dtype
+from tigon.runtime.fp8 import convert_to_fp8
 from tigon.runtime.hub import model_directory
 from tigon.runtime.quantization import quantize_base
 
@@ -324,6 +326,8 @@ def build_model(
         model.tigon_patch_report = apply_kernels(model, config)
         if config.lora.quantize_base and not meta:
             quantize_base(model, config, device)
+        if config.training.precision == "fp8":
+            model.tigon_fp8_layers = convert_to_fp8(model, config, checkpointable_layers(model))
         if config.training.gradient_checkpointing:
             enable_activation_checkpointing(model, config.training.checkpoint_layers)
         if config.lora.enabled:

@@ -39,12 +39,13 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, wrap_model
+from tigon.runtime.fp8 import precompute_scales
 from tigon.runtime.model import build_model
 from tigon.runtime.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger("tigon.runtime")
 
-FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # MixedPrecisionPolicy.param_dtype
+FSDP_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # MixedPrecisionPolicy
 
 
 class DDPStrategy:
@@ -290,6 +291,12 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
         return contextlib.nullcontext()
+
+    def step(self) -> torch.Tensor | float:
+        """The update, then (fp8, tensorwise) every FP8 weight's scale for the next step's all-gather."""
+        grad_norm = super().step()
+        precompute_scales(self.module, self.config)
+        return grad_norm
 
     def clip(self) -> torch.Tensor:
         from torch.distributed.tensor import DTensor

@@ -386,7 +386,7 @@ def frozen_model(config: RunConfig, shape: ModelShape) -> FrozenModel | None:
     """The objective's frozen model: distill's teacher (its own config and dtype), or DPO's and KTO's reference copy
     of the trained model (`reference: model`); None for the others."""
     objective = config.objective
-    narrow = config.training.precision in ("bf16", "fp16")
+    narrow = config.training.precision != "fp32"  # bf16, fp16, or fp8 (bf16 outside its matmuls)
     if objective.type == "distill":
         teacher = objective.teacher.as_model(config.model)
         size = DTYPE_BYTES[teacher.dtype]
@@ -403,7 +403,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
 
     shape = shape or model_shape(config)
     weight_bytes = DTYPE_BYTES[config.model.dtype]
-    narrow = config.training.precision in ("bf16", "fp16")
+    narrow = config.training.precision != "fp32"  # bf16, fp16, or fp8 (bf16 outside its matmuls)
     lora, objective = config.lora, config.objective
     return Workload(
         shape=shape,

@@ -14,6 +14,7 @@ from tigon.runtime.config import RunConfig, parse_config
 from tigon.runtime.tasks import write_arithmetic_dataset
 from tigon.runtime.tokenizer import build_char_tokenizer
 
+COMPILED = {"compile": True, "compile_backend": "aot_eager"}  # training.compile as the CPU runs it (no C++ build)
 TINY_MODEL = {
     "hidden_size": 32,
     "intermediate_size": 64,

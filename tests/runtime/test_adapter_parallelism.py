@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.configs import adapter_config
-from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch
+from tests.runtime.worker_groups import LOGITS_TOLERANCE, exported_logits, launch, worst_relative
 from tigon.runtime.trainer import train
 
 pytest.importorskip("lightning")
@@ -77,10 +77,6 @@ def strategy_runs(tmp_path: Path, trainer: str) -> dict:
         configs[f"{name}-resumed"] = run(tmp_path, trainer, f"{name}-resumed", 6, parallelism)
         configs[f"{name}-again"] = run(tmp_path, trainer, f"{name}-resumed", 6, parallelism)
     return configs
-
-
-def worst_relative(losses: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
 
 
 def check_strategy_runs(tmp_path: Path, trainer: str, runs: dict) -> None:

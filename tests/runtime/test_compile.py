@@ -15,14 +15,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.runtime.configs import resumable_config, tiny_config
-from tests.runtime.worker_groups import RELATIVE_TOLERANCE, WORKER, launch
+from tests.runtime.configs import COMPILED, resumable_config, tiny_config
+from tests.runtime.worker_groups import RELATIVE_TOLERANCE, WORKER, launch, worst_relative
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
 from tigon.runtime.trainer import train
 
 EXACT = 1e-6
-COMPILED = {"compile": True, "compile_backend": "aot_eager"}
 
 
 @pytest.fixture(autouse=True)
@@ -31,11 +30,6 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
-
-
-def worst_relative(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want) > 0
-    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
 
 
 def test_compiled_layers_with_kernels_and_partial_checkpointing_train_as_eager(tmp_path):

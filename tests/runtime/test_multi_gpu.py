@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from tests.runtime.configs import adapter_config
-from tests.runtime.worker_groups import launch
+from tests.runtime.worker_groups import launch, worst_relative
 
 RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
@@ -163,10 +163,6 @@ def train_killed(directory: Path, gpus: int, devices: str | None, backend: str =
     return records
 
 
-def worst_relative_difference(losses: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-
-
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
     """{GPUs: {case: rank 0's record}} for 1, 2 and (on a 4-GPU machine) 4 GPUs."""
@@ -187,7 +183,7 @@ def test_several_gpus_reach_the_one_gpu_losses(groups, name, gpus):
     reference, losses = groups[1][name]["losses"], groups[gpus][name]["losses"]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     tolerance = BF16_TOLERANCE if CASES[name][3] == "bf16" else RELATIVE_TOLERANCE
-    worst = worst_relative_difference(losses, reference)
+    worst = worst_relative(losses, reference)
     print(f"{name} on {gpus} GPUs: worst relative loss difference to one GPU {worst:.2e}")
     assert worst < tolerance, (losses, reference)
 
@@ -204,6 +200,6 @@ def test_a_killed_rank_restarts_and_resumes_exactly(groups, tmp_path):
         print(f"{name}: rank {gpus - 1} of {gpus} killed, restart {restarts} resumed from step {resumed}")
         assert record["restarts"] == restarts and record["resumed_from"] in (3, 6), record
         if CASES[name][1] == "ddp":
-            assert worst_relative_difference(record["losses"], full) < DDP_RESUME_TOLERANCE, (record["losses"], full)
+            assert worst_relative(record["losses"], full) < DDP_RESUME_TOLERANCE, (record["losses"], full)
         else:
             assert record["losses"] == full, (record["losses"], full)

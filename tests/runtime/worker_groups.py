@@ -165,3 +165,9 @@ def assert_close(got: dict, want: dict, tolerance: float, where) -> float:
         assert difference <= tolerance, (where, name, got[name], value)
         worst = max(worst, difference)
     return worst
+
+
+def worst_relative(got: list[float], want: list[float]) -> float:
+    """The largest relative difference of two runs' per-step losses (same number of steps, at least one)."""
+    assert len(got) == len(want) > 0
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))

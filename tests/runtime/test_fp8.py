@@ -1,0 +1,137 @@
+"""`training.precision: fp8`: the decoder layers' Linear layers through torchao's float8 training.
+
+These machines have no FP8 GPU, so the tests set TIGON_FP8_EMULATE=1: torchao casts inputs, weights and output
+gradients to FP8 with the same dynamic scales and runs the matmuls on the FP8 values in higher precision. What
+a GPU adds (its FP8 tensor cores' accumulation) is measured by `bash benchmarks/gpu_run.sh fp8`. The layers
+are compiled with `aot_eager`, as in tests/runtime/test_compile.py, since fp8 requires training.compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime.configs import COMPILED, TINY_MODEL, resumable_config, tiny_config
+from tests.runtime.worker_groups import launch, worst_relative
+from tigon.runtime.config import ConfigError
+from tigon.runtime.fp8 import EMULATE_VARIABLE, check_device
+from tigon.runtime.model import build_model
+from tigon.runtime.trainer import train
+
+FP8 = {**COMPILED, "precision": "fp8"}
+BF16 = {**COMPILED, "precision": "bf16"}
+LAYER_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# FP8 (e4m3, 3 mantissa bits) against bf16 (7): each matmul's inputs carry about 2^-4 relative rounding error
+# instead of 2^-8. Over 8 steps of the tiny Llama at learning rate 1e-2 the per-step losses moved apart by at
+# most 6.1e-3 relative (tensorwise) and 5.2e-3 (rowwise); 2e-2 leaves three times that.
+LOSS_TOLERANCE = 2e-2
+# Under FSDP2 each rank scales its half of the batch (tensorwise: one amax per rank's input), so the casts round
+# differently from one process's: measured 6.0e-3 relative over 4 steps, the size of FP8's own rounding above
+# (the same comparison in bf16: 1.5e-4; fp8 rowwise, whose input scales are per token: 1.5e-3).
+FSDP_TOLERANCE = LOSS_TOLERANCE
+
+
+@pytest.fixture(autouse=True)
+def emulated(monkeypatch):
+    monkeypatch.setenv(EMULATE_VARIABLE, "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def float8_names(model: torch.nn.Module) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fp8_swaps_exactly_the_decoder_layers_linear_layers(tmp_path, kernels):
+    """With tigon's kernels too: their gated MLP calls its projections as modules, so they convert alike."""
+    model = build_model(tiny_config(tmp_path, training=FP8, kernels={"enabled": kernels}), 64)
+    want = [
+        f"model.layers.{i}.{'self_attn' if j < 4 else 'mlp'}.{name}"
+        for i in range(2)
+        for j, name in enumerate(LAYER_LINEARS)
+    ]
+    assert float8_names(model) == want
+    assert model.tigon_fp8_layers == want
+    assert type(model.lm_head) is torch.nn.Linear  # the fused loss reads its weight
+
+
+def test_fp8_skips_layers_whose_dimensions_are_not_multiples_of_16(tmp_path):
+    """intermediate_size 40: gate, up and down projections stay bf16 Linear layers."""
+    config = tiny_config(tmp_path, training=FP8, model={"config_overrides": {**TINY_MODEL, "intermediate_size": 40}})
+    model = build_model(config, 64)
+    names = float8_names(model)
+    assert names == [f"model.layers.{i}.self_attn.{name}" for i in range(2) for name in LAYER_LINEARS[:4]]
+    assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_trains_within_tolerance_of_bf16(tmp_path, scaling):
+    sections = dict(eval={"metrics": []})
+    bf16 = train(tiny_config(tmp_path / "bf16", training=BF16, **sections))
+    fp8 = train(tiny_config(tmp_path / "fp8", training={**FP8, "fp8_scaling": scaling}, **sections))
+    worst = worst_relative(fp8.losses, bf16.losses)
+    print(f"fp8 {scaling} against bf16: worst relative per-step loss difference {worst:.2e}")
+    assert fp8.losses != bf16.losses  # the FP8 casts ran
+    assert worst < LOSS_TOLERANCE, (fp8.losses, bf16.losses)
+    assert fp8.losses[-1] < fp8.losses[0] * 0.8  # and it learns
+
+
+def test_fp8_under_fsdp2_matches_one_process(tmp_path):
+    """2 ranks over gloo, FP8 all-gather of the weights (tensorwise) and the scales precomputed after each step,
+    against one fp8 process with the whole micro-batch."""
+    training = {**FP8, "micro_batch_size": 2}
+    runs = launch(
+        tmp_path,
+        {"fsdp": resumable_config(tmp_path, "fsdp", 4, False, training=training, parallelism={"strategy": "fsdp"})},
+    )
+    single = train(resumable_config(tmp_path, "single", 4, False, training={**FP8, "micro_batch_size": 4}))
+    worst = worst_relative(runs["fsdp"]["losses"], single.losses)
+    print(f"fsdp fp8: worst relative loss difference to one process {worst:.2e}")
+    assert worst < FSDP_TOLERANCE, (runs["fsdp"]["losses"], single.losses)
+
+
+def test_fp8_under_fsdp2_casts_weights_before_the_all_gather(tmp_path):
+    """Tensorwise under FSDP2: the weights become torchao's FP8-cast-on-all-gather tensors, which
+    `precompute_scales` finds after each optimizer step; rowwise keeps plain weights (bf16 all-gather)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    fsdp = {"strategy": "fsdp"}
+    tensorwise = build_model(tiny_config(tmp_path, training=FP8, parallelism=fsdp), 64)
+    weights = [tensorwise.get_submodule(name).weight for name in tensorwise.tigon_fp8_layers]
+    assert len(weights) == 14 and all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in weights)
+    rowwise = build_model(tiny_config(tmp_path, training={**FP8, "fp8_scaling": "rowwise"}, parallelism=fsdp), 64)
+    assert not any(isinstance(p, WeightWithDynamicFloat8CastTensor) for p in rowwise.parameters())
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"lora": {"enabled": True}}, "fp8 with lora.enabled: .*LoRA"),
+        ({"parallelism": {"strategy": "deepspeed"}}, "fp8 with parallelism.strategy deepspeed: .*ddp or fsdp"),
+        ({"trainer": "hf"}, "fp8 with trainer 'hf': .*set trainer: torch"),
+        ({"model": {"dtype": "float16"}}, "fp8 with model.dtype float16: .*bfloat16 or float32"),
+        ({"training": {"compile": False}}, "fp8 with training.compile false: .*set training.compile: true"),
+    ],
+)
+def test_fp8_refuses_what_it_cannot_run_with_the_fix(tmp_path, sections, message):
+    training = {**FP8, **sections.pop("training", {})}
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, training=training, **sections)
+
+
+def test_fp8_scaling_without_fp8_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="training.fp8_scaling applies to precision fp8, not 'bf16'"):
+        tiny_config(tmp_path, training={"precision": "bf16", "fp8_scaling": "rowwise"})
+
+
+def test_fp8_without_an_fp8_gpu_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.delenv(EMULATE_VARIABLE)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        check_device()  # an FP8 GPU: accepted
+        return
+    with pytest.raises(ConfigError, match="training.precision: fp8 needs .*compute capability 8.9.*precision: bf16"):
+        check_device()

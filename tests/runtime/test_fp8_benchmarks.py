@@ -1,0 +1,48 @@
+"""The fp8 benchmarks cannot rot: benchmarks/end_to_end.py's `--precision` and benchmarks/fp8_loss_curve.py, run
+on the CPU with the FP8 matmuls emulated (TIGON_FP8_EMULATE=1, as in tests/runtime/test_fp8.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import end_to_end, fp8_loss_curve
+from benchmarks.end_to_end_runner import ROOT, bench_config
+from tigon.runtime.fp8 import EMULATE_VARIABLE
+
+SPEC = {"shape": {"hidden_size": 64}, "seq": 32, "variant": "tigon", "warmup": 1, "steps": 1, "micro_batch": 2}
+
+
+def test_end_to_end_passes_the_precision_and_fp8_needs_compile(capsys):
+    config = bench_config({**SPEC, "checkpointing": True, "compile": True, "precision": "fp8"}, cuda=False)
+    assert config.training.precision == "fp8" and config.training.compile
+    assert bench_config({**SPEC, "checkpointing": True}, cuda=False).training.precision == "fp32"
+    with pytest.raises(SystemExit):
+        end_to_end.main(["--tiny", "--precision", "fp8", "--out", "unused.json"])
+    assert "--precision fp8 trains compiled decoder layers (training.compile): add --compile" in capsys.readouterr().err
+
+
+def test_compare_gives_the_relative_differences_to_bf16():
+    losses = {"bf16": [2.0] * 10, "fp8-tensorwise": [2.2] + [2.0] * 8 + [1.9]}
+    numbers = fp8_loss_curve.compare(losses)["fp8-tensorwise"]
+    assert numbers["max"] == pytest.approx(0.1) and numbers["mean"] == pytest.approx(0.015)
+    assert numbers["last_tenth_max"] == pytest.approx(0.05) and numbers["final_loss"] == 1.9
+
+
+def test_the_loss_curve_script_trains_bf16_and_both_fp8_scalings(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(EMULATE_VARIABLE, "1")
+    monkeypatch.delenv("TRITON_INTERPRET")  # the demo's kernels take their references: the interpreter is slow
+    monkeypatch.chdir(ROOT)  # the demo config's data paths are relative to the repository
+    out = tmp_path / "fp8-loss.json"
+    torch._dynamo.reset()
+    fp8_loss_curve.main(["--steps", "2", "--hidden", "64", "--compile-backend", "aot_eager", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert list(report["losses"]) == ["bf16", "fp8-tensorwise", "fp8-rowwise"]
+    assert all(len(curve) == 2 and all(map(math.isfinite, curve)) for curve in report["losses"].values())
+    for name in ("fp8-tensorwise", "fp8-rowwise"):
+        assert 0 < report["comparison"][name]["max"] < 2e-2  # the casts ran, and stayed close
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "fp8-rowwise against bf16 over 2 steps" in capsys.readouterr().out
