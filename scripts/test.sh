@@ -27,7 +27,7 @@ if [ "$quick" = 1 ]; then
   mapfile -t sample < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' tests/quick.txt)
   exec "$venv/bin/python" -m pytest -m "not gpu" -n 2 --dist worksteal -q "${sample[@]}" "$@"
 fi
-"$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 --dist worksteal -q --ignore=tests/compat "$@"
+"$venv/bin/python" -m pytest -m "not gpu and not serial" -n 2 --dist worksteal -q --durations=15 --ignore=tests/compat "$@"
 "$venv/bin/python" -m pytest -m "serial" -q --ignore=tests/compat "$@"
 # The patching tests again, against the older transformers line (4.5x) that users still run.
 compat=${TIGON_TRANSFORMERS4:-.transformers4}
