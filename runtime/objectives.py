@@ -213,8 +213,6 @@ def preference_loss(
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
     layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
-    if "desirable" in batch:  # on the GPU before the forward, not waited for between forward and loss
-        batch = {**batch, "desirable": batch["desirable"].to(device, non_blocking=True)}
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
@@ -324,7 +322,7 @@ def _metric_sums(objective: str, metrics: dict[str, torch.Tensor], batch: dict, 
     waits for the GPU (no boolean-mask indexing, no tensor copied from the host): it runs between the forward and
     the backward, and a wait there would leave the GPU idle while the backward is launched."""
     if objective == "kto":
-        desirable = batch["desirable"].reshape(-1).to(device, non_blocking=True)
+        desirable = batch["desirable"].reshape(-1).to(device)
         rewards, logps = metrics["rewards"].double(), metrics["logps"].double()
         return {
             "rewards/chosen": torch.where(desirable, rewards, 0.0).sum(),
@@ -382,11 +380,20 @@ def global_pairs(micro_batches: list[dict], env: DistEnv, device: torch.device) 
     return float(counts[0]), int(counts[1])
 
 
+def flags_on_device(batch: dict, device: torch.device) -> dict:
+    """The batch with KTO's desirable flags copied to the GPU once, before the forward is queued (the op and the
+    metrics read them there; a blocking copy between forward and loss would wait for the GPU)."""
+    if "desirable" not in batch:
+        return batch
+    return {**batch, "desirable": batch["desirable"].to(device, non_blocking=True)}
+
+
 def preference_micro_batch(
     model: nn.Module, batch: dict, config: RunConfig, env: DistEnv, device: torch.device, pairs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's loss to backpropagate (its share of the global batch's `pairs`, times the world size: data
     parallelism averages the gradients over the ranks) and its sums of the step's metrics, `loss` among them."""
+    batch = flags_on_device(batch, device)
     loss, metrics = preference_loss(model, batch, config, device, env)
     share = batch["input_ids"].shape[0] / pairs
     sums = _metric_sums(config.objective.type, metrics, batch, device)
@@ -446,7 +453,7 @@ def evaluate_objective(model: nn.Module, dataset, config: RunConfig, env: DistEn
     sums: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for chunk in batches:
-        batch = collate([dataset[i] for i in chunk or [0]])
+        batch = flags_on_device(collate([dataset[i] for i in chunk or [0]]), device)
         with autocast(device, config.training.precision):
             loss, metrics = preference_loss(model, batch, config, device, None)
         if not chunk:

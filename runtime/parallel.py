@@ -318,9 +318,12 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
 
         writing = None
         if self.config.checkpoint.async_save:
-            stager = {"async_stager": self.stager()} if self.stager() is not None else {}
+            stager = self.stager()
             writing = dcp.async_save(
-                self._state(), checkpoint_id=directory / "dcp", process_group=self.async_group(), **stager
+                self._state(),
+                checkpoint_id=directory / "dcp",
+                process_group=self.async_group(),
+                **({"async_stager": stager} if stager is not None else {}),
             )
         else:
             dcp.save(self._state(), checkpoint_id=directory / "dcp")
