@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.config import RunConfig
-from tigon.runtime.data import IGNORE_INDEX, model_inputs
+from tigon.runtime.data import IGNORE_INDEX, model_inputs, token_multiple
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: outside FP8 matmuls
@@ -66,7 +66,7 @@ def label_tokens(labels: torch.Tensor) -> int:
 
 def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
     """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
-    inputs = model_inputs(batch, attn_implementation, device)
+    inputs = model_inputs(batch, attn_implementation, device, token_multiple(precision))
     inputs["use_cache"] = False
     # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
     # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.

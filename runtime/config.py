@@ -599,6 +599,11 @@ class RunConfig(Section):
                 not training.compile,
                 "torchao's FP8 casts are fast only when torch.compile fuses them; set training.compile: true",
             ),
+            f"data.max_seq_len {self.data.max_seq_len}": (
+                self.data.max_seq_len % 16 != 0,
+                "FP8 matmuls take the tokens of a micro-batch in multiples of 16; set data.max_seq_len to a "
+                "multiple of 16",
+            ),
         }
         for setting, (present, fix) in problems.items():
             if present:

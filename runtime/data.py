@@ -660,7 +660,9 @@ def single_documents(position_ids: torch.Tensor) -> bool:
     return bool((position_ids == expected).all())
 
 
-def model_inputs(batch: dict, attn_implementation: str, device: torch.device | str | None = None) -> dict[str, Any]:
+def model_inputs(
+    batch: dict, attn_implementation: str, device: torch.device | str | None = None, token_multiple: int = 1
+) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
     Gives input_ids, labels and position_ids, on `device` when given, plus what tells the attention where the
@@ -676,7 +678,8 @@ def model_inputs(batch: dict, attn_implementation: str, device: torch.device | s
     5 skips its own packed-sequence detection when a cache is made. When every row is a single document
     (position ids 0, 1, 2, ... throughout; for "varlen" also labelled to its end) the rows go as they are, with
     nothing added: attention is plain causal and SDPA may take its flash kernel, where a dense mask forces the
-    slower memory-efficient kernel and an (L, L) bias per layer.
+    slower memory-efficient kernel and an (L, L) bias per layer. `token_multiple` (`token_multiple`): "varlen"
+    keeps as many of the dropped padding tokens as make the row's length a multiple of it.
     """
     missing = [key for key in MODEL_INPUTS if key not in batch]
     if missing:
@@ -688,7 +691,7 @@ def model_inputs(batch: dict, attn_implementation: str, device: torch.device | s
     if attention == "varlen":
         lengths = labelled_lengths(batch["labels"])
         if not single_documents(positions) or bool((lengths < positions.shape[1]).any()):
-            return unpadded(batch, lengths, device)
+            return unpadded(batch, grown_to_multiple(lengths, positions.shape[1], token_multiple), device)
     inputs = {key: batch[key] if device is None else batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS}
     if attention in ("varlen", "flash_attention_2", "flex_attention") or single_documents(positions):
         return inputs
@@ -704,6 +707,28 @@ def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
     if not bool(lengths.any()):  # nothing labelled: one token keeps the forward defined, with no loss
         lengths[0] = 1
     return lengths
+
+
+def token_multiple(precision: str) -> int:
+    """What the tokens a micro-batch feeds the model must be a multiple of: 16 under `precision: fp8` (an FP8
+    matmul's inner dimension is a multiple of 16, and the weight gradient's inner dimension is the tokens), else 1."""
+    return 16 if precision == "fp8" else 1
+
+
+def grown_to_multiple(lengths: torch.Tensor, row_length: int, multiple: int) -> torch.Tensor:
+    """Rows' kept lengths grown, first rows first, into the padding after them until their sum is a multiple of
+    `multiple`. The tokens added follow every labelled token of their row, so no labelled token sees them."""
+    missing = -int(lengths.sum()) % multiple
+    if not missing:
+        return lengths
+    room = row_length - lengths
+    if missing > int(room.sum()):
+        raise ValueError(
+            f"a micro-batch of {int(lengths.sum())} tokens cannot grow to a multiple of {multiple} within its rows "
+            f"of {row_length}: make data.max_seq_len a multiple of {multiple}"
+        )
+    added = torch.minimum(room, (missing - (room.cumsum(0) - room)).clamp(min=0))
+    return lengths + added
 
 
 def unpadded(batch: dict, lengths: torch.Tensor, device: torch.device | str | None = None) -> dict[str, Any]:

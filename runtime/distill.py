@@ -25,7 +25,7 @@ from torch import nn
 
 from tigon.runtime.batches import autocast, collate, eval_batches, label_tokens
 from tigon.runtime.config import ConfigError, LoraConfig, RunConfig
-from tigon.runtime.data import model_inputs
+from tigon.runtime.data import model_inputs, token_multiple
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 from tigon.runtime.hub import config_json, fetch_model
 from tigon.runtime.model import build_model
@@ -124,7 +124,9 @@ def distill_sums(
 
     objective = config.objective
     batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
-    inputs = model_inputs(batch, config.model.attn_implementation)
+    inputs = model_inputs(
+        batch, config.model.attn_implementation, token_multiple=token_multiple(config.training.precision)
+    )
     labels = inputs.pop("labels")
     target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     head_weight(model, "the student")

@@ -44,7 +44,7 @@ from torch import nn
 
 from tigon.runtime.batches import autocast, collate, eval_batches
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.data import DataError
+from tigon.runtime.data import DataError, token_multiple
 from tigon.runtime.deepspeed_engine import frozen_engine
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.distributed import unwrap as unwrap_ddp
@@ -212,7 +212,9 @@ def preference_loss(
     """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
-    layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
+    layout = preference_rows(
+        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
+    )
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
@@ -412,7 +414,9 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
     rows laid out as training lays them (`data.packing`)."""
     from tigon.kernels import functional as F
 
-    layout = preference_rows(batch, config.data.packing, config.model.attn_implementation, device)
+    layout = preference_rows(
+        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
+    )
     with torch.no_grad(), autocast(device, config.training.precision):
         hidden = layout.op_layout(final_hidden(model, layout.inputs))
         with frozen_head(model) as (weight, bias):

@@ -48,10 +48,17 @@ class PreferenceRows:
 
 
 def preference_rows(
-    batch: dict[str, torch.Tensor], packing: bool, attn_implementation: str, device: torch.device
+    batch: dict[str, torch.Tensor],
+    packing: bool,
+    attn_implementation: str,
+    device: torch.device,
+    token_multiple: int = 1,
 ) -> PreferenceRows:
-    """A collated micro-batch of PreferenceDataset items, padded or packed (see the module docstring)."""
+    """A collated micro-batch of PreferenceDataset items, padded or packed (see the module docstring), its tokens a
+    multiple of `token_multiple` (`tigon.runtime.data.token_multiple`): padded rows are cut a little longer, a
+    packed row ends in a padding sequence of its own."""
     length = int(batch["attention_mask"].sum(-1).max())
+    length = min(-(-length // token_multiple) * token_multiple, batch["attention_mask"].shape[-1])
     input_ids = rows(batch["input_ids"][..., :length])
     mask = rows(batch["attention_mask"][..., :length])
     labels = rows(batch["labels"][..., :length])
@@ -66,12 +73,13 @@ def preference_rows(
         )
     keep = mask.bool()  # right padding: each row's tokens come first
     tokens = int(keep.sum())
-    index = torch.full(mask.shape, tokens, dtype=torch.long)
+    padding = -tokens % token_multiple
+    index = torch.full(mask.shape, tokens + padding, dtype=torch.long)
     index[keep] = torch.arange(tokens)
-    positions = torch.arange(length).expand_as(mask)
-    packed_ids = input_ids[keep][None]
+    positions = torch.cat([torch.arange(length).expand_as(mask)[keep], torch.arange(padding)])[None]
+    packed_ids = torch.cat([input_ids[keep], input_ids.new_zeros(padding)])[None]
     # every token counts as labelled, so varlen keeps the whole row; the model gets no labels
-    packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions[keep][None]}
+    packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions}
     inputs = model_inputs(packed, attn_implementation, device)
     inputs.pop("labels")
     return PreferenceRows(inputs, target, index.to(device, non_blocking=True))

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from tests.runtime.documents import packed_batch
 from tigon.runtime.attention import VARLEN, document_boundaries, resolve, transformers_name
-from tigon.runtime.data import model_inputs
+from tigon.runtime.data import model_inputs, token_multiple
 from tigon.runtime.model import enable_activation_checkpointing
 
 
@@ -115,6 +115,30 @@ def test_packed_documents_train_as_if_alone(checkpointing):
         for start, end in itertools.pairwise(bounds):  # documents of 1 to 23 tokens
             alone = dense(input_ids=inputs["input_ids"][:, start:end]).logits[0]
             assert relative(real[start:end], alone) < 1e-6
+
+
+def test_fp8_batches_keep_padding_up_to_a_multiple_of_16():
+    """FP8 matmuls contract the weight gradient over the tokens, which the GPU's kernel takes only in multiples of
+    16: `token_multiple` keeps the first padding tokens after the rows' last labels (93 real tokens -> 96), and the
+    loss and every gradient stay the padding-free batch's."""
+    _, model = tiny()
+    batch = packed_batch(rows=[[1, 7, 13], [3, 11, 5, 4], [23], [9, 17]])
+    plain, fp8 = model_inputs(batch, "varlen"), model_inputs(batch, "varlen", token_multiple=token_multiple("fp8"))
+    assert plain["input_ids"].shape[1] == 93 and fp8["input_ids"].shape[1] == 96
+    assert fp8["cu_seq_lens_q"].tolist()[-1] == 96
+    losses, grads = [], []
+    for inputs in (plain, fp8):
+        model.zero_grad()
+        loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(gradients(model))
+    assert abs(losses[1] - losses[0]) <= 1e-6 * losses[0]
+    assert relative(grads[1], grads[0]) < 1e-6
+    assert token_multiple("bf16") == 1
+    full = packed_batch(rows=[[3, 4], [7]])  # 7 tokens in rows of 7: no padding to keep
+    with pytest.raises(ValueError, match="make data.max_seq_len a multiple of 16"):
+        model_inputs(full, "varlen", token_multiple=16)
 
 
 def test_without_boundaries_rows_attend_as_wholes():

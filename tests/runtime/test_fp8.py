@@ -115,6 +115,7 @@ def test_fp8_under_fsdp2_casts_weights_before_the_all_gather(tmp_path):
         ({"trainer": "hf"}, "fp8 with trainer 'hf': .*set trainer: torch"),
         ({"model": {"dtype": "float16"}}, "fp8 with model.dtype float16: .*bfloat16 or float32"),
         ({"training": {"compile": False}}, "fp8 with training.compile false: .*set training.compile: true"),
+        ({"data": {"max_seq_len": 40}}, "fp8 with data.max_seq_len 40: .*a multiple of 16"),
     ],
 )
 def test_fp8_refuses_what_it_cannot_run_with_the_fix(tmp_path, sections, message):

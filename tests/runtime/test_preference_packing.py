@@ -71,6 +71,32 @@ def test_a_packed_row_holds_each_sequence_once_with_its_own_positions(tmp_path, 
         assert torch.equal(allowed, causal & (document[:, None] == document[None, :]))
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_fp8_rows_hold_a_multiple_of_16_tokens_and_the_same_sequences(tmp_path, packing):
+    """Under fp8 (`token_multiple` 16) padded rows are cut at the next multiple of 16 columns and a packed row
+    ends in a padding sequence of its own; the fused op still reads each sequence's tokens where they were, and
+    the padding as zeros."""
+    config = preference_config(tmp_path, "dpo", data={"max_seq_len": 48})
+    batch = micro_batch(config)
+    cpu = torch.device("cpu")
+    plain = preference_rows(batch, packing, "varlen", cpu)
+    fp8 = preference_rows(batch, packing, "varlen", cpu, token_multiple=16)
+    assert fp8.inputs["input_ids"].numel() % 16 == 0
+    assert plain.inputs["input_ids"].numel() % 16 != 0
+    length = plain.target.shape[1]
+    assert torch.equal(fp8.target[:, :length], plain.target)
+    assert bool((fp8.target[:, length:] == -100).all())
+    ids = (plain if not packing else fp8).inputs["input_ids"]
+    if packing:
+        assert fp8.inputs["cu_seq_lens_q"].tolist()[:-1] == plain.inputs["cu_seq_lens_q"].tolist()
+        assert torch.equal(fp8.inputs["input_ids"][:, : plain.inputs["input_ids"].shape[1]], plain.inputs["input_ids"])
+        gathered = fp8.op_layout(ids[..., None].double())[..., 0]
+        assert torch.equal(gathered[:, :length], plain.op_layout(plain.inputs["input_ids"][..., None].double())[..., 0])
+        assert bool((gathered[:, length:] == 0).all())
+    else:
+        assert torch.equal(fp8.inputs["input_ids"][:, :length], ids)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_packed_rows_give_the_padded_hidden_states_and_reference_logps(tmp_path, attention):
     """The tiny Llama's final hidden states on every real token, and the reference pass's summed completion
