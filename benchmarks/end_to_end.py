@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8; --tiny 2)")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off (default on)")
     parser.add_argument("--checkpoint-layers", type=int, help="checkpoint the first N layers (default all)")
+    parser.add_argument(
+        "--selective-layers", type=int, default=0, help="after those, N layers recompute only element-wise work"
+    )
     parser.add_argument("--compile", action="store_true", help="training.compile: each decoder layer compiled")
     parser.add_argument(
         "--precision",
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         "micro_batch": args.micro_batch or (2 if tiny else 8),
         "checkpointing": not args.no_checkpointing,
         "checkpoint_layers": args.checkpoint_layers,
+        "selective_layers": args.selective_layers,
         "compile": args.compile,
         "precision": args.precision,
         "steps": args.steps or (2 if tiny else 10),

@@ -65,7 +65,7 @@ def markdown(report: dict) -> str:
             r["variant"],
             r["seq"],
             f"{r['micro_batch']} x {r['accumulation']}",
-            f"{r['checkpoint_layers']} layers" if r.get("checkpoint_layers") else "on" if r["checkpointing"] else "off",
+            r.get("recompute") or ("on" if r["checkpointing"] else "off"),
             "on" if r["kernels"] else "off",
             "out of memory" if r["oom"] else f"{r['tokens_per_second']:,.0f}",
             f"{peak / GiB:.2f}" if peak else "-",

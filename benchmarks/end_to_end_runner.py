@@ -45,6 +45,7 @@ def bench_config(spec: dict, cuda: bool):
             "gradient_accumulation_steps": 1,
             "gradient_checkpointing": spec["checkpointing"],
             "checkpoint_layers": spec.get("checkpoint_layers") if spec["checkpointing"] else None,
+            "selective_layers": spec.get("selective_layers", 0),
             "compile": spec.get("compile", False),
             "precision": spec.get("precision") or ("bf16" if cuda else "fp32"),
             "plan": "auto" if spec["variant"] == "planner" else "manual",
@@ -219,6 +220,7 @@ def worker(spec: dict) -> dict:
         "accumulation": setting.accumulation,
         "checkpointing": setting.checkpointing,
         "checkpoint_layers": setting.checkpoint_layers,
+        "recompute": setting.checkpointing_text(),
         "kernels": setting.kernels,
         "estimate_bytes": None if spec["variant"] == "liger" or note else planner.estimate(work, setting).peak,
     }

@@ -12,7 +12,8 @@
 #   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)]
 #   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
-#   [recompute-curve (tokens/s against peak memory with RECOMPUTE_LAYERS checkpointed, and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b)]
+#   [recompute-curve (tokens/s against peak memory for each of RECOMPUTE_LAYERS: N layers checkpointed whole, sM selective,
+#   N+sM both; and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b, E2E_MICRO)]
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
 #   [flyte-gpu (pyflyte run of the workflow on every GPU, a killed worker; carry .whl-flyte too)]
 #   [trl (benchmarks/trl_integration.py: TRL's DPOTrainer and SFTTrainer alone, with Liger-Kernel and with use_tigon;
@@ -73,9 +74,14 @@ for step in "$@"; do
       tar czf "$out/$step.tgz" --exclude=checkpoints --exclude=data --exclude='*.png' -C /tmp/bench "$step" ;;
     flyte-gpu) timeout "${TEST_LIMIT:-600}" python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/workflows/test_finetune_gpu.py > "$out/flyte-gpu.log" 2>&1
       grep -E "pyflyte run on|passed|failed|Error" "$out/flyte-gpu.log" | tail -n 30 ;;
-    recompute-curve) for layers in ${RECOMPUTE_LAYERS:-0 4 8 12 16}; do  # tokens/s against peak memory, layers checkpointed
-        case $layers in 0) ckpt=--no-checkpointing ;; *) ckpt="--checkpoint-layers $layers" ;; esac
-        python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon $ckpt --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
+    recompute-curve) for layers in ${RECOMPUTE_LAYERS:-0 4 8 12 16 s16 s8 4+s12}; do  # tokens/s against peak memory
+        case $layers in  # N: the first N layers whole (0: none); sM: M layers selective; N+sM: both
+          0) ckpt=(--no-checkpointing) ;;
+          s*) ckpt=(--no-checkpointing --selective-layers "${layers#s}") ;;
+          *+s*) ckpt=(--checkpoint-layers "${layers%%+*}" --selective-layers "${layers##*+s}") ;;
+          *) ckpt=(--checkpoint-layers "$layers") ;;
+        esac
+        python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon "${ckpt[@]}" --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
       done
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-on.json" 2>&1 | grep -E "tokens/s|memory|failed"
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed" ;;

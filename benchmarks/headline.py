@@ -31,6 +31,7 @@ import yaml
 from benchmarks.presets import LLAMA_3_8B
 from tigon.runtime.config import apply_override
 from tigon.runtime.files import atomic_path
+from tigon.runtime.planner import Setting
 
 GiB = 2**30
 WARMUP_STEPS = 3
@@ -159,6 +160,7 @@ def collect(out: Path) -> dict:
                 "micro_batch": training["micro_batch_size"],
                 "accumulation": training["gradient_accumulation_steps"],
                 "checkpointing": training["gradient_checkpointing"],
+                "recompute": recompute_text(training),
                 "final_loss": summary["final_loss"],
             }
         elif not row["oom"]:
@@ -175,6 +177,13 @@ def collect(out: Path) -> dict:
     return report
 
 
+def recompute_text(training: dict) -> str:
+    """A run's checkpointing as the planner's table writes it: on, off, N layers, M selective."""
+    full = training["checkpoint_layers"] if training["gradient_checkpointing"] else None
+    setting = Setting(1, 1, training["gradient_checkpointing"], True, full, training.get("selective_layers", 0))
+    return setting.checkpointing_text()
+
+
 def markdown(report: dict) -> str:
     lines = [
         "| variant | seq | micro x accum | checkpointing | tokens/s (all GPUs) | peak GiB (rank 0) |",
@@ -183,9 +192,10 @@ def markdown(report: dict) -> str:
     for r in report["runs"]:
         if "tokens_per_second" in r:
             tps = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "-"
+            recompute = r.get("recompute", "on" if r["checkpointing"] else "off")
             lines.append(
                 f"| {r['variant']} | {r['seq']} | {r['micro_batch']} x {r['accumulation']} | "
-                f"{'on' if r['checkpointing'] else 'off'} | {tps} | {r['peak_bytes_rank0'] / GiB:.2f} |"
+                f"{recompute} | {tps} | {r['peak_bytes_rank0'] / GiB:.2f} |"
             )
         else:
             lines.append(f"| {r['variant']} | {r['seq']} | | | {'out of memory' if r['oom'] else r['error']} | |")

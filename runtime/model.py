@@ -23,11 +23,12 @@ from torch import nn
 
 from tigon.runtime import planner
 from tigon.runtime.attention import transformers_name
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.dtypes import torch_dtype
 from tigon.runtime.fp8 import convert_to_fp8
 from tigon.runtime.hub import model_directory
 from tigon.runtime.quantization import quantize_base
+from tigon.runtime.recompute import check_model, enable_selective_recomputation
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -274,6 +275,21 @@ def enable_activation_checkpointing(model: nn.Module, layers: int | None = None)
         layer.gradient_checkpointing = False
 
 
+def enable_selective_layers(model: nn.Module, training: TrainingConfig) -> None:
+    """Recompute only the element-wise work of `training.selective_layers` decoder layers, those after the ones
+    full checkpointing takes (`tigon.runtime.recompute`)."""
+    check_model(model)
+    layers = checkpointable_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"training.selective_layers: {type(model).__name__}'s layers cannot be checkpointed one by one in this "
+            "transformers; set training.selective_layers: 0"
+        )
+    first = training.checkpoint_layers if training.gradient_checkpointing else 0
+    count = enable_selective_recomputation(layers[first : first + training.selective_layers])
+    logger.info("selective recomputation: %d decoder layers keep their matmul and attention outputs", count)
+
+
 def checkpointable_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: transformers' GradientCheckpointingLayer instances, in order."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -330,6 +346,8 @@ def build_model(
             model.tigon_fp8_layers = convert_to_fp8(model, config, checkpointable_layers(model))
         if config.training.gradient_checkpointing:
             enable_activation_checkpointing(model, config.training.checkpoint_layers)
+        if config.training.selective_layers:
+            enable_selective_layers(model, config.training)
         if config.lora.enabled:
             model = add_lora(model, config)
         if config.training.compile:

@@ -118,6 +118,7 @@ CUDA_CONTEXT = 1 * GiB  # CUDA context, cuDNN/cuBLAS handles: on the GPU but out
 FIT_FRACTION = 0.92  # headroom for the allocator's fragmentation
 OVERHEAD = 64 * MiB  # inside the allocator: cuBLAS workspaces, RNG state, small buffers
 CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward (fwd:bwd = 1:2)
+SELECTIVE_TIME = 1.03  # recomputing norms, RoPE and the activation: memory-bound passes over a layer's activations
 KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
 HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
 LOSS_CHUNK_LIMIT = 4096  # the largest fused-loss chunk the runtime picks; beyond, the head gradient's re-reads are few
@@ -339,6 +340,7 @@ class Setting:
     checkpointing: bool
     kernels: bool
     checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only; None: every one
+    selective_layers: int = 0  # after those, this many recompute only their element-wise work
 
     def describe(self) -> str:
         return (
@@ -352,8 +354,15 @@ class Setting:
             return 0
         return layers if self.checkpoint_layers is None else min(self.checkpoint_layers, layers)
 
+    def selective_count(self, layers: int) -> int:
+        """How many of the model's `layers` decoder layers recompute only their element-wise work."""
+        return min(self.selective_layers, layers - self.checkpointed_layers(layers))
+
     def checkpointing_text(self) -> str:
-        """'on', 'off', or 'N layers'."""
+        """'on', 'off', 'N layers', 'M selective' or 'N + M selective'."""
+        if self.selective_layers:
+            full = self.checkpoint_layers if self.checkpointing else 0
+            return f"{full} + {self.selective_layers} selective" if full else f"{self.selective_layers} selective"
         if self.checkpointing and self.checkpoint_layers is not None:
             return f"{self.checkpoint_layers} layers"
         return "on" if self.checkpointing else "off"
@@ -443,6 +452,7 @@ def setting_of(config: RunConfig) -> Setting:
         training.gradient_checkpointing,
         config.kernels.enabled,
         training.checkpoint_layers if training.gradient_checkpointing else None,
+        training.selective_layers,
     )
 
 
@@ -549,6 +559,21 @@ def layer_bytes(work: Workload, kernels: bool) -> float:
     for an MoE model, a layer with the MoE block."""
     mlp = moe_bytes(work, kernels) if work.shape.moe else mlp_bytes(work, kernels)
     return 2 * norm_bytes(work, kernels) + attention_bytes(work) + mlp
+
+
+def selective_layer_bytes(work: Workload) -> float:
+    """Bytes per token a selectively recomputed decoder layer keeps (`tigon.runtime.recompute`): its input, the
+    q/k/v, o_proj, gate and up projections' outputs, and the attention kernel's output and log-sum-exp."""
+    s, c = work.shape, work.compute_bytes
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return work.weight_bytes * s.hidden + c * (2 * q + 2 * kv + s.hidden + 2 * s.intermediate) + 4 * s.heads
+
+
+def selective_allowed(work: Workload) -> bool:
+    """Whether the run's layers can recompute selectively (dense layers, one attention kernel, no 4-bit base, no
+    compile; see `tigon.runtime.recompute`)."""
+    refused = work.shape.moe or work.quantized_bytes or work.compiled
+    return not refused and work.attention not in ("eager", "flex_attention")
 
 
 def layer_backward_bytes(work: Workload, kernels: bool) -> float:
@@ -710,18 +735,25 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
             states = 0
             weights = 0 if work.zero_stage == 3 else weights
     buckets = grads if work.strategy == "ddp" and n > 1 else 0
-    checkpointed = setting.checkpointed_layers(s.layers)  # the first ones: the top layer is one only with all
+    # layers in order: `checkpointed` recompute whole, then `selective` their element-wise work, then the rest keep
+    # everything; the top layer is one of the first kinds only when no layer of the later kinds is left
+    checkpointed = setting.checkpointed_layers(s.layers)
+    selective = setting.selective_count(s.layers)
+    kept_layers = s.layers - checkpointed - selective
     casts = 0
     if work.autocast:  # autocast's compute-dtype copies of the Linear weights live from forward to backward
         # (a 4-bit layer dequantizes inside its own matmul, forward and backward, and keeps no copy)
-        kept_layers = 0 if work.quantized_bytes else s.layers - checkpointed
-        casts = (s.vocab * s.hidden + kept_layers * (s.layer_params - 2 * s.hidden)) * c
+        kept = 0 if work.quantized_bytes else kept_layers
+        casts = (s.vocab * s.hidden + kept * (s.layer_params - 2 * s.hidden)) * c
 
     layer = layer_bytes(rows, kernels) * tokens
     layer_input = r * s.hidden * tokens
-    first_kept = layer_input if checkpointed else layer
+    partial = selective_layer_bytes(rows) * tokens if selective else 0
+    first_kept = layer_input if checkpointed else partial if selective else layer
+    first_recomputed = layer if checkpointed else layer - partial if selective else 0
+    top_recomputed = 0 if kept_layers else layer - partial if selective else layer
     per_batch = 24 * tokens + 2 * r * s.head_dim * tokens
-    masked = checkpointed and work.attention not in UNMASKED  # checkpoints keep the bool mask
+    masked = (checkpointed or selective) and work.attention not in UNMASKED  # checkpoints keep the bool mask
     mask = tokens * rows.seq_len if masked else 0  # (rows, 1, T, T) booleans
     fused = (kernels and work.fused_loss) or work.loss != "cross_entropy"  # the other objectives' ops read the head
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
@@ -735,7 +767,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     frozen_weights, frozen_read, frozen_forward = frozen_bytes(work, tokens)
     if work.frozen is not None:
         fixed["frozen model"] = frozen_weights
-    activations = checkpointed * layer_input + (s.layers - checkpointed) * layer + head + per_batch + mask
+    activations = checkpointed * layer_input + selective * partial + kept_layers * layer + head + per_batch + mask
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     if work.strategy == "fsdp" and setting.accumulation > 1:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
@@ -747,13 +779,13 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         "backward (top layer)": {
             **fixed,
             "activations": casts + activations,
-            "backward buffers": (layer if checkpointed == s.layers else 0) + backward,
+            "backward buffers": top_recomputed + backward,
             "gradients": max(carried, head_grad),
         },
         "backward (first layer)": {
             **fixed,
             "activations": first_kept + per_batch + mask,
-            "backward buffers": (layer if checkpointed else 0) + backward,
+            "backward buffers": first_recomputed + backward,
             "gradients": grads,
         },
         "optimizer": {**fixed, "gradients": grads + buckets},
@@ -802,7 +834,9 @@ def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
     tokens = work.tokens(setting.micro_batch)
     time = (tokens + HALF_EFFICIENCY_TOKENS) / tokens
-    time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(work.shape.layers) / work.shape.layers
+    layers = work.shape.layers
+    time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(layers) / layers
+    time *= 1 + (SELECTIVE_TIME - 1) * setting.selective_count(layers) / layers
     if not (setting.kernels and work.kernels_fit):
         time /= KERNEL_TIME
     return time * KERNEL_TIME
@@ -810,17 +844,24 @@ def relative_step_time(work: Workload, setting: Setting) -> float:
 
 def candidates(work: Workload, current: Setting) -> list[Setting]:
     """Every setting with the current global batch: micro-batch x accumulation, checkpointing of none, some or
-    every layer, kernels."""
+    every layer, kernels; where layers can recompute selectively, also any number of them selective, or the first
+    ones whole and every other one selective (selective layers save a third of a layer's bytes for a few percent
+    of its time, so they go first and whole layers only where they are not enough)."""
     global_batch = current.micro_batch * current.accumulation
     kernel_options = (True, False) if work.kernels_fit else (False,)
-    checkpointing = [(False, None), *((True, n) for n in range(1, work.shape.layers)), (True, None)]
-    return [
-        Setting(micro, global_batch // micro, on, kernels, layers)
+    layers = work.shape.layers
+    checkpointing = [(False, None, 0), *((True, n, 0) for n in range(1, layers)), (True, None, 0)]
+    if selective_allowed(work):
+        checkpointing += [(False, None, m) for m in range(1, layers + 1)]
+        checkpointing += [(True, n, layers - n) for n in range(1, layers)]
+    options = [
+        Setting(micro, global_batch // micro, on, kernels, full, selective)
         for micro in range(1, global_batch + 1)
         if global_batch % micro == 0
-        for on, layers in checkpointing
+        for on, full, selective in checkpointing
         for kernels in kernel_options
     ]
+    return options if current in options else [*options, current]
 
 
 @dataclass
@@ -846,7 +887,7 @@ class Plan:
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
-            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>9} {'kernels':>7} {'estimate':>10} {'fits':>4} "
+            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>16} {'kernels':>7} {'estimate':>10} {'fits':>4} "
             f"{'rel. time':>9}  peaks at",
         ]
         for item in sorted(self.shown(), key=lambda e: (e.peak > self.budget, self.rank(e))):
@@ -854,7 +895,7 @@ class Plan:
             mark = "->" if self.chosen is not None and item.setting == self.chosen.setting else "  "
             mark = "=>" if mark == "->" and item.setting == self.current.setting else mark
             lines.append(
-                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {st.checkpointing_text():>9} "
+                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {st.checkpointing_text():>16} "
                 f"{'on' if st.kernels and w.kernels_fit else 'off':>7} {_gib(item.peak):>10} "
                 f"{'yes' if item.peak <= self.budget else 'no':>4} {self.rank(item):9.2f}  {item.moment}"
                 + ("   (current)" if item.setting == self.current.setting else "")
@@ -877,19 +918,21 @@ class Plan:
 
     def shown(self) -> list[Estimate]:
         """The table's rows: checkpointing off and on for each micro-batch and kernel choice; where off does not fit
-        and on does, the fewest checkpointed layers that fit; the chosen and the current setting."""
-        rows, fewest, off_fits = [], {}, set()
+        and on does, the fastest partial recomputation that fits (some layers whole, some selective); the chosen
+        and the current setting."""
+        rows, fastest, off_fits = [], {}, set()
         for item in self.alternatives:
             st = item.setting
-            if st.checkpoint_layers is None or st in (self.current.setting, getattr(self.chosen, "setting", None)):
+            whole = st.checkpoint_layers is None and not st.selective_layers
+            if whole or st in (self.current.setting, getattr(self.chosen, "setting", None)):
                 rows.append(item)
-                if not st.checkpointing and item.peak <= self.budget:
+                if not st.checkpointing and not st.selective_layers and item.peak <= self.budget:
                     off_fits.add((st.micro_batch, st.kernels))
-            elif item.peak <= self.budget:
+            if not whole and item.peak <= self.budget:
                 key = (st.micro_batch, st.kernels)
-                if key not in fewest or st.checkpoint_layers < fewest[key].setting.checkpoint_layers:
-                    fewest[key] = item
-        return rows + [item for key, item in fewest.items() if key not in off_fits and item not in rows]
+                if key not in fastest or self.rank(item) < self.rank(fastest[key]):
+                    fastest[key] = item
+        return rows + [item for key, item in fastest.items() if key not in off_fits and item not in rows]
 
 
 def _rows_text(work: Workload) -> str:
@@ -952,6 +995,7 @@ def make_plan(
     current = setting_of(config)
     if current.checkpoint_layers is not None and current.checkpoint_layers >= work.shape.layers:
         current = dataclasses.replace(current, checkpoint_layers=None)  # every layer
+    current = dataclasses.replace(current, selective_layers=current.selective_count(work.shape.layers))
     alternatives = [estimate(work, setting) for setting in candidates(work, current)]
     fitting = [item for item in alternatives if item.peak <= budget]
     if not fitting:
@@ -974,6 +1018,7 @@ def config_changes(current: Setting, chosen: Setting) -> list[str]:
         "training.gradient_accumulation_steps": (current.accumulation, chosen.accumulation),
         "training.gradient_checkpointing": (current.checkpointing, chosen.checkpointing),
         "training.checkpoint_layers": (current.checkpoint_layers, chosen.checkpoint_layers),
+        "training.selective_layers": (current.selective_layers, chosen.selective_layers),
         "kernels.enabled": (current.kernels, chosen.kernels),
     }
     return [f"{key}={'null' if new is None else str(new).lower()}" for key, (old, new) in keys.items() if old != new]
@@ -988,6 +1033,7 @@ def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
             "gradient_accumulation_steps": chosen.accumulation,
             "gradient_checkpointing": chosen.checkpointing,
             "checkpoint_layers": chosen.checkpoint_layers,
+            "selective_layers": chosen.selective_layers,
         }
     )
     kernels = config.kernels.model_copy(update={"enabled": chosen.kernels})

@@ -300,13 +300,21 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     config = plan_config(tmp_path)
     config.model.attn_implementation = "sdpa"  # the packed mask, which the checkpoints keep
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
-    assert cli.main(["plan", str(path), "--gpu-memory", "13GiB", "--gpus", "1"]) == 0  # every layer, at micro-batch 2
-    assert "plan: micro-batch 2 x accumulation 4, checkpointing on, kernels on" in capsys.readouterr().out
-    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # 10 layers keep theirs
+    assert cli.main(["plan", str(path), "--gpu-memory", "13GiB", "--gpus", "1"]) == 0  # 15 whole, 1 selective
+    assert "plan: micro-batch 2 x accumulation 4, checkpointing 15 + 1 selective, kernels on" in capsys.readouterr().out
+    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0  # 4 layers keep theirs
+    out = capsys.readouterr().out
+    assert "plan: micro-batch 1 x accumulation 8, checkpointing 12 selective, kernels on" in out
+    assert "--set training.selective_layers=12" in out and "gradient_checkpointing" not in out.splitlines()[-1]
+    assert len(out.splitlines()) < 40  # the table shows the fastest partial setting that fits, not every count
+    config.training.compile = True  # compiled layers recompute whole layers or none
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
+    assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0
     out = capsys.readouterr().out
     assert "plan: micro-batch 1 x accumulation 8, checkpointing 6 layers, kernels on" in out
-    assert "--set training.checkpoint_layers=6" in out
-    assert len(out.splitlines()) < 40  # the table shows the fewest layers that fit, not every count
+    assert "selective" not in out
+    config.training.compile = False
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0
     assert "checkpointing off, kernels on" in capsys.readouterr().out
 
