@@ -19,8 +19,13 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
 
 - RMSNorm, Hugging Face eager: the float32 copy of its input (4h), 1/rms (4) and the normalized
   input in its own dtype (r h; only when the norm weight trains). tigon: the input itself (r h) and 1/rms (4).
-- A Linear saves its input (c h, or c i for down_proj) when its weight trains or it carries a LoRA
-  adapter (then also the adapter's c x rank output).
+- A Linear saves its input (c h, or c i for down_proj) when its weight trains. A frozen one (LoRA's base, in
+  4 bits or not) saves nothing; its LoRA adapter saves its input and its rank-wide output. peft keeps the
+  adapters in float32 and casts its input to float32, and autocast casts that back to bf16/fp16 for the
+  adapter's matmul, so each adapter saves a copy of its own (c x its input width, `Workload.lora_copy_bytes`):
+  q, k and v keep three copies of the normed input, o_proj one of the attention output beside attention's own.
+  Only where the adapters compute in the activations' dtype (all float32, or FSDP2's and DeepSpeed's bf16/fp16
+  parameters) do they share the projection's input (c h once, as a trained Linear saves it).
 - Attention, SDPA with the packed (B, 1, T, T) mask (memory-efficient kernel): q, and k and v
   repeated to all heads (3 c q), the output, which o_proj reads without a copy (c q), the log-sum-exp
   (4 x heads) and the mask as an additive bias in the compute dtype (c T per token, every layer).
@@ -62,8 +67,13 @@ columns for every token (`logits_buffer_bytes`).
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
 too; compiled layers, `training.compile`, run it out of place: 3 c i); attention's are 3 c q + 4 q, and for
-eager attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); the
-larger counts.
+eager attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); with
+adapters that copy their input, the widest adapter's input beside its float32 cast ((c + 4) x i for
+down_proj), live in its forward, the recompute's too; the largest counts.
+
+LoRA's adapters (`Workload.adapter_bytes`, float32 under peft) add their weights, gradients and AdamW states in
+that dtype; with autocast, also its bf16/fp16 copies of the adapter weights (cached for the forward, every
+layer's at the loss; kept for the backward by the layers that are not checkpointed).
 
 A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2 and
@@ -105,6 +115,10 @@ from typing import Literal
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.hub import config_json
 from tigon.runtime.tokenizer import load_tokenizer
+
+#: LoRA: bytes of an adapter parameter. peft keeps adapters in float32 (`get_peft_model`'s
+#: autocast_adapter_dtype upcasts bf16/fp16 ones); DeepSpeed's bf16/fp16 modes cast the whole module to theirs
+ADAPTER_BYTES = 4
 
 #: QLoRA: bytes a 4-bit weight takes with its block's scale, by `lora.double_quant`: half a byte, plus an fp32
 #: scale per 64 weights, or with double quantization an 8-bit scale per 64 and an fp32 one per 256 of those
@@ -292,6 +306,10 @@ class Workload:
     lora_rank: int = 0  # 0: full fine-tuning
     lora_targets: tuple[str, ...] = ()
     quantized_bytes: float = 0.0  # QLoRA: bytes per decoder Linear weight in 4 bits with its scales; 0: not quantized
+    adapter_bytes: int = ADAPTER_BYTES  # LoRA: an adapter parameter's (its gradient's, AdamW states') bytes
+    # LoRA: bytes an element of the copy of its input each adapter saves (adapter_copy_bytes); 0: none, the
+    # adapters share the projection's input
+    lora_copy_bytes: int = 0
     strategy: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
     zero_stage: int = 2
     cpu_offload: bool = False
@@ -424,6 +442,8 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         lora_rank=lora.r if lora.enabled else 0,
         lora_targets=tuple(lora.target_modules) if lora.enabled else (),
         quantized_bytes=QUANTIZED_BYTES[lora.double_quant] if lora.quantize_base else 0.0,
+        adapter_bytes=2 if config.parallelism.strategy == "deepspeed" and adapters_in_precision(config) else 4,
+        lora_copy_bytes=adapter_copy_bytes(config) if lora.enabled else 0,
         strategy=config.parallelism.strategy,
         zero_stage=config.parallelism.stage,
         cpu_offload=config.parallelism.cpu_offload,
@@ -437,6 +457,25 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         reference_pass=objective.preference and objective.reference_source == "precomputed",
         compiled=config.training.compile,
     )
+
+
+def adapter_copy_bytes(config: RunConfig) -> int:
+    """Bytes an element of the copy of its input each LoRA adapter saves: peft casts an adapter's input to the
+    adapter weights' dtype (float32) and autocast casts it back to bf16/fp16 for the matmul (2), or without
+    autocast the adapter computes on the float32 copy (4, bf16/fp16 weights); 0 where the adapters compute in
+    the activations' dtype: float32 throughout, or FSDP2's and DeepSpeed's bf16/fp16 parameters."""
+    if adapters_in_precision(config):
+        return 0
+    if config.training.precision != "fp32":
+        return 2
+    return 0 if config.model.dtype == "float32" else 4
+
+
+def adapters_in_precision(config: RunConfig) -> bool:
+    """Whether the LoRA adapters are in the run's bf16/fp16 in the forward, not float32: FSDP2's mixed precision
+    gathers its parameters so, DeepSpeed's bf16/fp16 modes cast the module."""
+    strategy, precision = config.parallelism.strategy, config.training.precision
+    return (strategy == "fsdp" and precision != "fp32") or (strategy == "deepspeed" and precision in ("bf16", "fp16"))
 
 
 def loss_kind(config: RunConfig) -> str:
@@ -470,9 +509,10 @@ class Estimate:
     moments: dict[str, int] = field(default_factory=dict)  # every moment's total
 
 
-def _trains(work: Workload, name: str) -> bool:
-    """Whether a projection's input is saved: its weight trains, or it carries a LoRA adapter."""
-    return not work.lora_rank or name in work.lora_targets
+def _saves_input(work: Workload, name: str) -> bool:
+    """Whether a projection's input itself is saved: its weight trains, or its LoRA adapter reads it without a
+    copy (an adapter's own copy counts in `_adapter_bytes`)."""
+    return not work.lora_rank or (name in work.lora_targets and not work.lora_copy_bytes)
 
 
 def norm_bytes(work: Workload, kernels: bool) -> float:
@@ -484,8 +524,44 @@ def norm_bytes(work: Workload, kernels: bool) -> float:
 
 
 def _adapter_bytes(work: Workload, names: tuple[str, ...]) -> float:
-    """Bytes per token LoRA adapters on these projections save (each one's c x rank output)."""
-    return work.compute_bytes * work.lora_rank * len([n for n in names if n in work.lora_targets])
+    """Bytes per token LoRA adapters on these projections save: each one's rank-wide output and, where it makes
+    one (`Workload.lora_copy_bytes`), its own copy of its input, both in the dtype its matmul runs in."""
+    size = work.lora_copy_bytes or work.compute_bytes
+    widths = [work.shape.linear_shape(n)[0] for n in names if n in work.lora_targets]
+    return size * work.lora_rank * len(widths) + (work.lora_copy_bytes * sum(widths))
+
+
+def adapter_cast_bytes(work: Workload) -> int:
+    """Bytes per decoder layer of autocast's bf16/fp16 copies of its float32 LoRA adapter weights (made when the
+    adapters copy their input in bf16/fp16, `lora_copy_bytes` 2; saved for the backward, and cached while the
+    forward's autocast lasts)."""
+    if work.lora_copy_bytes != 2:
+        return 0
+    return 2 * work.trainable // work.shape.layers
+
+
+def _widest_adapter(work: Workload) -> tuple[int, int]:
+    """(in_features, out_features) of the adapted projection with the widest input (down_proj's, when adapted)."""
+    shapes = [work.shape.linear_shape(n) for n in work.lora_targets if n in work.shape.linear_names]
+    return max(shapes, default=(0, 0))
+
+
+def adapter_forward_bytes(work: Workload, recompute: bool) -> float:
+    """Transient bytes per token beside a layer's saved bytes while its widest LoRA adapter runs its forward (0
+    where the adapters make no copy of their input).
+
+    Input side: the projection's input, which nothing else keeps (down_proj's is the gated product), c per
+    element, and under autocast the float32 cast peft makes of it, 4, beside the saved bf16/fp16 copy. Output side:
+    the base layer's output (c), the adapter's (its matmul's dtype) and that times the LoRA scale (the same), per
+    output feature. A checkpoint's recompute (`recompute`) stops as soon as the layer's last tensor is saved, the
+    adapter's rank-wide input, so before the scaled copy is made."""
+    if not work.lora_copy_bytes:
+        return 0
+    c, copy = work.compute_bytes, work.lora_copy_bytes
+    width_in, width_out = _widest_adapter(work)
+    inputs = c + (4 if copy != 4 else 0)
+    outputs = c + copy * (1 if recompute else 2)
+    return width_in * inputs + width_out * outputs
 
 
 UNMASKED = ("flash_attention_2", "sdpa_causal", "varlen", "flex_attention")
@@ -508,7 +584,7 @@ def attention_bytes(work: Workload) -> float:
     """Bytes per token one attention block saves: q/k/v input, the attention kernel's, o_proj's input."""
     s, c = work.shape, work.compute_bytes
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    total = c * h if any(_trains(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
+    total = c * h if any(_saves_input(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
     if work.attention in UNMASKED:
         total += c * (2 * q + 2 * kv) + 4 * s.heads  # o_proj reads the kernel's output itself
     else:
@@ -530,9 +606,9 @@ def eager_scores_bytes(work: Workload) -> float:
 def mlp_bytes(work: Workload, kernels: bool) -> float:
     """Bytes per token one gated MLP saves: its input, gate/up (and SiLU's output, eager), down_proj's input."""
     c, h, i = work.compute_bytes, work.shape.hidden, work.shape.intermediate
-    total = c * h if any(_trains(work, n) for n in ("gate_proj", "up_proj")) else 0
+    total = c * h if any(_saves_input(work, n) for n in ("gate_proj", "up_proj")) else 0
     total += c * i * (2 if kernels else 3)
-    total += c * i if _trains(work, "down_proj") else 0
+    total += c * i if _saves_input(work, "down_proj") else 0
     return total + _adapter_bytes(work, ("gate_proj", "up_proj", "down_proj"))
 
 
@@ -714,9 +790,13 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     weights = s.params * w
     if work.quantized_bytes:
         weights -= int(work.linear_params * (w - work.quantized_bytes))
+    trained = w  # a trainable parameter's bytes, its gradient's and each AdamW state's
+    if work.lora_rank:  # the adapters, beside the base model's parameters
+        trained = work.adapter_bytes
+        weights += trainable * trained
     loaded = weights  # before any sharding
-    grads = trainable * w
-    states = 2 * trainable * w
+    grads = trainable * trained
+    states = 2 * trainable * trained
     gathered = 0
     if work.strategy == "fsdp" and n > 1:
         weights, grads, states = weights // n, grads // n, states // n
@@ -724,7 +804,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         if work.cpu_offload:
             weights, states = 0, 0
     elif work.strategy == "deepspeed" and n > 1:
-        master = 4 * trainable if w < 4 else 0
+        master = 4 * trainable if trained < 4 else 0
         states = (states + master) // n
         if work.zero_stage >= 2:
             grads //= n
@@ -745,6 +825,11 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         # (a 4-bit layer dequantizes inside its own matmul, forward and backward, and keeps no copy)
         kept = 0 if work.quantized_bytes else kept_layers
         casts = (s.vocab * s.hidden + kept * (s.layer_params - 2 * s.hidden)) * c
+    # autocast's copies of float32 adapter weights: cached for the whole forward (the loss runs inside it), then
+    # kept by the layers that keep their activations
+    adapter_casts = adapter_cast_bytes(work)
+    loss_casts = casts + s.layers * adapter_casts
+    casts += kept_layers * adapter_casts
 
     layer = layer_bytes(rows, kernels) * tokens
     layer_input = r * s.hidden * tokens
@@ -757,7 +842,11 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     mask = tokens * rows.seq_len if masked else 0  # (rows, 1, T, T) booleans
     fused = (kernels and work.fused_loss) or work.loss != "cross_entropy"  # the other objectives' ops read the head
     head = (norm_bytes(work, kernels) + (0 if work.lora_rank or fused else c * s.hidden)) * tokens
-    backward = layer_backward_bytes(rows, kernels) * tokens
+    backward = layer_backward_bytes(rows, kernels)
+    # the top layer runs its forward (or, when no layer keeps everything, its recompute) with every layer's
+    # activations live; a recomputed first layer runs its recompute beside the gradients
+    top_transient = max(backward, adapter_forward_bytes(work, recompute=not kept_layers)) * tokens
+    first_transient = max(backward, adapter_forward_bytes(work, recompute=True) if first_recomputed else 0) * tokens
     loss_peak = loss_bytes(work, setting.micro_batch, fused, loss_chunk_tokens)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
     if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
@@ -771,7 +860,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     if work.strategy == "fsdp" and setting.accumulation > 1:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
-    loss = {**fixed, "activations": casts + activations, "loss and logits": loss_peak, "gradients": carried}
+    loss = {**fixed, "activations": loss_casts + activations, "loss and logits": loss_peak, "gradients": carried}
     if work.frozen is not None:
         loss["frozen hidden states and head"] = frozen_read
     moments = {
@@ -779,13 +868,13 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         "backward (top layer)": {
             **fixed,
             "activations": casts + activations,
-            "backward buffers": top_recomputed + backward,
+            "backward buffers": top_recomputed + top_transient,
             "gradients": max(carried, head_grad),
         },
         "backward (first layer)": {
             **fixed,
             "activations": first_kept + per_batch + mask,
-            "backward buffers": first_recomputed + backward,
+            "backward buffers": first_recomputed + first_transient,
             "gradients": grads,
         },
         "optimizer": {**fixed, "gradients": grads + buckets},

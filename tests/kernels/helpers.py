@@ -50,6 +50,41 @@ def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def peak_bytes(run, exclude: list[torch.Tensor]) -> int:
+    """The most bytes of storage `run()` makes that are alive at once (each storage counted from the operation that
+    returns it until it is freed), those of `exclude` (parameters, inputs made before) left out."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    excluded = {id(tensor.untyped_storage()) for tensor in exclude}
+    alive: dict[int, int] = {}
+    peak = 0
+
+    def free(key: int) -> None:
+        del alive[key]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal peak
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_leaves(out):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                storage = tensor.untyped_storage()
+                key = id(storage)
+                if key not in excluded and key not in alive and storage.nbytes():
+                    alive[key] = storage.nbytes()
+                    weakref.finalize(storage, free, key)
+                    peak = max(peak, sum(alive.values()))
+            return out
+
+    with Count():
+        run()
+    return peak
+
+
 def installed_modeling(name: str) -> ModuleType | None:
     """The modeling module `name`, or None where the installed transformers predates its family."""
     try:

@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from tests.kernels.helpers import saved_bytes
-from tests.runtime.configs import tiny_config
+from tests.runtime.configs import TINY_MODEL, tiny_config
 from tigon.runtime import cli, planner
 from tigon.runtime.config import parse_config
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
@@ -387,6 +387,130 @@ def test_decoder_layer_formula_matches_what_autograd_saves(kernels, restore_rope
     measured = saved_bytes(lambda: layer(x), [*holder.layer.parameters(), *shared])
     work = bf16_work(ModelShape.from_hf_config(config), 16)
     assert measured == planner.layer_bytes(work, kernels) * 3 * 16
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_layer_config(tmp_path, quantize: str | None, kernels: bool, precision: str):
+    """A tiny Llama (64 wide: bitsandbytes' CPU kernels quantize whole blocks of 64) with rank-4 adapters on all
+    seven projections, built as a run builds it; bf16 weights under bf16 autocast, as a GPU run trains, or all
+    float32."""
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    shape = {**TINY_MODEL, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4}
+    return tiny_config(
+        tmp_path,
+        model={"config_overrides": shape, "dtype": dtype, "attn_implementation": "sdpa"},
+        lora={"enabled": True, "r": 4, "target_modules": ALL_PROJECTIONS, "quantize_base": quantize},
+        kernels={"enabled": kernels},
+        training={"precision": precision},
+        data={"max_seq_len": 16, "packing": False},
+    )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_a_lora_decoder_layer_saves_what_layer_bytes_says(tmp_path, quantize, kernels, precision, restore_rope):
+    """QLoRA (a 4-bit bitsandbytes base) and LoRA on a dense base, built by build_model: a decoder layer's saved
+    bytes are layer_bytes per token plus autocast's copies of the adapter weights, exactly.
+
+    peft keeps the adapters in float32 and casts their input to it; under bf16 autocast each adapter's matmul
+    then saves a bf16 copy of its own (three of the normed input for q, k and v, one of the attention output for
+    o_proj), and the frozen base, 4-bit or not, saves nothing. All in float32, the adapters share the input.
+    """
+    import torch
+
+    from tigon.runtime.batches import autocast
+    from tigon.runtime.model import build_model
+
+    config = lora_layer_config(tmp_path, quantize, kernels, precision)
+    model = build_model(config, 64)
+    base = model.get_base_model().model
+    layer = base.layers[0]
+    assert (type(layer.mlp.down_proj.base_layer).__name__ == "Linear4bit") == (quantize is not None)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    x = torch.randn(3, 16, 64, dtype=dtype, requires_grad=True)
+    positions = torch.arange(16).repeat(3, 1)
+    cos, sin = base.rotary_emb(x, positions)
+
+    def run():
+        with autocast(torch.device("cpu"), precision):
+            layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=positions)
+
+    measured = saved_bytes(run, [*layer.parameters(), cos, sin, positions])
+    work = planner.workload(config, world_size=1)
+    assert work.attention == "sdpa_causal" and work.lora_copy_bytes == (2 if precision == "bf16" else 0)
+    casts = planner.adapter_cast_bytes(work)
+    widths = (6 * 64 + 192) + (64 + 16 + 16 + 64 + 192 + 192 + 64)  # in and out features of the seven adapters
+    assert casts == (2 * 4 * widths if precision == "bf16" else 0)  # bf16 x rank 4
+    assert measured == planner.layer_bytes(work, kernels) * 3 * 16 + casts
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_a_lora_layer_peaks_in_its_widest_adapter_as_adapter_forward_bytes_says(
+    tmp_path, quantize, checkpointed, restore_rope
+):
+    """A LoRA decoder layer's forward (checkpointed: the backward's recompute of it) peaks in down_proj's adapter:
+    beside the layer's saved bytes, the gated product and peft's float32 cast of it, the base layer's output, the
+    adapter's and its scaled copy (the recompute stops before the scaled copy): adapter_forward_bytes, exactly.
+
+    Hugging Face's eager layer, every tensor counted from the operation that makes it until it is freed. The
+    residual stream and the MLP's normed input are live there too (c h each), as in any layer's forward, adapters
+    or not; the planner counts neither.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.kernels.helpers import peak_bytes
+    from tigon.runtime.batches import autocast
+    from tigon.runtime.model import build_model
+
+    config = lora_layer_config(tmp_path, quantize, kernels=False, precision="bf16")
+    base = build_model(config, 64).get_base_model().model
+    layer = base.layers[0]
+    x = torch.randn(3, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(16).repeat(3, 1)
+    cos, sin = base.rotary_emb(x, positions)
+
+    def forward():
+        with autocast(torch.device("cpu"), "bf16"):
+            return layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=positions)
+
+    made_before = [*layer.parameters(), x, cos, sin, positions]
+    if checkpointed:
+        out = checkpoint(forward, use_reentrant=False)
+        grad = torch.ones_like(out)
+        measured = peak_bytes(lambda: out.backward(grad), [*made_before, out, grad])
+    else:
+        measured = peak_bytes(forward, made_before)
+    work = planner.workload(config, world_size=1)
+    tokens = 3 * 16
+    saved = planner.layer_bytes(work, False) * tokens + planner.adapter_cast_bytes(work)
+    transient = planner.adapter_forward_bytes(work, recompute=checkpointed)
+    assert transient == 192 * (2 + 4) + 64 * (2 + 2 * (1 if checkpointed else 2))
+    assert measured == saved + transient * tokens + 2 * (2 * 64) * tokens
+
+
+def test_the_planner_counts_the_adapters_in_the_dtype_peft_keeps_them(tmp_path):
+    """float32 adapters on a bf16 4-bit base: the estimate's weights are the base's plus the adapters' bytes, its
+    gradients those bytes again and AdamW's states twice them."""
+    import torch
+
+    from tigon.runtime.model import build_model
+
+    config = lora_layer_config(tmp_path, "nf4", kernels=True, precision="bf16")
+    adapters = [p for p in build_model(config, 64).parameters() if p.requires_grad]
+    work = planner.workload(config, world_size=1)
+    assert {p.dtype for p in adapters} == {torch.float32} and sum(p.numel() for p in adapters) == work.trainable
+    adapter_memory = sum(p.numel() * p.element_size() for p in adapters)
+    base = work.shape.params * 2 - int(work.linear_params * (2 - planner.QUANTIZED_BYTES[True]))
+    step = estimate(work, planner.setting_of(config))
+    assert step.parts["weights"] == base + adapter_memory
+    assert step.parts["optimizer states"] == 2 * adapter_memory
+    fixed = step.parts["weights"] + step.parts["optimizer states"] + step.parts["overhead"]
+    assert step.moments["optimizer"] - fixed == adapter_memory  # the gradients (one process: no DDP buckets)
 
 
 def test_unpacked_sdpa_is_planned_as_plain_causal_attention(tmp_path, restore_rope):
