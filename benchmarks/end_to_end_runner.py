@@ -168,11 +168,13 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
 
 
 def count_parameters(config) -> int:
-    """The run's model's parameters (tied ones once), built on the meta device."""
+    """The run's base model's parameters (tied ones once), built on the meta device; LoRA adapters, the only
+    parameters that train with LoRA, are left out (the planner's shape counts the base, its estimate the adapters
+    apart)."""
     from tigon.runtime.model import build_model
 
     model = build_model(config, config.model.config_overrides["vocab_size"], meta=True)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if not (config.lora.enabled and p.requires_grad))
 
 
 def estimate_note(shape, params: int) -> str | None:

@@ -67,13 +67,14 @@ columns for every token (`logits_buffer_bytes`).
 Backward of one layer (transient): the MLP's gradients, 3 c i per token eager (the product's, SiLU's
 and up's), c i with tigon's in-place SwiGLU backward (i the config's intermediate_size, for MoE models
 too; compiled layers, `training.compile`, run it out of place: 3 c i); attention's are 3 c q + 4 q, and for
-eager attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); with
-adapters that copy their input, the widest adapter's input beside its float32 cast ((c + 4) x i for
-down_proj), live in its forward, the recompute's too; the largest counts.
+eager attention also the scores' gradient in float32 and the softmax's input gradient (8 x heads x T); the
+larger counts. With LoRA adapters that copy their input, the widest one's forward can be larger
+(`adapter_forward_bytes`: down_proj's input and its float32 cast, (c + 4) i, and the outputs, 3 c h); it runs
+in the top layer with every layer's activations live, or in a checkpoint's recompute.
 
 LoRA's adapters (`Workload.adapter_bytes`, float32 under peft) add their weights, gradients and AdamW states in
-that dtype; with autocast, also its bf16/fp16 copies of the adapter weights (cached for the forward, every
-layer's at the loss; kept for the backward by the layers that are not checkpointed).
+that dtype; under autocast, also its bf16/fp16 copies of the adapter weights (cached for the forward, so every
+layer's at the loss; kept for the backward by the layers that are not checkpointed, `adapter_cast_bytes`).
 
 A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference copy under `reference: model`,
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2 and
