@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {
         "families": {
             name: {
-                "model": PRESETS[name].describe(tiny),
+                "model": f"{args.shape} shape (random init)" if args.shape else PRESETS[name].describe(tiny),
                 "source": PRESETS[name].source,
                 "liger": PRESETS[name].liger,
                 "attention": PRESETS[name].attention,

@@ -94,8 +94,13 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "Loss: the model's own with labels (HF eager: full logits; Liger and tigon: fused linear cross entropy,"
-        ' except Liger\'s Granite patch, which keeps the logits). Planner estimate "not modeled": the planner'
-        " counts other parameters than this model's (a shape it does not model).",
+        " except Liger's Granite patch, which keeps the logits)."
+        + (
+            ' Planner estimate "not modeled": the planner counts other parameters than this model\'s (a shape it'
+            " does not model)."
+            if any(r.get("estimate_note") for r in report["runs"])
+            else ""
+        ),
     ]
     return "\n".join(lines) + "\n"
 

@@ -84,7 +84,8 @@ for step in "$@"; do
         python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon "${ckpt[@]}" --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
       done
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-on.json" 2>&1 | grep -E "tokens/s|memory|failed"
-      python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed" ;;
+      python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed"
+      python3 -m benchmarks.recompute_curve collect "$out" --out "$out/recompute-points.json" ;;
     e2e-qlora) python3 -m benchmarks.end_to_end --family llama --shape llama-3-8b --qlora --variants "${E2E_VARIANTS:-eager,liger,tigon,planner}" --seqs "${E2E_SEQS:-4096}" --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/e2e-qlora.json" 2>&1 | tee "$out/e2e-qlora.log" ;;
     planner-tests) python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/runtime/test_planner_gpu.py 2>&1 | tail -n 40 | tee "$out/planner-tests.log" ;;
     preference-memory) python3 -m benchmarks.preference_memory --out "$out/preference-memory.json" 2>&1 | tee "$out/preference-memory.log" ;;

@@ -282,3 +282,40 @@ def test_kernels_are_grouped_by_kind_from_their_names():
         "cudaLaunchKernelExC": "other",
     }
     assert {name: kind_of(name) for name in names} == names
+
+
+def test_recompute_curve_collects_and_plots_selective_and_whole_settings(tmp_path):
+    """Two tiny runs as `gpu_run.sh recompute-curve` names them (selective, whole layers): collected as points
+    with their settings and the planner's estimates, tabled, and drawn."""
+    from benchmarks.recompute_curve import main as curve
+
+    for name, flags in {
+        "s2": ["--no-checkpointing", "--selective-layers", "2"],
+        "1": ["--checkpoint-layers", "1"],
+    }.items():
+        command = [sys.executable, "-m", "benchmarks.end_to_end", "--tiny", "--family", "llama", "--variants", "tigon"]
+        command += [
+            *flags,
+            "--seqs",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path / f"recompute-{name}.json"),
+        ]
+        done = subprocess.run(command, cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    points_file = tmp_path / "points.json"
+    assert curve(["collect", str(tmp_path), "--out", str(points_file)]) == 0
+    points = json.loads(points_file.read_text())
+    assert sorted(p["recompute"] for p in points) == ["1 layers", "2 selective"]
+    assert all(p["variant"] == "tigon" and p["tokens_per_second"] > 0 and p["estimate_gib"] > 0 for p in points)
+    with pytest.raises(SystemExit):  # the CPU measures no peak
+        curve(["plot", f"tiny={points_file}", "--out", str(tmp_path / "curve.png")])
+    for point in points:  # as a GPU run reports them
+        point["peak_gib"] = point["estimate_gib"]
+    points_file.write_text(json.dumps(points))
+    assert curve(["plot", f"tiny={points_file}", "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
