@@ -893,3 +893,26 @@ def test_distill_losses_keep_what_the_planner_counts():
     assert kept == 2 * 4 * (12 * 8 + 10 * 8)
     chunk = planner.distill_loss_bytes(work, 1) - kept - (8 + 4) * 12
     assert chunk % (10 * 8) == 0 and chunk > 0  # whole rows of both heads' float32 logits
+
+
+def test_the_planner_fills_memory_with_selective_layers_before_whole_ones():
+    """On the Llama-3.2-1B shape, selective layers cost less time per byte saved than whole ones: a budget that
+    everything-kept misses by a little gets selective layers and no whole one; a tighter one both."""
+    work = Workload(LLAMA_1B, 4096, weight_bytes=2, compute_bytes=2, autocast=False, attention="varlen")
+    current = Setting(8, 1, False, True)
+    everything = estimate(work, current).peak
+    selective_all = estimate(work, Setting(8, 1, False, True, None, 16)).peak
+    whole = estimate(work, Setting(8, 1, True, True)).peak
+    assert whole < selective_all < everything
+    options = planner.candidates(work, current)
+
+    def fastest_under(budget):
+        fitting = [s for s in options if s.micro_batch == 8 and estimate(work, s).peak <= budget]
+        return min(fitting, key=lambda s: planner.relative_step_time(work, s))
+
+    loose = fastest_under(everything - 1)
+    assert not loose.checkpointing and 0 < loose.selective_layers < 16
+    tight = fastest_under((selective_all + whole) // 2)
+    assert tight.checkpointing and tight.selective_layers == 16 - tight.checkpoint_layers
+    assert estimate(work, tight).peak <= (selective_all + whole) // 2
+    assert "selective" in tight.checkpointing_text()

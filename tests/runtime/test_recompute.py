@@ -16,7 +16,7 @@ from tigon.kernels.patching import apply
 from tigon.runtime import planner, recompute
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model, checkpointable_layers
-from tigon.runtime.planner import ModelShape, Setting, Workload
+from tigon.runtime.planner import ModelShape, Workload
 from tigon.runtime.trainer import train
 
 LLAMA = LlamaConfig(
@@ -180,37 +180,3 @@ def test_eager_attention_is_refused_with_the_fix(tmp_path):
     config = tiny_config(tmp_path, training={"selective_layers": 1}, model={"attn_implementation": "eager"})
     with pytest.raises(ConfigError, match="eager attention is not one kernel.*auto, varlen or sdpa"):
         build_model(config, 64)
-
-
-def test_the_planner_fills_memory_with_selective_layers_before_whole_ones():
-    """On the Llama-3.2-1B shape, selective layers cost less time per byte saved than whole ones: a budget that
-    everything-kept misses by a little gets selective layers and no whole one; a tighter one both."""
-    shape = ModelShape.from_hf_config(
-        LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            tie_word_embeddings=True,
-        )
-    )
-    work = Workload(shape, 4096, weight_bytes=2, compute_bytes=2, autocast=False, attention="varlen")
-    current = Setting(8, 1, False, True)
-    everything = planner.estimate(work, current).peak
-    selective_all = planner.estimate(work, Setting(8, 1, False, True, None, 16)).peak
-    whole = planner.estimate(work, Setting(8, 1, True, True)).peak
-    assert whole < selective_all < everything
-    options = planner.candidates(work, current)
-
-    def fastest_under(budget):
-        fitting = [s for s in options if s.micro_batch == 8 and planner.estimate(work, s).peak <= budget]
-        return min(fitting, key=lambda s: planner.relative_step_time(work, s))
-
-    loose = fastest_under(everything - 1)
-    assert not loose.checkpointing and 0 < loose.selective_layers < 16
-    tight = fastest_under((selective_all + whole) // 2)
-    assert tight.checkpointing and tight.selective_layers == 16 - tight.checkpoint_layers
-    assert planner.estimate(work, tight).peak <= (selective_all + whole) // 2
-    assert "selective" in tight.checkpointing_text()
