@@ -138,15 +138,18 @@ def test_the_hf_trainer_and_lightning_train_selective_layers_as_without(tmp_path
     assert selective.losses == plain.losses
 
 
-def test_selective_layers_under_ddp_and_fsdp2_match_one_process(tmp_path):
-    """2 gloo ranks, micro-batch 2 each, against one process without checkpointing at micro-batch 4: FSDP2 gathers
-    a selective layer's weights again for its recomputation, which then reads the kept outputs."""
+def test_selective_layers_under_ddp_fsdp2_and_zero3_match_one_process(tmp_path):
+    """2 gloo ranks, micro-batch 2 each, against one process without checkpointing at micro-batch 4: FSDP2 and
+    ZeRO-3 gather a selective layer's weights again for its recomputation, which then reads the kept outputs."""
     selective = {"selective_layers": 2}
     runs = launch(
         tmp_path,
         {
             "ddp": resumable_config(tmp_path, "ddp", 4, False, training=selective),
             "fsdp": resumable_config(tmp_path, "fsdp", 4, False, training=selective, parallelism={"strategy": "fsdp"}),
+            "zero3": resumable_config(
+                tmp_path, "zero3", 4, False, training=selective, parallelism={"strategy": "deepspeed", "zero_stage": 3}
+            ),
         },
     )
     single = train(resumable_config(tmp_path, "single", 4, False, training={"micro_batch_size": 4}))
