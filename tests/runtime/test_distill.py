@@ -178,12 +178,18 @@ def test_distill_two_ranks_under_ddp_fsdp_and_zero2_match_one_process(tmp_path):
 
 
 def test_distill_recipe_as_written(tmp_path):
-    """docs/runtime.md's two commands, run by the `tigon` command from a directory holding the examples, at fewer
-    steps: the demo's model is exported and becomes the teacher, and the student's distillation term falls."""
+    """docs/runtime.md's two commands and the precomputed teacher's, run by the `tigon` command from a directory
+    holding the examples, at fewer steps: the demo's model is exported and becomes the teacher, and the student's
+    distillation term falls, with the teacher beside it and precomputed."""
     section = (ROOT / "docs" / "runtime.md").read_text().split("\n## Distillation\n")[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
-    commands = [line.split("#")[0].split() for line in block.strip().splitlines()]
-    assert commands == [["tigon", "train", "examples/demo.yaml"], ["tigon", "train", "examples/distill.yaml"]]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[:2]
+    commands = [line.split("#")[0].split() for block in blocks for line in block.strip().splitlines()]
+    precomputed = ["--set", "objective.teacher.precompute=true", "--set", "logging.run_dir=runs/distill-precomputed"]
+    assert commands == [
+        ["tigon", "train", "examples/demo.yaml"],
+        ["tigon", "train", "examples/distill.yaml"],
+        ["tigon", "train", "examples/distill.yaml", *precomputed],
+    ]
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     shorter = ["training.max_steps=20", "checkpoint.every_steps=0", "eval.every_steps=0", "eval.max_batches=1"]
     shorter += ["eval.metrics=[loss]", "logging.progress_bar=false", "logging.tensorboard=false"]
@@ -196,8 +202,9 @@ def test_distill_recipe_as_written(tmp_path):
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert (tmp_path / "runs" / "demo" / "export" / "tokenizer.json").is_file()
-    steps = logged_steps(tmp_path / "runs" / "distill")
-    assert steps[-1]["step"] == 20 and steps[-1]["distill_loss"] < 0.5 * steps[0]["distill_loss"], steps
+    for run in ("distill", "distill-precomputed"):
+        steps = logged_steps(tmp_path / "runs" / run)
+        assert steps[-1]["step"] == 20 and steps[-1]["distill_loss"] < 0.5 * steps[0]["distill_loss"], (run, steps)
 
 
 def test_data_packed_for_sft_trains_distill_as_tokenized_here(tmp_path):
