@@ -49,8 +49,12 @@ class GlobalBatchSampler:
         return result
 
 
+JOINED = ("teacher_hidden",)  # items' rows of differing counts, joined end to end
+
+
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    """The items' tensors stacked, or for the keys in JOINED concatenated."""
+    return {key: (torch.cat if key in JOINED else torch.stack)([item[key] for item in items]) for key in items[0]}
 
 
 def autocast(device: torch.device, precision: str):

@@ -376,6 +376,13 @@ class TeacherConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="dtype of the teacher's weights; default model.dtype"
     )
+    precompute: bool = Field(
+        False,
+        description="one pass of the teacher over the training and held-out data before training stores its final "
+        "hidden states at the completion tokens and keeps only its head; training then reads them, so the teacher's "
+        "layers never sit beside the student; costs host memory: completion tokens x hidden x 2 bytes (4 under "
+        "training.precision fp32)",
+    )
 
     def as_model(self, student: ModelConfig) -> ModelConfig:
         """The teacher as a `model` section: loaded, fetched and checked by the code that loads the student."""

@@ -522,7 +522,13 @@ class PackedDataset(Dataset):
     position ids that go on counting from the last document's: under causal attention no real token
     attends to the padding after it, and a row of one document stays one document, which trains with
     plain causal attention (no dense mask, see `model_inputs`).
+
+    `teacher_hidden`: distillation's precomputed teacher (`distill.precompute_teacher`), the teacher's final hidden
+    states at every item's completion tokens end to end and each item's first row (N + 1 offsets); an item then
+    carries its own rows, which `batches.collate` joins.
     """
+
+    teacher_hidden: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -618,11 +624,11 @@ class PackedDataset(Dataset):
         return self.input_ids.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids[index],
-            "labels": self.labels[index],
-            "position_ids": self.position_ids[index],
-        }
+        item = {name: getattr(self, name)[index] for name in ("input_ids", "labels", "position_ids")}
+        if self.teacher_hidden is not None:
+            hidden, offsets = self.teacher_hidden
+            item["teacher_hidden"] = hidden[offsets[index] : offsets[index + 1]]
+        return item
 
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")

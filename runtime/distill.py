@@ -1,6 +1,7 @@
 """Distillation (`objective.type: distill`) in every trainer: a frozen teacher beside the student.
 
     teacher = load_teacher(config, model, tokenizer, env, device)   # checked, loaded, frozen (sharded: fsdp, zero3)
+    precompute_teacher(config, prepared)    # objective.teacher.precompute: its hidden states stored, its layers freed
     loss, sums = distill_micro_batch(model, batch, config, env, device, n_label)   # through post_training.ObjectiveStep
 
 The data are the next-token run's (`data.format` text, instruction or chat, packed or not); the completion tokens
@@ -14,18 +15,26 @@ against the teacher at `objective.temperature`, `objective.beta` 0: forward KL, 
 Each term is summed over the global batch's completion tokens and divided by their number, as the next-token
 loss is, so gradient accumulation and ranks change nothing but rounding. The step's `ce_loss` and
 `distill_loss` are the two terms' per-token means; they are logged beside `loss`.
+
+With `objective.teacher.precompute: true` the teacher runs once, before training, over the training and held-out
+data: each item keeps the teacher's final hidden states at its completion tokens (on the host, in the compute
+dtype), the student keeps the teacher's head weight, and the teacher's layers are freed. A micro-batch's stored
+rows are placed at its completion tokens and read by the same `fused_linear_jsd`, so the losses are those of the
+teacher run beside the student, up to the rounding of the teacher's forward over other batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from tigon.runtime.batches import autocast, collate, eval_batches, label_tokens
 from tigon.runtime.config import ConfigError, LoraConfig, RunConfig
-from tigon.runtime.data import model_inputs, token_multiple
+from tigon.runtime.data import MODEL_INPUTS, model_inputs, token_multiple
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, unwrap
 from tigon.runtime.hub import config_json, fetch_model
 from tigon.runtime.model import build_model
@@ -116,27 +125,50 @@ def head_weight(model: nn.Module, who: str) -> torch.Tensor:
     return weight
 
 
+def distill_inputs(batch: dict, config: RunConfig, device: torch.device) -> tuple[dict, torch.Tensor]:
+    """Both models' inputs for a micro-batch, on `device`, and its flat next-token targets (-100: no completion)."""
+    batch = {name: batch[name].to(device, non_blocking=True) for name in MODEL_INPUTS}
+    inputs = model_inputs(
+        batch, config.model.attn_implementation, token_multiple=token_multiple(config.training.precision)
+    )
+    labels = inputs.pop("labels")
+    return inputs, nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+
+
+@contextlib.contextmanager
+def teacher_outputs(
+    model: nn.Module, batch: dict, inputs: dict, target: torch.Tensor, config: RunConfig, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The teacher's final hidden states `(tokens, H)` and head weight in the compute dtype, whole while the context
+    is open: the teacher run beside the student, or precomputed (its stored rows placed at the completion tokens,
+    zeros elsewhere, which the JSD ignores as it ignores their target -100)."""
+    state = state_of(model)
+    if config.objective.teacher.precompute:
+        weight = state.teacher_weight
+        rows = batch["teacher_hidden"].to(device, non_blocking=True)
+        hidden = weight.new_zeros((target.shape[0], weight.shape[1]))
+        yield hidden.masked_scatter_((target != IGNORE_INDEX)[:, None], rows), weight
+        return
+    teacher = state.reference
+    head_weight(teacher, "the teacher")
+    with torch.no_grad():
+        hidden = final_hidden(teacher, inputs)
+    with frozen_head(teacher) as (weight, _):  # whole until the student's ops are done
+        hidden, weight = in_compute_dtype(hidden, weight)
+        yield hidden.reshape(-1, hidden.shape[-1]), weight
+
+
 def distill_sums(
-    model: nn.Module, teacher: nn.Module, batch: dict, config: RunConfig, device: torch.device
+    model: nn.Module, batch: dict, config: RunConfig, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross entropy, summed distillation loss) over the micro-batch's completion tokens, float32."""
     from tigon.kernels import functional as F
 
     objective = config.objective
-    batch = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
-    inputs = model_inputs(
-        batch, config.model.attn_implementation, token_multiple=token_multiple(config.training.precision)
-    )
-    labels = inputs.pop("labels")
-    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    inputs, target = distill_inputs(batch, config, device)
     head_weight(model, "the student")
-    head_weight(teacher, "the teacher")
-    with torch.no_grad():
-        teacher_hidden = final_hidden(teacher, inputs)
     alpha = objective.resolved_alpha
-    with frozen_head(teacher) as (teacher_weight, _):  # whole until the student's ops are done
-        teacher_hidden, teacher_weight = in_compute_dtype(teacher_hidden, teacher_weight)
-        teacher_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    with teacher_outputs(model, batch, inputs, target, config, device) as (teacher_hidden, teacher_weight):
 
         def op(hidden: torch.Tensor, weight: torch.Tensor, _bias: None) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.set_grad_enabled(torch.is_grad_enabled() and alpha > 0):
@@ -155,6 +187,54 @@ def distill_sums(
         return in_root_forward(model, losses)
 
 
+def precompute_teacher(config: RunConfig, prepared) -> None:
+    """`objective.teacher.precompute`, before the student is wrapped (`prepared`: run.Prepared): the teacher, loaded
+    as `load_teacher` loads it, scores the training and held-out data once; each dataset keeps its final hidden
+    states at the completion tokens on the host (`PackedDataset.teacher_hidden`), the student's state keeps its
+    head weight whole on the device, and the teacher itself is dropped."""
+    model, env, device = prepared.model, prepared.env, prepared.device
+    teacher = load_teacher(config, model, prepared.tokenizer, env, device)
+    with autocast(device, config.training.precision), frozen_head(teacher) as (weight, _):
+        weight = in_compute_dtype(weight.detach().to(device, copy=True))[0]
+    datasets = [dataset for dataset in (prepared.train_dataset, prepared.eval_dataset) if dataset is not None]
+    for dataset in datasets:
+        dataset.teacher_hidden = teacher_hidden_states(teacher, weight, dataset, config, env, device)
+    state_of(model).teacher_weight = weight
+    del teacher
+    if env.is_main:
+        rows = [dataset.teacher_hidden[0] for dataset in datasets]
+        logger.info(
+            "distill: teacher hidden states precomputed at %s completion tokens of %s items (%.1f MiB on the host); "
+            "the teacher's layers are freed, its head kept (%.1f MiB)",
+            f"{sum(r.shape[0] for r in rows):,}", f"{sum(len(d) for d in datasets):,}",
+            sum(r.nbytes for r in rows) / 2**20, weight.nbytes / 2**20,
+        )  # fmt: skip
+
+
+def teacher_hidden_states(
+    teacher: nn.Module, weight: torch.Tensor, dataset, config: RunConfig, env: DistEnv, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's final hidden states at every item's completion tokens, end to end on the host in `weight`'s
+    dtype, and each item's first row (N + 1 offsets). The items go in rounds of one micro-batch per rank, each rank
+    scoring its own and the rounds summed over the ranks; a rank with none left scores item 0 and drops it (with
+    sharded parameters every forward is a collective)."""
+    offsets = nn.functional.pad((dataset.labels[:, 1:] != IGNORE_INDEX).sum(1).cumsum(0), (1, 0))
+    stored = torch.empty((int(offsets[-1]), weight.shape[1]), dtype=weight.dtype)
+    size, n = config.training.micro_batch_size, len(dataset)
+    for start in range(0, n, size * env.world_size):
+        end = min(start + size * env.world_size, n)
+        mine = list(range(min(start + env.rank * size, end), min(start + (env.rank + 1) * size, end)))
+        inputs, target = distill_inputs(collate([dataset[i] for i in mine or [0]]), config, device)
+        with torch.no_grad(), autocast(device, config.training.precision):
+            hidden = in_compute_dtype(final_hidden(teacher, inputs))[0]
+        rows = torch.zeros((int(offsets[end] - offsets[start]), weight.shape[1]), dtype=weight.dtype, device=device)
+        if mine:
+            first, last = int(offsets[mine[0]] - offsets[start]), int(offsets[mine[-1] + 1] - offsets[start])
+            rows[first:last] = hidden.reshape(-1, hidden.shape[-1])[target != IGNORE_INDEX]
+        stored[offsets[start] : offsets[end]] = all_reduce_sum(rows, env).cpu()
+    return stored, offsets
+
+
 def distill_micro_batch(
     model: nn.Module, batch: dict, config: RunConfig, env: DistEnv, device: torch.device, n_label: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -162,7 +242,7 @@ def distill_micro_batch(
     batch's `n_label`, times the world size: data parallelism averages the gradients over the ranks) and its sums
     of the two terms (`post_training.ObjectiveStep` runs it)."""
     alpha = config.objective.resolved_alpha
-    ce, jsd = distill_sums(model, state_of(model).reference, batch, config, device)
+    ce, jsd = distill_sums(model, batch, config, device)
     sums = {"ce_loss": ce.detach().double(), "distill_loss": jsd.detach().double()}
     return (alpha * ce + (1 - alpha) * jsd) * (env.world_size / n_label), sums
 
@@ -177,13 +257,11 @@ def distill_result(sums: dict[str, torch.Tensor], config: RunConfig, n_label: fl
 def evaluate_distill(model: nn.Module, dataset, config: RunConfig, env: DistEnv, device) -> dict[str, float]:
     """The distillation loss, its cross entropy and its distillation term per completion token over the held-out
     sequences (this rank's share, summed over ranks)."""
-
-    teacher = state_of(model).reference
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for chunk in eval_batches(dataset, config, env):
         batch = collate([dataset[i] for i in chunk or [0]])
         with autocast(device, config.training.precision):
-            ce, jsd = distill_sums(model, teacher, batch, config, device)
+            ce, jsd = distill_sums(model, batch, config, device)
         if chunk:
             totals += torch.tensor(
                 [float(ce), float(jsd), label_tokens(batch["labels"])], dtype=torch.float64, device=device

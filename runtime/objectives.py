@@ -65,9 +65,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 @dataclass
 class ObjectiveState:
-    """What a preference run keeps beside the model: the frozen reference, and the last step's metrics."""
+    """What a preference or distillation run keeps beside the model: the frozen reference (or teacher), the
+    precomputed teacher's head weight (`distill.precompute_teacher`), and the last step's metrics."""
 
     reference: nn.Module | None = None
+    teacher_weight: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -80,7 +80,10 @@ A frozen model beside the trained one (`FrozenModel`: DPO's and KTO's reference 
 distillation's teacher) adds its weights as loaded to every moment (sharded over the ranks under FSDP2 and
 DeepSpeed ZeRO-3, which shard and partition it too), its final hidden states (its compute dtype x its width per
 token) and, sharded, its gathered head to the loss moment, whose fused op reads them, and a moment of its own
-before the trained model's forward: its no-grad forward's transient buffers (`frozen_bytes`).
+before the trained model's forward: its no-grad forward's transient buffers (`frozen_bytes`). A precomputed
+teacher (`objective.teacher.precompute`) keeps only its head, whole, in the compute dtype, and the loss reads the
+micro-batch's stored hidden states; its pass over the data before training is a moment of its own, the teacher as
+it would run beside the student (`teacher_pass_bytes`).
 
 Preference objectives (`Workload.loss` "pairs" or "kto"): a micro-batch of N items is 2N sequences (`Workload.tokens`),
 as padded rows or, with `data.packing: true`, one packed row, whose mask and scores under sdpa and eager span the
@@ -291,6 +294,7 @@ class FrozenModel:
     shape: ModelShape
     weight_bytes: int  # its weights' dtype as loaded
     compute_bytes: int  # its forward's: 2 under bf16/fp16 autocast (or FSDP2's bf16/fp16 parameters), else weight_bytes
+    precomputed: bool = False  # a teacher run once before training: during it only its head is on the GPU
 
 
 @dataclass(frozen=True)
@@ -418,7 +422,8 @@ def frozen_model(config: RunConfig, shape: ModelShape) -> FrozenModel | None:
     if objective.type == "distill":
         teacher = objective.teacher.as_model(config.model)
         size = DTYPE_BYTES[teacher.dtype]
-        return FrozenModel(model_shape(config.model_copy(update={"model": teacher})), size, 2 if narrow else size)
+        shape = model_shape(config.model_copy(update={"model": teacher}))
+        return FrozenModel(shape, size, 2 if narrow else size, objective.teacher.precompute)
     if objective.reference_source == "model":
         size = DTYPE_BYTES[config.model.dtype]
         return FrozenModel(shape, size, 2 if narrow else size)
@@ -753,6 +758,15 @@ def reference_pass_bytes(work: Workload, micro_batch: int, weights: int) -> int:
     return weights + OVERHEAD + forward + hidden + logps + 8 * tokens
 
 
+def teacher_pass_bytes(work: Workload, tokens: int, weights: int) -> int:
+    """`objective.teacher.precompute`'s pass before the first step: the student's `weights` as loaded, the teacher
+    as it would run beside it (`frozen_bytes`: its weights, forward buffers, hidden states and gathered head) and
+    the round's hidden states of every rank's micro-batch, summed over the ranks."""
+    beside = dataclasses.replace(work, frozen=dataclasses.replace(work.frozen, precomputed=False))
+    rows = work.frozen.compute_bytes * work.frozen.shape.hidden * tokens * work.world_size
+    return weights + OVERHEAD + sum(frozen_bytes(beside, tokens)) + rows
+
+
 def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     """(weights, what the loss reads, forward buffers) of the frozen model for a micro-batch of `tokens`, per GPU.
 
@@ -761,11 +775,13 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     nothing: the buffers are transient, the residual stream, its normed copy and the attention output (4 h) and one
     MLP's gate, up and product (3 i) per token, plus, sharded, the two layers and the embedding and head it
     gathers. The fused loss reads its final hidden states (h per token) and, sharded, its head gathered whole
-    (V h)."""
+    (V h). Precomputed: its head whole in the compute dtype, and the micro-batch's stored hidden states."""
     frozen, n = work.frozen, work.world_size
     if frozen is None:
         return 0, 0, 0
     s, c = frozen.shape, frozen.compute_bytes
+    if frozen.precomputed:
+        return s.vocab * s.hidden * c, c * s.hidden * tokens, 0
     weights = s.params * frozen.weight_bytes
     gathered = 0
     zero3 = work.strategy == "deepspeed" and work.zero_stage == 3
@@ -880,7 +896,9 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         },
         "optimizer": {**fixed, "gradients": grads + buckets},
     }
-    if work.frozen is not None:  # before the trained model's forward: no activations yet
+    if work.frozen is not None and work.frozen.precomputed:  # before training: the teacher scores the data
+        moments["teacher pass"] = {"teacher pass": teacher_pass_bytes(work, tokens, loaded)}
+    elif work.frozen is not None:  # before the trained model's forward: no activations yet
         moments["frozen forward"] = {**fixed, "frozen forward": frozen_forward, "gradients": carried}
     if work.reference_pass:  # before training: the whole model, scoring the data without gradient
         moments["reference pass"] = {"reference pass": reference_pass_bytes(work, setting.micro_batch, loaded)}

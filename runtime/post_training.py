@@ -20,7 +20,7 @@ from torch import nn
 from tigon.runtime import distill
 from tigon.runtime.batches import autocast, global_token_counts
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distill import load_teacher
+from tigon.runtime.distill import load_teacher, precompute_teacher
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.objectives import (
     freeze,
@@ -37,10 +37,13 @@ logger = logging.getLogger("tigon.runtime")
 
 def prepare_objective(config: RunConfig, prepared) -> None:
     """Before the strategy wraps the model (`prepared`: run.Prepared): the frozen reference copy or the teacher
-    (sharded under FSDP2), or the reference log-probs stored in the data."""
+    (sharded under FSDP2), or the reference log-probs or the teacher's hidden states stored in the data."""
     objective, model, env, device = config.objective, prepared.model, prepared.env, prepared.device
     if objective.type == "distill":
-        state_of(model).reference = load_teacher(config, model, prepared.tokenizer, env, device)
+        if objective.teacher.precompute:
+            precompute_teacher(config, prepared)
+        else:
+            state_of(model).reference = load_teacher(config, model, prepared.tokenizer, env, device)
         return
     if not objective.preference:
         return

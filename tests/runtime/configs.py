@@ -114,6 +114,7 @@ OBJECTIVES = {  # name: objective section (distill: distill_config's teacher and
     "kto-precomputed": {"type": "kto", "reference": "precomputed"},
     "orpo": {"type": "orpo"},
     "distill": {},
+    "distill-precomputed": {},
 }
 
 
@@ -201,15 +202,16 @@ def save_llama(directory: Path, seed: int, hidden: int, vocab_extra: int = 0, in
     return directory
 
 
-def distill_config(tmp_path: Path, objective: dict | None = None, **sections):
+def distill_config(tmp_path: Path, objective: dict | None = None, precompute: bool = False, **sections):
     """3 steps of 4 sequences (2 x 2 micro-batches: the whole data set each step) distilling a 48-wide teacher
-    into a 32-wide student."""
+    into a 32-wide student (`precompute`: objective.teacher.precompute)."""
     teacher = save_llama(tmp_path / "teacher", seed=1, hidden=48, init=0.3)
     model = {"path": str(save_llama(tmp_path / "student", seed=0, hidden=32))}
     records = write_jsonl(tmp_path / "train.jsonl", DISTILL_RECORDS)
     data = {"train": str(records), "format": "instruction", "max_seq_len": 16}
     raw = quiet_run(tmp_path, model, data, max_steps=DISTILL_STEPS, micro_batch_size=2, gradient_accumulation_steps=2)
-    objective = {**DISTILL_OBJECTIVE, "teacher": {"path": str(teacher)}, **(objective or {})}
+    teacher_section = {"path": str(teacher), "precompute": precompute}
+    objective = {**DISTILL_OBJECTIVE, "teacher": teacher_section, **(objective or {})}
     return run_config({**raw, "objective": objective}, **sections)
 
 
@@ -266,7 +268,7 @@ def objective_config(tmp_path, objective: str, trainer: str, **sections):
         "logging": {"run_dir": str(tmp_path / trainer), **sections.pop("logging", {})},
         **sections,
     }
-    if objective == "distill":
-        return distill_config(tmp_path, **sections)
+    if objective.startswith("distill"):
+        return distill_config(tmp_path, precompute=objective == "distill-precomputed", **sections)
     records = KTO_RECORDS if objective.startswith("kto") else PAIRS
     return preference_config(tmp_path, OBJECTIVES[objective], records, **sections)

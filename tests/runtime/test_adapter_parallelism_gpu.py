@@ -8,6 +8,8 @@ torch trainer's per-step losses under the same strategy within RELATIVE_TOLERANC
 on the same data, measured under 3e-8), and the run started again at its last step finishes. The preference
 objectives and distillation, through the fused ops' Triton kernels in bf16, give the torch trainer's per-step
 losses and metrics under both adapters within the same tolerance (absolute near 0, where the rewards start).
+A precomputed distillation teacher, its hidden states stored in bf16, gives the per-step losses and held-out
+metrics of the teacher beside the student within the same tolerance.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def test_adapters_on_one_gpu_match_the_torch_trainer_and_finish_a_run_resumed_at
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("objective", ["dpo", "kto-precomputed", "distill"])
+@pytest.mark.parametrize("objective", ["dpo", "kto-precomputed", "distill", "distill-precomputed"])
 def test_adapters_train_objectives_on_one_gpu_to_the_torch_trainers_losses_and_metrics(tmp_path, objective):
     results = {
         trainer: train(objective_config(tmp_path, objective, trainer, training={"max_steps": 3, "precision": "bf16"}))
@@ -68,3 +70,36 @@ def test_adapters_train_objectives_on_one_gpu_to_the_torch_trainers_losses_and_m
             worst, assert_close(results[trainer].eval_metrics, reference.eval_metrics, RELATIVE_TOLERANCE, trainer)
         )
         print(f"{trainer} {objective}: worst difference to the torch trainer {worst:.2e}")
+
+
+def precomputed_against_beside(tmp_path) -> float:
+    """The worst relative difference of a bf16 distill run with objective.teacher.precompute to the run with the
+    teacher beside the student, over the per-step loss, ce_loss and distill_loss and the held-out metrics."""
+    from tests.runtime.configs import distill_config
+
+    held_out = {"eval": str(tmp_path / "train.jsonl")}
+    results = [
+        train(
+            distill_config(
+                tmp_path,
+                precompute=precompute,
+                training={"precision": "bf16"},
+                data=held_out,
+                logging={"run_dir": str(tmp_path / f"precompute-{precompute}")},
+            )
+        )
+        for precompute in (False, True)
+    ]
+    names = ("loss", "ce_loss", "distill_loss")
+    beside, precomputed = (
+        {(step["step"], name): step[name] for step in logged_steps(r.run_dir) for name in names} for r in results
+    )
+    assert len(beside) == 9, beside
+    worst = assert_close(precomputed, beside, RELATIVE_TOLERANCE, "steps")
+    return max(worst, assert_close(results[1].eval_metrics, results[0].eval_metrics, RELATIVE_TOLERANCE, "eval"))
+
+
+@pytest.mark.gpu
+def test_a_precomputed_teacher_in_bf16_matches_the_teacher_beside(tmp_path):
+    worst = precomputed_against_beside(tmp_path)
+    print(f"precomputed teacher, bf16: worst relative difference to the teacher beside {worst:.2e}")

@@ -713,6 +713,54 @@ def test_a_teacher_or_reference_adds_its_weights_hidden_states_and_forward(tmp_p
         assert "frozen forward" in got.moments
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_precomputed_teacher_keeps_only_its_head_and_scores_the_data_before_training(tmp_path, strategy):
+    """objective.teacher.precompute with a 48-wide bf16 teacher: every moment of training holds its head (100 x 48,
+    whole) instead of its weights, so the estimate is lower by the teacher's weights less its head; the loss reads
+    the same hidden states; there is no frozen forward, and its pass over the data is a moment of its own, the
+    student as loaded beside the teacher as it would run beside it."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from tests.runtime.configs import TINY_MODEL, save_llama
+
+    teacher_dir = save_llama(tmp_path / "teacher", seed=1, hidden=48)
+    teacher_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
+    world = 2 if strategy == "fsdp" else 1
+    setting = Setting(4, 2, False, False)
+    works = {
+        precompute: planner.workload(
+            tiny_config(
+                tmp_path,
+                parallelism={"strategy": strategy},
+                objective={
+                    "type": "distill",
+                    "teacher": {"path": str(teacher_dir), "dtype": "bfloat16", "precompute": precompute},
+                },
+            ),
+            world_size=world,
+        )
+        for precompute in (False, True)
+    }
+    beside, precomputed = (estimate(works[precompute], setting) for precompute in (False, True))
+    head = 100 * 48 * 2
+    lower = {
+        moment: teacher_params * 2 // world - head
+        for moment in ("optimizer", "backward (top layer)", "backward (first layer)")
+    }
+    lower["loss"] = teacher_params * 2 // world - (0 if world > 1 else head)  # sharded, beside: its head gathered
+    for moment, want in lower.items():
+        assert beside.moments[moment] - precomputed.moments[moment] == want, moment
+    assert beside.moment == precomputed.moment and beside.peak - precomputed.peak == lower[beside.moment]
+    tokens = works[True].tokens(4)
+    assert planner.frozen_bytes(works[True], tokens) == (head, 2 * 48 * tokens, 0)
+    assert "frozen forward" in beside.moments and "frozen forward" not in precomputed.moments
+    student_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**TINY_MODEL, vocab_size=100)).parameters())
+    rows = 2 * 48 * tokens * world  # the round's hidden states, every rank's micro-batch
+    teacher_beside = sum(planner.frozen_bytes(works[False], tokens))
+    want = student_params * works[True].weight_bytes + planner.OVERHEAD + teacher_beside + rows
+    assert precomputed.moments["teacher pass"] == want
+
+
 def preference_work(tmp_path, objective, world_size: int = 1, **changes) -> Workload:
     """The planner's workload of plan_config (Llama-3.2-1B widths) under a preference objective."""
     raw = plan_config(tmp_path).model_dump(mode="json")

@@ -3,7 +3,8 @@
 One `torchrun --nproc_per_node 2` worker group (`worker_groups.launch`) trains each case under ZeRO-2 and under
 ZeRO-3: 2 ranks x micro-batch 2 x accumulation 2, 2 steps, then a held-out evaluation. Under ZeRO-3 the policy's
 lm_head is partitioned (the fused op runs as the head's forward, whose hooks gather it), and so are the frozen
-reference copy and the teacher (engines of their own). The models' vocabulary is padded to VOCAB rows, so that
+reference copy and the teacher (engines of their own; a precomputed teacher's for its pass, its head gathered and
+kept). The models' vocabulary is padded to VOCAB rows, so that
 lm_head (VOCAB x 32) is past DeepSpeed's `stage3_param_persistence_threshold` (1e5 elements): below it ZeRO-3
 keeps a parameter whole after its first gather, and a head read without gathering would pass unnoticed.
 
@@ -40,26 +41,33 @@ CASES = {  # name: (objective, records); distill reads distill_config's records 
 NOT_COMPARED = {"step", "loss", "lr", "grad_norm", "epoch", "tokens_per_second", "memory_bytes", "tokens_seen"}
 ADAPTER_CASES = [("dpo", "hf"), ("dpo", "lightning"), ("distill", "hf"), ("distill", "lightning")]
 OFFLOADED = "dpo"  # also under ZeRO-3 with cpu_offload: the policy's and the reference's parameters on the CPU
+# also under ZeRO-3 with objective.teacher.precompute (the teacher partitioned for its pass, its head gathered and
+# kept), against the teacher beside the student under ZeRO-2
+PRECOMPUTED = "distill"
 
 
-def run_name(trainer: str, stage: int, offload: bool = False) -> str:
-    return f"{trainer}-zero{stage}" + ("-offload" if offload else "")
+def run_name(trainer: str, stage: int, offload: bool = False, precompute: bool = False) -> str:
+    return f"{trainer}-zero{stage}" + ("-offload" if offload else "") + ("-precomputed" if precompute else "")
 
 
-def case_config(tmp_path, name: str, stage: int, trainer: str = "torch", offload: bool = False):
-    """`name`'s run under ZeRO `stage` with `trainer` (`offload`: parallelism.cpu_offload), in its own run
-    directory."""
+def case_config(
+    tmp_path, name: str, stage: int, trainer: str = "torch", offload: bool = False, precompute: bool = False
+):
+    """`name`'s run under ZeRO `stage` with `trainer` (`offload`: parallelism.cpu_offload; `precompute`: distill's
+    objective.teacher.precompute), in its own run directory."""
     directory = tmp_path / name
     held_out = {"eval": str(directory / "train.jsonl")}
     sections = {
         "trainer": trainer,
         "parallelism": {"strategy": "deepspeed", "zero_stage": stage, "cpu_offload": offload},
-        "logging": {"run_dir": str(directory / run_name(trainer, stage, offload))},
+        "logging": {"run_dir": str(directory / run_name(trainer, stage, offload, precompute))},
     }
     if name == "distill":
         save_llama(directory / "teacher", seed=1, hidden=48, init=0.3, vocab_extra=VOCAB - 100)
         save_llama(directory / "student", seed=0, hidden=32, vocab_extra=VOCAB - 100)
-        return distill_config(directory, training={"micro_batch_size": 1}, data=held_out, **sections)
+        return distill_config(
+            directory, precompute=precompute, training={"micro_batch_size": 1}, data=held_out, **sections
+        )
     save_llama(directory / "model", seed=0, hidden=32, vocab_extra=VOCAB - 100)  # preference_config's model
     objective, records = CASES[name]
     training = {"micro_batch_size": 2, "max_steps": 2}
@@ -68,17 +76,19 @@ def case_config(tmp_path, name: str, stage: int, trainer: str = "torch", offload
 
 def test_objectives_under_zero3_match_zero2_in_every_trainer(tmp_path):
     started = time.perf_counter()
-    zero3_runs = [(name, "torch", False) for name in CASES] + [(*case, False) for case in ADAPTER_CASES]
-    zero3_runs.append((OFFLOADED, "torch", True))
+    zero3_runs = [(name, "torch", False, False) for name in CASES]
+    zero3_runs += [(*case, False, False) for case in ADAPTER_CASES]
+    zero3_runs += [(OFFLOADED, "torch", True, False), (PRECOMPUTED, "torch", False, True)]
     runs = {}
     for name in CASES:
         (tmp_path / name).mkdir()
         runs[f"{name}-torch-zero2"] = case_config(tmp_path, name, 2)
-    for name, trainer, offload in zero3_runs:
-        runs[f"{name}-{run_name(trainer, 3, offload)}"] = case_config(tmp_path, name, 3, trainer, offload)
+    for name, trainer, offload, precompute in zero3_runs:
+        run = run_name(trainer, 3, offload, precompute)
+        runs[f"{name}-{run}"] = case_config(tmp_path, name, 3, trainer, offload, precompute)
     records = launch(tmp_path, runs, timeout=900)
-    for name, trainer, offload in zero3_runs:
-        run = run_name(trainer, 3, offload)
+    for name, trainer, offload, precompute in zero3_runs:
+        run = run_name(trainer, 3, offload, precompute)
         zero2, zero3 = records[f"{name}-torch-zero2"], records[f"{name}-{run}"]
         last2, last3 = (logged_steps(tmp_path / name / directory)[-1] for directory in ("torch-zero2", run))
         metrics = [key for key in last2 if key not in NOT_COMPARED]  # TRL's, or distillation's two terms
