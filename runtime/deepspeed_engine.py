@@ -39,17 +39,28 @@ TAG = "deepspeed"  # the sub-directory of a step-N checkpoint that holds DeepSpe
 SCHEDULE = "tigon_schedule"  # the client-state key of the learning-rate schedule's state
 ADAMW_BETAS = (0.9, 0.95)  # as optim.build_optimizer
 ADAMW_EPS = 1e-8
+REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
 
 
-def deepspeed_config(config: RunConfig, world_size: int, optimizer_section: bool = True) -> dict:
+def trainable_elements(module: nn.Module) -> int:
+    """The elements of the module's trainable parameters, whole under ZeRO-3 partitioning (`ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+
+
+def deepspeed_config(
+    config: RunConfig, world_size: int, trainable: int = REDUCE_BUCKET_SIZE, optimizer_section: bool = True
+) -> dict:
     """The DeepSpeed JSON config equivalent to the run's training and parallelism sections.
 
-    `optimizer_section=False` leaves the optimizer out, for a caller that hands DeepSpeed its own: the HF
-    adapter gives the Trainer `optim.build_optimizer`'s AdamW, which accelerate turns into DeepSpeed's CPU Adam
-    over the same groups under ZeRO-Offload, as this config's optimizer section does."""
+    `trainable` (`trainable_elements` of the model) caps ZeRO's gradient reduction bucket: DeepSpeed allocates the
+    bucket whole at each micro-step (2 GB in fp32 at its default), and a bucket that holds every gradient reduces
+    them in the same single pass as a larger one. `optimizer_section=False` leaves the optimizer out, for a caller
+    that hands DeepSpeed its own: the HF adapter gives the Trainer `optim.build_optimizer`'s AdamW, which
+    accelerate turns into DeepSpeed's CPU Adam over the same groups under ZeRO-Offload, as this config's optimizer
+    section does."""
     training, parallelism = config.training, config.parallelism
     stage = parallelism.stage
-    zero: dict = {"stage": stage}
+    zero: dict = {"stage": stage, "reduce_bucket_size": max(1, min(trainable, REDUCE_BUCKET_SIZE))}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     optimizer = {
@@ -143,7 +154,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=module,
             model_parameters=groups,
-            config=deepspeed_config(config, env.world_size),
+            config=deepspeed_config(config, env.world_size, trainable_elements(module)),
             lr_scheduler=lambda optimizer: build_scheduler(optimizer, training, total_steps),
             dist_init_required=False,
         )
@@ -209,7 +220,7 @@ def frozen_engine(module: nn.Module, config: RunConfig, env: DistEnv, device: to
     under cpu_offload, which offloads its parameters too). The run's DeepSpeed config without the optimizer and its
     offload, which an engine without one would try to build."""
     deepspeed = import_deepspeed(device, config.training.precision)
-    built = deepspeed_config(config, env.world_size, optimizer_section=False)
+    built = deepspeed_config(config, env.world_size, trainable_elements(module), optimizer_section=False)
     built["zero_optimization"].pop("offload_optimizer", None)
     engine, *_ = deepspeed.initialize(model=module, config=built, dist_init_required=False)
     engine.eval()

@@ -46,7 +46,7 @@ from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepa
 from tigon.runtime.batches import GlobalBatchSampler, autocast, collate
 from tigon.runtime.config import RunConfig
 from tigon.runtime.data import model_inputs
-from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed
+from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed, trainable_elements
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
 from tigon.runtime.evaluation import Evaluation
 from tigon.runtime.objectives import state_of
@@ -114,13 +114,14 @@ class ShardedModel(nn.Module):
             self.module.set_requires_gradient_sync(True)
 
 
-def deepspeed_arguments(config: RunConfig, env: DistEnv, device: torch.device) -> dict:
-    """`TrainingArguments(deepspeed=...)`: the config `deepspeed_config` builds from the run, without its optimizer
-    section (the Trainer hands DeepSpeed tigon's optimizer); none unless the strategy is deepspeed."""
+def deepspeed_arguments(config: RunConfig, env: DistEnv, device: torch.device, model: nn.Module) -> dict:
+    """`TrainingArguments(deepspeed=...)`: the config `deepspeed_config` builds from the run and `model`, without its
+    optimizer section (the Trainer hands DeepSpeed tigon's optimizer); none unless the strategy is deepspeed."""
     if config.parallelism.strategy != "deepspeed":
         return {}
     import_deepspeed(device, config.training.precision)  # DeepSpeed's CPU accelerator on a CPU, before transformers
-    return {"deepspeed": deepspeed_config(config, env.world_size, optimizer_section=False)}
+    trainable = trainable_elements(model)
+    return {"deepspeed": deepspeed_config(config, env.world_size, trainable, optimizer_section=False)}
 
 
 @contextlib.contextmanager
@@ -172,10 +173,10 @@ def framework_trackers(config: RunConfig, env: DistEnv) -> list:
     return callbacks
 
 
-def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int):
+def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, max_steps: int, model: nn.Module):
     """The Trainer's arguments: the run's batch shape, clipping, precision and parallelism; HF's own checkpoints and
     evaluation off (tigon's instead). HF's own logging reports to the run's trackers, its metrics under `hf/`
-    (wandb here; TensorBoard and MLflow through `framework_trackers`)."""
+    (wandb here; TensorBoard and MLflow through `framework_trackers`). `model` sizes DeepSpeed's reduction bucket."""
     from transformers import TrainingArguments
 
     training = config.training
@@ -200,7 +201,7 @@ def training_arguments(config: RunConfig, env: DistEnv, device: torch.device, ma
         disable_tqdm=True,
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        **deepspeed_arguments(config, env, device),
+        **deepspeed_arguments(config, env, device, model),
     )
 
 
@@ -363,7 +364,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             checkpoints.save_if_due(total_steps, attached["strategy"])
 
     with trainer_process_state():
-        args = training_arguments(config, env, device, len(steps))
+        args = training_arguments(config, env, device, len(steps), prepared.model)
         trainer = TigonHFTrainer(
             model=prepared.model,
             args=args,

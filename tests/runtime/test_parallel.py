@@ -231,7 +231,7 @@ def test_a_zero3_run_leaves_torch_functional_linear_as_it_was(tmp_path):
 
 def test_deepspeed_config_follows_the_run_config(tmp_path):
     """The DeepSpeed JSON built from the run's config: batch shape, clipping, precision, optimizer, ZeRO and offload."""
-    from tigon.runtime.deepspeed_engine import deepspeed_config
+    from tigon.runtime.deepspeed_engine import deepspeed_config, trainable_elements
 
     config = tiny_config(
         tmp_path,
@@ -250,11 +250,17 @@ def test_deepspeed_config_follows_the_run_config(tmp_path):
     assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
 
+    assert zero["reduce_bucket_size"] == 500_000_000  # DeepSpeed's default when no model is given
+
     stage1 = config.model_copy(deep=True)
     stage1.parallelism.zero_stage, stage1.parallelism.cpu_offload, stage1.training.max_grad_norm = 1, False, None
-    built = deepspeed_config(stage1, world_size=4)
-    assert built["zero_optimization"] == {"stage": 1} and built["optimizer"]["params"]["torch_adam"] is True
-    assert built["gradient_clipping"] == 0.0
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    assert trainable_elements(model) == 3 * 2 + 2
+    built = deepspeed_config(stage1, world_size=4, trainable=trainable_elements(model))
+    assert built["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 8}  # the bucket holds the trainable 8
+    assert built["optimizer"]["params"]["torch_adam"] is True and built["gradient_clipping"] == 0.0
+    assert deepspeed_config(stage1, 4, trainable=10**12)["zero_optimization"]["reduce_bucket_size"] == 500_000_000
 
 
 def test_one_process_fsdp2_cpu_offload_and_zero1_match_ddp(tmp_path):
