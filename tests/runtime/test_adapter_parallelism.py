@@ -112,9 +112,13 @@ def check_bf16(runs: dict, adapter: str, reference: str) -> None:
     assert worst < BF16_TOLERANCE, (runs[adapter]["losses"], runs[reference]["losses"])
 
 
-def check_lora(tmp_path: Path, runs: dict, name: str) -> None:
+def check_lora(tmp_path: Path, runs: dict, name: str, monkeypatch) -> None:
     """LoRA (frozen base weights inside the shards), gradient checkpointing and the kernels (their CPU references)
-    under a sharded adapter run: the torch trainer's losses in one process, and the merged export loads."""
+    under a sharded adapter run: the torch trainer's losses in one process, and the merged export loads. The
+    process's run takes the kernels' CPU references too (TRITON_INTERPRET unset, as in the worker group): the
+    kernels themselves are tested against those references on their own, and the interpreter would take most of
+    the test's time."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     one_process = {**LORA, "training": {**LORA["training"], "gradient_accumulation_steps": 4}}
     single = train(run(tmp_path, "torch", "single-lora", 4, **one_process))
     worst = worst_relative(runs[name]["losses"], single.losses)
@@ -124,7 +128,9 @@ def check_lora(tmp_path: Path, runs: dict, name: str) -> None:
     assert (got - want).abs().max() < LOGITS_TOLERANCE
 
 
-def test_hf_trainer_with_fsdp2_and_deepspeed_zero2_zero3_matches_the_torch_trainer_resumes_and_exports(tmp_path):
+def test_hf_trainer_with_fsdp2_and_deepspeed_zero2_zero3_matches_the_torch_trainer_resumes_and_exports(
+    tmp_path, monkeypatch
+):
     """Also: bf16 under FSDP2 and ZeRO-2 against the torch trainer's same strategy, and ZeRO-3 with LoRA,
     gradient checkpointing and the kernels."""
     started = time.perf_counter()
@@ -140,18 +146,20 @@ def test_hf_trainer_with_fsdp2_and_deepspeed_zero2_zero3_matches_the_torch_train
     check_strategy_runs(tmp_path, "hf", runs)
     for name in ("fsdp", "zero2"):
         check_bf16(runs, f"hf-{name}-bf16", f"torch-{name}-bf16")
-    check_lora(tmp_path, runs, "hf-zero3-lora")
+    check_lora(tmp_path, runs, "hf-zero3-lora", monkeypatch)
     print(f"hf: {time.perf_counter() - started:.1f} s")
 
 
-def test_lightning_with_fsdp2_and_deepspeed_zero2_zero3_matches_the_torch_trainer_resumes_and_exports(tmp_path):
+def test_lightning_with_fsdp2_and_deepspeed_zero2_zero3_matches_the_torch_trainer_resumes_and_exports(
+    tmp_path, monkeypatch
+):
     """Also: FSDP2 with LoRA, gradient checkpointing and the kernels."""
     started = time.perf_counter()
     configs = strategy_runs(tmp_path, "lightning")
     configs["lightning-fsdp-lora"] = run(tmp_path, "lightning", "lightning-fsdp-lora", 4, STRATEGIES["fsdp"], **LORA)
     runs = launch(tmp_path, configs)
     check_strategy_runs(tmp_path, "lightning", runs)
-    check_lora(tmp_path, runs, "lightning-fsdp-lora")
+    check_lora(tmp_path, runs, "lightning-fsdp-lora", monkeypatch)
     print(f"lightning: {time.perf_counter() - started:.1f} s")
 
 
