@@ -24,6 +24,8 @@ from tigon.runtime.optim import build_optimizer, lr_factor, param_groups
 from tigon.runtime.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
+# The fused loss without the layer kernels, for tests of the loss: those would only add Triton interpreter time
+LOSS_KERNEL_ONLY = {"enabled": True, "rms_norm": False, "rope": False, "swiglu": False}
 
 
 def test_loss_falls_with_kernels_and_run_dir_is_complete(tmp_path, restore_rope, capsys):
@@ -115,7 +117,7 @@ def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
 
     sums = {}
     for fused in (True, False):
-        config = tiny_config(tmp_path, kernels={"enabled": True, "fused_linear_cross_entropy": fused})
+        config = tiny_config(tmp_path, kernels={**LOSS_KERNEL_ONLY, "fused_linear_cross_entropy": fused})
         tokenizer = load_tokenizer(config.model)
         dataset, _, _ = build_datasets(config, tokenizer)
         torch.manual_seed(0)
@@ -137,7 +139,7 @@ def test_loss_chunk_tokens_from_the_config_reach_the_model(tmp_path):
 
     sums = {}
     for chunk in ("auto", 5):
-        config = tiny_config(tmp_path, kernels={"enabled": True, "loss_chunk_tokens": chunk})
+        config = tiny_config(tmp_path, kernels={**LOSS_KERNEL_ONLY, "loss_chunk_tokens": chunk})
         tokenizer = load_tokenizer(config.model)
         dataset, _, _ = build_datasets(config, tokenizer)
         torch.manual_seed(0)
