@@ -1,6 +1,7 @@
 """The model families' tiny test models and what patching each swaps (`FAMILY_CASES`), and the comparisons the
 patching, loss, convergence, MoE and classification tests share."""
 
+import contextlib
 import copy
 import importlib.util
 from typing import NamedTuple
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.kernels.helpers import relative_error
+from tests.kernels.helpers import installed_modeling, relative_error
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -234,18 +235,40 @@ def family_params(model_types) -> list:
     ]
 
 
-def assert_same_training_step(baseline, patched, batch, **inputs):
+def rope_functions() -> dict:
+    """Every table family's modeling module -> its module-level `apply_rotary_pos_emb` now."""
+    modelings = {module for family in FAMILIES.values() if (module := installed_modeling(family.modeling))}
+    return {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
+
+
+@contextlib.contextmanager
+def rope_functions_set(functions: dict | None):
+    """The modules' `apply_rotary_pos_emb` set to `functions` (`rope_functions()` before `apply`) for the block;
+    None leaves them. tigon's RoPE patch is module-wide (a vision-language model's language tower may be another
+    family's), so without this an unpatched baseline built from the same family runs tigon's RoPE too."""
+    saved = rope_functions()
+    for module, function in (functions or {}).items():
+        module.apply_rotary_pos_emb = function
+    try:
+        yield
+    finally:
+        for module, function in saved.items():
+            module.apply_rotary_pos_emb = function
+
+
+def assert_same_training_step(baseline, patched, batch, baseline_ropes: dict | None = None, **inputs):
     """One forward and backward with labels: the same loss, eval logits and every gradient (a vision tower fed no
-    image has none, in both models)."""
-    expected = baseline(input_ids=batch, labels=batch, **inputs)
-    expected.loss.backward()
+    image has none, in both models). `baseline_ropes`: the RoPE functions the baseline runs (`rope_functions_set`)."""
+    with rope_functions_set(baseline_ropes):
+        expected = baseline(input_ids=batch, labels=batch, **inputs)
+        expected.loss.backward()
+        with torch.no_grad():
+            expected_logits = baseline(input_ids=batch, **inputs).logits
     got = patched(input_ids=batch, labels=batch, **inputs)
     got.loss.backward()
     assert abs(got.loss.item() - expected.loss.item()) < 1e-5
     with torch.no_grad():
-        assert (
-            relative_error(patched(input_ids=batch, **inputs).logits, baseline(input_ids=batch, **inputs).logits) < 1e-5
-        )
+        assert relative_error(patched(input_ids=batch, **inputs).logits, expected_logits) < 1e-5
     for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
         assert (ours.grad is None) == (theirs.grad is None), name
         if theirs.grad is not None:

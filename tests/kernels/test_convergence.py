@@ -31,15 +31,24 @@ run is still deterministic the GPU variant holds tigon to tight bounds:
 The distances after the chaotic steps are printed for the record, not asserted.
 """
 
-import contextlib
 import copy
 from typing import NamedTuple
 
 import pytest
 import torch
 
-from tests.kernels.families import FAMILY_CASES, GEMMA4, MROPE, MULTIMODAL, ROPE_KEY, TOWERS, family_params
-from tests.kernels.helpers import installed_modeling, relative_error
+from tests.kernels.families import (
+    FAMILY_CASES,
+    GEMMA4,
+    MROPE,
+    MULTIMODAL,
+    ROPE_KEY,
+    TOWERS,
+    family_params,
+    rope_functions,
+    rope_functions_set,
+)
+from tests.kernels.helpers import relative_error
 from tigon.kernels.patching import FAMILIES, apply
 
 transformers = pytest.importorskip("transformers")
@@ -153,27 +162,6 @@ def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
     for name, want in theirs.first_gradients.items():
         error = relative_error(ours.first_gradients[name], want)
         assert error < GRAD_BOUND, f"step 0 (same weights): the gradient of {name} differs by {error:.2e}"
-
-
-def rope_functions() -> dict:
-    """Every table family's modeling module -> its module-level `apply_rotary_pos_emb` now."""
-    modelings = {module for family in FAMILIES.values() if (module := installed_modeling(family.modeling))}
-    return {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
-
-
-@contextlib.contextmanager
-def rope_functions_set(functions: dict):
-    """The modules' `apply_rotary_pos_emb` set to `functions` for the block. tigon's RoPE patch is module-wide (a
-    vision-language model's language tower may be another family's), so without this the unpatched baseline would
-    run tigon's RoPE too."""
-    saved = rope_functions()
-    for module, function in functions.items():
-        module.apply_rotary_pos_emb = function
-    try:
-        yield
-    finally:
-        for module, function in saved.items():
-            module.apply_rotary_pos_emb = function
 
 
 def train_all(

@@ -18,6 +18,8 @@ from tests.kernels.families import (
     assert_same_training_step,
     family_params,
     own_failure,
+    rope_functions,
+    rope_functions_set,
     tiny,
 )
 from tigon.kernels import modules, patching
@@ -56,11 +58,13 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     mlps, experts, rope, skipped = expected_swaps(model_type)
     baseline = tiny(model_type, **overrides)
     patched = copy.deepcopy(baseline)
+    ropes = rope_functions()  # transformers' own: the baseline runs them, not tigon's module-wide RoPE
     report = apply(patched)
     batch = torch.randint(0, 131, (2, 19))
-    failure = own_failure(baseline, batch)
+    with rope_functions_set(ropes):
+        failure = own_failure(baseline, batch)
     if failure is None:
-        assert_same_training_step(baseline, patched, batch)
+        assert_same_training_step(baseline, patched, batch, baseline_ropes=ropes)
     else:  # the kernels neither hide nor change transformers' own error
         with pytest.raises(type(failure), match=re.escape(str(failure))):
             patched(input_ids=batch, labels=batch)
@@ -89,6 +93,7 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     tokens = dict(vision_start_token_id=4, image_token_id=5, video_token_id=6)
     baseline = tiny("qwen2_vl", outer=tokens, **FAMILY_CASES["qwen2_vl"].overrides)
     patched = copy.deepcopy(baseline)
+    ropes = rope_functions()
     report = apply(patched)
     assert report.applied["layer_norm"] == 3 and report.applied.get("rope", 0) == int(not TRANSFORMERS_4)
     batch = torch.tensor([[7, 8, 4, 5, 5, 5, 5, 9, 10, 11, 12]])  # a 4 x 4 patch image merged into 4 tokens
@@ -97,7 +102,7 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
         image["mm_token_type_ids"] = (batch == 5).int()
     positions, _ = baseline.model.get_rope_index(batch, **{k: v for k, v in image.items() if k != "pixel_values"})
     assert not torch.equal(positions[1], positions[2])  # height and width positions differ inside the image
-    assert_same_training_step(baseline, patched, batch, **image)
+    assert_same_training_step(baseline, patched, batch, baseline_ropes=ropes, **image)
     norm = patched.model.visual.blocks[0].norm1
     assert isinstance(norm, modules.LayerNorm) and norm.weight.grad is not None
 

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from tests.kernels.families import FAMILY_CASES, shipped, tiny
+from tests.kernels.families import FAMILY_CASES, rope_functions, rope_functions_set, shipped, tiny
 from tests.kernels.helpers import relative_error
 from tigon.kernels.patching import apply
 
@@ -61,6 +61,7 @@ def test_patched_classifier_matches_eager(model_type, restore_rope):
     overrides = FAMILY_CASES[model_type].overrides
     baseline = classifier(model_type, overrides)
     patched = copy.deepcopy(baseline)
+    ropes = rope_functions()  # transformers' own: the baseline runs them, not tigon's module-wide RoPE
     report = apply(patched)
     causal_lm_report = apply(tiny(model_type, **overrides))
     assert report.applied == {k: v for k, v in causal_lm_report.applied.items() if k != "fused_linear_cross_entropy"}
@@ -68,8 +69,9 @@ def test_patched_classifier_matches_eager(model_type, restore_rope):
 
     ids = torch.randint(1, 131, (2, 7), generator=torch.Generator().manual_seed(5))
     labels = torch.tensor([0, 2])
-    expected = baseline(input_ids=ids, labels=labels)
-    expected.loss.backward()
+    with rope_functions_set(ropes):
+        expected = baseline(input_ids=ids, labels=labels)
+        expected.loss.backward()
     got = patched(input_ids=ids, labels=labels)
     got.loss.backward()
     assert abs(got.loss.item() - expected.loss.item()) < 1e-5
