@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen")
 
 
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """The fused ops' CPU references (TRITON_INTERPRET unset), for tests that compare two runs of the runtime, as a
+    worker group runs them: the kernels are held to TRL by the tests that compare with TRL, and Triton's
+    interpreter would take most of these tests' time."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def test_objective_config_is_validated_with_the_fix(tmp_path):
     base = preference_config(tmp_path, "sft").model_dump(mode="json")
     assert base["objective"]["type"] == "sft"
@@ -155,6 +163,7 @@ def test_kto_and_reference_free_dpo_train_and_log_trl_metrics(tmp_path, objectiv
         assert 0.0 <= steps[-1]["rewards/accuracies"] <= 1.0
 
 
+@pytest.mark.usefixtures("reference_ops")
 def test_precomputed_reference_gives_the_frozen_copys_losses(tmp_path):
     """`reference: precomputed` stores the starting model's log-probs once; the losses equal the frozen copy's."""
     two_steps = {"max_steps": 2}
@@ -164,6 +173,7 @@ def test_precomputed_reference_gives_the_frozen_copys_losses(tmp_path):
         assert abs(a - b) <= 1e-6 * abs(a), (copy.losses, stored.losses)
 
 
+@pytest.mark.usefixtures("reference_ops")
 def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
     """torchrun, 2 ranks x micro-batch 2 x accumulation 2 == 1 process x micro-batch 4 x accumulation 2, with a
     held-out evaluation. Tolerance 1e-5 relative per step: gloo sums the gradients in another order."""
@@ -186,7 +196,6 @@ def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
         "    json.dump({'losses': result.losses, 'eval': result.eval_metrics, 'world': result.world_size}, f)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     done = subprocess.run(
         [*command, str(script), str(config_file), str(tmp_path)],
@@ -255,6 +264,7 @@ def test_orpo_cpo_simpo_match_trl_step_by_step(tmp_path, objective):
         assert a["rewards/accuracies"] == b["rewards/accuracies"], step
 
 
+@pytest.mark.usefixtures("reference_ops")
 def test_prepared_preference_data_trains_as_tokenized_here(tmp_path):
     """What the workflow's prepare_data writes (`packed.pack` + `save_packed`) trains a KTO run to the losses of
     tokenizing in the run; data prepared for another objective is refused."""
@@ -305,6 +315,7 @@ def test_lora_with_gradient_checkpointing_and_bf16(tmp_path):
     assert result.losses[-1] < result.losses[0] and result.objective_metrics["rewards/margins"] > 0
 
 
+@pytest.mark.usefixtures("reference_ops")
 def test_a_resumed_run_keeps_the_starting_model_as_its_reference(tmp_path):
     """Stopped at its step-2 checkpoint and resumed, a DPO run repeats the uninterrupted run's losses: its frozen
     reference is the starting model (built before the checkpoint is loaded), not the checkpoint's weights."""

@@ -185,10 +185,13 @@ LORA = {
 }
 
 
-def check_lora_run(tmp_path: Path, parallelism: dict, more: dict | None = None) -> dict[str, dict]:
+def check_lora_run(tmp_path: Path, monkeypatch, parallelism: dict, more: dict | None = None) -> dict[str, dict]:
     """LoRA adapters (frozen base weights inside the sharded units), gradient checkpointing and tigon's kernels
     (their CPU references): 2 ranks match one process within RELATIVE_TOLERANCE (fp32), and the export holds
-    the merged weights (plain from_pretrained, same logits as one process's export)."""
+    the merged weights (plain from_pretrained, same logits as one process's export). The one process takes the
+    CPU references too (TRITON_INTERPRET unset, as in the worker group): the kernels are tested against them on
+    their own, and Triton's interpreter would take most of the test's time."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     runs = launch(
         tmp_path, {"lora": resumable_config(tmp_path, "lora", 4, True, parallelism=parallelism, **LORA), **(more or {})}
     )
@@ -205,19 +208,19 @@ def check_lora_run(tmp_path: Path, parallelism: dict, more: dict | None = None) 
     return runs
 
 
-def test_fsdp2_with_lora_gradient_checkpointing_kernels_and_bf16(tmp_path):
+def test_fsdp2_with_lora_gradient_checkpointing_kernels_and_bf16(tmp_path, monkeypatch):
     """Also FSDP2's bf16 MixedPrecisionPolicy against one process's bf16 autocast, within BF16_TOLERANCE."""
     bf16 = {"gradient_checkpointing": True, "precision": "bf16"}
     more = {"bf16": resumable_config(tmp_path, "bf16", 4, False, parallelism={"strategy": "fsdp"}, training=bf16)}
-    runs = check_lora_run(tmp_path, {"strategy": "fsdp"}, more)
+    runs = check_lora_run(tmp_path, monkeypatch, {"strategy": "fsdp"}, more)
     single = train(resumable_config(tmp_path, "single-bf16", 4, False, training={**bf16, "micro_batch_size": 4}))
     worst = max(abs(a - b) / abs(b) for a, b in zip(runs["bf16"]["losses"], single.losses, strict=True))
     print(f"fsdp bf16: worst relative loss difference to one process {worst:.2e}")
     assert worst < BF16_TOLERANCE, (runs["bf16"]["losses"], single.losses)
 
 
-def test_deepspeed_zero3_with_lora_gradient_checkpointing_and_kernels(tmp_path):
-    check_lora_run(tmp_path, {"strategy": "deepspeed", "zero_stage": 3})
+def test_deepspeed_zero3_with_lora_gradient_checkpointing_and_kernels(tmp_path, monkeypatch):
+    check_lora_run(tmp_path, monkeypatch, {"strategy": "deepspeed", "zero_stage": 3})
 
 
 def test_a_zero3_run_leaves_torch_functional_linear_as_it_was(tmp_path):
