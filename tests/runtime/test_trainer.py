@@ -363,10 +363,13 @@ def test_a_warmup_longer_than_the_run_is_stated(tmp_path, caplog):
 
 
 def test_examples_train_for_two_steps(tmp_path, monkeypatch):
-    """Every shipped example config trains (two steps, tiny run dir) from the repository root."""
+    """Every shipped example config trains (two steps, tiny run dir) from the repository root. The objectives' fused
+    losses take their CPU references (TRITON_INTERPRET unset): the configs are what is tested here, the kernels are
+    tested on their own, and Triton's interpreter would take most of the time."""
     from tigon.runtime.config import load_config
 
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     examples = sorted((ROOT / "examples").glob("*.yaml"))
     assert examples
     for path in examples:
