@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tests.kernels.families import tiny
+from tests.kernels.families import rope_functions, rope_functions_set, tiny
 from tigon.kernels import integrations
 from tigon.kernels.patching import apply
 
@@ -46,7 +46,9 @@ def hf_losses(model, tmp_path, callbacks=()) -> list[float]:
 
 
 def test_hf_trainer_callback_matches_kernels_applied_by_hand(tmp_path, restore_rope):
+    """The unpatched run takes transformers' own RoPE (tigon's patch of it is module-wide)."""
     baseline = tiny("llama")
+    ropes = rope_functions()
     by_hand = copy.deepcopy(baseline)
     apply(by_hand)
     callback = integrations.HFCallback()
@@ -55,7 +57,8 @@ def test_hf_trainer_callback_matches_kernels_applied_by_hand(tmp_path, restore_r
     assert callback.report.applied["fused_linear_cross_entropy"] == 1
     assert with_callback.tigon_patch_report is callback.report
     hand_losses = hf_losses(by_hand, tmp_path / "hand")
-    plain_losses = hf_losses(baseline, tmp_path / "plain")
+    with rope_functions_set(ropes):
+        plain_losses = hf_losses(baseline, tmp_path / "plain")
     assert len(callback_losses) == STEPS and callback_losses == hand_losses
     # Gradient accumulation with num_items_in_batch: the fused loss normalizes as transformers does.
     for ours, theirs in zip(callback_losses, plain_losses, strict=True):
@@ -158,7 +161,9 @@ def lightning_losses(model, callbacks=()) -> list[float]:
 
 
 def test_lightning_callback_matches_kernels_applied_by_hand(restore_rope):
+    """The unpatched run takes transformers' own RoPE (tigon's patch of it is module-wide)."""
     baseline = tiny("llama")
+    ropes = rope_functions()
     by_hand = copy.deepcopy(baseline)
     apply(by_hand)
     callback = integrations.LightningCallback()
@@ -167,7 +172,8 @@ def test_lightning_callback_matches_kernels_applied_by_hand(restore_rope):
     assert callback.report.applied["fused_linear_cross_entropy"] == 1
     assert type(with_callback).forward is not transformers.LlamaForCausalLM.forward
     hand_losses = lightning_losses(by_hand)
-    plain_losses = lightning_losses(baseline)
+    with rope_functions_set(ropes):
+        plain_losses = lightning_losses(baseline)
     assert len(callback_losses) == STEPS and callback_losses == hand_losses
     for ours, theirs in zip(callback_losses, plain_losses, strict=True):
         assert abs(ours - theirs) < 1e-5 * theirs
