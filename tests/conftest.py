@@ -50,14 +50,24 @@ def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def restore_rope():
-    """RoPE patching replaces a module-level function; put the originals back after the test."""
-    from tests.kernels.helpers import installed_modeling
-    from tigon.kernels.patching import FAMILIES
+@pytest.fixture(scope="session", autouse=True)
+def transformers_ropes():
+    """Every table family's `apply_rotary_pos_emb` as transformers ships it, read before any test runs: tigon's RoPE
+    patch is module-wide, and a test that builds a patched model leaves it in place for the tests after it."""
+    from tests.kernels.families import rope_functions
 
-    modelings = {module for family in FAMILIES.values() if (module := installed_modeling(family.modeling))}
-    saved = {module: module.apply_rotary_pos_emb for module in modelings if hasattr(module, "apply_rotary_pos_emb")}
+    return rope_functions()
+
+
+@pytest.fixture
+def restore_rope(transformers_ropes):
+    """The test starts with transformers' own RoPE functions (whatever tests ran before it in this process), and
+    what the modules held is put back after it."""
+    from tests.kernels.families import rope_functions
+
+    saved = rope_functions()
+    for module, function in transformers_ropes.items():
+        module.apply_rotary_pos_emb = function
     yield
     for module, function in saved.items():
         module.apply_rotary_pos_emb = function

@@ -242,24 +242,34 @@ def test_a_precomputed_teacher_trains_to_the_losses_of_the_teacher_beside(tmp_pa
         assert abs(a - b) <= PRECOMPUTED_TOLERANCE * abs(b), (got, want, precomputed.eval_metrics, beside.eval_metrics)
 
 
-def test_a_precomputed_teacher_keeps_its_hidden_states_and_head_and_frees_its_layers(tmp_path):
-    """After prepare_objective no teacher model is alive: the student's state holds the teacher's head weight, and
+def test_a_precomputed_teacher_keeps_its_hidden_states_and_head_and_frees_its_layers(tmp_path, monkeypatch):
+    """After prepare_objective the teacher model is gone: the student's state holds the teacher's head weight, and
     each dataset item the teacher's final hidden states at its completion tokens, as the teacher computes them."""
     import gc
+    import weakref
 
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from tigon.runtime import distill
     from tigon.runtime.data import model_inputs
     from tigon.runtime.objectives import state_of
     from tigon.runtime.post_training import prepare_objective
     from tigon.runtime.run import prepare
 
+    loaded = []
+    load = distill.load_teacher
+
+    def watched(*args, **kwargs):
+        teacher = load(*args, **kwargs)
+        loaded.append(weakref.ref(teacher))
+        return teacher
+
+    monkeypatch.setattr(distill, "load_teacher", watched)
     config = distill_config(tmp_path, precompute=True)
     prepared = prepare(config)
     prepare_objective(config, prepared)
     gc.collect()
-    alive = [o.config.hidden_size for o in gc.get_objects() if type(o) is LlamaForCausalLM]
-    assert alive == [32]  # the student only
+    assert len(loaded) == 1 and loaded[0]() is None  # loaded once, then freed
     state = state_of(prepared.model)
     teacher = AutoModelForCausalLM.from_pretrained(config.objective.teacher.path, dtype=torch.float32).eval()
     assert state.reference is None and torch.equal(state.teacher_weight, teacher.lm_head.weight)

@@ -447,19 +447,9 @@ def test_a_lora_decoder_layer_saves_what_layer_bytes_says(tmp_path, quantize, ke
     assert measured == planner.layer_bytes(work, kernels) * 3 * 16 + casts
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-@pytest.mark.parametrize("quantize", [None, "nf4"])
-def test_a_lora_layer_peaks_in_its_widest_adapter_as_adapter_forward_bytes_says(
-    tmp_path, quantize, checkpointed, restore_rope
-):
-    """A LoRA decoder layer's forward (checkpointed: the backward's recompute of it) peaks in down_proj's adapter:
-    beside the layer's saved bytes, the gated product and peft's float32 cast of it, the base layer's output, the
-    adapter's and its scaled copy (the recompute stops before the scaled copy): adapter_forward_bytes, exactly.
-
-    Hugging Face's eager layer, every tensor counted from the operation that makes it until it is freed. The
-    residual stream and the MLP's normed input are live there too (c h each), as in any layer's forward, adapters
-    or not; the planner counts neither.
-    """
+def lora_layer_peak(tmp_path, quantize: str | None, checkpointed: bool) -> tuple[int, int, int]:
+    """(measured peak bytes, the planner's saved bytes, its adapter_forward_bytes per token) of a LoRA decoder
+    layer's forward, or with `checkpointed` of the backward's recompute of it; run in a fresh process (below)."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -486,11 +476,30 @@ def test_a_lora_layer_peaks_in_its_widest_adapter_as_adapter_forward_bytes_says(
     else:
         measured = peak_bytes(forward, made_before)
     work = planner.workload(config, world_size=1)
-    tokens = 3 * 16
-    saved = planner.layer_bytes(work, False) * tokens + planner.adapter_cast_bytes(work)
-    transient = planner.adapter_forward_bytes(work, recompute=checkpointed)
+    saved = planner.layer_bytes(work, False) * 3 * 16 + planner.adapter_cast_bytes(work)
+    return measured, saved, planner.adapter_forward_bytes(work, recompute=checkpointed)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_a_lora_layer_peaks_in_its_widest_adapter_as_adapter_forward_bytes_says(tmp_path, quantize, checkpointed):
+    """A LoRA decoder layer's forward (checkpointed: the backward's recompute of it) peaks in down_proj's adapter:
+    beside the layer's saved bytes, the gated product and peft's float32 cast of it, the base layer's output, the
+    adapter's and its scaled copy (the recompute stops before the scaled copy): adapter_forward_bytes, exactly.
+
+    Hugging Face's eager layer, every tensor counted from the operation that makes it until it is freed. The
+    residual stream and the MLP's normed input are live there too (c h each), as in any layer's forward, adapters
+    or not; the planner counts neither. Measured in a fresh process, so that nothing an earlier test left in the
+    test process counts toward the peak.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        measured, saved, transient = pool.submit(lora_layer_peak, tmp_path, quantize, checkpointed).result()
     assert transient == 192 * (2 + 4) + 64 * (2 + 2 * (1 if checkpointed else 2))
-    assert measured == saved + transient * tokens + 2 * (2 * 64) * tokens
+    assert measured == saved + transient * 3 * 16 + 2 * (2 * 64) * 3 * 16
 
 
 def test_the_planner_counts_the_adapters_in_the_dtype_peft_keeps_them(tmp_path):
