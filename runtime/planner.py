@@ -103,8 +103,9 @@ batch among its divisors, gradient checkpointing of none, every, or any number o
 kernels on and off. The ones whose estimate stays under FIT_FRACTION of the usable memory (the GPU's
 memory minus CUDA_CONTEXT) are ranked by a relative step-time model: checkpointing recomputes the
 forward of its layers (x 4/3 for all of them, in proportion for some), the kernels save KERNEL_TIME of a
-step, and a micro-batch of n tokens runs at n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate. The
-model ranks settings; it does not predict tokens/s.
+step, a micro-batch of n tokens runs at n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate, and under
+sharded weights (FSDP2, ZeRO-3) each micro-batch gathers them again, costing the time of `gather_tokens` more
+tokens. The model ranks settings; it does not predict tokens/s.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward 
 SELECTIVE_TIME = 1.03  # recomputing norms, RoPE and the activation: memory-bound passes over a layer's activations
 KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
 HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
+#: a GPU's bf16 matrix-product rate over the bandwidth of its share of an all-gather (H100 / H200: about
+#: 990 TFLOP/s over 450 GB/s of NVLink): FLOPs a GPU could have done in the time it receives a byte
+GATHER_FLOPS_PER_BYTE = 2200
 LOSS_CHUNK_LIMIT = 4096  # the largest fused-loss chunk the runtime picks; beyond, the head gradient's re-reads are few
 LOSS_CHUNK_MARGIN = 0.95  # ... and only while the loss's moment stays this far under the step's estimated peak
 
@@ -938,10 +942,25 @@ def loss_chunk_tokens(work: Workload, setting: Setting) -> int | None:
 # ---------------------------------------------------------------------------------------------------- plan
 
 
+def gather_tokens(work: Workload) -> float:
+    """The cost of gathering sharded weights once a micro-batch, counted in tokens of a micro-batch's compute.
+
+    FSDP2 and ZeRO-3 gather every weight before its forward and again before its backward, each micro-batch:
+    2 x compute bytes x (n - 1) / n bytes a parameter arrive at each rank, against 6 FLOPs a parameter a token
+    of compute, so a micro-batch of T tokens spends the time of this many more tokens on them where they are not
+    hidden. Without sharded weights (DDP, ZeRO-1/2, one GPU), 0.
+    """
+    n = work.world_size
+    sharded = work.strategy == "fsdp" or (work.strategy == "deepspeed" and work.zero_stage == 3)
+    if n == 1 or not sharded:
+        return 0.0
+    return 2 * work.compute_bytes * (n - 1) / n * GATHER_FLOPS_PER_BYTE / 6
+
+
 def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
     tokens = work.tokens(setting.micro_batch)
-    time = (tokens + HALF_EFFICIENCY_TOKENS) / tokens
+    time = (tokens + HALF_EFFICIENCY_TOKENS + gather_tokens(work)) / tokens
     layers = work.shape.layers
     time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(layers) / layers
     time *= 1 + (SELECTIVE_TIME - 1) * setting.selective_count(layers) / layers

@@ -188,6 +188,29 @@ def test_sharding_divides_the_states():
     assert fsdp.peak < single.peak
 
 
+def test_sharded_weights_make_each_micro_batch_cost_a_gather():
+    """FSDP2 and ZeRO-3 gather the weights again every micro-batch, so under them a step of fewer, larger
+    micro-batches ranks faster than the same tokens in more, smaller ones, by more than on one GPU; DDP and
+    ZeRO-2 gather nothing."""
+    one_big, two_small = Setting(8, 1, False, True), Setting(4, 2, False, True)
+    for changes in ({}, {"world_size": 4}, {"world_size": 4, "strategy": "deepspeed", "zero_stage": 2}):
+        assert planner.gather_tokens(bf16_work(LLAMA_1B, 4096, **changes)) == 0
+    fsdp = bf16_work(LLAMA_1B, 4096, strategy="fsdp", world_size=4)
+    zero3 = bf16_work(LLAMA_1B, 4096, strategy="deepspeed", zero_stage=3, world_size=4)
+    # 2 passes x 2 bytes x 3/4 of the weights arrive a parameter, against 6 FLOPs a parameter a token
+    assert planner.gather_tokens(fsdp) == planner.gather_tokens(zero3) == 2 * 2 * 0.75 * 2200 / 6
+    assert planner.gather_tokens(bf16_work(LLAMA_1B, 4096, strategy="fsdp", world_size=2)) == 2 * 2 * 0.5 * 2200 / 6
+
+    def slowdown(work):
+        return planner.relative_step_time(work, two_small) / planner.relative_step_time(work, one_big)
+
+    single = bf16_work(LLAMA_1B, 4096)
+    assert slowdown(fsdp) == pytest.approx(
+        2 * (16384 + 512 + planner.gather_tokens(fsdp)) / (32768 + 512 + planner.gather_tokens(fsdp))
+    )
+    assert slowdown(fsdp) > slowdown(single) > 1
+
+
 def plan_config(tmp_path, seq_len=4096, micro_batch=8, **training):
     """tiny_config with Llama-3.2-1B widths (the planner reads only the config; nothing is built)."""
     overrides = {
