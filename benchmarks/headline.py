@@ -253,16 +253,17 @@ def plot(scaling_reports: dict[str, Path], headline_report: Path, out_dir: Path)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    for model, path in scaling_reports.items():
+    figure, panels = plt.subplots(1, len(scaling_reports), figsize=(4.2 * len(scaling_reports), 4.2), squeeze=False)
+    for axes, (model, path) in zip(panels[0], scaling_reports.items(), strict=True):
         runs = json.loads(path.read_text())["runs"]
         for strategy in sorted({r["strategy"] for r in runs}):
             points = sorted((r["gpus"], r["tokens_per_second_per_gpu"]) for r in runs if r["strategy"] == strategy)
-            axes.plot(*zip(*points, strict=True), marker="o", label=f"{model}, {strategy}")
-    axes.set(xlabel="GPUs", ylabel="tokens/s per GPU", title="Scaling (tigon kernels, seq 4096, micro-batch 8)")
-    axes.set_xticks([1, 2, 4])
-    axes.set_ylim(bottom=0)
-    axes.legend(fontsize=8)
+            axes.plot(*zip(*points, strict=True), marker="o", label=strategy)
+        axes.set(xlabel="GPUs", ylabel="tokens/s per GPU", title=model)
+        axes.set_xticks([1, 2, 4])
+        axes.set_ylim(bottom=0)
+        axes.legend(fontsize=8)
+    figure.suptitle("Scaling (tigon kernels, seq 4096, micro-batch 8 per GPU)")
     scaling_png = out_dir / "multi-gpu-scaling.png"
     figure.tight_layout()
     figure.savefig(scaling_png, dpi=120)
