@@ -227,6 +227,12 @@ class ParallelismConfig(Section):
         description="fsdp: parameters, gradients and optimizer step on the CPU; deepspeed: optimizer state and step "
         "on the CPU (ZeRO-3: parameters too)",
     )
+    shard_size: int | Literal["node"] | None = Field(
+        None,
+        description="fsdp: shard each parameter over groups of this many ranks and replicate it across the groups "
+        "(hybrid sharding): 'node' for the ranks of one node, so that only the gradients' once-a-step all-reduce "
+        "crosses nodes; unset: over every rank",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
 
     @model_validator(mode="after")
@@ -236,6 +242,17 @@ class ParallelismConfig(Section):
                 f"parallelism.zero_stage is a DeepSpeed setting and strategy is {self.strategy!r}, which would ignore "
                 "it; set strategy: deepspeed, or remove zero_stage"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _shard_size_with_fsdp(self) -> ParallelismConfig:
+        if self.shard_size is not None and self.strategy != "fsdp":
+            raise ValueError(
+                f"parallelism.shard_size is an FSDP2 setting and strategy is {self.strategy!r}, which would ignore "
+                "it; set strategy: fsdp, or remove shard_size"
+            )
+        if isinstance(self.shard_size, int) and self.shard_size < 1:
+            raise ValueError(f"parallelism.shard_size must be at least 1 (or 'node'), got {self.shard_size}")
         return self
 
     @model_validator(mode="after")

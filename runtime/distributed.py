@@ -236,3 +236,19 @@ def broadcast_object(value, env: DistEnv, src: int = 0):
     holder = [value]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def shard_ranks(config: RunConfig, env: DistEnv) -> int:
+    """How many ranks each parameter is sharded over: `parallelism.shard_size` ('node': the ranks of a node),
+    else, or where it is at least the number of ranks, every rank."""
+    size = config.parallelism.shard_size
+    if size is None:
+        return env.world_size
+    size = min(env.local_world_size if size == "node" else size, env.world_size)
+    if env.world_size % size:
+        raise ConfigError(
+            f"parallelism.shard_size {config.parallelism.shard_size!r} is {size} ranks, which does not divide the "
+            f"{env.world_size} ranks of this job into equal groups; set a divisor of {env.world_size}, or 'node' on "
+            "nodes of equal size"
+        )
+    return size

@@ -7,7 +7,8 @@
 
 - `ddp` (`DDPStrategy`): DistributedDataParallel over WORLD_SIZE > 1 processes (the model itself in
   one), torch AdamW, fp16 through a GradScaler; checkpoints are torch files written by rank 0.
-- `fsdp` (`FSDPStrategy`): FSDP2 `fully_shard` on each decoder layer, then on the root; a
+- `fsdp` (`FSDPStrategy`): FSDP2 `fully_shard` on each decoder layer, then on the root, over every rank or, with
+  `parallelism.shard_size`, over groups of ranks with the groups replicating each other (hybrid sharding); a
   MixedPrecisionPolicy (parameters in bf16 or fp16 per `training.precision`, gradients reduced in
   fp32; fp16 through a ShardedGradScaler); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Checkpoints are sharded
   torch.distributed.checkpoint directories (model and optimizer through get/set_state_dict).
@@ -38,7 +39,7 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import DistEnv, barrier, wrap_model
+from tigon.runtime.distributed import DistEnv, barrier, shard_ranks, wrap_model
 from tigon.runtime.fp8 import precompute_scales
 from tigon.runtime.model import build_model
 from tigon.runtime.optim import build_optimizer, build_scheduler
@@ -209,10 +210,22 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
+def shard_mesh(config: RunConfig, env: DistEnv, device: torch.device):
+    """The device mesh of hybrid sharding, (replicas, shard ranks), consecutive ranks in one shard group (torchrun
+    numbers a node's ranks consecutively); None to shard over every rank."""
+    shard = shard_ranks(config, env)
+    if shard == env.world_size:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(
     module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, frozen: bool = False
 ) -> nn.Module:
-    """FSDP2 in place: each decoder layer, then the root, `fully_shard`ed over all ranks; returns `module`.
+    """FSDP2 in place: each decoder layer, then the root, `fully_shard`ed over all ranks (or, with
+    `parallelism.shard_size`, over each group of that many and replicated across the groups); returns `module`.
 
     `frozen`: a model that runs forward only (a reference or teacher): its root reshards after the forward too
     (FSDP2 otherwise keeps a root's parameters gathered for the backward, which never comes).
@@ -231,6 +244,9 @@ def shard_model(
     }
     if config.parallelism.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    mesh = shard_mesh(config, env, device) if env.distributed else None
+    if mesh is not None:
+        options["mesh"] = mesh
     started = time.perf_counter()
     full_state = module.state_dict() if env.is_main else {}  # rank 0's weights, for the other ranks
     layers = decoder_layers(module)
@@ -242,10 +258,12 @@ def shard_model(
     if env.distributed:
         receive_rank0_weights(module, full_state, device)
     if env.is_main:
+        groups = "" if mesh is None else f" ({mesh.size(0)} replicas of {mesh.size(1)}-rank shard groups)"
         logger.info(
-            "fsdp: %d decoder layers and the root sharded over %d ranks in %.1f s",
+            "fsdp: %d decoder layers and the root sharded over %d ranks%s in %.1f s",
             len(layers),
             env.world_size,
+            groups,
             time.perf_counter() - started,
         )
     return module

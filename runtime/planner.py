@@ -92,11 +92,12 @@ whole row (`Workload.rows`); the fused preference op replaces the cross entropy 
 Distillation holds the fused cross entropy's and the fused JSD's gradients (`distill_loss_bytes`).
 
 Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradient copy). FSDP2 shards
-weights, gradients and states over the world size and gathers two layers (and the embedding and head) at
-a time; with gradient accumulation it reduce-scatters once a step, so between micro-batches every rank
-keeps the whole model's gradients unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards
-states (stage 1), gradients (2) and weights (3) and keeps float32 master weights (4 per trainable
-parameter, sharded) for bf16/fp16 weights. CPU offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
+weights, gradients and states over the world size (under hybrid sharding, over a shard group:
+`Workload.shards`) and gathers two layers (and the embedding and head) at a time; with gradient accumulation
+it reduce-scatters once a step, so between micro-batches every rank keeps the whole model's gradients
+unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards states (stage 1), gradients (2) and
+weights (3) and keeps float32 master weights (4 per trainable parameter, sharded) for bf16/fp16 weights.
+CPU offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
 Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate: micro-
 batch among its divisors, gradient checkpointing of none, every, or any number of the layers, tigon's
@@ -323,6 +324,7 @@ class Workload:
     zero_stage: int = 2
     cpu_offload: bool = False
     world_size: int = 1
+    shard_size: int | None = None  # fsdp: ranks each parameter is sharded over (`parallelism.shard_size`); None: all
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
     frozen: FrozenModel | None = None  # a reference model or teacher run beside it (see frozen_model)
@@ -331,6 +333,11 @@ class Workload:
     sequences: int = 1  # sequences per item of a micro-batch: 2 for a pair (KTO: a completion, a mismatched one)
     packed_rows: bool = False  # a preference micro-batch's sequences end to end in one row (`data.packing: true`)
     reference_pass: bool = False  # `reference: precomputed`: a no-grad pass over the data before the first step
+
+    @property
+    def shards(self) -> int:
+        """Ranks a sharded parameter is split over: FSDP2's shard group under hybrid sharding, else every rank."""
+        return self.shard_size if self.strategy == "fsdp" and self.shard_size else self.world_size
 
     def tokens(self, micro_batch: int) -> int:
         """Tokens of a micro-batch at full length: its sequences x seq_len (the fused preference op's layout)."""
@@ -439,6 +446,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
     from tigon.kernels.patching import FAMILIES
 
     shape = shape or model_shape(config)
+    world_size = world_size or detect_world_size()
     weight_bytes = DTYPE_BYTES[config.model.dtype]
     narrow = config.training.precision != "fp32"  # bf16, fp16, or fp8 (bf16 outside its matmuls)
     lora, objective = config.lora, config.objective
@@ -457,7 +465,8 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         strategy=config.parallelism.strategy,
         zero_stage=config.parallelism.stage,
         cpu_offload=config.parallelism.cpu_offload,
-        world_size=world_size or detect_world_size(),
+        world_size=world_size,
+        shard_size=shard_group(config, world_size),
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
         frozen=frozen_model(config, shape),
@@ -467,6 +476,15 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         reference_pass=objective.preference and objective.reference_source == "precomputed",
         compiled=config.training.compile,
     )
+
+
+def shard_group(config: RunConfig, world_size: int) -> int | None:
+    """`parallelism.shard_size` in ranks, at most the world size; 'node' is $LOCAL_WORLD_SIZE (torchrun's ranks on
+    this node), or the whole world where that is unset (a plan made away from the job: one node)."""
+    size = config.parallelism.shard_size
+    if size == "node":
+        size = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return None if size is None else min(size, world_size)
 
 
 def adapter_copy_bytes(config: RunConfig) -> int:
@@ -780,7 +798,7 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     MLP's gate, up and product (3 i) per token, plus, sharded, the two layers and the embedding and head it
     gathers. The fused loss reads its final hidden states (h per token) and, sharded, its head gathered whole
     (V h). Precomputed: its head whole in the compute dtype, and the micro-batch's stored hidden states."""
-    frozen, n = work.frozen, work.world_size
+    frozen, n = work.frozen, work.shards
     if frozen is None:
         return 0, 0, 0
     s, c = frozen.shape, frozen.compute_bytes
@@ -802,7 +820,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     fused loss in chunks of `loss_chunk_tokens` tokens (None: the op's own rule)."""
     s = work.shape
     kernels = setting.kernels and work.kernels_fit
-    n = work.world_size
+    n = work.shards
     tokens = work.tokens(setting.micro_batch)
     rows = work.rows(setting.micro_batch)  # attention's view: packed preference rows are one long row
     w, r, c = work.weight_bytes, work.weight_bytes, work.compute_bytes
@@ -946,11 +964,11 @@ def gather_tokens(work: Workload) -> float:
     """The cost of gathering sharded weights once a micro-batch, counted in tokens of a micro-batch's compute.
 
     FSDP2 and ZeRO-3 gather every weight before its forward and again before its backward, each micro-batch:
-    2 x compute bytes x (n - 1) / n bytes a parameter arrive at each rank, against 6 FLOPs a parameter a token
-    of compute, so a micro-batch of T tokens spends the time of this many more tokens on them where they are not
-    hidden. Without sharded weights (DDP, ZeRO-1/2, one GPU), 0.
+    2 x compute bytes x (n - 1) / n bytes a parameter arrive at each of the n ranks it is sharded over, against 6
+    FLOPs a parameter a token of compute, so a micro-batch of T tokens spends the time of this many more tokens on
+    them where they are not hidden. Without sharded weights (DDP, ZeRO-1/2, one GPU), 0.
     """
-    n = work.world_size
+    n = work.shards
     sharded = work.strategy == "fsdp" or (work.strategy == "deepspeed" and work.zero_stage == 3)
     if n == 1 or not sharded:
         return 0.0
@@ -1009,8 +1027,8 @@ class Plan:
             f"model {s.model_type}: {_count(s.params)} parameters ({_count(w.trainable)} trainable), "
             f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
             f"sequence {w.seq_len}{_rows_text(w)}, weights {_dtype(w.weight_bytes)}, compute "
-            f"{_dtype(w.compute_bytes)}, attention {w.attention}, {w.strategy} x {w.world_size}, loss from "
-            + _loss_text(w),
+            f"{_dtype(w.compute_bytes)}, attention {w.attention}, {w.strategy} x {w.world_size}{_groups_text(w)}, "
+            "loss from " + _loss_text(w),
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
@@ -1069,6 +1087,10 @@ def _rows_text(work: Workload) -> str:
     item = "pair" if work.loss == "pairs" else "completion and its mismatched sequence"
     layout = "packed into one row" if work.packed_rows else "padded rows"
     return f" ({work.sequences} sequences an item, a {item}, {layout})"
+
+
+def _groups_text(work: Workload) -> str:
+    return f" (shard groups of {work.shards})" if work.shards < work.world_size else ""
 
 
 def _loss_text(work: Workload) -> str:

@@ -28,7 +28,14 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.data import build_datasets
-from tigon.runtime.distributed import DistEnv, barrier, broadcast_object, check_strategy, init_distributed
+from tigon.runtime.distributed import (
+    DistEnv,
+    barrier,
+    broadcast_object,
+    check_strategy,
+    init_distributed,
+    shard_ranks,
+)
 from tigon.runtime.hub import fetch_model
 from tigon.runtime.model import build_model, check_model_config
 from tigon.runtime.objectives import check_objective, state_of
@@ -93,6 +100,7 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     """
     validate_for_torch_trainer(config)
     env, device = init_distributed(config)
+    shard_ranks(config, env)  # a shard size that does not divide the ranks fails before anything is built
     fetch_model(config.model, env)  # one download per node, before any model is built
     check_push(config)
     check_trackers(config)

@@ -194,6 +194,8 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
         ("logging", "run_dir", "", "logging.run_dir: String should have at least 1 character"),
         ("data", "text_field", "", "data.text_field: String should have at least 1 character"),
         ("parallelism", "zero_stage", 3, "parallelism.zero_stage is a DeepSpeed setting and strategy is 'ddp'"),
+        ("parallelism", "shard_size", 2, "parallelism.shard_size is an FSDP2 setting and strategy is 'ddp'"),
+        ("parallelism", "shard_size", "rack", "parallelism.shard_size"),
     ],
 )
 def test_silent_mistakes_are_errors(tmp_path, section, key, value, expected):

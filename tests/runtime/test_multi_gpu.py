@@ -1,6 +1,6 @@
-"""The torch, HF and Lightning trainers under DDP, FSDP2 and DeepSpeed ZeRO-2/3 on 1, 2 and 4 GPUs over NCCL
-(marker `gpu`; needs 2 or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4-GPU cases
-need 4):
+"""The torch, HF and Lightning trainers under DDP, FSDP2 (over every GPU, and hybrid: `hsdp`, shard groups of 2
+GPUs, which on 4 GPUs are 2 replicas) and DeepSpeed ZeRO-2/3 on 1, 2 and 4 GPUs over NCCL (marker `gpu`; needs 2
+or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4-GPU cases need 4):
 
     python -m pytest -m gpu tests/runtime/test_multi_gpu.py
 
@@ -51,6 +51,7 @@ LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2)}  # GPUs: (micro-batch, accumulation),
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
+    "hsdp": {"strategy": "fsdp", "shard_size": 2},  # on 4 GPUs 2 replicas of 2-GPU shard groups; on 2 or 1, fsdp
     "zero2": {"strategy": "deepspeed", "zero_stage": 2},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3},
 }
@@ -61,7 +62,13 @@ CASES = {  # name: (trainer, strategy, kernels, precision)
     **{f"lightning-{s}-kernels": ("lightning", s, True, "fp32") for s in STRATEGIES},
     **{f"torch-{s}-kernels-bf16": ("torch", s, True, "bf16") for s in STRATEGIES},
 }
-KILL_CASES = ("torch-fsdp-kernels", "torch-zero3-kernels", "hf-zero2-kernels", "lightning-ddp-kernels")
+KILL_CASES = (
+    "torch-fsdp-kernels",
+    "torch-hsdp-kernels",
+    "torch-zero3-kernels",
+    "hf-zero2-kernels",
+    "lightning-ddp-kernels",
+)
 
 KILL_WORKER = """
 import json, os, signal, sys, threading, time

@@ -32,8 +32,10 @@ BF16_TOLERANCE = 2e-2  # bf16 weights in the forward (FSDP2) vs fp32 weights und
 FP16_TOLERANCE = 1e-3  # fp16 weights (FSDP2, DeepSpeed) vs fp32 weights under fp16 autocast; measured 4e-5
 
 
-def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dict[str, dict]:
-    """Launch full / killed / resumed with `sections`; compare with one process (micro-batch 4, DDP strategy)."""
+def check_parallel_run(tmp_path: Path, backend: str = "gloo", nproc: int = 2, **sections) -> dict[str, dict]:
+    """Launch full / killed / resumed with `sections` on `nproc` ranks, each a micro-batch of 4 / nproc; compare
+    with one process (micro-batch 4, DDP strategy)."""
+    sections["training"] = {"micro_batch_size": 4 // nproc, **sections.get("training", {})}
     runs = launch(
         tmp_path,
         {
@@ -42,6 +44,7 @@ def check_parallel_run(tmp_path: Path, backend: str = "gloo", **sections) -> dic
             "resumed": resumable_config(tmp_path, "resumed", 6, False, **sections),
         },
         backend,
+        nproc=nproc,
     )
     single = train(resumable_config(tmp_path, "single", 6, True, training={"micro_batch_size": 4}))
     full = runs["full"]["losses"]
@@ -87,6 +90,30 @@ def test_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
     assert (step / "dcp" / ".metadata").is_file() and (step / "rng-rank1.pt").is_file()
     assert_damage_is_named(step, "dcp")
     assert not [p for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+def test_hybrid_sharded_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
+    """4 ranks as 2 replicas of 2-rank shard groups (`parallelism.shard_size: 2`): the checkpoint holds each weight
+    in 2 shards (the replicas' copies written once), not 4."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    check_parallel_run(tmp_path, nproc=4, parallelism={"strategy": "fsdp", "shard_size": 2})
+    metadata = FileSystemReader(str(tmp_path / "full" / "checkpoints" / "step-6" / "dcp")).read_metadata()
+    weight = next(v for k, v in metadata.state_dict_metadata.items() if k.endswith("layers.0.mlp.up_proj.weight"))
+    rows = weight.size[0]
+    assert [chunk.sizes[0] for chunk in weight.chunks] == [rows // 2, rows // 2], weight.chunks
+
+
+def test_a_shard_size_that_does_not_divide_the_ranks_fails_before_anything_is_built(tmp_path):
+    from tigon.runtime.distributed import DistEnv, shard_ranks
+
+    config = tiny_config(tmp_path, parallelism={"strategy": "fsdp", "shard_size": 3})
+    with pytest.raises(ConfigError, match="does not divide the 4 ranks of this job into equal groups"):
+        shard_ranks(config, DistEnv(world_size=4, local_world_size=4))
+    node = tiny_config(tmp_path, parallelism={"strategy": "fsdp", "shard_size": "node"})
+    assert shard_ranks(node, DistEnv(world_size=16, local_world_size=8)) == 8
+    assert shard_ranks(tiny_config(tmp_path, parallelism={"strategy": "fsdp"}), DistEnv(world_size=16)) == 16
+    assert shard_ranks(config, DistEnv(world_size=2, local_world_size=2)) == 2  # at least the ranks: every rank
 
 
 def test_deepspeed_zero2_matches_one_process_resumes_exactly_and_exports(tmp_path):

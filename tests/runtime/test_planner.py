@@ -186,6 +186,21 @@ def test_sharding_divides_the_states():
     fsdp = estimate(bf16_work(LLAMA_1B, 2048, strategy="fsdp", world_size=8), Setting(1, 1, True, True))
     assert fsdp.parts["optimizer states"] == single.parts["optimizer states"] // 8
     assert fsdp.peak < single.peak
+    # hybrid sharding: 8 ranks as 4 replicas of 2-rank shard groups hold what 2 ranks of plain FSDP2 hold
+    hybrid_work = bf16_work(LLAMA_1B, 2048, strategy="fsdp", world_size=8, shard_size=2)
+    two_ranks = bf16_work(LLAMA_1B, 2048, strategy="fsdp", world_size=2)
+    assert estimate(hybrid_work, Setting(1, 1, True, True)) == estimate(two_ranks, Setting(1, 1, True, True))
+    assert planner.gather_tokens(hybrid_work) == planner.gather_tokens(two_ranks)
+
+
+def test_a_node_shard_group_is_the_ranks_of_a_node(tmp_path, monkeypatch):
+    config = plan_config(tmp_path, parallelism={"strategy": "fsdp", "shard_size": "node"})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    work = planner.workload(config, world_size=16)
+    assert (work.world_size, work.shards) == (16, 8)
+    assert "fsdp x 16 (shard groups of 8)" in planner.make_plan(config, 141 * GiB, 16, work).table()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert planner.workload(config, world_size=4).shards == 4
 
 
 def test_sharded_weights_make_each_micro_batch_cost_a_gather():
@@ -211,7 +226,7 @@ def test_sharded_weights_make_each_micro_batch_cost_a_gather():
     assert slowdown(fsdp) > slowdown(single) > 1
 
 
-def plan_config(tmp_path, seq_len=4096, micro_batch=8, **training):
+def plan_config(tmp_path, seq_len=4096, micro_batch=8, parallelism=None, **training):
     """tiny_config with Llama-3.2-1B widths (the planner reads only the config; nothing is built)."""
     overrides = {
         "hidden_size": 2048,
@@ -228,6 +243,7 @@ def plan_config(tmp_path, seq_len=4096, micro_batch=8, **training):
         model={"config_name": "llama", "config_overrides": overrides, "tokenizer": "char", "dtype": "bfloat16"},
         data={"train": "unused.jsonl", "max_seq_len": seq_len},
         training={"max_steps": 1, "micro_batch_size": micro_batch, "precision": "bf16", **training},
+        **({"parallelism": parallelism} if parallelism else {}),
     )
 
 
