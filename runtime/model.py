@@ -265,12 +265,7 @@ def enable_activation_checkpointing(model: nn.Module, layers: int | None = None)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if layers is None:
         return
-    found = checkpointable_layers(model)
-    if not found:
-        raise ConfigError(
-            f"training.gradient_checkpointing: {layers} checkpoints some layers, but {type(model).__name__}'s layers "
-            "cannot be checkpointed one by one in this transformers; set it to true or false"
-        )
+    found = required_layers(model, "training.checkpoint_layers", "remove it to checkpoint every layer")
     for layer in found[layers:]:
         layer.gradient_checkpointing = False
 
@@ -279,12 +274,7 @@ def enable_selective_layers(model: nn.Module, training: TrainingConfig) -> None:
     """Recompute only the element-wise work of `training.selective_layers` decoder layers, those after the ones
     full checkpointing takes (`tigon.runtime.recompute`)."""
     check_model(model)
-    layers = checkpointable_layers(model)
-    if not layers:
-        raise ConfigError(
-            f"training.selective_layers: {type(model).__name__}'s layers cannot be checkpointed one by one in this "
-            "transformers; set training.selective_layers: 0"
-        )
+    layers = required_layers(model, "training.selective_layers", "set training.selective_layers: 0")
     first = training.checkpoint_layers if training.gradient_checkpointing else 0
     count = enable_selective_recomputation(layers[first : first + training.selective_layers])
     logger.info("selective recomputation: %d decoder layers keep their matmul and attention outputs", count)
@@ -297,18 +287,25 @@ def checkpointable_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
 
 
+def required_layers(model: nn.Module, setting: str, fix: str) -> list[nn.Module]:
+    """`checkpointable_layers` for a `setting` that acts on decoder layers one by one; a ConfigError with `fix`
+    where the model has none."""
+    layers = checkpointable_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"{setting}: {type(model).__name__} has no decoder layers that transformers marks as such "
+            f"(GradientCheckpointingLayer) in this version; {fix}"
+        )
+    return layers
+
+
 def compile_decoder_layers(model: nn.Module, backend: str) -> int:
     """`torch.compile` each decoder layer in place (`nn.Module.compile`: parameter names and the state dict stay as
     they are); returns how many. One layer at a time, as torchtitan does: every layer of a model runs the same code,
     so one compiled graph serves them all, and the embeddings, the head and the loss stay eager. tigon's kernels
     are custom ops, so a patched layer compiles without a graph break. Gradient checkpointing wraps the layer's
     forward, so it is traced into the graph; FSDP2, applied after this, shards each compiled layer."""
-    layers = checkpointable_layers(model)
-    if not layers:
-        raise ConfigError(
-            f"training.compile: {type(model).__name__} has no decoder layers that transformers marks as such "
-            "(GradientCheckpointingLayer); set training.compile: false"
-        )
+    layers = required_layers(model, "training.compile", "set training.compile: false")
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)

@@ -208,15 +208,21 @@ def in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]
     return [t.to(dtype) if t is not None else None for t in tensors]
 
 
+def run_layout(batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device) -> PreferenceRows:
+    """A micro-batch's rows as the run lays them out: padded or packed (`data.packing`), for its attention, its
+    tokens a multiple of what its precision's matrix products need."""
+    return preference_rows(
+        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
+    )
+
+
 def preference_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device, env: DistEnv | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The objective's loss (averaged over the micro-batch's pairs or sequences) and the op's metrics. `env`: the
     ranks KTO's reference point is averaged over (None: this rank's own, where ranks run different batch counts)."""
     objective = config.objective
-    layout = preference_rows(
-        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
-    )
+    layout = run_layout(batch, config, device)
     target = layout.target
     reference: dict[str, torch.Tensor] = {}
     source = objective.reference_source if objective.type in ("dpo", "kto") else None
@@ -416,9 +422,7 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
     rows laid out as training lays them (`data.packing`)."""
     from tigon.kernels import functional as F
 
-    layout = preference_rows(
-        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
-    )
+    layout = run_layout(batch, config, device)
     with torch.no_grad(), autocast(device, config.training.precision):
         hidden = layout.op_layout(final_hidden(model, layout.inputs))
         with frozen_head(model) as (weight, bias):
