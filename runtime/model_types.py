@@ -5,7 +5,7 @@ class, vision tower included, through `AutoModelForImageTextToText`; every other
 `AutoModelForCausalLM`. Text-only fine-tuning feeds such a model tokens alone: its language model and head train,
 its vision tower gets no gradient. Its config nests the language model's fields under `text_config` (and the
 vision tower's under `vision_config`), so `model.config_overrides` does too, and the tokenizer's vocabulary and
-special tokens go there (docs/runtime.md, "Vision-language models from a config").
+special tokens go there (docs/runtime.md, "Vision-language models").
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ on text; the override mistakes that are errors name the nested key (runtime/mode
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.runtime.configs import tiny_config
 from tigon.runtime import planner
@@ -15,6 +17,8 @@ from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
 from tigon.runtime.tokenizer import load_tokenizer
 from tigon.runtime.trainer import train
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # A 2-layer, 32-wide Qwen2-VL language model (its multimodal RoPE's sections for a 16-wide head) beside a one-layer
 # vision tower
@@ -59,6 +63,16 @@ def test_a_vision_language_model_fine_tunes_on_text_with_the_kernels(tmp_path):
     result = train(config)
     assert result.steps == 6 and result.final_loss < 0.75 * result.losses[0], result.losses
     assert "gated_mlp x2" in result.kernels and "fused_linear_cross_entropy" in result.kernels
+
+
+def test_the_documented_vision_language_model_trains_as_written(tmp_path):
+    """docs/runtime.md's model section, as written, in a short run on the tests' arithmetic data."""
+    section = (ROOT / "docs" / "runtime.md").read_text().split("\n## Vision-language models\n")[1].split("\n## ")[0]
+    model = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, flags=re.S)[0])["model"]
+    config = tiny_config(tmp_path, model=model, data={"max_seq_len": 16}, training={"max_steps": 4})
+    assert type(build_model(config, len(load_tokenizer(config.model)))).__name__ == "Qwen2VLForConditionalGeneration"
+    result = train(config)
+    assert result.steps == 4 and result.final_loss < result.losses[0], result.losses
 
 
 def test_a_saved_vision_language_model_loads_as_its_conditional_generation_class(tmp_path):
