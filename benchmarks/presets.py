@@ -891,7 +891,7 @@ PRESETS: dict[str, Preset] = {
             "rope_theta": 10000.0,
             "max_position_embeddings": 8192,
         },
-        params=2.91e9,
+        params=2.93e9,
         liger="apply_liger_kernel_to_paligemma",
         vision=VisionTower(
             {
