@@ -300,6 +300,22 @@ def test_merge_keeps_each_variants_found_longest_over_not_run():
     assert merged["longest"]["llama"] == {"eager": None} and merged["longest_probes"] == [probe]
 
 
+def test_longest_table_reads_a_vision_language_models_context_from_its_text_config():
+    """A vision-language preset's shape nests its language model under text_config: the context length is there."""
+    shape = PRESETS["qwen2_vl"].shape()
+    assert "max_position_embeddings" not in shape and shape["text_config"]["max_position_embeddings"] == 32768
+    family = {"model": "m", "source": "s", "liger": None, "attention": "sdpa", "shape": shape}
+    report = {
+        "environment": {"gpu": None, "torch": "2", "transformers": "5"},
+        "settings": {"micro_batch": 1},
+        "families": {"qwen2_vl": family},
+        "runs": [],
+        "longest": {"qwen2_vl": {"tigon": 8192}},
+        "longest_probes": [],
+    }
+    assert "| qwen2_vl | tigon | 8192 | 32768 | - | - | 0 |" in markdown(report)
+
+
 def test_kernels_are_grouped_by_kind_from_their_names():
     """Names as an H200 profile of the 1B step shows them (cuBLAS, cuDNN, PyTorch's own, Triton's, AdamW's, NCCL's)."""
     from tigon.runtime.profiling import kind_of
