@@ -11,9 +11,12 @@
 One model per family of tigon's kernel table (`--family`, default llama; `all`, or a comma-separated list),
 randomly initialized from the config of a named public member, or transformers' defaults for the family
 (`PRESETS` in benchmarks/presets.py): a ~1B-4B model as it is, or for larger ones their real widths, heads and
-vocabulary with fewer layers. `NOT_BENCHMARKED` names the table's families without a preset, and why. In bf16
-with AdamW, micro-batch 8, gradient checkpointing on, trained on random tokens by the torch trainer's own
-`_optimizer_step` and strategy (its loss, clipping and AdamW step). Variants:
+vocabulary with fewer layers. A vision-language family's model is its `*ForConditionalGeneration`, vision tower
+included, trained on text alone (no image batch), as a text-only fine-tune of it runs. `NOT_BENCHMARKED` names the
+table's families without a preset, and why. In bf16 with AdamW, micro-batch 8 (or less where a preset caps it:
+Falcon-H1's PyTorch Mamba-2 mixer takes 1, Llama 4's all-experts MoE 2), gradient checkpointing on, trained on
+random tokens by the torch trainer's own `_optimizer_step` and strategy (its loss, clipping and AdamW step).
+Variants:
 
 - eager:   Hugging Face modules (kernels.enabled: false)
 - liger:   HF + Liger-Kernel (the family's `apply_liger_kernel_to_*` on the built model; GPU machine only;
@@ -175,12 +178,18 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(out, json.dumps(report, indent=2) + "\n")
         atomic_write_text(md, markdown(report))
 
+    def micro_batch_of(family: str) -> int:
+        """The micro-batch of the family's runs: the setting's, or the preset's cap (at its real shape)."""
+        requested = settings["micro_batch"]
+        return requested if tiny or args.shape else PRESETS[family].micro_batch_for(requested)
+
     def base_of(family: str) -> dict:
         return {
             "family": family,
             "shape": report["families"][family]["shape"],
             "attention": PRESETS[family].attention,
             **settings,
+            "micro_batch": micro_batch_of(family),
         }
 
     timed_seqs = [] if args.longest_only else seqs
@@ -188,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     jobs = ((f, s, v) for f in families for s in timed_seqs for v in variants)  # family by family: partials compare
     for index, (family, seq, variant) in enumerate(jobs, start=1):
         head = {"family": family, "variant": variant, "seq": seq, "oom": False}
-        print(f"[{index}/{total}] {family} {variant} at seq {seq} x micro-batch {settings['micro_batch']} ...")
+        print(f"[{index}/{total}] {family} {variant} at seq {seq} x micro-batch {micro_batch_of(family)} ...")
         if variant == "liger" and (PRESETS[family].liger is None or not cuda):
             result = {**head, "unavailable": liger_function(family, cuda)[1]}  # no process needed to know
         elif not budget.allows_another():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.presets import PRESETS, VARIANTS
+from benchmarks.presets import PRESETS, VARIANTS, text_shape
 
 GiB = 2**30
 
@@ -83,7 +83,7 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for family, variants in report["longest"].items():
-            context = report["families"][family]["shape"].get("max_position_embeddings", "-")
+            context = text_shape(report["families"][family]["shape"]).get("max_position_embeddings", "-")
             for name, seq in variants.items():
                 probes = [p for p in report.get("longest_probes", []) if (p["family"], p["variant"]) == (family, name)]
                 there = probe_at_longest(report, family, name)

@@ -9,6 +9,7 @@ process per probe; `Budget` stops starting runs once the next would not end in t
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.end_to_end_report import count_text, describe
-from benchmarks.presets import PRESETS, QLORA
+from benchmarks.presets import PRESETS, QLORA, text_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,9 @@ def bench_config(spec: dict, cuda: bool):
     """The RunConfig of one measurement (data is random tokens, so data.train is never read)."""
     from tigon.runtime.config import parse_config
 
-    shape = dict(spec["shape"])
-    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings") or 0, spec["seq"])
+    shape = copy.deepcopy(spec["shape"])
+    text = text_shape(shape)
+    text["max_position_embeddings"] = max(text.get("max_position_embeddings") or 0, spec["seq"])
     raw = {
         "name": f"e2e-{spec.get('family', 'llama')}-{spec['variant']}",
         "model": {
@@ -111,7 +113,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     training = config.training
-    vocab = config.model.config_overrides["vocab_size"]
+    vocab = text_shape(config.model.config_overrides)["vocab_size"]
     if cuda:
         torch.zeros((), device=device)  # initializes CUDA: resetting the peak before that is an error
         torch.cuda.reset_peak_memory_stats(device)
@@ -173,7 +175,7 @@ def count_parameters(config) -> int:
     apart)."""
     from tigon.runtime.model import build_model
 
-    model = build_model(config, config.model.config_overrides["vocab_size"], meta=True)
+    model = build_model(config, text_shape(config.model.config_overrides)["vocab_size"], meta=True)
     return sum(p.numel() for p in model.parameters() if not (config.lora.enabled and p.requires_grad))
 
 

@@ -21,7 +21,9 @@
 #   [headline (benchmarks/headline.sh)] (BENCH_LIMIT seconds each; results in $OUT/scaling.tgz, headline.tgz) [e2e] [e2e-8k] [e2e-longest] [e2e-families] [e2e-longest-families]   (end-to-end: benchmarks/end_to_end.py, one step per
 #   device call; E2E_VARIANTS=eager,liger picks the variants of e2e-longest or e2e-families, to keep each call under the
 #   device's 10 minutes; e2e-families runs every model family at seq 4096 within a 520 s budget and names the families
-#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds; E2E_MICRO the micro-batch of e2e-longest, default 8;
+#   it did not reach: E2E_FAMILIES=gemma2,phi3 runs those in the next call; E2E_BUDGET sets its budget in seconds
+#   (vision-language families run as their *ForConditionalGeneration on text; Gemma 4's need the transformers wheel of
+#   .whl-tf/, carried beside .whl: see docs/benchmarks.md, "Per model family"); E2E_MICRO the micro-batch of e2e-longest, default 8;
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
 #   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
 #   E2E_SEQS, E2E_VARIANTS); packed runs the packed-attention GPU tests, then benchmarks/packed_attention.py (real

@@ -26,15 +26,36 @@ LLAMA_3_8B = {
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A vision-language preset's vision tower and its config's top-level values.
+
+    `config` holds the vision_config values at the member's real depth, `depth` the ones that shorten it for the
+    benchmark (its own key names: `depth` for Qwen's towers, `num_hidden_layers` for the others). `outer` holds the
+    top-level values (tied head, image token ids). `tiny` is `--tiny`'s one-layer vision_config and `tiny_outer`
+    the top-level values it needs beside it.
+    """
+
+    config: dict
+    outer: dict
+    tiny: dict
+    depth: dict = field(default_factory=dict)
+    tiny_outer: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Preset:
     """One family's benchmark model: the config.json values of a named public member, and how it is run.
 
-    `config` holds the values that set shapes and the family's quirks, at the member's real depth;
+    `config` holds the values that set shapes and the family's quirks, at the member's real depth (for a
+    vision-language model, its language model's: config.json's `text_config`);
     `layers` shortens it (real widths, heads and vocabulary) where the family has no member of 1B-4B.
+    `vision` is a vision-language model's vision tower (`VisionTower`): the model is then built as the family's
+    `*ForConditionalGeneration` from `{**outer, "text_config": ..., "vision_config": ...}` and trained on text alone.
     `params` is the member's published parameter count (the preset test counts `config` against it).
     `liger` names the Liger-Kernel function for the family, None where Liger-Kernel has none.
     `tiny` holds family-specific `--tiny` values on top of `tiny_shape`'s generic shrink.
     `attention` is the run's `model.attn_implementation`.
+    `micro_batch` caps the run's micro-batch where the family's model does not fit the default's (why: beside it).
     """
 
     family: str  # tigon's kernel table key, which is also the transformers model_type
@@ -45,13 +66,30 @@ class Preset:
     layers: int | None = None
     tiny: dict = field(default_factory=dict)
     attention: str = "sdpa"
+    vision: VisionTower | None = None
+    micro_batch: int | None = None
+
+    def micro_batch_for(self, requested: int) -> int:
+        """The micro-batch this preset runs at when `requested` is asked for: at most its cap."""
+        return min(requested, self.micro_batch) if self.micro_batch else requested
 
     def shape(self) -> dict:
-        """The benchmark's `model.config_overrides`: `config`, shortened to `layers`."""
-        return {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
+        """The benchmark's `model.config_overrides`: `config`, shortened to `layers`, with the vision tower."""
+        text = {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
+        return self._with_vision(text, {**self.vision.config, **self.vision.depth} if self.vision else {}, {})
+
+    def full_shape(self) -> dict:
+        """`config` at the member's real depth, text and vision (the shape `params` counts)."""
+        return self._with_vision(dict(self.config), dict(self.vision.config) if self.vision else {}, {})
+
+    def _with_vision(self, text: dict, vision: dict, outer: dict) -> dict:
+        if self.vision is None:
+            return text
+        return {**self.vision.outer, **outer, "text_config": text, "vision_config": vision}
 
     def tiny_shape(self) -> dict:
-        """Small widths, 2 layers, vocabulary 512, no special tokens; the model_type and `config`'s quirks kept."""
+        """Small widths, 2 layers, vocabulary 512, no special tokens; the model_type and `config`'s quirks kept (a
+        vision-language model's vision tower: one small layer)."""
         config, shape = self.config, dict(self.config)
         heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
         shape |= {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -71,16 +109,92 @@ class Preset:
         shape |= {key: value for key, value in shrink.items() if key in config}
         if config.get("sliding_window"):
             shape["sliding_window"] = 16  # so the window acts at the smoke run's sequence lengths
-        return shape | self.tiny
+        shape |= self.tiny
+        if self.vision is None:
+            return shape
+        return self._with_vision(shape, dict(self.vision.tiny), self.vision.tiny_outer)
 
     def describe(self, tiny: bool = False) -> str:
         if tiny:
             return f"tiny {self.family} (2 layers, hidden 64, vocab 512; {self.source}'s quirks)"
         depth = self.config["num_hidden_layers"]
+        vision = ""
+        if self.vision is not None:
+            vision = ", its vision tower shortened" if self.vision.depth else ", its vision tower"
+            vision += " (trained on text)"
         if self.layers and self.layers < depth:
-            return f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers (random init)"
-        return f"{self.source} (random init from its config)"
+            return f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers{vision} (random init)"
+        return f"{self.source} (random init from its config{vision})"
 
+
+def text_shape(shape: dict) -> dict:
+    """The language model's part of a benchmark shape: its `text_config` for a vision-language model."""
+    return shape.get("text_config", shape)
+
+
+#: --tiny: one-layer vision towers (their configs' own key names)
+TINY_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 8,
+    "patch_size": 2,
+}
+#: --tiny: Qwen2-VL's multimodal RoPE sections for a 16-wide head (the members' 16, 24 and 24 take 128)
+TINY_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]}
+#: --tiny: special tokens within the 512-token vocabulary, for configs that take no null ones (Mllama's)
+TINY_SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+QWEN_TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 2,
+}
+
+#: Llama 4 Scout's language model (transformers' Llama4TextConfig defaults): every layer MoE, every fourth without
+#: RoPE, chunked attention past 8192 tokens
+LLAMA4_SCOUT_TEXT = {
+    "hidden_size": 5120,
+    "intermediate_size": 8192,  # each expert's
+    "intermediate_size_mlp": 16384,  # the dense layers' (none here)
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 202048,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "attention_chunk_size": 8192,
+    "use_qk_norm": True,
+    "max_position_embeddings": 131072,
+}
+LLAMA4_TINY = {"intermediate_size_mlp": 160, "num_experts_per_tok": 1}
+#: Gemma 4's language model (transformers' Gemma4TextConfig defaults): five sliding-window layers, then a global one
+#: with wider heads, and per-layer input embeddings
+GEMMA4_TEXT = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144,
+    "tie_word_embeddings": True,
+    "sliding_window": 512,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+GEMMA4_TINY = {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512, "global_head_dim": 32}
 
 # Each preset's values are those of its source's config.json (keys as config.json spells them, which the
 # transformers 4.x and 5.x configs both take). Where a value was read from a copy that quoted only part of
@@ -512,31 +626,441 @@ PRESETS: dict[str, Preset] = {
         params=8.51e9,
         liger="apply_liger_kernel_to_falcon_h1",
         layers=10,  # 10 of 32 layers (attention and Mamba-2 mixer in parallel), 3.4B parameters
+        # Without mamba-ssm, transformers runs the Mamba-2 mixer in PyTorch, in float32 with (chunk x chunk x heads)
+        # tensors per sequence: one layer's forward and backward took 6.8 GiB a 4096-token sequence (CPU, fp32), and
+        # 4 sequences ran out of an H200's memory in HF eager and with Liger-Kernel.
+        micro_batch=1,
         tiny={"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 8},
+    ),
+    # Vision-language models: built as the family's *ForConditionalGeneration (vision tower included) and trained on
+    # text alone, as a text-only fine-tune of such a model runs; `config` is the language model's text_config.
+    "qwen2_vl": Preset(
+        "qwen2_vl",
+        "Qwen/Qwen2-VL-2B-Instruct",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768,
+        },
+        params=2.21e9,
+        liger="apply_liger_kernel_to_qwen2_vl",
+        tiny={"rope_parameters": TINY_MROPE},
+        vision=VisionTower(
+            {"depth": 32, "embed_dim": 1280, "hidden_size": 1536, "num_heads": 16, "mlp_ratio": 4, "patch_size": 14},
+            {"tie_word_embeddings": True},
+            {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 2},
+        ),
+    ),
+    "qwen2_5_vl": Preset(
+        "qwen2_5_vl",
+        "Qwen/Qwen2.5-VL-3B-Instruct",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 128000,
+        },
+        params=3.75e9,
+        liger="apply_liger_kernel_to_qwen2_5_vl",
+        tiny={"rope_parameters": TINY_MROPE},
+        vision=VisionTower(
+            {
+                "depth": 32,
+                "hidden_size": 1280,
+                "intermediate_size": 3420,
+                "num_heads": 16,
+                "out_hidden_size": 2048,
+                "fullatt_block_indexes": [7, 15, 23, 31],
+                "window_size": 112,
+                "patch_size": 14,
+            },
+            {"tie_word_embeddings": True},
+            {**QWEN_TINY_VISION, "window_size": 4, "fullatt_block_indexes": [0]},
+        ),
+    ),
+    "qwen3_vl": Preset(
+        "qwen3_vl",
+        "Qwen/Qwen3-VL-2B-Instruct",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 5000000.0,
+            "max_position_embeddings": 262144,
+        },
+        params=2.13e9,
+        liger="apply_liger_kernel_to_qwen3_vl",
+        vision=VisionTower(
+            {
+                "depth": 24,
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_heads": 16,
+                "out_hidden_size": 2048,
+                "deepstack_visual_indexes": [5, 11, 17],
+                "num_position_embeddings": 2304,
+                "patch_size": 16,
+            },
+            {"tie_word_embeddings": True},
+            {**QWEN_TINY_VISION, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+        ),
+    ),
+    "qwen3_vl_moe": Preset(
+        "qwen3_vl_moe",
+        "Qwen/Qwen3-VL-30B-A3B-Instruct",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,  # the dense MLP of mlp_only_layers (none here)
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 5000000.0,
+            "max_position_embeddings": 262144,
+        },
+        params=31.1e9,
+        liger="apply_liger_kernel_to_qwen3_vl_moe",
+        layers=4,  # 0.62B parameters a layer (128 experts of 3 x 2048 x 768): 4 of 48 layers, 3.7B parameters
+        vision=VisionTower(
+            {
+                "depth": 27,
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_heads": 16,
+                "out_hidden_size": 2048,
+                "deepstack_visual_indexes": [8, 16, 24],
+                "num_position_embeddings": 2304,
+                "patch_size": 16,
+            },
+            {"tie_word_embeddings": False},
+            {**QWEN_TINY_VISION, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+        ),
+    ),
+    "gemma3": Preset(
+        "gemma3",
+        "google/gemma-3-4b-pt",
+        {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "vocab_size": 262208,
+            "sliding_window": 1024,  # five sliding-window layers, then a global one
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            # its global layers' RoPE scaling (linear, factor 8) is left out: it changes no shape or cost
+        },
+        params=4.30e9,
+        liger="apply_liger_kernel_to_gemma3",
+        layers=24,  # 24 of 34 layers, 3.4B parameters with the vision tower (4.3B whole: past 4B)
+        vision=VisionTower(
+            {
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_hidden_layers": 27,
+                "num_attention_heads": 16,
+                "patch_size": 14,
+                "image_size": 896,
+            },
+            {"tie_word_embeddings": True, "mm_tokens_per_image": 256},
+            TINY_VISION,
+            tiny_outer={"mm_tokens_per_image": 4},
+        ),
+    ),
+    "mllama": Preset(
+        "mllama",
+        "transformers' MllamaConfig defaults (Llama-3.2-11B-Vision's shape)",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 40,  # 32 self-attention layers and 8 cross-attention ones
+            "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38],
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 131072,
+        },
+        params=10.6e9,
+        liger="apply_liger_kernel_to_mllama",
+        layers=8,  # 8 of 40 layers, the fourth a cross-attention one (skipped without an image): 3.7B parameters
+        tiny={"cross_attention_layers": [1], **TINY_SPECIAL_TOKENS},
+        vision=VisionTower(
+            {
+                "hidden_size": 1280,
+                "intermediate_size": 5120,
+                "num_hidden_layers": 32,
+                "num_global_layers": 8,
+                "attention_heads": 16,
+                "vision_output_dim": 7680,
+                "patch_size": 14,
+                "image_size": 448,
+            },
+            {},
+            {
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 1,
+                "num_global_layers": 1,
+                "attention_heads": 2,
+                "image_size": 8,
+                "patch_size": 2,
+                "max_num_tiles": 1,
+                "intermediate_layers_indices": [0],
+                "vision_output_dim": 64,
+                "supported_aspect_ratios": [[1, 1]],
+            },
+        ),
+    ),
+    "llava": Preset(
+        "llava",
+        "transformers' LlavaConfig defaults (llava-1.5-7b's shape: Llama 2 7B and CLIP ViT-L/14 at 336)",
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 2048,
+        },
+        params=7.06e9,
+        liger="apply_liger_kernel_to_llava",
+        layers=8,  # 8 of 32 layers, 2.2B parameters
+        vision=VisionTower(
+            {
+                "model_type": "clip_vision_model",
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "projection_dim": 768,
+                "patch_size": 14,
+                "image_size": 336,
+            },
+            {"tie_word_embeddings": False},
+            {"model_type": "clip_vision_model", **TINY_VISION, "projection_dim": 32},
+        ),
+    ),
+    "paligemma": Preset(
+        "paligemma",
+        "transformers' PaliGemmaConfig defaults (paligemma-3b's shape: Gemma 2B and SigLIP So400m at 224)",
+        {
+            "model_type": "gemma",
+            "hidden_size": 2048,
+            "intermediate_size": 16384,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "vocab_size": 257152,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 8192,
+        },
+        params=2.93e9,
+        liger="apply_liger_kernel_to_paligemma",
+        vision=VisionTower(
+            {
+                "model_type": "siglip_vision_model",
+                "hidden_size": 1152,
+                "intermediate_size": 4096,
+                "num_hidden_layers": 27,
+                "num_attention_heads": 16,
+                "projection_dim": 2048,
+                "patch_size": 14,
+                "image_size": 224,
+            },
+            {"tie_word_embeddings": True},
+            {"model_type": "siglip_vision_model", **TINY_VISION, "projection_dim": 64},
+        ),
+    ),
+    "internvl": Preset(
+        "internvl",
+        "transformers' InternVLConfig defaults (a Qwen2 7B-wide language model and InternViT-300M)",
+        {
+            "model_type": "qwen2",
+            "hidden_size": 4096,
+            "intermediate_size": 22016,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "use_sliding_window": False,
+            "max_position_embeddings": 32768,
+        },
+        params=11.8e9,
+        liger="apply_liger_kernel_to_internvl",
+        layers=8,  # 8 of 32 layers, 3.7B parameters
+        vision=VisionTower(
+            {
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "patch_size": [14, 14],
+                "image_size": [448, 448],
+            },
+            {"tie_word_embeddings": True},
+            {**TINY_VISION, "image_size": [8, 8], "patch_size": [2, 2]},
+        ),
+    ),
+    "mistral3": Preset(
+        "mistral3",
+        "transformers' Mistral3Config defaults (Mistral-Small-3.1-24B's shape)",
+        {
+            "model_type": "mistral",
+            "hidden_size": 5120,
+            "intermediate_size": 32768,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 131072,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000000.0,
+            "sliding_window": None,
+            "max_position_embeddings": 131072,
+        },
+        params=24.0e9,
+        liger=None,  # Liger-Kernel has no apply_liger_kernel_to_mistral3
+        layers=3,  # 0.56B parameters a layer: 3 of 40 layers, 3.4B parameters
+        vision=VisionTower(
+            {
+                "model_type": "pixtral",
+                "hidden_size": 1024,
+                "intermediate_size": 4096,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "head_dim": 64,
+                "patch_size": 14,
+                "image_size": 1540,
+            },
+            {"tie_word_embeddings": False},
+            {"model_type": "pixtral", **TINY_VISION, "head_dim": 16},
+        ),
+    ),
+    "llama4": Preset(
+        "llama4",
+        "transformers' Llama4Config defaults (Llama-4-Scout-17B-16E's text shape)",
+        LLAMA4_SCOUT_TEXT,
+        params=108.2e9,
+        liger="apply_liger_kernel_to_llama4",
+        layers=1,  # one MoE layer (2.2B: 16 experts of 3 x 5120 x 8192, a shared one), embeddings and head (2.1B)
+        # transformers' Llama 4 MoE runs every token through all 16 experts (the router's weights zero the others), so
+        # the layer's activations are 16 dense MLPs' of its width, beside the float32 logits of 202,048 tokens: half
+        # the default micro-batch keeps HF eager's step well inside one H200
+        micro_batch=2,
+        tiny=LLAMA4_TINY,
+        vision=VisionTower(
+            {
+                "hidden_size": 768,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 34,
+                "num_attention_heads": 16,
+                "vision_output_dim": 7680,
+                "projector_input_dim": 4096,
+                "projector_output_dim": 4096,
+                "patch_size": 14,
+                "image_size": 448,
+            },
+            {"tie_word_embeddings": False},
+            {
+                **TINY_VISION,
+                "vision_output_dim": 32,
+                "projector_input_dim": 64,
+                "projector_output_dim": 64,
+                "pixel_shuffle_ratio": 0.5,
+            },
+            depth={"num_hidden_layers": 4},  # 4 of 34 vision layers: 4.4B parameters in all, not 4.7B
+        ),
+    ),
+    "llama4_text": Preset(
+        "llama4_text",
+        "transformers' Llama4TextConfig defaults (Llama-4-Scout-17B-16E's text shape)",
+        LLAMA4_SCOUT_TEXT,
+        params=107.8e9,
+        liger="apply_liger_kernel_to_llama4",
+        layers=1,  # one MoE layer (2.2B: 16 experts of 3 x 5120 x 8192, a shared one), embeddings and head (2.1B): 4.3B
+        # transformers' Llama 4 MoE runs every token through all 16 experts (the router's weights zero the others), so
+        # the layer's activations are 16 dense MLPs' of its width, beside the float32 logits of 202,048 tokens: half
+        # the default micro-batch keeps HF eager's step well inside one H200
+        micro_batch=2,
+        tiny=LLAMA4_TINY,
+    ),
+    "gemma4": Preset(
+        "gemma4",
+        "transformers' Gemma4Config defaults, with its vision tower's defaults",
+        GEMMA4_TEXT,
+        params=5.25e9,
+        liger="apply_liger_kernel_to_gemma4",
+        layers=12,  # 12 of 30 layers (each with its per-layer embeddings, 67M): 2.6B parameters
+        tiny={**GEMMA4_TINY, **TINY_SPECIAL_TOKENS},  # its multimodal embedding pads with pad_token_id
+        vision=VisionTower(
+            {
+                "hidden_size": 768,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 16,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 12,
+                "head_dim": 64,
+                "patch_size": 16,
+                "pooling_kernel_size": 3,
+            },
+            {"tie_word_embeddings": True},
+            {**TINY_VISION, "num_key_value_heads": 2, "head_dim": 16, "pooling_kernel_size": 2},
+        ),
+    ),
+    "gemma4_text": Preset(
+        "gemma4_text",
+        "transformers' Gemma4TextConfig defaults",
+        GEMMA4_TEXT,
+        params=5.1e9,
+        liger="apply_liger_kernel_to_gemma4_text",
+        layers=12,  # 12 of 30 layers (each with its per-layer embeddings, 67M): 2.4B parameters
+        tiny=GEMMA4_TINY,
     ),
 }
 # Families of tigon's kernel table with no preset here, and why.
 NOT_BENCHMARKED = {
-    family: "a vision-language model: the runtime builds a causal LM from a flat config (AutoModelForCausalLM)"
-    for family in (
-        "llama4",
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "gemma3",
-        "gemma4",
-        "mllama",
-        "llava",
-        "paligemma",
-        "internvl",
-        "mistral3",
-    )
-} | {
-    "gemma4_text": "the benchmark image's transformers predates Gemma 4 (it has no modeling_gemma4)",
     "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
-    "llama4_text": "one Llama 4 Scout layer (16 experts of 3 x 5120 x 8192) and its embeddings are 4.3B parameters, "
-    "past what AdamW trains in bf16 beside the activations on one 80 GB GPU",
 }
 LLAMA_32_1B = PRESETS["llama"].shape()
 TINY = PRESETS["llama"].tiny_shape()

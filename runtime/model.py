@@ -27,6 +27,7 @@ from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.dtypes import torch_dtype
 from tigon.runtime.fp8 import convert_to_fp8
 from tigon.runtime.hub import model_directory
+from tigon.runtime.model_types import TEXT_CONFIG, auto_model_class, sub_config_class, text_overrides
 from tigon.runtime.quantization import quantize_base
 from tigon.runtime.recompute import check_model, enable_selective_recomputation
 
@@ -63,13 +64,14 @@ def _special_token_ids(tokenizer) -> dict[str, int]:
 
 def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights: bool = True) -> nn.Module:
     """`from_pretrained` on `model.path` (a Hub id, a local or object-store directory); the embeddings grow if
-    the tokenizer is larger.
+    the tokenizer is larger. A vision-language model loads as its `*ForConditionalGeneration` class
+    (`tigon.runtime.model_types`).
 
     A Hub id or URL is resolved from the cache when `tigon.runtime.hub.fetch_model` fetched it already, else
     downloaded here. `weights=False` builds the model from its config without reading its weights (the shapes,
     for a rank that builds on the meta device and receives rank 0's weights).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = model_directory(config.model)
     trust = config.model.trust_remote_code
@@ -79,11 +81,12 @@ def load_pretrained(config: RunConfig, vocab_size: int, tokenizer=None, weights:
         trust_remote_code=trust,
     )
     try:
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        auto_class = auto_model_class(model_config.model_type)
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(path, **options)
+            model = auto_class.from_pretrained(path, config=model_config, **options)
         else:
-            model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-            model = AutoModelForCausalLM.from_config(model_config, **options)
+            model = auto_class.from_config(model_config, **options)
     except ValueError as error:
         if "trust_remote_code" not in str(error):
             raise
@@ -113,8 +116,10 @@ def config_fields(config_class: type) -> set[str]:
 
 def check_model_config(config: RunConfig) -> None:
     """Mistakes in `model.config_overrides` that transformers would take silently or report obscurely: a key close
-    to a known field's name (a typo; transformers would keep it as an unused attribute), and head counts that do
-    not divide the widths. An unknown key unlike any field is kept, with a warning."""
+    to a known field's name (a typo; transformers would keep it as an unused attribute), a language model's field
+    outside the `text_config` of a config that nests one, and head counts that do not divide the widths. An unknown
+    key unlike any field is kept, with a warning. The sub-configs given (`text_config`, `vision_config`) are checked
+    alike."""
     name = config.model.config_name
     if name is None:
         return
@@ -126,12 +131,31 @@ def check_model_config(config: RunConfig) -> None:
         raise ConfigError(f"model.config_name: unknown model type {name!r} ({hint})")
     config_class = CONFIG_MAPPING[name]
     overrides = config.model.config_overrides
+    _check_overrides(config_class, overrides, "model.config_overrides")
+    try:
+        built = config_class(**copy.deepcopy(overrides))
+    except Exception as error:  # transformers' own validation (strict dataclasses in 5.x), named with the key
+        raise ConfigError(f"model.config_overrides: {config_class.__name__} rejects them: {error}") from None
+    _warn_unknown(config_class, overrides, built, "model.config_overrides")
+
+
+def _check_overrides(config_class: type, overrides: dict, where: str) -> None:
+    """`check_model_config`'s errors for one config class's overrides, then for each sub-config given."""
     known = config_fields(config_class)
+    sub_configs = getattr(config_class, "sub_configs", {})
+    text_fields = set()
+    if TEXT_CONFIG in sub_configs:
+        text_fields = config_fields(sub_config_class(config_class, TEXT_CONFIG, overrides.get(TEXT_CONFIG) or {}))
     for key in overrides:
+        if key not in known and key in text_fields:
+            raise ConfigError(
+                f"{where}.{key}: {config_class.__name__} keeps its language model's fields in {TEXT_CONFIG}; write "
+                f"it as {where}.{TEXT_CONFIG}.{key}"
+            )
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
         if key not in known and close:
             raise ConfigError(
-                f"model.config_overrides.{key}: not a field of {config_class.__name__} (did you mean '{close[0]}'?); "
+                f"{where}.{key}: not a field of {config_class.__name__} (did you mean '{close[0]}'?); "
                 "transformers would keep it as an attribute no layer reads"
             )
     values = {**config_class().to_dict(), **overrides}
@@ -139,53 +163,68 @@ def check_model_config(config: RunConfig) -> None:
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and overrides.get("head_dim") is None:
         if hidden % heads:
             raise ConfigError(
-                f"model.config_overrides: hidden_size {hidden} is not divisible by num_attention_heads {heads}, so "
+                f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}, so "
                 "the heads cannot split it; pick hidden_size = num_attention_heads x head size (e.g. "
                 f"{heads * max(1, round(hidden / heads))}), or set head_dim"
             )
     if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
         raise ConfigError(
-            f"model.config_overrides: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
             f"{kv_heads}; each key/value head must serve the same number of query heads"
         )
-    try:
-        built = config_class(**copy.deepcopy(overrides))
-    except Exception as error:  # transformers' own validation (strict dataclasses in 5.x), named with the key
-        raise ConfigError(f"model.config_overrides: {config_class.__name__} rejects them: {error}") from None
-    for key in overrides:
-        if key not in known and key in vars(built):  # kept as is, not taken up under another name (rope_theta)
+    for sub_name in sub_configs:
+        sub = overrides.get(sub_name)
+        if sub is not None and not isinstance(sub, dict):
+            raise ConfigError(f"{where}.{sub_name}: a mapping of config fields, not {type(sub).__name__} ({sub!r})")
+        if sub is not None:
+            _check_overrides(sub_config_class(config_class, sub_name, sub), sub, f"{where}.{sub_name}")
+
+
+def _warn_unknown(config_class: type, overrides: dict, built, where: str) -> None:
+    """Warn of each override key that is no field and that transformers kept as a plain attribute, in the config and
+    in each sub-config given."""
+    known = config_fields(config_class)
+    sub_configs = getattr(config_class, "sub_configs", {})
+    for key, value in overrides.items():
+        if key in sub_configs and isinstance(value, dict) and getattr(built, key, None) is not None:
+            _warn_unknown(sub_config_class(config_class, key, value), value, getattr(built, key), f"{where}.{key}")
+        elif key not in known and key in vars(built):  # kept as is, not taken up under another name (rope_theta)
             logger.warning(
-                "model.config_overrides.%s is not a field of %s; transformers keeps it as an attribute, which the "
-                "model may not read",
+                "%s.%s is not a field of %s; transformers keeps it as an attribute, which the model may not read",
+                where,
                 key,
                 config_class.__name__,
             )
 
 
 def build_from_config(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.Module:
-    """A randomly initialized model from `AutoConfig.for_model(config_name, **config_overrides)`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A randomly initialized model from `AutoConfig.for_model(config_name, **config_overrides)`: a causal LM, or
+    a vision-language model's `*ForConditionalGeneration` (`tigon.runtime.model_types`), whose language model
+    takes the tokenizer's vocabulary and special tokens in its `text_config`."""
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    overrides = dict(config.model.config_overrides)
-    if overrides.get("vocab_size", vocab_size) < vocab_size:
+    name = config.model.config_name
+    overrides = copy.deepcopy(dict(config.model.config_overrides))
+    text, where = text_overrides(CONFIG_MAPPING[name], overrides) if name in CONFIG_MAPPING else (overrides, "")
+    if text.get("vocab_size", vocab_size) < vocab_size:
         raise ConfigError(
-            f"model.config_overrides.vocab_size: {overrides['vocab_size']} is smaller than the tokenizer's "
+            f"model.config_overrides{where}.vocab_size: {text['vocab_size']} is smaller than the tokenizer's "
             f"{vocab_size} tokens; remove it (the tokenizer's size is used) or raise it"
         )
-    overrides.setdefault("vocab_size", vocab_size)
-    for name, value in _special_token_ids(tokenizer).items():
-        overrides.setdefault(name, value)
+    text.setdefault("vocab_size", vocab_size)
+    for key, value in _special_token_ids(tokenizer).items():
+        text.setdefault(key, value)
     try:
-        model_config = AutoConfig.for_model(config.model.config_name, **overrides)
+        model_config = AutoConfig.for_model(name, **overrides)
     except (ValueError, KeyError) as error:
         raise ConfigError(f"model.config_name / config_overrides: {error}") from None
-    limit = getattr(model_config, "max_position_embeddings", None)
+    limit = getattr(model_config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and config.data.max_seq_len > limit:
         raise ConfigError(
             f"data.max_seq_len: {config.data.max_seq_len} is longer than the model's max_position_embeddings "
-            f"({limit}); lower it or set model.config_overrides.max_position_embeddings"
+            f"({limit}); lower it or set model.config_overrides{where}.max_position_embeddings"
         )
-    return AutoModelForCausalLM.from_config(
+    return auto_model_class(model_config.model_type).from_config(
         model_config,
         dtype=torch_dtype(config.model.dtype),
         attn_implementation=transformers_name(config.model.attn_implementation),

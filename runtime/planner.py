@@ -111,6 +111,7 @@ tokens. The model ranks settings; it does not predict tokens/s.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -120,6 +121,7 @@ from typing import Literal
 
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.hub import config_json
+from tigon.runtime.model_types import text_overrides
 from tigon.runtime.tokenizer import load_tokenizer
 
 #: LoRA: bytes of an adapter parameter. peft keeps adapters in float32 (`get_peft_model`'s
@@ -216,6 +218,15 @@ class MoeShape:
         return self.experts * hidden + 3 * self.experts * hidden * self.intermediate + shared
 
 
+def layer_value(text, key: str, default=None):
+    """`text.<key>` (`default` where unset), or the first decoder layer's where the config keeps that field per layer
+    (transformers 5.2x's heterogeneous configs: Gemma 4's global layers have wider heads, so reading its `head_dim`
+    from the config itself is an error). The planner models every layer as the first."""
+    if key in (getattr(text, "per_layer_attributes", None) or ()):
+        text = text.per_layer_config[0]
+    return getattr(text, key, default)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes the estimate needs, read from a transformers config (no weights are made)."""
@@ -244,8 +255,8 @@ class ModelShape:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
         heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv_heads = layer_value(text, "num_key_value_heads") or heads
+        head_dim = layer_value(text, "head_dim") or hidden // heads
         vocab = text.vocab_size
         tied = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
         q, kv = heads * head_dim, kv_heads * head_dim
@@ -408,7 +419,7 @@ def detect_world_size() -> int:
 
 def model_shape(config: RunConfig) -> ModelShape:
     """The run's model sizes, from `model.path`'s config.json or `model.config_name` + overrides."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if config.model.path is not None:
         raw = config_json(config.model)
@@ -416,9 +427,13 @@ def model_shape(config: RunConfig) -> ModelShape:
             return ModelShape.from_hf_config(AutoConfig.for_model(**raw))
         except (ValueError, KeyError) as error:
             raise ConfigError(f"model.path: cannot read a config from {config.model.path}: {error}") from None
-    overrides = dict(config.model.config_overrides)
-    if "vocab_size" not in overrides:
-        overrides["vocab_size"] = len(load_tokenizer(config.model))
+    overrides = copy.deepcopy(dict(config.model.config_overrides))
+    if config.model.config_name in CONFIG_MAPPING:  # a vision-language model's vocabulary is its text_config's
+        text, _ = text_overrides(CONFIG_MAPPING[config.model.config_name], overrides)
+    else:
+        text = overrides
+    if "vocab_size" not in text:
+        text["vocab_size"] = len(load_tokenizer(config.model))
     try:
         return ModelShape.from_hf_config(AutoConfig.for_model(config.model.config_name, **overrides))
     except (ValueError, KeyError) as error:

@@ -110,24 +110,51 @@ for family, preset in PRESETS.items():
     for variant in ("eager", "tigon"):  # eager first: tigon's RoPE patch is module-wide for the family
         spec = {"family": family, "shape": preset.tiny_shape(), "attention": preset.attention, "variant": variant,
                 "seq": 32, "micro_batch": 2, "checkpointing": True, "steps": 1, "warmup": 1}
-        rows.append(worker(spec))
+        try:
+            rows.append(worker(spec))
+        except Exception as error:  # recorded, so the other families still run
+            rows.append({"family": family, "variant": variant, "error": f"{type(error).__name__}: {error}"})
 print(json.dumps(rows))
 """
 
 
-def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
-    """Every family's tiny model through the benchmark's worker, in one process (the imports once).
+LLAMA4_OUTPUT = "MoeCausalLMOutputWithPast"  # what Llama 4's language model returns
 
-    Gemma 2 trains at all only with its preset's eager attention (transformers refuses SDPA for it).
+
+def llama4_forward_is_broken() -> bool:
+    """Whether this transformers' Llama4ForConditionalGeneration.forward reads `image_outputs` from its language
+    model's output, which has none (transformers 5.24): it then fails on every call, with an image or without."""
+    import inspect
+
+    from transformers.models.llama4 import modeling_llama4
+
+    return "outputs.image_outputs" in inspect.getsource(modeling_llama4.Llama4ForConditionalGeneration.forward)
+
+
+def test_every_family_trains_the_same_first_loss_eager_and_with_tigon():
+    """Every family's tiny model through the benchmark's worker, in one process (the imports once); a
+    vision-language model as its *ForConditionalGeneration, on text.
+
+    Gemma 2 trains at all only with its preset's eager attention (transformers refuses SDPA for it). Llama 4's
+    multimodal model fails in transformers' own forward where that forward is broken, with and without tigon.
     """
     done = subprocess.run(
-        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _EVERY_FAMILY], cwd=ROOT, env=process_env(), capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {(run["family"], run["variant"]): run for run in json.loads(done.stdout.strip().splitlines()[-1])}
     assert set(runs) == {(family, variant) for family in PRESETS for variant in ("eager", "tigon")}
+    broken = {"llama4"} if llama4_forward_is_broken() else set()
     for family in PRESETS:
         eager, tigon = runs[family, "eager"], runs[family, "tigon"]
+        if family in broken:
+            for run in (eager, tigon):
+                assert (
+                    run["error"]
+                    == "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
+                )
+            continue
+        assert "error" not in eager and "error" not in tigon, (eager, tigon)
         assert eager["tokens_per_second"] > 0 and tigon["tokens_per_second"] > 0
         assert abs(eager["losses"][0] - tigon["losses"][0]) < 1e-4, family
         assert math.isclose(eager["losses"][0], math.log(512), rel_tol=0.05), family
@@ -137,8 +164,8 @@ def test_presets_cover_tigons_families_and_parse():
     from tigon.kernels.patching import FAMILIES
 
     assert set(PRESETS) | set(NOT_BENCHMARKED) == set(FAMILIES) and not set(PRESETS) & set(NOT_BENCHMARKED)
-    with pytest.raises(ValueError, match="qwen2_vl has no benchmark preset: a vision-language model"):
-        parse_families("llama,qwen2_vl")
+    with pytest.raises(ValueError, match="phi4_multimodal has no benchmark preset: its vision and audio towers"):
+        parse_families("llama,phi4_multimodal")
     assert parse_families("all") == list(PRESETS)
     assert parse_families("qwen3, gemma2") == ["qwen3", "gemma2"]
     with pytest.raises(ValueError, match="unknown families"):
@@ -147,33 +174,44 @@ def test_presets_cover_tigons_families_and_parse():
         assert preset.family == family
         assert preset.liger is None or preset.liger.startswith("apply_liger_kernel_to_")
     assert PRESETS["qwen2_moe"].liger is None  # Liger-Kernel has no Qwen2-MoE function
+    assert PRESETS["mistral3"].liger is None  # nor a Mistral 3 one
+    assert PRESETS["falcon_h1"].micro_batch_for(4) == 1 and PRESETS["llama"].micro_batch_for(4) == 4
 
 
 def _count(model_type: str, config: dict) -> tuple[int, object]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The parameters of the model the runtime builds from `config` (on the meta device), and its config."""
+    from transformers import AutoConfig
+
+    from tigon.runtime.model_types import auto_model_class
 
     hf_config = AutoConfig.for_model(model_type, **config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = auto_model_class(model_type).from_config(hf_config)
     return sum(p.numel() for p in model.parameters()), hf_config
 
 
 @pytest.mark.parametrize("family", list(PRESETS))
 def test_preset_is_its_source_models_shape(family):
-    """The real config, at its real depth, has the named model's published parameter count (within 2%)."""
+    """The real config, at its real depth (a vision-language model with its vision tower), has the named model's
+    published parameter count (within 2%)."""
     preset = PRESETS[family]
-    params, hf_config = _count(family, preset.config)
+    params, hf_config = _count(family, preset.full_shape())
+    text = hf_config.get_text_config()
     assert hf_config.model_type == family
     assert abs(params - preset.params) <= 0.02 * preset.params, f"{preset.source}: {params:,} vs {preset.params:,.0f}"
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
-        assert getattr(hf_config, key) == preset.config[key]  # nothing renamed or dropped by the config class
+        assert getattr(text, key) == preset.config[key]  # nothing renamed or dropped by the config class
+    if preset.vision is not None:
+        for key, value in preset.vision.config.items():
+            assert getattr(hf_config.vision_config, key) == value, key
 
     bench, bench_config = _count(family, preset.shape())  # shortened: fewer layers, the same widths
-    assert bench_config.num_hidden_layers == (preset.layers or preset.config["num_hidden_layers"])
-    assert 0.9e9 <= bench <= 4e9  # ~1B-4B: AdamW in bf16 and the activations fit one 80 GB GPU
+    assert bench_config.get_text_config().num_hidden_layers == (preset.layers or preset.config["num_hidden_layers"])
+    assert bench >= 0.9e9  # ~1B-4B: AdamW in bf16 and the activations fit one GPU
+    assert bench <= 4e9 or preset.layers == 1, bench  # one Llama 4 layer and its embeddings are 4.3B
 
     tiny, tiny_config = _count(family, preset.tiny_shape())
-    assert tiny_config.model_type == family and tiny < 2e6 and tiny_config.vocab_size == 512
+    assert tiny_config.model_type == family and tiny < 2e6 and tiny_config.get_text_config().vocab_size == 512
 
 
 #: families whose blocks the planner's shape does not model yet: their benchmark rows say "not modeled"
@@ -181,7 +219,9 @@ PLANNER_UNMODELED = {
     "glm4_moe": "its routed and shared experts and dense first layers",
     "gpt_oss": "its experts (with biases) and attention sinks",
     "falcon_h1": "its Mamba-2 mixer beside attention",
-}
+    "llama4_text": "its experts beside a shared one, and dense layers of another width",
+    "gemma4_text": "its per-layer input embeddings",
+} | {family: "its vision tower" for family, preset in PRESETS.items() if preset.vision is not None}
 
 
 def test_the_planner_counts_every_presets_parameters():
@@ -191,7 +231,9 @@ def test_the_planner_counts_every_presets_parameters():
     from tigon.runtime.planner import ModelShape
 
     for family, preset in PRESETS.items():
-        for config in (preset.config, preset.shape(), preset.tiny_shape()):
+        # a vision-language member's vision tower may be under 2% of it (Mistral Small 3.1's): its benchmark shapes
+        full = [] if preset.vision else [preset.full_shape()]
+        for config in (*full, preset.shape(), preset.tiny_shape()):
             params, hf_config = _count(family, config)
             note = estimate_note(ModelShape.from_hf_config(hf_config), params)
             assert (note is not None) == (family in PLANNER_UNMODELED), (family, note)
@@ -256,6 +298,22 @@ def test_merge_keeps_each_variants_found_longest_over_not_run():
     assert list(merged["longest"]) == ["llama", "gemma"]  # PRESETS order
     assert merged["longest"]["gemma"] == {"eager": 8192, "tigon": 8192, "liger": "not available"}
     assert merged["longest"]["llama"] == {"eager": None} and merged["longest_probes"] == [probe]
+
+
+def test_longest_table_reads_a_vision_language_models_context_from_its_text_config():
+    """A vision-language preset's shape nests its language model under text_config: the context length is there."""
+    shape = PRESETS["qwen2_vl"].shape()
+    assert "max_position_embeddings" not in shape and shape["text_config"]["max_position_embeddings"] == 32768
+    family = {"model": "m", "source": "s", "liger": None, "attention": "sdpa", "shape": shape}
+    report = {
+        "environment": {"gpu": None, "torch": "2", "transformers": "5"},
+        "settings": {"micro_batch": 1},
+        "families": {"qwen2_vl": family},
+        "runs": [],
+        "longest": {"qwen2_vl": {"tigon": 8192}},
+        "longest_probes": [],
+    }
+    assert "| qwen2_vl | tigon | 8192 | 32768 | - | - | 0 |" in markdown(report)
 
 
 def test_kernels_are_grouped_by_kind_from_their_names():
