@@ -238,6 +238,8 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
         overrides = {**overrides, "moe_intermediate_size": 704}
     if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # the sections span head_dim / 2
         overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": [16, 8, 8]}}
+    if "vocab_size_per_layer_input" in overrides:  # Gemma 4's per-layer embeddings look up every token
+        overrides = {**overrides, "vocab_size_per_layer_input": REAL_WIDTHS["vocab_size"]}
     ours, theirs, truth = train_all(
         model_type,
         REAL_WIDTHS,
