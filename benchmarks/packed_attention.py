@@ -20,6 +20,8 @@ divided by their count, gradient clipping at 1.0). Tokens/s counts real tokens o
                `DataCollatorWithFlattening` (one row of the documents, position ids, no padding), a Trainer-style
                step (forward with num_items_in_batch, backward, clipping, fused AdamW)
 - hf:          as hf-liger without Liger-Kernel
+- hf-liger-padded, hf-padded: as hf-liger and hf, each micro-batch's documents as rows padded to the longest
+               (a padding collator's batch: the mask covers the padding, the loss skips it)
 
 Each run records the attention it took (the attention function transformers called and the mask it was given)
 and its first step's loss: the same documents from the same weights must give the same loss in every variant.
@@ -39,12 +41,14 @@ from benchmarks.presets import PRESETS
 from tigon.runtime.files import atomic_write_text
 
 GiB = 2**30
-VARIANTS = {  # variant: (tigon's kernels, model.attn_implementation, Liger-Kernel)
-    "tigon": (True, "varlen", False),
-    "hf-liger": (False, "sdpa", True),
-    "tigon-dense": (True, "sdpa", False),
-    "hf": (False, "sdpa", False),
-    "tigon-flex": (True, "flex_attention", False),
+VARIANTS = {  # variant: (tigon's kernels, model.attn_implementation, Liger-Kernel, HF micro-batches padded)
+    "tigon": (True, "varlen", False, False),
+    "hf-liger": (False, "sdpa", True, False),
+    "hf-liger-padded": (False, "sdpa", True, True),
+    "tigon-dense": (True, "sdpa", False, False),
+    "hf": (False, "sdpa", False, False),
+    "hf-padded": (False, "sdpa", False, True),
+    "tigon-flex": (True, "flex_attention", False, False),
 }
 TOKENS_PER_STEP = 32768
 
@@ -88,7 +92,7 @@ def row_documents(row: dict) -> list[list[int]]:
 def run_config(spec: dict, cuda: bool):
     from tigon.runtime.config import parse_config
 
-    kernels, attention, _ = VARIANTS[spec["variant"]]
+    kernels, attention, _, _ = VARIANTS[spec["variant"]]
     raw = {
         "name": f"packed-{spec['variant']}",
         "model": {
@@ -153,7 +157,7 @@ def worker(spec: dict) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     head = {"variant": spec["variant"], "seq": spec["seq"]}
-    kernels, attention, liger = VARIANTS[spec["variant"]]
+    kernels, attention, liger, padded = VARIANTS[spec["variant"]]
     apply_liger = None
     if liger:
         apply_liger, missing = liger_function("llama", cuda)
@@ -184,7 +188,7 @@ def worker(spec: dict) -> dict:
             micro_batches = [batches.collate([row]) for row in rows]
             return torch_trainer.run_global_batch(strategy, micro_batches, config, env, device, number)[0]
     else:
-        step = hf_step(model, config, device)
+        step = hf_step(model, config, device, padded)
     losses, seconds, tokens = [], 0.0, 0
     try:
         for number in range(total):
@@ -211,15 +215,38 @@ def worker(spec: dict) -> dict:
     }
 
 
-def hf_step(model, config, device):
-    """A Hugging Face Trainer-style step over micro-batches of `DataCollatorWithFlattening`: forward under autocast,
-    the loss summed over the step's labelled tokens (`num_items_in_batch`), clipping, fused AdamW."""
+def padded_batch(docs: list[list[int]]) -> dict:
+    """The documents as rows padded to the longest, as a padding collator makes them: the padding masked out of
+    attention and of the loss."""
+    import torch
+
+    longest = max(map(len, docs))
+    input_ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    attention_mask = torch.zeros(len(docs), longest, dtype=torch.long)
+    for i, doc in enumerate(docs):
+        input_ids[i, : len(doc)] = torch.tensor(doc)
+        attention_mask[i, : len(doc)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": input_ids.masked_fill(attention_mask == 0, -100),
+    }
+
+
+def hf_step(model, config, device, padded: bool = False):
+    """A Hugging Face Trainer-style step over micro-batches of `DataCollatorWithFlattening` (or, `padded`, of the
+    same documents as padded rows): forward under autocast, the loss summed over the step's labelled tokens
+    (`num_items_in_batch`), clipping, fused AdamW."""
     import torch
     from transformers import DataCollatorWithFlattening
 
     from tigon.runtime.batches import autocast
 
-    collator = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+    flattening = DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+
+    def collator(items: list[dict]) -> dict:
+        return padded_batch([item["input_ids"] for item in items]) if padded else flattening(items)
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.training.learning_rate, fused=device.type == "cuda")
     model.train()
 

@@ -28,16 +28,25 @@ def test_documents_are_seeded_mixed_lengths_and_rows_give_them_back():
 
 
 def test_tiny_run_trains_the_same_documents_in_every_variant(tmp_path):
-    """tigon (varlen) and HF on DataCollatorWithFlattening: the same first loss; Liger says why it cannot run."""
+    """tigon (varlen), HF on DataCollatorWithFlattening and HF on padded rows: the same first loss; Liger says why
+    it cannot run."""
     env = process_env()
     out = tmp_path / "packed.json"
-    command = [sys.executable, "-m", "benchmarks.packed_attention", "--tiny", "--variants", "tigon,hf,hf-liger"]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.packed_attention",
+        "--tiny",
+        "--variants",
+        "tigon,hf,hf-padded,hf-liger",
+    ]
     command += ["--seqs", "256", "--steps", "1", "--warmup", "0", "--out", str(out)]
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
     runs = {run["variant"]: run for run in json.loads(out.read_text())["runs"]}
     tigon, hf = runs["tigon"], runs["hf"]
     assert abs(tigon["losses"][0] - hf["losses"][0]) < 1e-5 * hf["losses"][0]
-    assert tigon["real_tokens_per_step"] == hf["real_tokens_per_step"]
+    assert tigon["real_tokens_per_step"] == hf["real_tokens_per_step"] == runs["hf-padded"]["real_tokens_per_step"]
+    assert abs(runs["hf-padded"]["losses"][0] - hf["losses"][0]) < 1e-5 * hf["losses"][0]
     assert "document boundaries" in tigon["attention"] and "bool mask" in hf["attention"]
     if not torch.cuda.is_available():
         assert runs["hf-liger"]["unavailable"] == "Liger-Kernel needs a CUDA GPU"
