@@ -34,12 +34,12 @@ from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.optim import build_scheduler, param_groups
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
+from tigon.runtime.planner import REDUCE_BUCKET_SIZE
 
 TAG = "deepspeed"  # the sub-directory of a step-N checkpoint that holds DeepSpeed's files
 SCHEDULE = "tigon_schedule"  # the client-state key of the learning-rate schedule's state
 ADAMW_BETAS = (0.9, 0.95)  # as optim.build_optimizer
 ADAMW_EPS = 1e-8
-REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
 
 
 def trainable_elements(module: nn.Module) -> int:

@@ -149,6 +149,15 @@ GATHER_FLOPS_PER_BYTE = 2200
 LOSS_CHUNK_LIMIT = 4096  # the largest fused-loss chunk the runtime picks; beyond, the head gradient's re-reads are few
 LOSS_CHUNK_MARGIN = 0.95  # ... and only while the loss's moment stays this far under the step's estimated peak
 
+#: DeepSpeed ZeRO (`zero_bytes`), with DeepSpeed's defaults where the runtime's config (deepspeed_engine) leaves them
+REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size in elements; the runtime caps it at the trainable count
+ZERO_SUB_GROUP = 1_000_000_000  # ZeRO-3's sub_group_size: partition elements AdamW steps at a time
+PERSISTENCE_THRESHOLD = 100_000  # ZeRO-3's param_persistence_threshold: smaller parameters stay whole on every rank
+MASTER_AND_MOMENTS = 12  # a trainable parameter's float32 master weight and AdamW's two float32 moments
+#: AdamW's step over a float32 partition of N elements allocates 8 N: its float32 gradient (converted from the
+#: gradient partition) and foreach AdamW's sqrt(exp_avg_sq) (torch's default on CUDA)
+STEP_BYTES = 8
+
 logger = logging.getLogger("tigon.runtime")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -830,6 +839,108 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     return weights, c * s.hidden * tokens + head, forward
 
 
+@dataclass(frozen=True)
+class ZeroBytes:
+    """What DeepSpeed ZeRO holds on each GPU besides activations, in bytes (`zero_bytes`)."""
+
+    weights: int  # the 16-bit (or float32) weights: whole under ZeRO-1/2; under ZeRO-3 a partition + small ones whole
+    states: int  # float32 master weights and AdamW's two float32 moments, partitioned
+    grads: int  # the gradient partition, in the weights' dtype
+    bucket: int  # the reduce bucket, in the weights' dtype
+    step: int  # the optimizer step's transient: float32 gradient and AdamW's buffer for the largest group it steps
+    gathered: int  # ZeRO-3: two decoder layers' weights gathered whole in the forward and backward
+    head: int  # ZeRO-3: the head's weight gathered whole for the loss
+    head_grad: int  # a tied head's whole gradient, from the loss until the embedding's backward
+
+
+def trainable_sizes(work: Workload) -> list[int]:
+    """The elements of each trainable matrix in the model's order (AdamW's decayed group; the norms are the other):
+    the embedding, each layer's projections (a MoE layer's as one block), an untied head; LoRA's adapters."""
+    s = work.shape
+    if work.lora_rank:
+        return [size for _ in range(s.layers) for size in adapter_sizes(work)]
+    layer = [s.layer_params - 2 * s.hidden]  # a MoE layer's matrices as one block
+    if s.moe is None:
+        layer = [a * b for a, b in map(s.linear_shape, s.linear_names)]
+    return [s.vocab * s.hidden, *layer * s.layers, *([] if s.tied else [s.vocab * s.hidden])]
+
+
+def adapter_sizes(work: Workload) -> list[int]:
+    """One layer's LoRA matrices: A (rank x in) and B (out x rank) of each targeted projection."""
+    shapes = [work.shape.linear_shape(n) for n in work.lora_targets if n in work.shape.linear_names]
+    return [size for a, b in shapes for size in (work.lora_rank * a, b * work.lora_rank)]
+
+
+def optimizer_group(work: Workload) -> int:
+    """Partition elements of the largest group that DeepSpeed hands AdamW at once. ZeRO-1/2: a parameter group's
+    partition (the matrices' flat group). ZeRO-3 splits each group into sub-groups: parameters in order, each
+    partitioned (ceil(numel / ranks)), until the sub-group reaches ZERO_SUB_GROUP elements."""
+    n, sizes = work.world_size, trainable_sizes(work)
+    if work.zero_stage < 3:
+        return -(-sum(sizes) // n)
+    largest = current = 0
+    for size in sizes:
+        current += -(-size // n)
+        if current >= ZERO_SUB_GROUP:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def zero_bytes(work: Workload, weights: int, trained: int) -> ZeroBytes:
+    """DeepSpeed ZeRO's bytes per GPU for `weights` (bytes as loaded) with trainable parameters of `trained` bytes,
+    on any number of ranks (one rank runs the same optimizer).
+
+    Every stage keeps float32 master weights and AdamW's two float32 moments, 12 bytes a trainable parameter,
+    partitioned over the ranks, and a gradient partition in the weights' dtype (ZeRO-1 and ZeRO-2 alike: with
+    16-bit gradients both reduce through the bucket into a partition). ZeRO-3 partitions the weights too; parameters
+    under PERSISTENCE_THRESHOLD elements (the norms, small LoRA matrices) stay whole on every rank as well. The
+    reduce bucket holds min(trainable, REDUCE_BUCKET_SIZE) elements (the runtime's cap). The optimizer steps one
+    group at a time (`optimizer_group`), allocating STEP_BYTES an element. CPU offload keeps states, gradient
+    partitions and the step in host memory, and ZeRO-3's weights too."""
+    s, n, w = work.shape, work.world_size, work.weight_bytes
+    trainable = work.trainable
+    norms = (2 * s.layers + 1) * s.hidden
+    small = norms * w
+    if work.lora_rank:
+        small += sum(size for size in trainable_sizes(work) if size < PERSISTENCE_THRESHOLD) * trained
+    zero3 = work.zero_stage == 3
+    partitioned = -(-weights // n) + small if zero3 else weights
+    states = MASTER_AND_MOMENTS * -(-trainable // n)
+    grads = -(-trainable // n) * trained
+    step = STEP_BYTES * optimizer_group(work)
+    if work.cpu_offload:
+        states = grads = step = 0
+        partitioned = small if zero3 else partitioned
+    return ZeroBytes(
+        weights=partitioned,
+        states=states,
+        grads=grads,
+        bucket=min(trainable, REDUCE_BUCKET_SIZE) * trained,
+        step=step,
+        gathered=2 * s.layer_params * work.compute_bytes if zero3 else 0,
+        head=s.vocab * s.hidden * work.compute_bytes if zero3 else 0,
+        head_grad=s.vocab * s.hidden * w if s.tied and not work.lora_rank else 0,
+    )
+
+
+def zero_moments(work: Workload, zero: ZeroBytes, accumulation: int) -> tuple[dict, dict, dict, dict]:
+    """The gradient-side parts of DeepSpeed's moments: (every moment, loss, backward, optimizer).
+
+    ZeRO-3 allocates the gradient partition and the bucket when it builds the optimizer; its reduce-scatter copies a
+    full bucket's gradients into one buffer (`reduce_scatter_coalesced`), which may fall in any layer's backward, so
+    the backward moments count it; the loss gathers the head. ZeRO-1/2 allocate the bucket at each backward and the
+    gradient partition at its first reduction, kept until the step (through accumulation). A tied head's gradient
+    waits, whole, for the embedding's backward (autograd accumulates the two uses of the one parameter before
+    DeepSpeed's hook sees it); an untied head's is reduced as the backward starts."""
+    held = {"gradient partition": zero.grads, "reduce bucket": zero.bucket}
+    if work.zero_stage == 3:
+        backward = {"gradients": zero.head_grad, "reduce copy": zero.bucket}
+        return held, {"gathered head": zero.head}, backward, {"optimizer step": zero.step}
+    loss = {"gradient partition": zero.grads if accumulation > 1 else 0}
+    backward = {**held, "gradients": zero.head_grad}
+    return {}, loss, backward, {"gradient partition": zero.grads, "optimizer step": zero.step}
+
+
 def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = None) -> Estimate:
     """Peak GPU bytes per device of one training step of `work` under `setting` (see the module doc), with the
     fused loss in chunks of `loss_chunk_tokens` tokens (None: the op's own rule)."""
@@ -857,17 +968,9 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
         if work.cpu_offload:
             weights, states = 0, 0
-    elif work.strategy == "deepspeed" and n > 1:
-        master = 4 * trainable if trained < 4 else 0
-        states = (states + master) // n
-        if work.zero_stage >= 2:
-            grads //= n
-        if work.zero_stage == 3:
-            weights //= n
-            gathered = 2 * s.layer_params * c
-        if work.cpu_offload:
-            states = 0
-            weights = 0 if work.zero_stage == 3 else weights
+    elif work.strategy == "deepspeed":
+        zero = zero_bytes(work, weights, trained)
+        weights, states, grads, gathered = zero.weights, zero.states, zero.grads, zero.gathered
     buckets = grads if work.strategy == "ddp" and n > 1 else 0
     # layers in order: `checkpointed` recompute whole, then `selective` their element-wise work, then the rest keep
     # everything; the top layer is one of the first kinds only when no layer of the later kinds is left
@@ -903,7 +1006,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     first_transient = max(backward, adapter_forward_bytes(work, recompute=True) if first_recomputed else 0) * tokens
     loss_peak = loss_bytes(work, setting.micro_batch, fused, loss_chunk_tokens)
     head_grad = s.vocab * s.hidden * w if not work.lora_rank else 0
-    if work.strategy in ("fsdp", "deepspeed") and n > 1 and (work.strategy == "fsdp" or work.zero_stage >= 2):
+    if work.strategy == "fsdp" and n > 1:
         head_grad //= n
 
     fixed = {"weights": weights, "optimizer states": states, "overhead": OVERHEAD + gathered}
@@ -914,7 +1017,14 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
     if work.strategy == "fsdp" and setting.accumulation > 1:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
-    loss = {**fixed, "activations": loss_casts + activations, "loss and logits": loss_peak, "gradients": carried}
+    loss_grads = {"gradients": carried}
+    top_grads, first_grads = {"gradients": max(carried, head_grad)}, {"gradients": grads}
+    step = {"gradients": grads + buckets}
+    if work.strategy == "deepspeed":
+        held, loss_grads, top_grads, step = zero_moments(work, zero, setting.accumulation)
+        fixed.update(held)
+        first_grads = top_grads
+    loss = {**fixed, "activations": loss_casts + activations, "loss and logits": loss_peak, **loss_grads}
     if work.frozen is not None:
         loss["frozen hidden states and head"] = frozen_read
     moments = {
@@ -923,15 +1033,15 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
             **fixed,
             "activations": casts + activations,
             "backward buffers": top_recomputed + top_transient,
-            "gradients": max(carried, head_grad),
+            **top_grads,
         },
         "backward (first layer)": {
             **fixed,
             "activations": first_kept + per_batch + mask,
             "backward buffers": first_recomputed + first_transient,
-            "gradients": grads,
+            **first_grads,
         },
-        "optimizer": {**fixed, "gradients": grads + buckets},
+        "optimizer": {**fixed, **step},
     }
     if work.frozen is not None and work.frozen.precomputed:  # before training: the teacher scores the data
         moments["teacher pass"] = {"teacher pass": teacher_pass_bytes(work, tokens, loaded)}
