@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -853,37 +854,53 @@ class ZeroBytes:
     head_grad: int  # a tied head's whole gradient, from the loss until the embedding's backward
 
 
-def trainable_sizes(work: Workload) -> list[int]:
-    """The elements of each trainable matrix in the model's order (AdamW's decayed group; the norms are the other):
-    the embedding, each layer's projections (a MoE layer's as one block), an untied head; LoRA's adapters."""
+def trainable_groups(work: Workload) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The elements of each trainable parameter of AdamW's two groups (`optim.param_groups`), in the model's order:
+    the matrices (the embedding, each layer's projections, a MoE layer's as one block, an untied head; with LoRA
+    the adapters' A and B) and the norms (frozen under LoRA)."""
     s = work.shape
     if work.lora_rank:
-        return [size for _ in range(s.layers) for size in adapter_sizes(work)]
-    layer = [s.layer_params - 2 * s.hidden]  # a MoE layer's matrices as one block
+        shapes = [s.linear_shape(n) for n in work.lora_targets if n in s.linear_names]
+        adapters = [size for a, b in shapes for size in (work.lora_rank * a, b * work.lora_rank)]
+        return tuple(adapters * s.layers), ()
+    layer = [s.layer_params - 2 * s.hidden]
     if s.moe is None:
         layer = [a * b for a, b in map(s.linear_shape, s.linear_names)]
-    return [s.vocab * s.hidden, *layer * s.layers, *([] if s.tied else [s.vocab * s.hidden])]
+    head = [] if s.tied else [s.vocab * s.hidden]
+    return (s.vocab * s.hidden, *layer * s.layers, *head), (s.hidden,) * (2 * s.layers + 1)
 
 
-def adapter_sizes(work: Workload) -> list[int]:
-    """One layer's LoRA matrices: A (rank x in) and B (out x rank) of each targeted projection."""
-    shapes = [work.shape.linear_shape(n) for n in work.lora_targets if n in work.shape.linear_names]
-    return [size for a, b in shapes for size in (work.lora_rank * a, b * work.lora_rank)]
+@functools.lru_cache(maxsize=256)
+def partition_gradients(sizes: tuple[int, ...], ranks: int) -> tuple[int, ...]:
+    """ZeRO-1/2's gradient partition of a parameter group on each rank, in elements: the group's flat buffer split in
+    equal partitions, each holding the gradients of the parameters that overlap it whole (one that straddles two
+    ranks' partitions is held by both)."""
+    part = -(-sum(sizes) // ranks)
+    held, start = [0] * ranks, 0
+    for size in sizes:
+        for rank in range(start // part, min(ranks, -(-(start + size) // part))):
+            held[rank] += size
+        start += size
+    return tuple(held)
 
 
 def optimizer_group(work: Workload) -> int:
     """Partition elements of the largest group that DeepSpeed hands AdamW at once. ZeRO-1/2: a parameter group's
-    partition (the matrices' flat group). ZeRO-3 splits each group into sub-groups: parameters in order, each
-    partitioned (ceil(numel / ranks)), until the sub-group reaches ZERO_SUB_GROUP elements."""
-    n, sizes = work.world_size, trainable_sizes(work)
+    partition. ZeRO-3 splits each group into sub-groups: parameters in order, each partitioned (ceil(numel /
+    ranks)), until the sub-group reaches ZERO_SUB_GROUP elements."""
+    n = work.world_size
+    groups = trainable_groups(work)
     if work.zero_stage < 3:
-        return -(-sum(sizes) // n)
-    largest = current = 0
-    for size in sizes:
-        current += -(-size // n)
-        if current >= ZERO_SUB_GROUP:
-            largest, current = max(largest, current), 0
-    return max(largest, current)
+        return max(-(-sum(group) // n) for group in groups)
+    largest = 0
+    for group in groups:
+        current = 0
+        for size in group:
+            current += -(-size // n)
+            if current >= ZERO_SUB_GROUP:
+                largest, current = max(largest, current), 0
+        largest = max(largest, current)
+    return largest
 
 
 def zero_bytes(work: Workload, weights: int, trained: int) -> ZeroBytes:
@@ -893,20 +910,24 @@ def zero_bytes(work: Workload, weights: int, trained: int) -> ZeroBytes:
     Every stage keeps float32 master weights and AdamW's two float32 moments, 12 bytes a trainable parameter,
     partitioned over the ranks, and a gradient partition in the weights' dtype (ZeRO-1 and ZeRO-2 alike: with
     16-bit gradients both reduce through the bucket into a partition). ZeRO-3 partitions the weights too; parameters
-    under PERSISTENCE_THRESHOLD elements (the norms, small LoRA matrices) stay whole on every rank as well. The
-    reduce bucket holds min(trainable, REDUCE_BUCKET_SIZE) elements (the runtime's cap). The optimizer steps one
+    under PERSISTENCE_THRESHOLD elements (the norms, small LoRA matrices) stay whole on every rank of several as
+    well. The
+    reduce bucket holds min(trainable, REDUCE_BUCKET_SIZE) elements (the runtime's cap). ZeRO-1/2's gradient
+    partition is the largest rank's (`partition_gradients`). The optimizer steps one
     group at a time (`optimizer_group`), allocating STEP_BYTES an element. CPU offload keeps states, gradient
     partitions and the step in host memory, and ZeRO-3's weights too."""
     s, n, w = work.shape, work.world_size, work.weight_bytes
     trainable = work.trainable
-    norms = (2 * s.layers + 1) * s.hidden
-    small = norms * w
+    small = (2 * s.layers + 1) * s.hidden * w  # the norms
     if work.lora_rank:
-        small += sum(size for size in trainable_sizes(work) if size < PERSISTENCE_THRESHOLD) * trained
+        small += sum(size for size in trainable_groups(work)[0] if size < PERSISTENCE_THRESHOLD) * trained
     zero3 = work.zero_stage == 3
-    partitioned = -(-weights // n) + small if zero3 else weights
+    partitioned = -(-weights // n) + (small if n > 1 else 0) if zero3 else weights  # one rank: one copy of each
     states = MASTER_AND_MOMENTS * -(-trainable // n)
     grads = -(-trainable // n) * trained
+    if not zero3:
+        per_rank = zip(*(partition_gradients(group, n) for group in trainable_groups(work) if group), strict=True)
+        grads = max(map(sum, per_rank)) * trained
     step = STEP_BYTES * optimizer_group(work)
     if work.cpu_offload:
         states = grads = step = 0
