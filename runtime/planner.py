@@ -6,7 +6,8 @@
 
 The estimate (bytes, per GPU) is the largest of four moments of a steady-state training step:
 
-    persistent  = weights + optimizer states (AdamW: 2 per trainable parameter, in its dtype) + overhead
+    persistent  = weights + optimizer states (AdamW: 2 per trainable parameter, in its dtype; DeepSpeed below)
+                  + overhead
     loss        = persistent + activations of every layer + head + loss-backward buffers
     layer top   = persistent + activations of every layer + head + grad(lm_head) + backward of one layer
     (with gradient accumulation, the earlier micro-batches' gradients are there too: all gradients)
@@ -95,8 +96,12 @@ Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradie
 weights, gradients and states over the world size (under hybrid sharding, over a shard group:
 `Workload.shards`) and gathers two layers (and the embedding and head) at a time; with gradient accumulation
 it reduce-scatters once a step, so between micro-batches every rank keeps the whole model's gradients
-unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO shards states (stage 1), gradients (2) and
-weights (3) and keeps float32 master weights (4 per trainable parameter, sharded) for bf16/fp16 weights.
+unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO, on one GPU as on several (`zero_bytes`): float32
+master weights and AdamW's two float32 moments (12 bytes a trainable parameter) partitioned at every stage, a
+gradient partition and a reduce bucket in the weights' dtype, the weights whole (stages 1, 2) or partitioned (3,
+with two layers gathered); the optimizer step converts one group (ZeRO-3: one sub-group) of gradients to float32
+beside foreach AdamW's buffer (8 bytes an element); ZeRO-3's reduce-scatter copies a bucket, and a tied head's
+whole gradient waits for the embedding's backward.
 CPU offload moves states (and, for FSDP / ZeRO-3, weights) off the GPU.
 
 Choosing: every setting that keeps the global batch (micro-batch x accumulation) is a candidate: micro-
