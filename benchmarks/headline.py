@@ -29,9 +29,9 @@ from pathlib import Path
 import yaml
 
 from benchmarks.presets import LLAMA_3_8B
-from tigon.runtime.config import apply_override
+from tigon.runtime.config import apply_override, load_config
 from tigon.runtime.files import atomic_path
-from tigon.runtime.planner import Setting
+from tigon.runtime.planner import Setting, estimate, setting_of, workload
 
 GiB = 2**30
 WARMUP_STEPS = 3
@@ -49,6 +49,8 @@ SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
+    "zero1": {"strategy": "deepspeed", "zero_stage": 1},
+    "zero2": {"strategy": "deepspeed", "zero_stage": 2},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3},
 }
 
@@ -206,7 +208,8 @@ def markdown(report: dict) -> str:
 
 def scaling(out: Path) -> dict:
     """The runs of benchmarks/scaling.sh (`out/STRATEGY-NGPU/tigon-SEQ`): tokens/s per GPU at each GPU count,
-    and the scaling efficiency, N-GPU tokens/s over N times the one-GPU tokens/s of the same strategy."""
+    the scaling efficiency, N-GPU tokens/s over N times the one-GPU tokens/s of the same strategy, and the memory
+    planner's estimate of each run's peak beside the measured one."""
     rows = []
     for group in sorted(p for p in out.iterdir() if p.is_dir() and p.name.endswith("gpu")):
         strategy, gpus = group.name.rsplit("-", 1)
@@ -214,6 +217,8 @@ def scaling(out: Path) -> dict:
             row = {"strategy": strategy, "gpus": int(gpus.removesuffix("gpu")), **run}
             if row.get("tokens_per_second"):
                 row["tokens_per_second_per_gpu"] = row["tokens_per_second"] / row["gpus"]
+            config = load_config(group / f"{run['variant']}-{run['seq']}" / "config.yaml")
+            row["estimate_bytes"] = estimate(workload(config, row["gpus"]), setting_of(config)).peak
             rows.append(row)
     one_gpu = {(r["strategy"], r["seq"]): r.get("tokens_per_second") for r in rows if r["gpus"] == 1}
     for row in rows:
@@ -229,18 +234,21 @@ def scaling(out: Path) -> dict:
 
 def scaling_markdown(report: dict) -> str:
     lines = [
-        "| strategy | GPUs | seq | micro-batch | tokens/s (all GPUs) | tokens/s per GPU | efficiency | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| strategy | GPUs | seq | micro-batch | tokens/s (all GPUs) | tokens/s per GPU | efficiency | peak GiB | "
+        "estimate GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
+        estimated = f"{r['estimate_bytes'] / GiB:.2f}"
         if not r.get("tokens_per_second"):
             failed = "out of memory" if r["oom"] else r.get("error", "-")
-            lines.append(f"| {r['strategy']} | {r['gpus']} | {r['seq']} | | {failed} | | | |")
+            lines.append(f"| {r['strategy']} | {r['gpus']} | {r['seq']} | | {failed} | | | | {estimated} |")
             continue
         efficiency = f"{r['efficiency']:.2f}" if "efficiency" in r else "-"
         lines.append(
             f"| {r['strategy']} | {r['gpus']} | {r['seq']} | {r['micro_batch']} | {r['tokens_per_second']:,.0f} | "
-            f"{r['tokens_per_second_per_gpu']:,.0f} | {efficiency} | {r['peak_bytes_rank0'] / GiB:.2f} |"
+            f"{r['tokens_per_second_per_gpu']:,.0f} | {efficiency} | {r['peak_bytes_rank0'] / GiB:.2f} | "
+            f"{estimated} |"
         )
     return "\n".join(lines) + "\n"
 

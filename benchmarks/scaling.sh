@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Scaling: tokens/s per GPU at 1, 2 and 4 GPUs (GPU_COUNTS) for DDP, FSDP2 and DeepSpeed ZeRO-3 (STRATEGIES), one
+# Scaling: tokens/s per GPU at 1, 2 and 4 GPUs (GPU_COUNTS) for DDP, FSDP2 and DeepSpeed ZeRO-3 (STRATEGIES: ddp,
+# fsdp, zero1, zero2, zero3), one
 # `tigon train` under torchrun per point: the Llama-3.2-1B config (random init; SHAPE=llama-3-8b for the 8B),
 # bf16, AdamW, kernels on, gradient checkpointing on, micro-batch 8 per GPU (the global batch grows with the
 # GPUs), sequence 4096. Results under $OUT/scaling: a directory per strategy and GPU count, then scaling.json
-# and scaling.md (benchmarks/headline.py scaling: efficiency = N-GPU tokens/s / (N x 1-GPU tokens/s)).
+# and scaling.md (benchmarks/headline.py scaling: efficiency = N-GPU tokens/s / (N x 1-GPU tokens/s), and the
+# planner's estimate beside rank 0's measured peak).
 #
 #   bash benchmarks/scaling.sh
 #   STRATEGIES="fsdp" GPU_COUNTS="2 4" SHAPE=llama-3-8b MICRO_BATCH=2 bash benchmarks/scaling.sh
+#   STRATEGIES="zero1 zero2" GPU_COUNTS="1 2" STEPS=6 bash benchmarks/scaling.sh   # the planner's ZeRO-1/2 terms
 #   TINY=1 GPU_COUNTS="1 2" SEQ=32 STEPS=5 MICRO_BATCH=2 bash benchmarks/scaling.sh      # CPU smoke run
 #
 # Run from the repository root.

@@ -55,6 +55,12 @@ def test_tiny_scaling_run_tabulates_tokens_per_gpu_and_efficiency(tmp_path):
     assert rows[2]["tokens_per_second_per_gpu"] == rows[2]["tokens_per_second"] / 2
     assert rows[2]["efficiency"] == rows[2]["tokens_per_second"] / (2 * rows[1]["tokens_per_second"])
     assert "| fsdp | 2 | 32 | 2 |" in (tmp_path / "scaling" / "scaling.md").read_text()
+    from tigon.runtime.config import load_config
+    from tigon.runtime.planner import estimate, setting_of, workload
+
+    for gpus, row in rows.items():  # the planner's estimate of each run, from its own config
+        config = load_config(tmp_path / "scaling" / f"fsdp-{gpus}gpu" / "tigon-32" / "config.yaml")
+        assert row["estimate_bytes"] == estimate(workload(config, gpus), setting_of(config)).peak > 0
 
 
 def test_prepare_names_compiled_variants_and_applies_overrides(tmp_path):
