@@ -8,6 +8,7 @@ bookkeeping scalars (`allocations.SCALAR_BYTES`: step counts, the gradient norm,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -126,3 +127,46 @@ def test_the_planner_counts_what_deepspeed_holds_and_allocates_at_the_step(tmp_p
         # the estimate's optimizer moment is these parts: what the step holds and allocates, and the overhead
         optimizer = planner.OVERHEAD + zero.gathered + persistent + zero.step + (0 if stage == 3 else zero.grads)
         assert planner.estimate(work, planner.Setting(1, 1, False, False)).moments["optimizer"] == optimizer
+
+
+def test_the_planner_uses_deepspeeds_defaults_where_the_runtime_leaves_them(tmp_path):
+    """Bucket, sub-group and persistence sizes are DeepSpeed's own defaults, which the runtime's config keeps (it only
+    caps the bucket at the trainable count)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from tigon.runtime.deepspeed_engine import deepspeed_config
+
+    defaults = DeepSpeedZeroConfig()
+    assert defaults.reduce_bucket_size == planner.REDUCE_BUCKET_SIZE
+    assert defaults.sub_group_size == planner.ZERO_SUB_GROUP
+    assert defaults.param_persistence_threshold == planner.PERSISTENCE_THRESHOLD
+    config = tiny_config(tmp_path, parallelism={"strategy": "deepspeed", "zero_stage": 3})
+    zero = deepspeed_config(config, world_size=2, trainable=10**12)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == planner.REDUCE_BUCKET_SIZE
+    assert not {"sub_group_size", "param_persistence_threshold", "stage3_param_persistence_threshold"} & set(zero)
+
+
+def test_zero3_steps_sub_groups_of_a_billion_partition_elements():
+    """Llama-3.2-1B (tied; embedding 128256 x 2048, 60.8M a layer): on one GPU the first sub-group closes at the
+    parameter that takes it past 1e9 elements, the 13th layer's o_proj; on two each partition is half a parameter and
+    the matrices' 618M elements are one sub-group. The step allocates 8 bytes an element of it, ZeRO-1/2 of the
+    matrices' partition."""
+    shape = ModelShape.from_hf_config(
+        LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        )
+    )
+    embedding, attention = 128256 * 2048, 2 * 2048 * 2048 + 2 * 2048 * 512
+    layer = attention + 3 * 2048 * 8192
+    work = planner.Workload(shape, 4096, 2, 2, False, "sdpa", strategy="deepspeed", zero_stage=3)
+    assert planner.optimizer_group(work) == embedding + 12 * layer + attention == 1_002_962_944
+    assert planner.zero_bytes(work, shape.params * 2, 2).step == 8 * 1_002_962_944
+    two = dataclasses.replace(work, world_size=2)
+    assert planner.optimizer_group(two) == (embedding + 16 * layer) // 2
+    assert planner.optimizer_group(dataclasses.replace(two, zero_stage=2)) == (embedding + 16 * layer) // 2
