@@ -12,7 +12,8 @@ The estimate (bytes, per GPU) is the largest of four moments of a steady-state t
     layer top   = persistent + activations of every layer + head + grad(lm_head) + backward of one layer
     (with gradient accumulation, the earlier micro-batches' gradients are there too: all gradients)
     layer bottom= persistent + one layer's activations + all gradients + backward of one layer
-    optimizer   = persistent + all gradients (+ DDP's gradient buckets)
+    optimizer   = persistent + all gradients (+ DDP's gradient buckets; DeepSpeed: + the step's float32 gradient
+                  and AdamW buffer)
 
 Activations, per token of a micro-batch (B x T tokens), in bytes, with h hidden, i intermediate,
 q = heads x head_dim, kv = kv_heads x head_dim, c the compute dtype's size (2 under bf16/fp16,
