@@ -272,3 +272,22 @@ def objective_config(tmp_path, objective: str, trainer: str, **sections):
         return distill_config(tmp_path, precompute=objective == "distill-precomputed", **sections)
     records = KTO_RECORDS if objective.startswith("kto") else PAIRS
     return preference_config(tmp_path, OBJECTIVES[objective], records, **sections)
+
+
+def llama_1b_shape():
+    """The planner's shape of Llama-3.2-1B (tied embeddings), from its config."""
+    from transformers import LlamaConfig
+
+    from tigon.runtime.planner import ModelShape
+
+    return ModelShape.from_hf_config(
+        LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        )
+    )

@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from tests.kernels.helpers import saved_bytes
-from tests.runtime.configs import TINY_MODEL, tiny_config
+from tests.runtime.configs import TINY_MODEL, llama_1b_shape, tiny_config
 from tigon.runtime import cli, planner
 from tigon.runtime.config import parse_config
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
@@ -25,17 +25,7 @@ TINY = ModelShape.from_hf_config(
         tie_word_embeddings=False,
     )
 )
-LLAMA_1B = ModelShape.from_hf_config(
-    LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    )
-)
+LLAMA_1B = llama_1b_shape()
 
 
 def bf16_work(shape: ModelShape, seq_len: int, **changes) -> Workload:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tests.runtime.configs import tiny_config
+from tests.runtime.configs import TINY_MODEL, tiny_config
 from tigon.runtime import planner
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
@@ -24,12 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # vision tower
 QWEN2_VL = {
     "text_config": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 64,
+        **TINY_MODEL,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
     },
     "vision_config": {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 2},

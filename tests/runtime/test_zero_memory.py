@@ -17,7 +17,7 @@ import pytest
 from transformers import LlamaConfig
 
 from tests.runtime.allocations import SCALAR_BYTES
-from tests.runtime.configs import tiny_config
+from tests.runtime.configs import llama_1b_shape, tiny_config
 from tests.runtime.worker_groups import worker_env, write_configs
 from tigon.runtime import planner
 from tigon.runtime.planner import ModelShape
@@ -151,17 +151,7 @@ def test_zero3_steps_sub_groups_of_a_billion_partition_elements():
     parameter that takes it past 1e9 elements, the 13th layer's o_proj; on two each partition is half a parameter and
     the matrices' 618M elements are one sub-group. The step allocates 8 bytes an element of it, ZeRO-1/2 of the
     matrices' partition."""
-    shape = ModelShape.from_hf_config(
-        LlamaConfig(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            tie_word_embeddings=True,
-        )
-    )
+    shape = llama_1b_shape()
     embedding, attention = 128256 * 2048, 2 * 2048 * 2048 + 2 * 2048 * 512
     layer = attention + 3 * 2048 * 8192
     work = planner.Workload(shape, 4096, 2, 2, False, "sdpa", strategy="deepspeed", zero_stage=3)
