@@ -1,15 +1,15 @@
 """The torch, HF and Lightning trainers under DDP, FSDP2 (over every GPU, and hybrid: `hsdp`, shard groups of 2
-GPUs, which on 4 GPUs are 2 replicas) and DeepSpeed ZeRO-2/3 on 1, 2 and 4 GPUs over NCCL (marker `gpu`; needs 2
-or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4-GPU cases need 4):
+GPUs, which on 4 GPUs are 2 replicas) and DeepSpeed ZeRO-2/3 on 1, 2, 4 and 8 GPUs over NCCL (marker `gpu`; needs
+2 or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4- and 8-GPU cases need as many):
 
     python -m pytest -m gpu tests/runtime/test_multi_gpu.py
 
-Every case of CASES trains a tiny Llama (tests/runtime/configs.adapter_config: cosine schedule
-with warm-up, clipping, weight decay, gradient accumulation, crossing epochs) for 6 steps at one global batch
-of 16 sequences, spread as 1 GPU x micro-batch 4 x accumulation 4, 2 GPUs x 4 x 2 and 4 GPUs x 2 x 2. On 4
+Every case of CASES trains a tiny Llama (tests/runtime/configs.adapter_config: cosine schedule with warm-up,
+clipping, weight decay, gradient accumulation, crossing epochs) for 6 steps at one global batch of 16 sequences,
+spread as 1 GPU x micro-batch 4 x accumulation 4, 2 GPUs x 4 x 2, 4 GPUs x 2 x 2 and 8 GPUs x 1 x 2. On 4 or more
 GPUs the one-GPU runs (split over GPUs 0 and 1) and the two-GPU group (GPUs 2 and 3) run at the same time, then
-the four-GPU group; on 2 GPUs the one-GPU runs share GPUs 0 and 1 with the two-GPU group (tiny models: they
-fit side by side).
+the four-GPU group, then on 8 the eight-GPU group; on 2 GPUs the one-GPU runs share GPUs 0 and 1 with the two-GPU
+group (tiny models: they fit side by side).
 
 Tolerances, per step's loss against the one-GPU run of the same case:
 
@@ -22,7 +22,7 @@ Tolerances, per step's loss against the one-GPU run of the same case:
   into the loss (measured up to 2.8e-4 on 4 H200s). 1e-2 stays below the 1e-2-and-up shift of a lost or doubled
   rank.
 
-A killed rank: KILL_CASES train on all the GPUs (4, or 2) under `torchrun --max-restarts`; the last rank
+A killed rank: KILL_CASES train on all the GPUs (8, 4 or 2) under `torchrun --max-restarts`; the last rank
 SIGKILLs itself as soon as the step-3 checkpoint is in place, torch elastic restarts the whole group, and the
 run resumes from its newest checkpoint to the same per-step losses as the uninterrupted run on as many GPUs: bit
 for bit under FSDP2 and ZeRO, and within DDP_RESUME_TOLERANCE under DDP. DDP sums each step's gradients in
@@ -47,7 +47,7 @@ RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
 DDP_RESUME_TOLERANCE = 1e-6
 GLOBAL_BATCH = 16
-LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2)}  # GPUs: (micro-batch, accumulation), GLOBAL_BATCH sequences a step
+LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2), 8: (1, 2)}  # GPUs: (micro-batch, accumulation), GLOBAL_BATCH a step
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
@@ -145,7 +145,8 @@ def train_group(
 
 def train_all(root: Path, sizes: dict[int, str], backend: str = "nccl") -> dict[int, dict[str, dict]]:
     """{GPUs: {case: rank 0's record}}: the one-GPU runs split over two single-GPU groups and run beside the
-    two-GPU group, then the four-GPU group. `sizes` maps each group size to its devices, "a,b" for two."""
+    two-GPU group, then the four-GPU group, then the eight-GPU one. `sizes` maps each group size to its devices,
+    "a,b" for two."""
     names = list(CASES)
     half = len(names) // 2
     with ThreadPoolExecutor(3) as pool:
@@ -153,8 +154,9 @@ def train_all(root: Path, sizes: dict[int, str], backend: str = "nccl") -> dict[
         other = pool.submit(train_group, root / "gpus-1b", 1, sizes[1].split(",")[-1], names[half:], backend)
         two = pool.submit(train_group, root / "gpus-2", 2, sizes[2], names, backend)
         runs = {1: one.result() | other.result(), 2: two.result()}
-    if 4 in sizes:
-        runs[4] = train_group(root / "gpus-4", 4, sizes[4], names, backend)
+    for gpus in (4, 8):
+        if gpus in sizes:
+            runs[gpus] = train_group(root / f"gpus-{gpus}", gpus, sizes[gpus], names, backend)
     return runs
 
 
@@ -172,17 +174,20 @@ def train_killed(directory: Path, gpus: int, devices: str | None, backend: str =
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
-    """{GPUs: {case: rank 0's record}} for 1, 2 and (on a 4-GPU machine) 4 GPUs."""
+    """{GPUs: {case: rank 0's record}} for 1, 2 and (on a 4- or 8-GPU machine) 4 and 8 GPUs."""
     if torch.cuda.device_count() < 2:
-        pytest.fail(f"needs 2 or 4 GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2 or -x4")
+        pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
     if importlib.util.find_spec("deepspeed") is None:
         pytest.fail("DeepSpeed is not installed: carry its wheel to the GPU machine")
-    sizes = {1: "0,1", 2: "2,3", 4: "0,1,2,3"} if torch.cuda.device_count() >= 4 else {1: "0,1", 2: "0,1"}
+    count = torch.cuda.device_count()
+    sizes = {1: "0,1", 2: "2,3", 4: "0,1,2,3"} if count >= 4 else {1: "0,1", 2: "0,1"}
+    if count >= 8:
+        sizes[8] = ",".join(map(str, range(8)))
     return train_all(tmp_path_factory.mktemp("multi-gpu"), sizes)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("gpus", [2, 4, 8])
 @pytest.mark.parametrize("name", list(CASES))
 def test_several_gpus_reach_the_one_gpu_losses(groups, name, gpus):
     if gpus not in groups:
@@ -197,7 +202,7 @@ def test_several_gpus_reach_the_one_gpu_losses(groups, name, gpus):
 
 @pytest.mark.gpu
 def test_a_killed_rank_restarts_and_resumes_exactly(groups, tmp_path):
-    """KILL_CASES on every GPU (4, or 2), each losing its last rank after the step-3 checkpoint, against the same
+    """KILL_CASES on every GPU (8, 4 or 2), each losing its last rank after the step-3 checkpoint, against the same
     cases' uninterrupted runs on as many GPUs."""
     gpus = max(groups)
     records = train_killed(tmp_path, gpus, ",".join(str(gpu) for gpu in range(gpus)))
