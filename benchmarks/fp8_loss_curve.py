@@ -1,13 +1,17 @@
-"""FP8 against bf16 loss curves: the demo task trained with `training.precision` bf16 and fp8 (tensorwise and
-rowwise scaling), the same seed and data order, and how far apart the per-step losses are.
+"""FP8 against bf16 loss curves: a task trained with `training.precision` bf16 and fp8 (tensorwise and rowwise
+scaling), the same seed and data order, and how far apart the per-step losses are; with `--seeds K`, bf16 again
+at K - 1 other seeds, whose distance from the first is the noise an FP8 difference is read against.
 
-    python -m benchmarks.fp8_loss_curve --steps 600 --hidden 1024 --layers 4 --out fp8-loss.json   # GPU
+    python -m benchmarks.fp8_loss_curve --steps 600 --hidden 1024 --layers 4 --out fp8-loss.json   # GPU, the demo
+    python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 4 --seeds 3 --out f.json
     TIGON_FP8_EMULATE=1 python -m benchmarks.fp8_loss_curve --steps 4 --compile-backend aot_eager --out fp8.json  # CPU
 
-The model is examples/demo.yaml's Llama (two-digit addition, packed), optionally wider and deeper; every run
-compiles its decoder layers (fp8 needs training.compile, and bf16 compiled is the fair baseline). Reported per
-scaling: the largest and the mean relative difference |fp8 - bf16| / bf16 over the steps, and over the last
-tenth of the run (where a drift would show). Results: JSON to --out, the curves to --out with .png.
+The model is examples/demo.yaml's Llama, optionally wider and deeper, on its task (two-digit addition, packed) or,
+with `--corpus stdlib`, on real text: the running Python's standard library source, file by file, as language
+modelling (characters, 512 a sequence, packed). Every run compiles its decoder layers (fp8 needs
+training.compile, and bf16 compiled is the fair baseline). Reported per run against the first bf16 one: the
+largest and the mean relative difference of the per-step losses, over the steps and over the last tenth of the
+run (where a drift would show). Results: JSON to --out, the curves to --out with .png.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sysconfig
 from pathlib import Path
 
 from tigon.runtime.files import atomic_write_text
@@ -23,8 +28,27 @@ SCALINGS = ("tensorwise", "rowwise")
 RUNS = {"bf16": {"precision": "bf16"}, **{f"fp8-{s}": {"precision": "fp8", "fp8_scaling": s} for s in SCALINGS}}
 
 
-def run_config(args: argparse.Namespace, training: dict, run_dir: Path):
-    """examples/demo.yaml for `args.steps` steps, wider or deeper as asked, compiled, without evaluation."""
+CORPUS_SEQ_LEN = 512
+
+
+def stdlib_corpus(path: Path, max_bytes: int) -> Path:
+    """A text dataset of real writing: the running Python's standard library source, one document a file (sorted by
+    path), until `max_bytes`; written to `path` as JSON lines."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines, size = [], 0
+    for source in sorted(root.rglob("*.py")):
+        if "site-packages" in source.parts or size >= max_bytes:
+            continue
+        text = source.read_text(encoding="utf-8", errors="replace")
+        lines.append(json.dumps({"text": text}))
+        size += len(text)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def run_config(args: argparse.Namespace, training: dict, run_dir: Path, corpus: Path | None = None):
+    """examples/demo.yaml (on `corpus` when given) for `args.steps` steps, wider or deeper as asked, compiled,
+    without evaluation."""
     from tigon.runtime.config import load_config
 
     overrides = [
@@ -51,6 +75,14 @@ def run_config(args: argparse.Namespace, training: dict, run_dir: Path):
         ]
     if args.layers:
         overrides.append(f"model.config_overrides.num_hidden_layers={args.layers}")
+    if corpus is not None:
+        overrides += [
+            f"data.train={corpus}",
+            "data.eval=null",
+            "data.format=text",
+            f"data.max_seq_len={CORPUS_SEQ_LEN}",
+            f"model.config_overrides.max_position_embeddings={CORPUS_SEQ_LEN}",
+        ]
     return load_config(args.config, overrides)
 
 
@@ -59,7 +91,8 @@ def relative(got: list[float], want: list[float]) -> list[float]:
 
 
 def compare(losses: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """Per fp8 run: the largest and mean relative difference to bf16, over all steps and the last tenth."""
+    """Per run but the first bf16 one (fp8's, and bf16's at other seeds): the largest and mean relative difference
+    to that bf16 run, over all steps and the last tenth."""
     base = losses["bf16"]
     tail = max(1, len(base) // 10)
     result = {}
@@ -90,7 +123,7 @@ def plot(losses: dict[str, list[float]], path: Path) -> None:
             bottom.plot(range(1, len(curve) + 1), relative(curve, losses["bf16"]), label=name, linewidth=1)
     top.set_ylabel("training loss")
     top.legend()
-    bottom.set_ylabel("|fp8 - bf16| / bf16")
+    bottom.set_ylabel("|run - bf16| / bf16")
     bottom.set_xlabel("optimizer step")
     bottom.legend()
     figure.tight_layout()
@@ -107,7 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compile-backend", default="inductor", choices=["inductor", "aot_eager"], help="training.compile_backend"
     )
+    parser.add_argument("--corpus", choices=["stdlib"], help="train on real text instead of the config's data")
+    parser.add_argument("--corpus-mb", type=float, default=20.0, help="megabytes of the corpus (default 20)")
+    parser.add_argument("--seeds", type=int, default=1, help="bf16 runs at this many seeds (the noise floor)")
     args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: give at least 1")
     if args.hidden is not None and (args.hidden <= 0 or args.hidden % 64):
         parser.error(f"--hidden {args.hidden}: give a positive multiple of 64 (attention heads of width 64)")
 
@@ -116,10 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     from tigon.runtime.trainer import train
 
     out = Path(args.out)
+    corpus = None
+    if args.corpus == "stdlib":
+        corpus = stdlib_corpus(out.parent / f"{out.stem}-stdlib.jsonl", int(args.corpus_mb * 2**20))
+    runs = {**RUNS, **{f"bf16-seed{seed}": {"precision": "bf16", "seed": seed} for seed in range(1, args.seeds)}}
     losses = {}
-    for name, training in RUNS.items():
+    for name, training in runs.items():
         torch._dynamo.reset()  # each run compiles its own layers
-        result = train(run_config(args, training, out.parent / f"{out.stem}-{name}"))
+        result = train(run_config(args, training, out.parent / f"{out.stem}-{name}", corpus))
         losses[name] = result.losses
         print(f"{name}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}", flush=True)
     report = {

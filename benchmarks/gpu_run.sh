@@ -105,7 +105,8 @@ for step in "$@"; do
           --out "$out/fp8-e2e-$precision.json" 2>&1 | tee "$out/fp8-e2e-$precision.log"
       done ;;
     fp8-loss) python3 -m benchmarks.fp8_loss_curve --steps "${FP8_STEPS:-600}" --hidden "${FP8_HIDDEN:-1024}" \
-        --layers "${FP8_LAYERS:-4}" --out "$out/fp8-loss.json" > "$out/fp8-loss.log" 2>&1; echo "fp8-loss: exit $?"
+        --layers "${FP8_LAYERS:-4}" --seeds "${FP8_SEEDS:-1}" ${FP8_CORPUS:+--corpus "$FP8_CORPUS"} \
+        --out "$out/fp8-loss.json" > "$out/fp8-loss.log" 2>&1; echo "fp8-loss: exit $?"
       grep -E "against bf16|loss .* ->|wrote|Error" "$out/fp8-loss.log" | tail -n 20 ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;
     e2e-8k) python3 -m benchmarks.end_to_end --seqs 8192 --out "$out/e2e-8k.json" 2>&1 | tee "$out/e2e-8k.log" ;;

@@ -3,6 +3,7 @@ on the CPU with the FP8 matmuls emulated (TIGON_FP8_EMULATE=1, as in tests/runti
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -38,11 +39,31 @@ def test_the_loss_curve_script_trains_bf16_and_both_fp8_scalings(tmp_path, monke
     monkeypatch.chdir(ROOT)  # the demo config's data paths are relative to the repository
     out = tmp_path / "fp8-loss.json"
     torch._dynamo.reset()
-    fp8_loss_curve.main(["--steps", "2", "--hidden", "64", "--compile-backend", "aot_eager", "--out", str(out)])
+    arguments = ["--steps", "2", "--hidden", "64", "--compile-backend", "aot_eager", "--out", str(out)]
+    fp8_loss_curve.main([*arguments, "--corpus", "stdlib", "--corpus-mb", "0.5", "--seeds", "2"])
     report = json.loads(out.read_text())
-    assert list(report["losses"]) == ["bf16", "fp8-tensorwise", "fp8-rowwise"]
+    assert list(report["losses"]) == ["bf16", "fp8-tensorwise", "fp8-rowwise", "bf16-seed1"]
     assert all(len(curve) == 2 and all(map(math.isfinite, curve)) for curve in report["losses"].values())
     for name in ("fp8-tensorwise", "fp8-rowwise"):
         assert 0 < report["comparison"][name]["max"] < 2e-2  # the casts ran, and stayed close
+    assert report["comparison"]["bf16-seed1"]["max"] > 0  # another initialization and data order
     assert out.with_suffix(".png").stat().st_size > 0
     assert "fp8-rowwise against bf16 over 2 steps" in capsys.readouterr().out
+
+
+def test_the_stdlib_corpus_is_real_source_text_up_to_its_size(tmp_path):
+    path = fp8_loss_curve.stdlib_corpus(tmp_path / "corpus.jsonl", 200_000)
+    documents = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    size = sum(map(len, documents))
+    assert 200_000 <= size < 200_000 + max(map(len, documents))
+    assert any("def " in text for text in documents) and all(documents)
+    config = fp8_loss_curve.run_config(
+        argparse.Namespace(
+            steps=3, compile_backend="aot_eager", hidden=None, layers=None, config=str(ROOT / "examples/demo.yaml")
+        ),
+        {"precision": "bf16"},
+        tmp_path / "run",
+        path,
+    )
+    assert (config.data.train, config.data.format, config.data.eval) == (str(path), "text", None)
+    assert config.data.max_seq_len == fp8_loss_curve.CORPUS_SEQ_LEN
