@@ -127,6 +127,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.distributed import DistEnv, shard_ranks
 from tigon.runtime.hub import config_json
 from tigon.runtime.model_types import text_overrides
 from tigon.runtime.tokenizer import load_tokenizer
@@ -510,12 +511,13 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
 
 
 def shard_group(config: RunConfig, world_size: int) -> int | None:
-    """`parallelism.shard_size` in ranks, at most the world size; 'node' is $LOCAL_WORLD_SIZE (torchrun's ranks on
-    this node), or the whole world where that is unset (a plan made away from the job: one node)."""
-    size = config.parallelism.shard_size
-    if size == "node":
-        size = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return None if size is None else min(size, world_size)
+    """`parallelism.shard_size` in ranks, as the job resolves it (`distributed.shard_ranks`); 'node' is
+    $LOCAL_WORLD_SIZE (torchrun's ranks on this node), or the whole world where that is unset (a plan made away from
+    the job: one node). None without a shard size."""
+    if config.parallelism.shard_size is None:
+        return None
+    node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return shard_ranks(config, DistEnv(world_size=world_size, local_world_size=node))
 
 
 def adapter_copy_bytes(config: RunConfig) -> int:
@@ -917,11 +919,10 @@ def zero_bytes(work: Workload, weights: int, trained: int) -> ZeroBytes:
     partitioned over the ranks, and a gradient partition in the weights' dtype (ZeRO-1 and ZeRO-2 alike: with
     16-bit gradients both reduce through the bucket into a partition). ZeRO-3 partitions the weights too; parameters
     under PERSISTENCE_THRESHOLD elements (the norms, small LoRA matrices) stay whole on every rank of several as
-    well. The
-    reduce bucket holds min(trainable, REDUCE_BUCKET_SIZE) elements (the runtime's cap). ZeRO-1/2's gradient
-    partition is the largest rank's (`partition_gradients`). The optimizer steps one
-    group at a time (`optimizer_group`), allocating STEP_BYTES an element. CPU offload keeps states, gradient
-    partitions and the step in host memory, and ZeRO-3's weights too."""
+    well. The reduce bucket holds min(trainable, REDUCE_BUCKET_SIZE) elements (the runtime's cap). ZeRO-1/2's
+    gradient partition is the largest rank's (`partition_gradients`). The optimizer steps one group at a time
+    (`optimizer_group`), allocating STEP_BYTES an element. CPU offload keeps states, gradient partitions and the
+    step in host memory, and ZeRO-3's weights too."""
     s, n, w = work.shape, work.world_size, work.weight_bytes
     trainable = work.trainable
     small = (2 * s.layers + 1) * s.hidden * w  # the norms
