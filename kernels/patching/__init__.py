@@ -61,8 +61,9 @@ class Family:
     (Gemma 4 rotates queries and keys in separate calls).
     `unfit` lists `(kernel, reason)` for parts of the family no tigon kernel fits; the report
     names them whenever that kernel is requested.
-    `transformers4` lists `(field, value)` pairs that replace this row's fields on the transformers 4.x
-    line, for classes that line lays out differently (see `Family.installed`).
+    `before` lists `(version, fields)`: on a transformers older than `version`, the `(field, value)` pairs of
+    `fields` replace this row's (classes an older line lays out differently, a head quirk it did not have yet;
+    see `Family.installed`).
     The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`, or a
     vision-language model's `*ForConditionalGeneration`); `final_logit_softcapping`, `logits_scaling` and
     `logits_multiplier` name the family's head quirks, read from the text config (Gemma 2/3 and PaliGemma
@@ -96,13 +97,21 @@ class Family:
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
     logits_multiplier: bool = False
-    transformers4: tuple[tuple[str, object], ...] = ()
+    before: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def installed(self) -> Family:
-        """This row for the installed transformers: with the `transformers4` fields on the 4.x line."""
-        if not self.transformers4 or _transformers_major() != 4:
+        """This row for the installed transformers: with the `before` fields of every version newer than it,
+        the oldest version's last (so the nearest line's layout wins)."""
+        installed = _transformers_release()
+        if not self.before or installed is None:
             return self
-        return dataclasses.replace(self, transformers4=(), **dict(self.transformers4))
+        from packaging.version import Version  # transformers' own dependency
+
+        fields: dict[str, object] = {}
+        for version, replaced in sorted(self.before, key=lambda entry: Version(entry[0]), reverse=True):
+            if installed < Version(version):
+                fields.update(replaced)
+        return dataclasses.replace(self, before=(), **fields)
 
 
 # Table field -> the tigon module that replaces its classes (`from_module(module, config)`, and the HF
@@ -132,6 +141,11 @@ _MROPE_4X = (
     "rope",
     "transformers 4.x applies the multimodal RoPE in apply_multimodal_rotary_pos_emb, slicing cos/sin per "
     "mrope_section; tigon's RoPE is the 1-D form (transformers 5 folds the sections into cos/sin first)",
+)
+_QWEN2_VL_UNFIT_4X = (_MROPE_4X, _VISION_ROPE, _VISION_FC_MLP)
+_QWEN3_VL_MOE_4X = (
+    "swiglu",
+    "transformers 4.x keeps Qwen3VLMoeTextExperts transposed ([E, H, 2I]) and runs them as a bmm",
 )
 _LLAMA4_TEXT = (
     ("rope", "Llama 4's apply_rotary_emb rotates interleaved pairs as complex numbers; tigon's RoPE is rotate-half"),
@@ -169,7 +183,7 @@ FAMILIES: dict[str, Family] = {
         _models("mixtral"),
         ("MixtralRMSNorm",),
         experts=("MixtralExperts",),
-        transformers4=(*_EXPERTS_4X, ("expert_mlp", ("MixtralBlockSparseTop2MLP",))),
+        before=(("5.0", (*_EXPERTS_4X, ("expert_mlp", ("MixtralBlockSparseTop2MLP",)))),),
         causal_lm="MixtralForCausalLM",
     ),
     "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),
@@ -178,7 +192,7 @@ FAMILIES: dict[str, Family] = {
         ("Qwen2MoeRMSNorm",),
         ("Qwen2MoeMLP",),  # the shared expert and dense (mlp_only) layers; on transformers 4.x every expert
         experts=("Qwen2MoeExperts",),
-        transformers4=_EXPERTS_4X,
+        before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen2MoeForCausalLM",
     ),
     "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",), causal_lm="Qwen3ForCausalLM"),
@@ -187,7 +201,7 @@ FAMILIES: dict[str, Family] = {
         ("Qwen3MoeRMSNorm",),
         ("Qwen3MoeMLP",),  # dense (mlp_only) layers; on transformers 4.x every expert
         experts=("Qwen3MoeExperts",),
-        transformers4=_EXPERTS_4X,
+        before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen3MoeForCausalLM",
     ),
     "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True, causal_lm="GemmaForCausalLM"),
@@ -266,7 +280,7 @@ FAMILIES: dict[str, Family] = {
         ),  # the shared experts and dense (first_k_dense_replace) layers; on transformers 4.x every expert
         experts=("Glm4MoeExperts",),
         partial_rope=True,
-        transformers4=_EXPERTS_4X,
+        before=(("5.0", _EXPERTS_4X),),
         causal_lm="Glm4MoeForCausalLM",
     ),
     "gpt_oss": Family(
@@ -323,11 +337,7 @@ FAMILIES: dict[str, Family] = {
         ("Qwen2MLP",),
         layer_norm=True,
         unfit=(_VISION_ROPE, _VISION_FC_MLP),
-        transformers4=(
-            ("rms_norm", ("Qwen2RMSNorm",)),
-            ("rope", False),
-            ("unfit", (_MROPE_4X, _VISION_ROPE, _VISION_FC_MLP)),
-        ),
+        before=(("5.0", (("rms_norm", ("Qwen2RMSNorm",)), ("rope", False), ("unfit", _QWEN2_VL_UNFIT_4X))),),
         causal_lm="Qwen2VLForConditionalGeneration",
     ),
     "qwen2_5_vl": Family(
@@ -336,7 +346,7 @@ FAMILIES: dict[str, Family] = {
         ("Qwen2MLP",),
         vision_mlp=("Qwen2_5_VLMLP",),
         unfit=(_VISION_ROPE,),
-        transformers4=(("rms_norm", ("Qwen2RMSNorm",)), ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE))),
+        before=(("5.0", (("rms_norm", ("Qwen2RMSNorm",)), ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE)))),),
         causal_lm="Qwen2_5_VLForConditionalGeneration",
     ),
     "qwen3_vl": Family(
@@ -354,20 +364,7 @@ FAMILIES: dict[str, Family] = {
         experts=("Qwen3VLMoeTextExperts",),
         layer_norm=True,
         unfit=(_VISION_ROPE, _VISION_FC_MLP),
-        transformers4=(
-            ("experts", ()),
-            (
-                "unfit",
-                (
-                    (
-                        "swiglu",
-                        "transformers 4.x keeps Qwen3VLMoeTextExperts transposed ([E, H, 2I]) and runs them as a bmm",
-                    ),
-                    _VISION_ROPE,
-                    _VISION_FC_MLP,
-                ),
-            ),
-        ),
+        before=(("5.0", (("experts", ()), ("unfit", (_QWEN3_VL_MOE_4X, _VISION_ROPE, _VISION_FC_MLP)))),),
         causal_lm="Qwen3VLMoeForConditionalGeneration",
     ),
     "gemma3": Family(
@@ -431,6 +428,7 @@ FAMILIES: dict[str, Family] = {
         layer_norm=True,
         language_model=True,
         final_logit_softcapping=True,  # read from the text config: PaliGemma 2's Gemma 2 softcaps
+        before=(("5.23", (("final_logit_softcapping", False),)),),  # older lines' head ignores the text config's cap
         unfit=(_VISION_FC_MLP,),
         causal_lm="PaliGemmaForConditionalGeneration",
     ),
@@ -486,9 +484,14 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _transformers_major() -> int | None:
-    major = _transformers_version().split(".")[0]
-    return int(major) if major.isdigit() else None
+def _transformers_release():
+    """The installed transformers' release as a `packaging` Version (5.23.0 for 5.23.0.dev0); None when it is not
+    installed."""
+    if _transformers_version() == "not installed":
+        return None
+    from packaging.version import Version
+
+    return Version(Version(_transformers_version()).base_version)
 
 
 def _swapped_classes(family: Family) -> dict[str, tuple[type, str]]:

@@ -290,18 +290,36 @@ def test_missing_patch_target_fails_loudly(monkeypatch):
 
 @pytest.mark.parametrize("field", ["packed_mlp", "experts"])
 def test_missing_mlp_or_experts_class_fails_loudly_on_the_line_that_needs_it(field, monkeypatch):
-    """A renamed class in the new table fields fails loudly, except where the row's `transformers4`
-    replaces that field on the 4.x line (the 3-D experts classes exist from transformers 5 on)."""
+    """A renamed class in the new table fields fails loudly, except where the row's `before` replaces that field
+    on the 4.x line (the 3-D experts classes exist from transformers 5 on)."""
     model_type = "phi3" if field == "packed_mlp" else "qwen3_moe"
     family = patching.FAMILIES[model_type]
     renamed = dataclasses.replace(family, **{field: ("RenamedClass",)})
     monkeypatch.setitem(patching.FAMILIES, model_type, renamed)
-    if TRANSFORMERS_4 and field in dict(family.transformers4):
+    line_4 = dict(dict(family.before).get("5.0", ()))
+    if TRANSFORMERS_4 and field in line_4:
         assert patching.modeling_module(model_type) is not None
-        assert getattr(renamed.installed(), field) == dict(family.transformers4)[field]
+        assert getattr(renamed.installed(), field) == line_4[field]
     else:
         with pytest.raises(patching.PatchTargetMissing, match="has no RenamedClass in transformers"):
             patching.modeling_module(model_type)
+
+
+@pytest.mark.parametrize(
+    ("version", "softcap", "experts"),
+    [("5.24.0", True, ("X",)), ("5.23.0.dev0", True, ("X",)), ("5.22.2", False, ("X",)), ("4.57.1", False, ())],
+)
+def test_a_row_takes_the_fields_of_the_lines_older_than_its_versions(version, softcap, experts, monkeypatch):
+    """PaliGemma's head softcaps its logits from transformers 5.23 on, and the 4.x line lays experts out apart:
+    a row's `before` entries apply on every older line, the oldest's over the newer's."""
+    row = dataclasses.replace(
+        patching.FAMILIES["paligemma"],
+        experts=("X",),
+        before=(("5.0", (("experts", ()), ("final_logit_softcapping", False))), *patching.FAMILIES["paligemma"].before),
+    )
+    monkeypatch.setattr(patching, "_transformers_version", lambda: version)
+    installed = row.installed()
+    assert (installed.final_logit_softcapping, installed.experts, installed.before) == (softcap, experts, ())
 
 
 def test_import_tigon_kernels_stays_light():
