@@ -626,10 +626,9 @@ PRESETS: dict[str, Preset] = {
         params=8.51e9,
         liger="apply_liger_kernel_to_falcon_h1",
         layers=10,  # 10 of 32 layers (attention and Mamba-2 mixer in parallel), 3.4B parameters
-        # Without mamba-ssm, transformers runs the Mamba-2 mixer in PyTorch, in float32 with (chunk x chunk x heads)
-        # tensors per sequence: one layer's forward and backward took 6.8 GiB a 4096-token sequence (CPU, fp32), and
-        # 4 sequences ran out of an H200's memory in HF eager and with Liger-Kernel.
-        micro_batch=1,
+        # Without mamba-ssm transformers runs the Mamba-2 mixer in PyTorch; before 5.18 that path builds a (chunks x
+        # chunk x chunk x heads x state) float32 product, 128 GiB a 4096-token sequence at these widths: run the
+        # family on transformers 5.18 or later (TF_LISTS in benchmarks/e2e_families_parallel.sh).
         tiny={"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_chunk_size": 8},
     ),
     # Vision-language models: built as the family's *ForConditionalGeneration (vision tower included) and trained on

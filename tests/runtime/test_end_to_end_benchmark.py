@@ -175,7 +175,7 @@ def test_presets_cover_tigons_families_and_parse():
         assert preset.liger is None or preset.liger.startswith("apply_liger_kernel_to_")
     assert PRESETS["qwen2_moe"].liger is None  # Liger-Kernel has no Qwen2-MoE function
     assert PRESETS["mistral3"].liger is None  # nor a Mistral 3 one
-    assert PRESETS["falcon_h1"].micro_batch_for(4) == 1 and PRESETS["llama"].micro_batch_for(4) == 4
+    assert PRESETS["llama4"].micro_batch_for(4) == 2 and PRESETS["llama"].micro_batch_for(4) == 4
 
 
 def _count(model_type: str, config: dict) -> tuple[int, object]:
