@@ -40,6 +40,8 @@ def stdlib_corpus(path: Path, max_bytes: int) -> Path:
         if "site-packages" in source.parts or size >= max_bytes:
             continue
         text = source.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():  # an empty __init__.py is no document
+            continue
         lines.append(json.dumps({"text": text}))
         size += len(text)
     atomic_write_text(path, "\n".join(lines) + "\n")

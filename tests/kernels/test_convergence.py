@@ -26,7 +26,7 @@ run is still deterministic the GPU variant holds tigon to tight bounds:
 - step 0 (the same weights): every parameter's gradient at most GRADIENT_FACTOR times as far from float64
   as transformers' fp32 gradient (measured: 0.6x to 1.04x), plus GRADIENT_FLOOR;
 - the first EARLY_STEPS per-step losses within EARLY_LOSS_BOUND of float64 (measured worst: 2.9e-4,
-  Granite's step 5; all other families under 2e-5);
+  Granite's step 5; all other families under 2e-5), fewer for a family that turns chaotic sooner (EARLY_STEPS_OF);
 - and tigon's loss falls by a third over the 30 steps, as transformers' does.
 The distances after the chaotic steps are printed for the record, not asserted.
 """
@@ -49,7 +49,7 @@ from tests.kernels.families import (
     rope_functions_set,
 )
 from tests.kernels.helpers import relative_error
-from tigon.kernels.patching import FAMILIES, apply
+from tigon.kernels.patching import apply
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,6 +58,9 @@ LOSS_BOUND, PARAM_BOUND, LOGITS_BOUND = 1e-4, 1e-4, 1e-4
 GRAD_BOUND = 1e-4  # step 0, the same weights: each parameter's gradient, relative
 GRADIENT_FACTOR, GRADIENT_FLOOR = 2.0, 1e-6  # GPU, step 0: tigon's gradient error from float64 against transformers'
 EARLY_STEPS, EARLY_LOSS_BOUND = 6, 1e-3  # GPU: the steps before rounding differences turn chaotic, and their bound
+# Gemma 4 learns the fixed rows within ten steps, and transformers' own fp32 run leaves float64 by more than the bound
+# from step 4 on (H200: 3.7e-3 multimodal, 1.3e-3 text), so only its first 4 steps are deterministic enough to assert.
+EARLY_STEPS_OF = {"gemma4": 4, "gemma4_text": 4}
 GPU_ADAM_EPS = 1e-6  # GPU: an eps above the gradients' rounding noise, so a gradient near 0 moves its weight little
 
 TINY = dict(
@@ -182,7 +185,7 @@ def train_all(
     held_out = torch.randint(1, size["vocab_size"], (2, length), generator=generator)
     baseline = build(model_type, size, overrides)
     exact = copy.deepcopy(baseline).double() if float64 else None
-    if exact is not None and FAMILIES[model_type].installed().experts:
+    if exact is not None and hasattr(exact, "set_experts_implementation"):  # any MoE, in tigon's table or not (GPT-OSS)
         exact.set_experts_implementation("eager")  # the same function as transformers' plain loop, in any dtype
     patched = copy.deepcopy(baseline)
     original_ropes = rope_functions()
@@ -262,6 +265,7 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
     assert ours_gradient <= GRADIENT_FACTOR * theirs_gradient + GRADIENT_FLOOR, (
         f"step 0 gradients: tigon {ours_gradient:.2e} from float64, transformers {theirs_gradient:.2e}"
     )
-    for step, (got, want) in enumerate(zip(ours.losses[:EARLY_STEPS], truth.losses, strict=False)):
+    early = EARLY_STEPS_OF.get(model_type, EARLY_STEPS)
+    for step, (got, want) in enumerate(zip(ours.losses[:early], truth.losses, strict=False)):
         assert abs(got - want) <= EARLY_LOSS_BOUND * want, f"step {step}: loss {got} against float64's {want}"
     assert ours.losses[-1] < ours.losses[0] * 2 / 3, f"tigon's loss did not fall: {ours.losses}"

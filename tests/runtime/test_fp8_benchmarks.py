@@ -67,3 +67,14 @@ def test_the_stdlib_corpus_is_real_source_text_up_to_its_size(tmp_path):
     )
     assert (config.data.train, config.data.format, config.data.eval) == (str(path), "text", None)
     assert config.data.max_seq_len == fp8_loss_curve.CORPUS_SEQ_LEN
+
+
+def test_the_stdlib_corpus_leaves_out_empty_files(tmp_path, monkeypatch):
+    root = tmp_path / "lib"
+    (root / "package").mkdir(parents=True)
+    (root / "package" / "__init__.py").write_text("")
+    (root / "package" / "blank.py").write_text("\n  \n")
+    (root / "package" / "code.py").write_text("def f():\n    return 1\n")
+    monkeypatch.setattr(fp8_loss_curve.sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    path = fp8_loss_curve.stdlib_corpus(tmp_path / "corpus.jsonl", 10_000)
+    assert [json.loads(line)["text"] for line in path.read_text().splitlines()] == ["def f():\n    return 1\n"]
