@@ -105,7 +105,8 @@ def relative(got: list[float], want: list[float]) -> list[float]:
 
 def compare(losses: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Per run but the first bf16 one (fp8's, and bf16's at other seeds): the largest and mean relative difference
-    to that bf16 run, over all steps and the last tenth."""
+    to that bf16 run, over all steps and the last tenth; and `last_tenth_loss`, the signed relative difference of
+    the two runs' mean losses over the last tenth (the per-step noise averaged out: the curves' distance)."""
     base = losses["bf16"]
     tail = max(1, len(base) // 10)
     result = {}
@@ -118,9 +119,15 @@ def compare(losses: dict[str, list[float]]) -> dict[str, dict[str, float]]:
             "mean": statistics.fmean(diffs),
             "last_tenth_max": max(diffs[-tail:]),
             "last_tenth_mean": statistics.fmean(diffs[-tail:]),
+            "last_tenth_loss": statistics.fmean(curve[-tail:]) / statistics.fmean(base[-tail:]) - 1,
             "final_loss": curve[-1],
         }
     return result
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each `window` consecutive values (len(values) - window + 1 of them)."""
+    return [statistics.fmean(values[i : i + window]) for i in range(len(values) - window + 1)]
 
 
 def plot(losses: dict[str, list[float]], path: Path) -> None:
@@ -129,14 +136,20 @@ def plot(losses: dict[str, list[float]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    window = max(1, len(losses["bf16"]) // 20)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for name, curve in losses.items():
-        top.plot(range(1, len(curve) + 1), curve, label=name, linewidth=1)
+    base = moving_mean(losses["bf16"], window)
+    for index, (name, curve) in enumerate(losses.items()):
+        smooth = moving_mean(curve, window)
+        steps = range(window, len(curve) + 1)
+        top.plot(steps, smooth, label=name, linewidth=1, color=f"C{index}")
         if name != "bf16":
-            bottom.plot(range(1, len(curve) + 1), relative(curve, losses["bf16"]), label=name, linewidth=1)
-    top.set_ylabel("training loss")
+            ratio = [a / b - 1 for a, b in zip(smooth, base, strict=True)]
+            bottom.plot(steps, ratio, label=name, linewidth=1, color=f"C{index}")
+    top.set_ylabel(f"training loss, mean of {window} steps")
     top.legend()
-    bottom.set_ylabel("|run - bf16| / bf16")
+    bottom.axhline(0, color="gray", linewidth=0.5)
+    bottom.set_ylabel("run / bf16 - 1 (same means)")
     bottom.set_xlabel("optimizer step")
     bottom.legend()
     figure.tight_layout()
@@ -186,7 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write_text(out, json.dumps(report, indent=2) + "\n")  # after every run: a cut-short job keeps its curves
     plot(losses, out.with_suffix(".png"))
     for name, numbers in report["comparison"].items():
-        tail = f"last tenth max {numbers['last_tenth_max']:.2e}, mean {numbers['last_tenth_mean']:.2e}"
+        tail = (
+            f"last tenth max {numbers['last_tenth_max']:.2e}, mean {numbers['last_tenth_mean']:.2e}; last tenth's "
+            f"mean loss {numbers['last_tenth_loss']:+.2%}"
+        )
         print(
             f"{name} against bf16 over {args.steps} steps: relative difference max {numbers['max']:.2e}, mean "
             f"{numbers['mean']:.2e}; {tail}"

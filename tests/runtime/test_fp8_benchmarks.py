@@ -31,6 +31,8 @@ def test_compare_gives_the_relative_differences_to_bf16():
     numbers = fp8_loss_curve.compare(losses)["fp8-tensorwise"]
     assert numbers["max"] == pytest.approx(0.1) and numbers["mean"] == pytest.approx(0.015)
     assert numbers["last_tenth_max"] == pytest.approx(0.05) and numbers["final_loss"] == 1.9
+    assert numbers["last_tenth_loss"] == pytest.approx(-0.05)
+    assert fp8_loss_curve.moving_mean([1.0, 2.0, 3.0, 5.0], 2) == [1.5, 2.5, 4.0]
 
 
 def test_the_loss_curve_script_trains_bf16_and_both_fp8_scalings(tmp_path, monkeypatch, capsys):
