@@ -27,6 +27,7 @@ from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.dtypes import torch_dtype
 from tigon.runtime.fp8 import convert_to_fp8
 from tigon.runtime.hub import model_directory
+from tigon.runtime.mamba_scan import check_mamba_scan, fast_path_installed
 from tigon.runtime.model_types import TEXT_CONFIG, auto_model_class, sub_config_class, text_overrides
 from tigon.runtime.quantization import quantize_base
 from tigon.runtime.recompute import check_model, enable_selective_recomputation
@@ -51,6 +52,19 @@ def _check_attention(config: RunConfig) -> None:
         )
     if config.model.dtype == "float32":
         raise ConfigError("model.attn_implementation: 'flash_attention_2' needs model.dtype bfloat16 or float16")
+
+
+def _gpu_bytes() -> int | None:
+    """The current GPU's memory, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _special_token_ids(tokenizer) -> dict[str, int]:
@@ -375,6 +389,7 @@ def build_model(
             model = load_pretrained(config, vocab_size, tokenizer, weights=not meta)
         else:
             model = build_from_config(config, vocab_size, tokenizer)
+        check_mamba_scan(model.config, config, _gpu_bytes(), _transformers_version(), fast_path_installed())
         model.tigon_patch_report = apply_kernels(model, config)
         if config.lora.quantize_base and not meta:
             quantize_base(model, config, device)
