@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.runtime.configs import COMPILED, resumable_config, tiny_config
+from tests.runtime.configs import COMPILED, TINY_MODEL, resumable_config, tiny_config
 from tests.runtime.worker_groups import RELATIVE_TOLERANCE, WORKER, launch, worst_relative
 from tigon.runtime.config import ConfigError
 from tigon.runtime.model import build_model
@@ -155,3 +155,22 @@ def test_the_planner_counts_a_compiled_layers_gated_activation_backward_out_of_p
     assert planner.layer_backward_bytes(eager, kernels=True) == 3 * 4 * 32 + 4 * 32
     assert planner.layer_backward_bytes(compiled, kernels=True) == 3 * 4 * 64
     assert planner.layer_backward_bytes(compiled, kernels=False) == planner.layer_backward_bytes(eager, kernels=False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_softcapped_eager_attention_gets_the_compile_hint_unless_compiled(tmp_path, caplog, compiled):
+    model = {
+        "config_name": "gemma2",
+        "config_overrides": {**TINY_MODEL, "head_dim": 16, "query_pre_attn_scalar": 16},
+        "attn_implementation": "eager",
+    }
+    config = tiny_config(tmp_path, model=model, training=COMPILED if compiled else {})
+    with caplog.at_level("INFO", logger="tigon.runtime"):
+        build_model(config, vocab_size=64)
+    assert ("training.compile: true fuses them" in caplog.text) is not compiled
+
+
+def test_sdpa_attention_gets_no_compile_hint(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="tigon.runtime"):
+        build_model(tiny_config(tmp_path), vocab_size=64)
+    assert "training.compile: true fuses them" not in caplog.text
