@@ -290,13 +290,11 @@ FLOAT64_BOUND = 1e-4  # how far from float64 a gradient that differs from transf
 
 
 def float64_gradients(baseline, batch, labels, baseline_ropes: dict | None = None, **inputs) -> dict:
-    """Every parameter's gradient of the loss in a float64 copy of `baseline` (its MoE experts run as eager loops,
-    which take float64)."""
+    """Every parameter's gradient of the loss in a float64 copy of `baseline` (its MoE experts as eager loops)."""
     truth = copy.deepcopy(baseline).double()
     truth.zero_grad(set_to_none=True)
-    for module in truth.modules():
-        if hasattr(module, "config"):
-            module.config._experts_implementation = "eager"
+    if hasattr(truth, "set_experts_implementation"):
+        truth.set_experts_implementation("eager")  # transformers' plain loop, in any dtype
     with rope_functions_set(baseline_ropes):
         truth(input_ids=batch, labels=labels, **inputs).loss.backward()
     return {name: parameter.grad for name, parameter in truth.named_parameters() if parameter.grad is not None}
