@@ -216,8 +216,8 @@ def assert_same_training(model_type: str, size: dict, overrides: dict, shape: tu
 
 @pytest.mark.parametrize("model_type", family_params(CPU_FAMILIES))
 def test_tiny_model_trains_the_same_with_kernels(model_type, restore_rope):
-    # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others
-    # leave it to the GPU variant (its exactness is in test_rope.py), which keeps the file near 90 s of one core's time.
+    # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others leave it
+    # to the GPU variant (its exactness is in test_rope.py), which keeps the file near 110 s of one core's time.
     kernels = dict(rope=model_type == "llama")
     assert_same_training(model_type, TINY, CPU_FAMILIES[model_type], shape=(4, 8, 1), kernels=kernels)
 
