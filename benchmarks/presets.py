@@ -56,6 +56,8 @@ class Preset:
     `tiny` holds family-specific `--tiny` values on top of `tiny_shape`'s generic shrink.
     `attention` is the run's `model.attn_implementation`.
     `micro_batch` caps the run's micro-batch where the family's model does not fit the default's (why: beside it).
+    `layer_types` lists a hybrid family's layer kinds at the shortened depth, so a model shortened below its
+    pattern's period keeps each kind of layer (Qwen3-Next: a Gated DeltaNet layer and an attention one).
     """
 
     family: str  # tigon's kernel table key, which is also the transformers model_type
@@ -68,6 +70,7 @@ class Preset:
     attention: str = "sdpa"
     vision: VisionTower | None = None
     micro_batch: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def micro_batch_for(self, requested: int) -> int:
         """The micro-batch this preset runs at when `requested` is asked for: at most its cap."""
@@ -76,6 +79,7 @@ class Preset:
     def shape(self) -> dict:
         """The benchmark's `model.config_overrides`: `config`, shortened to `layers`, with the vision tower."""
         text = {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
+        text |= {"layer_types": list(self.layer_types)} if self.layer_types else {}
         return self._with_vision(text, {**self.vision.config, **self.vision.depth} if self.vision else {}, {})
 
     def full_shape(self) -> dict:
@@ -152,6 +156,40 @@ QWEN_TINY_VISION = {
     "num_heads": 2,
     "out_hidden_size": 64,
     "patch_size": 2,
+}
+
+#: Qwen3-Next and Qwen 3.5's Gated DeltaNet layers (transformers' config defaults): 16 key heads and 32 value heads
+#: of 128; three of every four layers, the fourth full attention with gated queries and partial RoPE
+GATED_DELTANET = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+#: --tiny: the Gated DeltaNet at tiny widths, one layer of it and one of attention
+GATED_DELTANET_TINY = {
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+#: --tiny: Qwen 3.5's multimodal RoPE sections over the rotated half of a 16-wide head at partial_rotary_factor 0.5
+QWEN3_5_TINY_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "mrope_section": [2, 1, 1],
+}
+#: Qwen 3.5's vision tower (transformers' config defaults), its output as wide as the language model
+QWEN3_5_VISION = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "num_position_embeddings": 2304,
+    "patch_size": 16,
 }
 
 #: Llama 4 Scout's language model (transformers' Llama4TextConfig defaults): every layer MoE, every fourth without
@@ -362,6 +400,128 @@ PRESETS: dict[str, Preset] = {
         params=30.5e9,
         liger="apply_liger_kernel_to_qwen3_moe",
         layers=4,  # 0.62B parameters a layer (128 experts of 3 x 2048 x 768): 4 of 48 layers, 3.1B parameters
+    ),
+    "qwen3_next": Preset(
+        "qwen3_next",
+        "transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B)",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,  # the dense MLP of mlp_only_layers (none here)
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "num_experts": 512,
+            "num_experts_per_tok": 10,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "num_hidden_layers": 48,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            **GATED_DELTANET,
+            "vocab_size": 151936,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+        },
+        params=79.7e9,
+        liger="apply_liger_kernel_to_qwen3_next",
+        layers=2,  # 1.6B parameters a layer (512 experts of 3 x 2048 x 512): 2 of 48 layers, 3.9B parameters
+        layer_types=("linear_attention", "full_attention"),
+        tiny=GATED_DELTANET_TINY,
+    ),
+    "qwen3_5": Preset(
+        "qwen3_5",
+        "transformers' Qwen3_5Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            **GATED_DELTANET,
+            "vocab_size": 248320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+        },
+        params=9.4e9,
+        liger="apply_liger_kernel_to_qwen3_5",
+        layers=4,  # 0.2B parameters a layer, 2B of embeddings: 4 of 32 layers (3 Gated DeltaNet, 1 attention)
+        tiny={**GATED_DELTANET_TINY, "rope_parameters": QWEN3_5_TINY_ROPE},
+        vision=VisionTower(
+            {**QWEN3_5_VISION, "out_hidden_size": 4096},
+            {"tie_word_embeddings": False},
+            {**QWEN_TINY_VISION, "num_position_embeddings": 16},
+        ),
+    ),
+    "qwen3_5_moe": Preset(
+        "qwen3_5_moe",
+        "transformers' Qwen3_5MoeConfig defaults",
+        {
+            "hidden_size": 2048,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            **GATED_DELTANET,
+            "vocab_size": 248320,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+        },
+        params=35.0e9,
+        liger="apply_liger_kernel_to_qwen3_5_moe",
+        layers=2,  # 0.8B parameters a layer (256 experts of 3 x 2048 x 512): 2 of 40 layers, 3.1B parameters
+        layer_types=("linear_attention", "full_attention"),
+        tiny={**GATED_DELTANET_TINY, "rope_parameters": QWEN3_5_TINY_ROPE},
+        vision=VisionTower(
+            {**QWEN3_5_VISION, "out_hidden_size": 2048},
+            {"tie_word_embeddings": False},
+            {**QWEN_TINY_VISION, "num_position_embeddings": 16},
+        ),
+    ),
+    "exaone4": Preset(
+        "exaone4",
+        "transformers' Exaone4Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 16384,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 102400,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": 4096,
+            "sliding_window_pattern": 4,
+            "max_position_embeddings": 32768,  # the defaults' 2048 is below the benchmark's sequences
+        },
+        params=9.4e9,
+        liger="apply_liger_kernel_to_exaone4",
+        layers=8,  # 0.27B parameters a layer: 8 of 32 layers (6 sliding-window, 2 full attention), 3.0B parameters
+    ),
+    "hunyuan_v1_dense": Preset(
+        "hunyuan_v1_dense",
+        "transformers' HunYuanDenseV1Config defaults",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "head_dim": 128,  # the config's default is None, which its attention cannot build
+            "vocab_size": 290943,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 32768,  # the defaults' 2048 is below the benchmark's sequences
+        },
+        params=8.8e9,
+        liger="apply_liger_kernel_to_hunyuan_v1_dense",
+        layers=4,  # 0.2B parameters a layer, 2.4B of embeddings: 4 of 32 layers, 3.2B parameters
     ),
     "gemma": Preset(
         "gemma",

@@ -193,6 +193,9 @@ MOE_FAMILIES = {
     "mixtral": MoeKeys("num_local_experts", "intermediate_size", normalized=True, float32_weights=True),
     "qwen2_moe": MoeKeys("num_experts", "moe_intermediate_size", shared="shared_expert_intermediate_size"),
     "qwen3_moe": MoeKeys("num_experts", "moe_intermediate_size"),
+    "qwen3_5_moe_text": MoeKeys(
+        "num_experts", "moe_intermediate_size", shared="shared_expert_intermediate_size", normalized=True
+    ),
 }
 
 
@@ -270,7 +273,8 @@ class ModelShape:
         """Sizes of a Llama-like decoder (attention + gated MLP, or MoE block, per layer) from its transformers
         config."""
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
+        hidden, layers = text.hidden_size, text.num_hidden_layers
+        inter = getattr(text, "intermediate_size", 0)  # none where every layer is an MoE block (Qwen 3.5 MoE)
         heads = text.num_attention_heads
         kv_heads = layer_value(text, "num_key_value_heads") or heads
         head_dim = layer_value(text, "head_dim") or hidden // heads

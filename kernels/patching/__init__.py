@@ -176,6 +176,16 @@ _GEMMA4_AUDIO_MLP = (
     "computes it",
 )
 
+
+def _gated_deltanet_norm(name: str) -> tuple[str, str]:
+    """Qwen3-Next's and Qwen 3.5's unfit gated norm, the Gated DeltaNet layers' output norm `name`."""
+    return (
+        "rms_norm",
+        f"the Gated DeltaNet layers' {name} norms in the input dtype, then multiplies by silu(gate) in float32: "
+        "no tigon kernel computes that gated norm",
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
     "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",), causal_lm="MistralForCausalLM"),
@@ -203,6 +213,51 @@ FAMILIES: dict[str, Family] = {
         experts=("Qwen3MoeExperts",),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen3MoeForCausalLM",
+    ),
+    "qwen3_next": Family(
+        _models("qwen3_next"),
+        ("Qwen3NextRMSNorm",),  # 1 + weight, float32 throughout, as Gemma's; not the Gated DeltaNet's gated norm
+        ("Qwen3NextMLP",),  # the shared expert and dense (mlp_only) layers; on transformers 4.x every expert
+        experts=("Qwen3NextExperts",),
+        gemma_norm=True,
+        partial_rope=True,  # partial_rotary_factor 0.25 in its members
+        unfit=(_gated_deltanet_norm("Qwen3NextRMSNormGated"),),
+        before=(("5.0", _EXPERTS_4X),),
+        causal_lm="Qwen3NextForCausalLM",
+    ),
+    "qwen3_5": Family(
+        _models("qwen3_5"),
+        ("Qwen3_5RMSNorm",),
+        ("Qwen3_5MLP",),
+        gemma_norm=True,
+        partial_rope=True,  # partial_rotary_factor 0.25, the multimodal sections folded into cos/sin
+        layer_norm=True,
+        unfit=(_gated_deltanet_norm("Qwen3_5RMSNormGated"), _VISION_ROPE, _VISION_FC_MLP),
+        causal_lm="Qwen3_5ForConditionalGeneration",
+    ),
+    "qwen3_5_moe": Family(
+        _models("qwen3_5_moe"),
+        ("Qwen3_5MoeRMSNorm",),
+        ("Qwen3_5MoeMLP",),  # the shared expert
+        experts=("Qwen3_5MoeExperts",),
+        gemma_norm=True,
+        partial_rope=True,
+        layer_norm=True,
+        unfit=(_gated_deltanet_norm("Qwen3_5MoeRMSNormGated"), _VISION_ROPE, _VISION_FC_MLP),
+        causal_lm="Qwen3_5MoeForConditionalGeneration",
+    ),
+    "exaone4": Family(
+        _models("exaone4"),
+        ("Exaone4RMSNorm",),  # post-norms: the attention's and MLP's outputs are normed before the residual add
+        ("Exaone4MLP",),
+        in_place_norm_backward=False,
+        causal_lm="Exaone4ForCausalLM",
+    ),
+    "hunyuan_v1_dense": Family(
+        _models("hunyuan_v1_dense"),
+        ("HunYuanDenseV1RMSNorm",),  # with the query and key norms, applied after RoPE
+        ("HunYuanDenseV1MLP",),
+        causal_lm="HunYuanDenseV1ForCausalLM",
     ),
     "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True, causal_lm="GemmaForCausalLM"),
     "gemma2": Family(

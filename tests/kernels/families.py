@@ -28,6 +28,8 @@ MULTIMODAL = {
     "qwen2_5_vl": (dict(QWEN_VISION, window_size=4, fullatt_block_indexes=[0]), {}),
     "qwen3_vl": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
     "qwen3_vl_moe": (dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]), {}),
+    "qwen3_5": (dict(QWEN_VISION, num_position_embeddings=16), {}),
+    "qwen3_5_moe": (dict(QWEN_VISION, num_position_embeddings=16), {}),
     "gemma3": (VISION, dict(mm_tokens_per_image=4)),
     "gemma4": (dict(VISION, head_dim=16, pooling_kernel_size=2), {}),
     "mllama": (
@@ -141,6 +143,17 @@ GEMMA4_MOE = dict(
     moe_intermediate_size=32,
     final_logit_softcapping=30.0,
 )
+# Qwen3-Next and Qwen 3.5: a Gated DeltaNet layer, then a full attention one (their gated queries, query and key norms,
+# partial RoPE); Qwen 3.5's rotated half of the head dim (8 of 16) split into its three multimodal sections.
+GATED_DELTANET = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+QWEN3_NEXT = dict(GATED_DELTANET, num_experts=4, shared_expert_intermediate_size=48, mlp_only_layers=[1], **MOE)
+QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1])
 TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 # transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
 ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
@@ -175,6 +188,23 @@ FAMILY_CASES = {
     "mixtral": case(dict(num_local_experts=4, num_experts_per_tok=2), 0, 2, True, []),
     "qwen2_moe": case(dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, 2, True, []),
     "qwen3_moe": case(dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
+    "qwen3_next": case(QWEN3_NEXT, 2, 1, True, ["rms_norm (the Gated DeltaNet"]),
+    "qwen3_5": case(
+        dict(GATED_DELTANET, **{ROPE_KEY: QWEN3_5_ROPE}),
+        2,
+        0,
+        True,
+        ["rms_norm (the Gated DeltaNet", "rope (the vision", "swiglu (the vision"],
+    ),
+    "qwen3_5_moe": case(
+        dict(GATED_DELTANET, num_experts=4, shared_expert_intermediate_size=48, **{ROPE_KEY: QWEN3_5_ROPE}, **MOE),
+        2,
+        2,
+        True,
+        ["rms_norm (the Gated DeltaNet", "rope (the vision", "swiglu (the vision"],
+    ),
+    "exaone4": case({}, 2, 0, True, []),
+    "hunyuan_v1_dense": case({}, 2, 0, True, []),
     "gemma2": case({}, 2, 0, True, []),
     "gemma3_text": case({}, 2, 0, True, []),
     "gemma4_text": case(GEMMA4, 3, 0, True, ["swiglu (Gemma 4's per-layer"]),
@@ -256,9 +286,43 @@ def rope_functions_set(functions: dict | None):
             module.apply_rotary_pos_emb = function
 
 
+FLOAT64_BOUND = 1e-4  # how far from float64 a gradient that differs from transformers' may lie
+
+
+def float64_gradients(baseline, batch, labels, baseline_ropes: dict | None = None, **inputs) -> dict:
+    """Every parameter's gradient of the loss in a float64 copy of `baseline` (its MoE experts as eager loops)."""
+    truth = copy.deepcopy(baseline).double()
+    truth.zero_grad(set_to_none=True)
+    if hasattr(truth, "set_experts_implementation"):
+        truth.set_experts_implementation("eager")  # transformers' plain loop, in any dtype
+    with rope_functions_set(baseline_ropes):
+        truth(input_ids=batch, labels=labels, **inputs).loss.backward()
+    return {name: parameter.grad for name, parameter in truth.named_parameters() if parameter.grad is not None}
+
+
+def assert_same_gradients(baseline, patched, bound: float, float64_run) -> None:
+    """Every parameter's gradient within `bound` (relative) of transformers' (a vision tower fed no image has none, in
+    both models).
+
+    A gradient that nearly cancels (Qwen 3.5's Gated DeltaNet decay parameters, `dt_bias` and `A_log`, about 1e-5
+    where others are 1e-1) is mostly rounding: transformers' own fp32 one lies up to 1.2e-4 from float64 there, and
+    the fused loss's rounding alone moves it 3.6e-5. Where ours and transformers' differ by more than `bound`, ours
+    must be within FLOAT64_BOUND of the float64 gradients of `float64_run()`, or at most twice as far from them as
+    transformers' fp32 one is."""
+    apart = []
+    for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
+        assert (ours.grad is None) == (theirs.grad is None), name
+        if theirs.grad is not None and relative_error(ours.grad, theirs.grad) >= bound:
+            apart.append((name, theirs.grad, ours.grad))
+    truth = float64_run() if apart else {}
+    for name, theirs, ours in apart:
+        ours_error, theirs_error = relative_error(ours, truth[name]), relative_error(theirs, truth[name])
+        assert ours_error <= max(FLOAT64_BOUND, 2 * theirs_error), f"{name}: {ours_error:.2e} from float64"
+
+
 def assert_same_training_step(baseline, patched, batch, baseline_ropes: dict | None = None, **inputs):
-    """One forward and backward with labels: the same loss, eval logits and every gradient (a vision tower fed no
-    image has none, in both models). `baseline_ropes`: the RoPE functions the baseline runs (`rope_functions_set`)."""
+    """One forward and backward with labels: the same loss, eval logits and every gradient (`assert_same_gradients`).
+    `baseline_ropes`: the RoPE functions the baseline runs (`rope_functions_set`)."""
     with rope_functions_set(baseline_ropes):
         expected = baseline(input_ids=batch, labels=batch, **inputs)
         expected.loss.backward()
@@ -269,10 +333,9 @@ def assert_same_training_step(baseline, patched, batch, baseline_ropes: dict | N
     assert abs(got.loss.item() - expected.loss.item()) < 1e-5
     with torch.no_grad():
         assert relative_error(patched(input_ids=batch, **inputs).logits, expected_logits) < 1e-5
-    for (name, theirs), (_, ours) in zip(baseline.named_parameters(), patched.named_parameters(), strict=True):
-        assert (ours.grad is None) == (theirs.grad is None), name
-        if theirs.grad is not None:
-            assert relative_error(ours.grad, theirs.grad) < 1e-4, name
+    assert_same_gradients(
+        baseline, patched, 1e-4, lambda: float64_gradients(baseline, batch, batch, baseline_ropes, **inputs)
+    )
 
 
 def own_failure(model, batch) -> Exception | None:

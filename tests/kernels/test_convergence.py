@@ -42,6 +42,7 @@ from tests.kernels.families import (
     GEMMA4,
     MROPE,
     MULTIMODAL,
+    QWEN3_NEXT,
     ROPE_KEY,
     TOWERS,
     family_params,
@@ -80,6 +81,7 @@ CPU_FAMILIES = {
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_vl": MROPE,  # the language tower (the vision tower, fed no image, stays as built)
+    "qwen3_next": dict(QWEN3_NEXT, mlp_only_layers=[0, 1]),  # Gated DeltaNet and attention layers; 1 + weight norms
     # The double-wide MLP, key sharing, per-layer embeddings, logit softcapping; full-attention heads of 16, not the
     # patching tests' 32, where transformers' own fp32 run ends 1% from float64 (see WIDER_BOUNDS).
     "gemma4_text": dict(GEMMA4, global_head_dim=16, hidden_size_per_layer_input=16),
@@ -214,8 +216,8 @@ def assert_same_training(model_type: str, size: dict, overrides: dict, shape: tu
 
 @pytest.mark.parametrize("model_type", family_params(CPU_FAMILIES))
 def test_tiny_model_trains_the_same_with_kernels(model_type, restore_rope):
-    # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others
-    # leave it to the GPU variant (its exactness is in test_rope.py), which keeps the file near 90 s of one core's time.
+    # RoPE launches one program per token, about 12 ms each in the interpreter: Llama runs it, the others leave it
+    # to the GPU variant (its exactness is in test_rope.py), which keeps the file near 110 s of one core's time.
     kernels = dict(rope=model_type == "llama")
     assert_same_training(model_type, TINY, CPU_FAMILIES[model_type], shape=(4, 8, 1), kernels=kernels)
 
@@ -239,8 +241,9 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
     overrides = FAMILY_CASES[model_type].overrides
     if "moe_intermediate_size" in overrides:
         overrides = {**overrides, "moe_intermediate_size": 704}
-    if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # the sections span head_dim / 2
-        overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": [16, 8, 8]}}
+    if ROPE_KEY in overrides and "mrope_section" in overrides[ROPE_KEY]:  # they span the rotated half of head_dim
+        sections = [section * REAL_WIDTHS["head_dim"] // 16 for section in overrides[ROPE_KEY]["mrope_section"]]
+        overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": sections}}  # from tiny's 16
     if "vocab_size_per_layer_input" in overrides:  # Gemma 4's per-layer embeddings look up every token
         overrides = {**overrides, "vocab_size_per_layer_input": REAL_WIDTHS["vocab_size"]}
     ours, theirs, truth = train_all(

@@ -38,6 +38,7 @@ CASES_4X = {
     "qwen2_moe": Swaps(2 * (4 + 1), 0, True, []),
     "qwen3_moe": Swaps(1 + 4, 0, True, []),
     "glm4_moe": Swaps(1 + 4 + 1, 0, True, []),
+    "qwen3_next": Swaps(1 + 4 + 1, 0, True, ["rms_norm (the Gated DeltaNet"]),
     "qwen3_vl_moe": Swaps(0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
     "qwen2_vl": Swaps(2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
     "qwen2_5_vl": Swaps(2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
@@ -80,7 +81,18 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     assert report.applied.get("layer_norm", 0) == vision_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
     norm = next(module for module in decoder_of(patched).layers[0].modules() if isinstance(module, modules.RMSNorm))
-    post_norms = ("gemma2", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "paligemma", "olmo2", "olmo3", "glm4")
+    post_norms = (
+        "gemma2",
+        "gemma3_text",
+        "gemma3",
+        "gemma4_text",
+        "gemma4",
+        "paligemma",
+        "olmo2",
+        "olmo3",
+        "glm4",
+        "exaone4",
+    )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
     assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts

@@ -28,6 +28,7 @@ def classifier(model_type: str, overrides: dict):
 
 # The table's families transformers gives no ForSequenceClassification class.
 NO_CLASSIFIER = [
+    "qwen3_5_moe",
     "gemma4_text",
     "granite",
     "glm4_moe",

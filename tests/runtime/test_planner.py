@@ -45,6 +45,22 @@ def test_parameter_count_matches_the_built_model():
         assert ModelShape.from_hf_config(config).params == sum(p.numel() for p in model.parameters())
 
 
+def test_a_model_whose_every_layer_is_an_moe_block_has_no_dense_width():
+    """Qwen 3.5 MoE's config has no intermediate_size: every layer is an MoE block, with a gated shared expert."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tigon.runtime.planner import MoeShape
+
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    text |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    config = AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=dict(depth=1, out_hidden_size=64))
+    shape = ModelShape.from_hf_config(config)
+    assert shape.intermediate == 0 and shape.moe == MoeShape(4, 32, 2, 2, 48, True, False)
+    model = AutoModelForImageTextToText.from_config(config)
+    block = model.model.language_model.layers[0].mlp
+    assert shape.moe.params(64) == sum(p.numel() for p in block.parameters())
+
+
 def test_estimate_matches_hand_computed_bytes():
     """h=8, i=16, 2 layers, 2 heads of 4 (1 kv head), V=10, untied; bf16, SDPA, 2 sequences of 4 tokens."""
     work = bf16_work(TINY, 4)
