@@ -259,8 +259,8 @@ def _transformers_experts_function(implementation: str):
 
 class GatedExperts(nn.Module):
     """Drop-in for the transformers 5.x MoE experts with 3-D parameters (MixtralExperts, Qwen2MoeExperts,
-    Qwen3MoeExperts): `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I], called as
-    `forward(hidden_states, top_k_index, top_k_weights)` on (tokens, H) states and (tokens, top-k) routing.
+    Qwen3MoeExperts, DeepseekV3Experts, ...): `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I],
+    called as `forward(hidden_states, top_k_index, top_k_weights)` on (tokens, H) states and (tokens, top-k) routing.
 
     It computes what transformers computes, with tigon's packed activation in place of `act(gate) * up`.
     Under the "eager" experts implementation it runs transformers' loop over the hit experts (same
@@ -282,7 +282,8 @@ class GatedExperts(nn.Module):
     def __init__(self, config, num_experts: int | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.num_experts = num_experts or config.num_experts
+        # transformers' experts classes read num_local_experts (Mixtral, DeepSeek-V3, GLM-4-MoE) or num_experts
+        self.num_experts = num_experts or getattr(config, "num_local_experts", None) or config.num_experts
         self.hidden_dim = config.hidden_size
         self.intermediate_dim = (
             intermediate_size or getattr(config, "moe_intermediate_size", None) or config.intermediate_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,6 +148,11 @@ _QWEN3_VL_MOE_4X = (
     "swiglu",
     "transformers 4.x keeps Qwen3VLMoeTextExperts transposed ([E, H, 2I]) and runs them as a bmm",
 )
+_DEEPSEEK_V3_ROPE = (
+    "rope",
+    "DeepSeek-V3's attention rotates interleaved pairs (apply_rotary_pos_emb_interleave, under config.rope_interleave, "
+    "its default); tigon's RoPE is rotate-half",
+)
 _LLAMA4_TEXT = (
     ("rope", "Llama 4's apply_rotary_emb rotates interleaved pairs as complex numbers; tigon's RoPE is rotate-half"),
     (
@@ -195,6 +201,45 @@ FAMILIES: dict[str, Family] = {
         experts=("MixtralExperts",),
         before=(("5.0", (*_EXPERTS_4X, ("expert_mlp", ("MixtralBlockSparseTop2MLP",)))),),
         causal_lm="MixtralForCausalLM",
+    ),
+    "deepseek_v3": Family(
+        _models("deepseek_v3"),
+        ("DeepseekV3RMSNorm",),  # the decoder's and the attention's query and key/value latent norms
+        # the shared experts and dense (first_k_dense_replace) layers; on transformers 4.x every expert
+        ("DeepseekV3MLP",),
+        experts=("DeepseekV3Experts",),
+        rope=False,
+        unfit=(_DEEPSEEK_V3_ROPE,),
+        before=(("5.0", _EXPERTS_4X),),
+        causal_lm="DeepseekV3ForCausalLM",
+    ),
+    "deepseek_v2": Family(
+        _models("deepseek_v2"),
+        ("DeepseekV2RMSNorm",),  # the decoder's and the attention's query and key/value latent norms
+        # the shared experts and dense (first_k_dense_replace) layers; on transformers 4.x every expert
+        ("DeepseekV2MLP",),
+        experts=("DeepseekV2Experts",),
+        rope=False,
+        unfit=(
+            (
+                "rope",
+                "DeepSeek-V2's apply_rotary_emb rotates interleaved pairs as complex numbers; tigon's RoPE is "
+                "rotate-half",
+            ),
+        ),
+        before=(("5.0", _EXPERTS_4X),),
+        causal_lm="DeepseekV2ForCausalLM",
+    ),
+    "hunyuan_v1_moe": Family(
+        _models("hunyuan_v1_moe"),
+        ("HunYuanMoEV1RMSNorm",),  # the decoder's and the attention's query/key norms (applied after RoPE)
+        ("HunYuanMoEV1MLP",),  # the shared MLP; on transformers 4.x every expert
+        experts=("HunYuanMoEV1Experts",),
+        before=(("5.0", _EXPERTS_4X),),
+        causal_lm="HunYuanMoEV1ForCausalLM",
+    ),
+    "ministral": Family(
+        _models("ministral"), ("MinistralRMSNorm",), ("MinistralMLP",), causal_lm="MinistralForCausalLM"
     ),
     "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),
     "qwen2_moe": Family(
@@ -733,15 +778,31 @@ def _norm_class(family: Family, original: type) -> type:
 
 
 def _mlp_class(base: type, original: type, width: Callable[[object, int], int] | None = None) -> type:
-    """A tigon MLP or experts module with the HF constructor (`config`, optional sizes; with `width`,
-    `(config, layer_idx)`) and the HF class name."""
+    """A tigon MLP or experts module with the HF constructor and the HF class name.
+
+    It takes the arguments the HF class takes (`config`, then optional sizes, or a layer index the class only stores,
+    as transformers 4.x's HunYuanMoEV1MLP); with `width`, `(config, layer_idx)`, and its width from `width`."""
     namespace = {"__module__": __name__, "__tigon_original__": original}
     if width is not None:
 
         def __init__(self, config, layer_idx: int):
             base.__init__(self, config, width(config, layer_idx))
 
-        namespace["__init__"] = __init__
+    else:
+        signature = inspect.signature(original.__init__)
+
+        def __init__(self, *args, **kwargs):
+            arguments = signature.bind(self, *args, **kwargs).arguments
+            config = list(arguments.values())[1]
+            hidden_size = arguments.get("hidden_size")
+            if hidden_size not in (None, config.hidden_size):
+                raise ValueError(
+                    f"tigon's {original.__name__} runs at config.hidden_size={config.hidden_size}, not "
+                    f"hidden_size={hidden_size}; build this module unpatched (apply_to(..., swiglu=False))"
+                )
+            base.__init__(self, config, intermediate_size=arguments.get("intermediate_size"))
+
+    namespace["__init__"] = __init__
     return type(original.__name__, (base,), namespace)
 
 

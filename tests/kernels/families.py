@@ -101,6 +101,23 @@ def tiny(model_type: str, outer: dict | None = None, **overrides):
 
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# DeepSeek-V2/V3: multi-head latent attention (query and key/value latents, each RMS-normed; every head its own keys;
+# the rotary part of a head is its head_dim), layer 0 dense, layer 1 routed experts beside a shared one
+DEEPSEEK = dict(
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    v_head_dim=16,
+    **MOE,
+)
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
 FALCON_H1 = dict(
     mamba_d_ssm=32,
@@ -186,6 +203,10 @@ FAMILY_CASES = {
     "qwen3": case({}, 2, 0, True, []),
     "gemma": case({}, 2, 0, True, []),
     "mixtral": case(dict(num_local_experts=4, num_experts_per_tok=2), 0, 2, True, []),
+    "deepseek_v3": case(DEEPSEEK, 1 + 1, 1, False, ["rope (DeepSeek-V3"]),
+    "deepseek_v2": case(DEEPSEEK, 1 + 1, 1, False, ["rope (DeepSeek-V2"]),
+    "hunyuan_v1_moe": case(dict(num_experts=4, moe_topk=2), 2, 2, True, []),
+    "ministral": case({}, 2, 0, True, []),
     "qwen2_moe": case(dict(num_experts=4, shared_expert_intermediate_size=48, **MOE), 2, 2, True, []),
     "qwen3_moe": case(dict(num_experts=4, mlp_only_layers=[1], **MOE), 1, 1, True, []),
     "qwen3_next": case(QWEN3_NEXT, 2, 1, True, ["rms_norm (the Gated DeltaNet"]),

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from tests.kernels.families import (
+    DEEPSEEK,
     FAMILY_CASES,
     GEMMA4,
     MROPE,
@@ -80,6 +81,7 @@ CPU_FAMILIES = {
     "qwen3": {},
     "gemma2": {},  # final_logit_softcapping=30 and attention softcapping, as the family defaults
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": DEEPSEEK,  # multi-head latent attention's latent norms, routed experts beside shared ones
     "qwen2_vl": MROPE,  # the language tower (the vision tower, fed no image, stays as built)
     "qwen3_next": dict(QWEN3_NEXT, mlp_only_layers=[0, 1]),  # Gated DeltaNet and attention layers; 1 + weight norms
     # The double-wide MLP, key sharing, per-layer embeddings, logit softcapping; full-attention heads of 16, not the
@@ -234,6 +236,18 @@ REAL_WIDTHS = dict(
     pad_token_id=0,
 )
 
+# DeepSeek's latent attention at REAL_WIDTHS: DeepSeek-V3's head dims halved (nope 64, rope 32, value 64), its latents
+# scaled with the hidden size
+DEEPSEEK_REAL = dict(
+    num_key_value_heads=REAL_WIDTHS["num_attention_heads"],
+    q_lora_rank=256,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    head_dim=32,
+    v_head_dim=64,
+)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", family_params(FAMILY_CASES))
@@ -246,6 +260,8 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
         overrides = {**overrides, ROPE_KEY: {**overrides[ROPE_KEY], "mrope_section": sections}}  # from tiny's 16
     if "vocab_size_per_layer_input" in overrides:  # Gemma 4's per-layer embeddings look up every token
         overrides = {**overrides, "vocab_size_per_layer_input": REAL_WIDTHS["vocab_size"]}
+    if "kv_lora_rank" in overrides:  # DeepSeek's latent attention: every head its own keys, DeepSeek-V3's proportions
+        overrides = {**overrides, **DEEPSEEK_REAL}
     ours, theirs, truth = train_all(
         model_type,
         REAL_WIDTHS,

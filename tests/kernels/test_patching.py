@@ -39,6 +39,9 @@ CASES_4X = {
     "qwen3_moe": Swaps(1 + 4, 0, True, []),
     "glm4_moe": Swaps(1 + 4 + 1, 0, True, []),
     "qwen3_next": Swaps(1 + 4 + 1, 0, True, ["rms_norm (the Gated DeltaNet"]),
+    "deepseek_v3": Swaps(1 + 4 + 1, 0, False, ["rope (DeepSeek-V3"]),
+    "deepseek_v2": Swaps(1 + 4 + 1, 0, False, ["rope (DeepSeek-V2"]),
+    "hunyuan_v1_moe": Swaps(2 * (4 + 1), 0, True, []),
     "qwen3_vl_moe": Swaps(0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
     "qwen2_vl": Swaps(2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
     "qwen2_5_vl": Swaps(2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
@@ -238,6 +241,36 @@ def test_apply_to_swaps_packed_mlps_and_experts(model_type, restore_modeling):
     if experts:
         assert swapped.config is patched.config
     assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+
+
+@pytest.mark.parametrize("model_type", family_params(["deepseek_v3", "glm4_moe", "hunyuan_v1_moe"]))
+def test_apply_to_builds_shared_and_routed_experts(model_type, restore_modeling):
+    """Families whose config names the expert count num_local_experts or n_routed_experts: the swapped experts class
+    builds from the config alone, beside the shared experts' MLP, with transformers' parameter names."""
+    overrides = FAMILY_CASES[model_type].overrides
+    baseline = tiny(model_type, **overrides)
+    report = tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
+    assert report.applied == ({"gated_mlp": 1, "gated_experts": 1} if not TRANSFORMERS_4 else {"gated_mlp": 1})
+    patched = tiny(model_type, **overrides)
+    assert patched.state_dict().keys() == baseline.state_dict().keys()
+    patched.load_state_dict(baseline.state_dict())
+    mlps, experts, _, _ = expected_swaps(model_type)
+    assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
+    assert sum(isinstance(module, modules.GatedExperts) for module in patched.modules()) == experts
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+
+
+@pytest.mark.parametrize("model_type", family_params(["deepseek_v2"]))
+def test_apply_to_mlp_takes_its_hf_arguments_and_refuses_another_width(model_type, restore_modeling):
+    module = importlib.import_module(patching.FAMILIES[model_type].modeling)
+    config = tiny(model_type, **FAMILY_CASES[model_type].overrides).config
+    tigon.kernels.apply_to(model_type, rms_norm=False, rope=False, fused_linear_cross_entropy=False)
+    mlp = module.DeepseekV2MLP(config, hidden_size=config.hidden_size, intermediate_size=24)
+    assert isinstance(mlp, modules.GatedMLP) and mlp.up_proj.weight.shape == (24, config.hidden_size)
+    with pytest.raises(ValueError, match="runs at config.hidden_size=64, not hidden_size=32; build this module"):
+        module.DeepseekV2MLP(config, hidden_size=32)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'width'"):
+        module.DeepseekV2MLP(config, width=24)
 
 
 def test_apply_to_reports_unfit_parts_and_unknown_types(restore_modeling, caplog):

@@ -223,6 +223,9 @@ PLANNER_UNMODELED = {
     "llama4_text": "its experts beside a shared one, and dense layers of another width",
     "gemma4_text": "its per-layer input embeddings",
     "qwen3_next": "its Gated DeltaNet layers beside attention",
+    "deepseek_v3": "its latent attention, routed and shared experts and dense first layers",
+    "deepseek_v2": "its latent attention, routed and shared experts and dense first layers",
+    "hunyuan_v1_moe": "its experts beside a shared MLP",
 } | {family: "its vision tower" for family, preset in PRESETS.items() if preset.vision is not None}
 
 
