@@ -181,6 +181,12 @@ _GEMMA4_AUDIO_MLP = (
     "the audio tower's feed-forward is ffw_layer_1, an activation, ffw_layer_2 with no gate: no tigon kernel "
     "computes it",
 )
+# GLM-4V / GLM-4.5V: the vision patch merger's gated MLP.
+_GLM4V_MERGER = (
+    "swiglu",
+    "the vision patch merger runs its gated MLP inside its own forward, after a projection, a LayerNorm and a "
+    "GELU: no module of its own for tigon to swap",
+)
 
 
 def _gated_deltanet_norm(name: str) -> tuple[str, str]:
@@ -557,6 +563,38 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
         causal_lm="Mistral3ForConditionalGeneration",
+    ),
+    "glm4v": Family(
+        _models("glm4v"),
+        ("Glm4vRMSNorm",),  # the language and the vision tower's
+        packed_mlp=("Glm4vTextMLP",),
+        vision_mlp=("Glm4VisionMlp",),
+        in_place_norm_backward=False,  # the decoder's post_self_attn and post_mlp norms join the residual stream
+        rope=False,
+        layer_norm=True,  # the patch merger's
+        unfit=(
+            (
+                "rope",
+                "GLM-4V's apply_rotary_pos_emb rotates interleaved pairs over the first part of the head; tigon's "
+                "RoPE is rotate-half",
+            ),
+            _VISION_ROPE,
+            _GLM4V_MERGER,
+        ),
+        causal_lm="Glm4vForConditionalGeneration",
+    ),
+    "glm4v_moe": Family(
+        _models("glm4v_moe"),
+        ("Glm4vMoeTextRMSNorm", "Glm4vMoeRMSNorm"),  # the decoder's; the text model's final and the vision tower's
+        ("Glm4vMoeTextMLP",),  # the shared experts and dense (first_k_dense_replace) layers; on 4.x every expert
+        experts=("Glm4vMoeTextExperts",),
+        vision_mlp=("Glm4vMoeisionMlp",),  # sic: transformers' name for the vision block's MLP
+        in_place_norm_backward=False,  # the vision tower's post_conv_layernorm feeds its residual stream
+        partial_rope=True,  # partial_rotary_factor 0.5 by default: such calls keep transformers' function
+        layer_norm=True,  # the patch merger's
+        unfit=(_VISION_ROPE, _GLM4V_MERGER),
+        before=(("5.0", (*_EXPERTS_4X, ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE, _GLM4V_MERGER)))),),
+        causal_lm="Glm4vMoeForConditionalGeneration",
     ),
 }
 

@@ -45,6 +45,7 @@ CASES_4X = {
     "qwen3_vl_moe": Swaps(0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
     "qwen2_vl": Swaps(2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
     "qwen2_5_vl": Swaps(2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
+    "glm4v_moe": Swaps(1 + 4 + 1 + 1, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision patch"]),
 }
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
@@ -95,6 +96,8 @@ def test_patched_model_matches_eager(model_type, restore_rope):
         "olmo3",
         "glm4",
         "exaone4",
+        "glm4v",
+        "glm4v_moe",
     )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps

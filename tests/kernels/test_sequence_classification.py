@@ -46,6 +46,8 @@ NO_CLASSIFIER = [
     "paligemma",
     "internvl",
     "mistral3",
+    "glm4v",
+    "glm4v_moe",
 ]
 
 
