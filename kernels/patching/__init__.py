@@ -596,6 +596,15 @@ FAMILIES: dict[str, Family] = {
         before=(("5.0", (*_EXPERTS_4X, ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE, _GLM4V_MERGER)))),),
         causal_lm="Glm4vMoeForConditionalGeneration",
     ),
+    "smolvlm": Family(
+        _models("smolvlm"),
+        (),
+        rope=False,  # the language tower's row applies RoPE
+        layer_norm=True,
+        language_model=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="SmolVLMForConditionalGeneration",
+    ),
 }
 
 

@@ -60,6 +60,7 @@ MULTIMODAL = {
     "mistral3": (dict(VISION, head_dim=16), dict(model_type="mistral")),
     "glm4v": (GLM4V_VISION, {}),
     "glm4v_moe": (GLM4V_VISION, {}),
+    "smolvlm": (VISION, dict(model_type="llama")),
 }
 # Phi-4-multimodal keeps its text settings at the top of its config, beside its vision and audio towers'.
 TOWERS = {
@@ -269,6 +270,7 @@ FAMILY_CASES = {
     "mistral3": case({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
     "glm4v": case(GLM4V_ROPE, 2 + 1, 0, False, ["rope (GLM-4V", "rope (the vision", "swiglu (the vision patch"]),
     "glm4v_moe": case(GLM4V_MOE, 2 + 1, 1, True, ["rope (the vision", "swiglu (the vision patch"]),
+    "smolvlm": case({}, 2, 0, True, ["swiglu (the vision"]),
 }
 
 

@@ -84,7 +84,10 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     vision_norms = sum(type(module) is torch.nn.LayerNorm for module in baseline.modules())
     assert report.applied.get("layer_norm", 0) == vision_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
-    norm = next(module for module in decoder_of(patched).layers[0].modules() if isinstance(module, modules.RMSNorm))
+    decoder = decoder_of(patched)
+    decoder = getattr(decoder, "text_model", decoder)  # transformers 4.x SmolVLM: get_decoder() is the whole model
+    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, modules.RMSNorm))
+    # GLM-4V's decoder norms its sublayers' outputs; GLM-4.5V's vision tower norms the patch embeddings it adds to
     post_norms = (
         "gemma2",
         "gemma3_text",

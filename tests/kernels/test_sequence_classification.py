@@ -48,6 +48,7 @@ NO_CLASSIFIER = [
     "mistral3",
     "glm4v",
     "glm4v_moe",
+    "smolvlm",
 ]
 
 
