@@ -1450,6 +1450,7 @@ PRESETS: dict[str, Preset] = {
 # Families of tigon's kernel table with no preset here, and why.
 NOT_BENCHMARKED = {
     "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
+    "pixtral": "a vision encoder with no LM head: mistral3's preset carries its vision tower (trained on text there)",
 }
 LLAMA_32_1B = PRESETS["llama"].shape()
 TINY = PRESETS["llama"].tiny_shape()

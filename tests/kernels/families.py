@@ -80,8 +80,9 @@ TOWERS = {
 }
 
 
-def tiny(model_type: str, outer: dict | None = None, **overrides):
-    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top."""
+def tiny(family: str, outer: dict | None = None, vision: dict | None = None, **overrides):
+    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top,
+    `vision` (in place of MULTIMODAL's) to its vision_config."""
     common = dict(
         hidden_size=64,
         intermediate_size=160,
@@ -95,12 +96,12 @@ def tiny(model_type: str, outer: dict | None = None, **overrides):
     )
     common.update(overrides)
     torch.manual_seed(0)
-    if model_type not in MULTIMODAL:
-        config = transformers.AutoConfig.for_model(model_type, **common, **TOWERS.get(model_type, {}))
+    if family not in MULTIMODAL:
+        config = transformers.AutoConfig.for_model(family, **common, **TOWERS.get(family, {}))
         return transformers.AutoModelForCausalLM.from_config(config)
-    vision, text = MULTIMODAL[model_type]
+    tower, text = MULTIMODAL[family]
     config = transformers.AutoConfig.for_model(
-        model_type, text_config={**common, **text}, vision_config=vision, **(outer or {})
+        family, text_config={**text, **common}, vision_config=vision or tower, **(outer or {})
     )
     return transformers.AutoModelForImageTextToText.from_config(config)
 
@@ -267,7 +268,7 @@ FAMILY_CASES = {
     "llava": case({}, 2, 0, True, ["swiglu (the vision"]),
     "paligemma": case({}, 2, 0, True, ["swiglu (the vision"]),
     "internvl": case({}, 2, 0, True, ["swiglu (the vision"]),
-    "mistral3": case({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
+    "mistral3": case({}, 2 + 1, 0, True, []),  # the Pixtral vision tower's gated MLP through Pixtral's row
     "glm4v": case(GLM4V_ROPE, 2 + 1, 0, False, ["rope (GLM-4V", "rope (the vision", "swiglu (the vision patch"]),
     "glm4v_moe": case(GLM4V_MOE, 2 + 1, 1, True, ["rope (the vision", "swiglu (the vision patch"]),
     "smolvlm": case({}, 2, 0, True, ["swiglu (the vision"]),
