@@ -149,6 +149,13 @@ TINY_VISION = {
 TINY_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]}
 #: --tiny: special tokens within the 512-token vocabulary, for configs that take no null ones (Mllama's)
 TINY_SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+#: --tiny: GLM-4V's multimodal RoPE sections for a 16-wide head, half of it rotated (the members' 8, 12 and 12 take 64)
+GLM4V_TINY_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "mrope_section": [2, 1, 1],
+    "partial_rotary_factor": 0.5,
+}
 QWEN_TINY_VISION = {
     "depth": 1,
     "hidden_size": 32,
@@ -1330,6 +1337,106 @@ PRESETS: dict[str, Preset] = {
             {**TINY_VISION, "num_key_value_heads": 2, "head_dim": 16, "pooling_kernel_size": 2},
         ),
     ),
+    "glm4v": Preset(
+        "glm4v",
+        "transformers' Glm4vConfig defaults (GLM-4.1V-9B-Thinking's shape)",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 13696,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "vocab_size": 151552,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 32768,
+        },
+        params=10.29e9,
+        liger="apply_liger_kernel_to_glm4v",
+        layers=8,  # 8 of 40 layers, 3.8B parameters with the vision tower
+        tiny={"rope_parameters": GLM4V_TINY_ROPE},
+        vision=VisionTower(
+            {
+                "depth": 24,
+                "hidden_size": 1536,
+                "intermediate_size": 13696,  # the patch merger's
+                "num_heads": 12,
+                "out_hidden_size": 4096,
+                "patch_size": 14,
+                "image_size": 336,
+            },
+            {"tie_word_embeddings": False},
+            QWEN_TINY_VISION,
+        ),
+    ),
+    "glm4v_moe": Preset(
+        "glm4v_moe",
+        "transformers' Glm4vMoeConfig defaults (GLM-4.5V's shape, without its MTP layer)",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 10944,  # the dense first layer's
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "vocab_size": 151424,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 65536,
+        },
+        params=104.4e9,
+        liger="apply_liger_kernel_to_glm4v_moe",
+        layers=2,  # the dense layer and one MoE layer (128 experts, 2.3B parameters)
+        tiny={"rope_parameters": GLM4V_TINY_ROPE, "n_routed_experts": 8},
+        vision=VisionTower(
+            {
+                "depth": 24,
+                "hidden_size": 1536,
+                "intermediate_size": 13696,  # the patch merger's
+                "num_heads": 12,
+                "out_hidden_size": 4096,
+                "patch_size": 14,
+                "image_size": 336,
+            },
+            {"tie_word_embeddings": False},
+            QWEN_TINY_VISION,
+            depth={"depth": 1},  # 1 of 24 vision layers: 3.9B parameters in all, not 4.6B
+        ),
+    ),
+    "smolvlm": Preset(
+        "smolvlm",
+        "transformers' SmolVLMConfig defaults (a Llama 7B-wide language model and its SigLIP-style vision tower)",
+        {
+            "model_type": "llama",
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32000,
+            "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 2048,
+        },
+        params=6.91e9,
+        liger="apply_liger_kernel_to_smolvlm",
+        layers=12,  # 12 of 32 layers, 2.9B parameters
+        vision=VisionTower(
+            {
+                "hidden_size": 1152,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 16,
+                "patch_size": 32,
+                "image_size": 224,
+            },
+            {"tie_word_embeddings": False},
+            TINY_VISION,
+        ),
+    ),
     "gemma4_text": Preset(
         "gemma4_text",
         "transformers' Gemma4TextConfig defaults",
@@ -1343,6 +1450,7 @@ PRESETS: dict[str, Preset] = {
 # Families of tigon's kernel table with no preset here, and why.
 NOT_BENCHMARKED = {
     "phi4_multimodal": "its vision and audio towers would be built at full size and carried unused by text training",
+    "pixtral": "a vision encoder with no LM head: mistral3's preset carries its vision tower (trained on text there)",
 }
 LLAMA_32_1B = PRESETS["llama"].shape()
 TINY = PRESETS["llama"].tiny_shape()

@@ -59,14 +59,18 @@ def apply_rotary_pos_emb(
     """Drop-in for `transformers.models.llama.modeling_llama.apply_rotary_pos_emb`.
 
     `cos`/`sin` are the rotary module's per-token `(B, S, D)` outputs; `position_ids` is accepted
-    and ignored there, as in transformers. `unsqueeze_dim=2` means q/k are `(B, S, H, D)`.
+    and ignored there, as in transformers. `unsqueeze_dim=2` means q/k are `(B, S, H, D)`; `unsqueeze_dim=0`
+    takes `(S, D)` tables shared by the whole batch (Pixtral's vision tower), q/k `(B, H, S, D)`.
     """
-    if unsqueeze_dim == 1:
+    if unsqueeze_dim == 1 or (unsqueeze_dim == 0 and cos.dim() == 2):
         return rope(q, k, cos, sin)
     if unsqueeze_dim == 2:
         q_out, k_out = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
-    raise ValueError(f"unsqueeze_dim must be 1 (q is B,H,S,D) or 2 (q is B,S,H,D), got {unsqueeze_dim}")
+    raise ValueError(
+        f"unsqueeze_dim must be 1 (q is B,H,S,D), 2 (q is B,S,H,D) or 0 (q is B,H,S,D and cos/sin are S,D tables), "
+        f"got {unsqueeze_dim} with cos/sin of shape {tuple(cos.shape)}"
+    )
 
 
 def apply_rotary_pos_emb_one(

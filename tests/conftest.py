@@ -87,8 +87,9 @@ def restore_modeling(restore_rope):
             continue
         names = (*family.rms_norm, *family.mlp, *family.packed_mlp, *family.experts, *family.expert_mlp)
         saved[module] = {name: getattr(module, name) for name in names}
-        causal_lm = getattr(module, family.causal_lm)
-        saved[causal_lm] = {"forward": causal_lm.forward}
+        if family.causal_lm is not None:  # a vision encoder's row has none
+            causal_lm = getattr(module, family.causal_lm)
+            saved[causal_lm] = {"forward": causal_lm.forward}
     yield
     for owner, names in saved.items():
         for name, value in names.items():

@@ -74,7 +74,10 @@ class Family:
     so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
     (the vision tower's and projector's; the language tower has RMSNorms) for tigon's under the norm switch,
     and `language_model` marks a row whose language tower is whatever model `text_config.model_type` names
-    (Llava, PaliGemma, InternVL, Mistral 3): `apply` also applies that family's row to it.
+    (Llava, PaliGemma, InternVL, Mistral 3): `apply` also applies that family's row to it. Such a row's vision tower
+    may be a model with a row of its own too, a vision encoder's (`causal_lm=None`: Pixtral's, in Llava and
+    Mistral 3), which `apply` then applies; `vision_unfit` lists what the row's usual vision tower leaves, reported
+    where the built model's tower has no row.
     """
 
     modeling: str
@@ -94,7 +97,8 @@ class Family:
     vision_mlp: tuple[str, ...] = ()
     layer_norm: bool = False
     language_model: bool = False
-    causal_lm: str = field(kw_only=True)
+    vision_unfit: tuple[tuple[str, str], ...] = ()
+    causal_lm: str | None = field(kw_only=True)
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
     logits_multiplier: bool = False
@@ -180,6 +184,12 @@ _GEMMA4_AUDIO_MLP = (
     "swiglu",
     "the audio tower's feed-forward is ffw_layer_1, an activation, ffw_layer_2 with no gate: no tigon kernel "
     "computes it",
+)
+# GLM-4V / GLM-4.5V: the vision patch merger's gated MLP.
+_GLM4V_MERGER = (
+    "swiglu",
+    "the vision patch merger runs its gated MLP inside its own forward, after a projection, a LayerNorm and a "
+    "GELU: no module of its own for tigon to swap",
 )
 
 
@@ -518,7 +528,7 @@ FAMILIES: dict[str, Family] = {
         rope=False,  # the language tower's row applies RoPE
         layer_norm=True,
         language_model=True,
-        unfit=(_VISION_FC_MLP,),
+        vision_unfit=(_VISION_FC_MLP,),  # CLIP's or SigLIP's; a Pixtral tower has its own row
         causal_lm="LlavaForConditionalGeneration",
     ),
     "paligemma": Family(
@@ -544,19 +554,57 @@ FAMILIES: dict[str, Family] = {
     "mistral3": Family(
         _models("mistral3"),
         ("Mistral3RMSNorm",),  # the projector's
-        rope=False,  # the language tower's row applies RoPE
+        rope=False,  # the language tower's row applies RoPE, the Pixtral vision tower's row its own
         language_model=True,
+        causal_lm="Mistral3ForConditionalGeneration",
+    ),
+    "glm4v": Family(
+        _models("glm4v"),
+        ("Glm4vRMSNorm",),  # the language and the vision tower's
+        packed_mlp=("Glm4vTextMLP",),
+        vision_mlp=("Glm4VisionMlp",),
+        in_place_norm_backward=False,  # the decoder's post_self_attn and post_mlp norms join the residual stream
+        rope=False,
+        layer_norm=True,  # the patch merger's
         unfit=(
             (
-                "rms_norm",
-                "the Pixtral vision tower's PixtralRMSNorm lives in modeling_pixtral, which the table does not patch",
+                "rope",
+                "GLM-4V's apply_rotary_pos_emb rotates interleaved pairs over the first part of the head; tigon's "
+                "RoPE is rotate-half",
             ),
-            (
-                "swiglu",
-                "the Pixtral vision tower's PixtralMLP lives in modeling_pixtral, which the table does not patch",
-            ),
+            _VISION_ROPE,
+            _GLM4V_MERGER,
         ),
-        causal_lm="Mistral3ForConditionalGeneration",
+        causal_lm="Glm4vForConditionalGeneration",
+    ),
+    "glm4v_moe": Family(
+        _models("glm4v_moe"),
+        ("Glm4vMoeTextRMSNorm", "Glm4vMoeRMSNorm"),  # the decoder's; the text model's final and the vision tower's
+        ("Glm4vMoeTextMLP",),  # the shared experts and dense (first_k_dense_replace) layers; on 4.x every expert
+        experts=("Glm4vMoeTextExperts",),
+        vision_mlp=("Glm4vMoeisionMlp",),  # sic: transformers' name for the vision block's MLP
+        in_place_norm_backward=False,  # the vision tower's post_conv_layernorm feeds its residual stream
+        partial_rope=True,  # partial_rotary_factor 0.5 by default: such calls keep transformers' function
+        layer_norm=True,  # the patch merger's
+        unfit=(_VISION_ROPE, _GLM4V_MERGER),
+        before=(("5.0", (*_EXPERTS_4X, ("rope", False), ("unfit", (_MROPE_4X, _VISION_ROPE, _GLM4V_MERGER)))),),
+        causal_lm="Glm4vMoeForConditionalGeneration",
+    ),
+    "pixtral": Family(
+        _models("pixtral"),
+        ("PixtralRMSNorm",),
+        vision_mlp=("PixtralMLP",),
+        in_place_norm_backward=False,  # ln_pre norms the patch embeddings that start the residual stream
+        causal_lm=None,  # a vision encoder: Llava's and Mistral 3's rows apply this one to their Pixtral tower
+    ),
+    "smolvlm": Family(
+        _models("smolvlm"),
+        (),
+        rope=False,  # the language tower's row applies RoPE
+        layer_norm=True,
+        language_model=True,
+        unfit=(_VISION_FC_MLP,),
+        causal_lm="SmolVLMForConditionalGeneration",
     ),
 }
 
@@ -613,7 +661,8 @@ def modeling_module(model_type: str, family: Family | None = None):
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *_swapped_classes(family), *family.vision_mlp, family.causal_lm]
+    targets = [*family.rms_norm, *_swapped_classes(family), *family.vision_mlp]
+    targets += [family.causal_lm] if family.causal_lm else []
     targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
     if missing:
@@ -624,8 +673,8 @@ def modeling_module(model_type: str, family: Family | None = None):
     return module
 
 
-def _unfit(family: Family, wanted: dict[str, bool]) -> list[str]:
-    return [f"{kernel} ({reason})" for kernel, reason in family.unfit if wanted.get(kernel)]
+def _unfit(unfit: tuple[tuple[str, str], ...], wanted: dict[str, bool]) -> list[str]:
+    return [f"{kernel} ({reason})" for kernel, reason in unfit if wanted.get(kernel)]
 
 
 def _rope_function(family: Family, module):
@@ -665,6 +714,16 @@ def _language_row(config) -> tuple[str, Family | None]:
     return language_type, language.installed()
 
 
+def _vision_row(config) -> tuple[str, Family | None]:
+    """For a `language_model` row: the model_type of its vision tower and that vision encoder's row (None if the
+    tower has none)."""
+    vision_type = getattr(getattr(config, "vision_config", None), "model_type", None)
+    vision = FAMILIES.get(vision_type)
+    if vision is None or vision.causal_lm is not None:
+        return vision_type, None
+    return vision_type, vision.installed()
+
+
 def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport, rms_norm: bool, swiglu: bool) -> None:
     """Replace the row's norms, gated MLPs and experts in `model`, counting them in `report`."""
     mlp_swaps = _swapped_classes(family)
@@ -691,7 +750,7 @@ def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport,
                 setattr(parent, name, replacement.from_module(child, text_config))
                 count(swap)
             elif swiglu and kind in family.vision_mlp:
-                setattr(parent, name, GatedMLP.from_module(child, config.vision_config))
+                setattr(parent, name, GatedMLP.from_module(child, getattr(config, "vision_config", config)))
                 count("gated_mlp")
 
 
@@ -736,12 +795,17 @@ def apply(
             ]
         else:
             rows.append((language, modeling_module(language_type, language)))
+        vision_type, vision = _vision_row(config)
+        if vision is None:
+            skipped += _unfit(family.vision_unfit, wanted)
+        else:
+            rows.append((vision, modeling_module(vision_type, vision)))
     for row, module in rows:
         _swap_modules(model, row, config, report, rms_norm, swiglu)
         if rope and row.rope:
             module.apply_rotary_pos_emb = _rope_function(row, module)
             report.applied["rope"] = 1
-        skipped += _unfit(row, wanted)
+        skipped += _unfit(row.unfit, wanted)
     if fused_linear_cross_entropy:
         for causal_lm in model.modules():
             if type(causal_lm).__name__ == family.causal_lm:
@@ -751,7 +815,9 @@ def apply(
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
     report.skipped = skipped
-    if fused_linear_cross_entropy and "fused_linear_cross_entropy" not in report.applied:
+    if fused_linear_cross_entropy and family.causal_lm is None:
+        report.skipped.append(f"fused_linear_cross_entropy ({model_type} is a vision encoder: it has no LM head)")
+    elif fused_linear_cross_entropy and "fused_linear_cross_entropy" not in report.applied:
         report.skipped.append(
             f"fused_linear_cross_entropy ({type(model).__name__} has no {family.causal_lm}: the fused loss replaces "
             "a causal LM head's loss over the vocabulary; other heads keep their own)"
@@ -844,14 +910,17 @@ def apply_to(
         original = getattr(current, "__tigon_original__", current)
         setattr(module, name, make(family, original))
         report.applied[kernel] = report.applied.get(kernel, 0) + 1
-    if fused_linear_cross_entropy:
+    if fused_linear_cross_entropy and family.causal_lm is not None:
         causal_lm = getattr(module, family.causal_lm)
         causal_lm.forward = fused_forward(causal_lm.forward, family)
         report.applied["fused_linear_cross_entropy"] = 1
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1
-    report.skipped = _unfit(family, wanted) + _left_to_apply(family, wanted)
+    report.skipped = _unfit(family.unfit, wanted) + _unfit(family.vision_unfit, wanted)
+    if fused_linear_cross_entropy and family.causal_lm is None:
+        report.skipped.append(f"fused_linear_cross_entropy ({model_type} is a vision encoder: it has no LM head)")
+    report.skipped += _left_to_apply(family, wanted)
     logger.info("%s", report)
     return report
 
@@ -865,7 +934,8 @@ def _left_to_apply(family: Family, wanted: dict[str, bool]) -> list[str]:
         left.append("swiglu (the vision tower's gated MLPs take the vision config: apply() swaps them)")
     if family.language_model:
         left.append(
-            "language model (its family comes from a built model's text_config: apply(), or apply_to(its model_type))"
+            "language model (its family comes from a built model's text_config, and a vision tower's with a row of "
+            "its own from its vision_config: apply(), or apply_to(their model_type))"
         )
     return left
 

@@ -23,6 +23,8 @@ VISION = dict(
     hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2
 )
 QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2)
+# GLM-4V's vision MLP is out_hidden_size wide, which is also the language tower's hidden size.
+GLM4V_VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=2)
 MULTIMODAL = {
     "qwen2_vl": (dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2), {}),
     "qwen2_5_vl": (dict(QWEN_VISION, window_size=4, fullatt_block_indexes=[0]), {}),
@@ -56,6 +58,9 @@ MULTIMODAL = {
     "paligemma": (dict(VISION, projection_dim=64), dict(model_type="gemma2")),
     "internvl": (dict(VISION, image_size=[8, 8], patch_size=[2, 2]), dict(model_type="qwen2")),
     "mistral3": (dict(VISION, head_dim=16), dict(model_type="mistral")),
+    "glm4v": (GLM4V_VISION, {}),
+    "glm4v_moe": (GLM4V_VISION, {}),
+    "smolvlm": (VISION, dict(model_type="llama")),
 }
 # Phi-4-multimodal keeps its text settings at the top of its config, beside its vision and audio towers'.
 TOWERS = {
@@ -75,8 +80,9 @@ TOWERS = {
 }
 
 
-def tiny(model_type: str, outer: dict | None = None, **overrides):
-    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top."""
+def tiny(family: str, outer: dict | None = None, vision: dict | None = None, **overrides):
+    """The family's tiny model; `overrides` go to the (text) config, `outer` to a vision-language config's top,
+    `vision` (in place of MULTIMODAL's) to its vision_config."""
     common = dict(
         hidden_size=64,
         intermediate_size=160,
@@ -90,12 +96,12 @@ def tiny(model_type: str, outer: dict | None = None, **overrides):
     )
     common.update(overrides)
     torch.manual_seed(0)
-    if model_type not in MULTIMODAL:
-        config = transformers.AutoConfig.for_model(model_type, **common, **TOWERS.get(model_type, {}))
+    if family not in MULTIMODAL:
+        config = transformers.AutoConfig.for_model(family, **common, **TOWERS.get(family, {}))
         return transformers.AutoModelForCausalLM.from_config(config)
-    vision, text = MULTIMODAL[model_type]
+    tower, text = MULTIMODAL[family]
     config = transformers.AutoConfig.for_model(
-        model_type, text_config={**common, **text}, vision_config=vision, **(outer or {})
+        family, text_config={**text, **common}, vision_config=vision or tower, **(outer or {})
     )
     return transformers.AutoModelForImageTextToText.from_config(config)
 
@@ -175,6 +181,9 @@ TRANSFORMERS_4 = transformers.__version__.startswith("4.")
 # transformers 5 names the RoPE settings rope_parameters (and requires rope_theta there), 4.x rope_scaling
 ROPE_KEY = "rope_scaling" if TRANSFORMERS_4 else "rope_parameters"
 MROPE = {ROPE_KEY: dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2])}
+# GLM-4V rotates the whole head here (partial_rotary_factor defaults to 0.5), so tigon's RoPE runs where it fits
+GLM4V_ROPE = {ROPE_KEY: dict(MROPE[ROPE_KEY], partial_rotary_factor=1.0), "partial_rotary_factor": 1.0}
+GLM4V_MOE = dict(GLM4V_ROPE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **MOE)
 
 
 class Swaps(NamedTuple):
@@ -259,7 +268,10 @@ FAMILY_CASES = {
     "llava": case({}, 2, 0, True, ["swiglu (the vision"]),
     "paligemma": case({}, 2, 0, True, ["swiglu (the vision"]),
     "internvl": case({}, 2, 0, True, ["swiglu (the vision"]),
-    "mistral3": case({}, 2, 0, True, ["rms_norm (the Pixtral", "swiglu (the Pixtral"]),
+    "mistral3": case({}, 2 + 1, 0, True, []),  # the Pixtral vision tower's gated MLP through Pixtral's row
+    "glm4v": case(GLM4V_ROPE, 2 + 1, 0, False, ["rope (GLM-4V", "rope (the vision", "swiglu (the vision patch"]),
+    "glm4v_moe": case(GLM4V_MOE, 2 + 1, 1, True, ["rope (the vision", "swiglu (the vision patch"]),
+    "smolvlm": case({}, 2, 0, True, ["swiglu (the vision"]),
 }
 
 

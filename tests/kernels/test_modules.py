@@ -130,6 +130,25 @@ def test_apply_rotary_pos_emb_matches_transformers(unsqueeze_dim, device):
     assert_close(got[1], expected[1], torch.float32, "k")
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         functional.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="unsqueeze_dim must be .* got 0 with cos/sin of shape"):
+        functional.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)  # per-batch tables: not Pixtral's form
+
+
+def test_apply_rotary_pos_emb_matches_pixtrals_shared_tables(device):
+    """Pixtral's vision tower: `(S, D)` cos/sin shared by every head (`unsqueeze_dim=0`), its own 2-D frequencies."""
+    from transformers.models.pixtral import modeling_pixtral
+
+    torch.manual_seed(5)
+    config = transformers.AutoConfig.for_model("pixtral", hidden_size=64, num_attention_heads=4, head_dim=16)
+    rotary = modeling_pixtral.PixtralVisionRotaryEmbedding(config).to(device)
+    positions = torch.tensor([[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2], [2, 0], [2, 2]], device=device)  # (h, w)
+    cos, sin = rotary(torch.randn(1, 8, 64, device=device), positions)
+    assert cos.shape == (8, 16)
+    q, k = torch.randn(1, 4, 8, 16, device=device), torch.randn(1, 4, 8, 16, device=device)
+    expected = modeling_pixtral.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+    got = functional.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+    assert_close(got[0], expected[0], torch.float32, "q")
+    assert_close(got[1], expected[1], torch.float32, "k")
 
 
 @pytest.mark.parametrize(("family", "activation"), [("phi3", "silu"), ("glm4", "gelu_pytorch_tanh"), ("phi3", "gelu")])

@@ -13,6 +13,7 @@ import tigon.kernels
 from tests.kernels.families import (
     FAMILY_CASES,
     TRANSFORMERS_4,
+    VISION,
     Swaps,
     assert_lora_adapters_kept,
     assert_same_training_step,
@@ -22,6 +23,7 @@ from tests.kernels.families import (
     rope_functions_set,
     tiny,
 )
+from tests.kernels.helpers import relative_error
 from tigon.kernels import modules, patching
 from tigon.kernels.patching import apply
 from tigon.kernels.patching.causal_lm import decoder_of
@@ -45,6 +47,7 @@ CASES_4X = {
     "qwen3_vl_moe": Swaps(0, 0, True, ["swiglu (transformers 4.x", "rope (the vision", "swiglu (the vision"]),
     "qwen2_vl": Swaps(2, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision"]),
     "qwen2_5_vl": Swaps(2 + 1, 0, False, [*_MROPE_4X, "rope (the vision"]),
+    "glm4v_moe": Swaps(1 + 4 + 1 + 1, 0, False, [*_MROPE_4X, "rope (the vision", "swiglu (the vision patch"]),
 }
 MLP_MODULES = (modules.GatedMLP, modules.PackedGatedMLP, modules.GatedExpertMLP)
 
@@ -83,7 +86,10 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     vision_norms = sum(type(module) is torch.nn.LayerNorm for module in baseline.modules())
     assert report.applied.get("layer_norm", 0) == vision_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
-    norm = next(module for module in decoder_of(patched).layers[0].modules() if isinstance(module, modules.RMSNorm))
+    decoder = decoder_of(patched)
+    decoder = getattr(decoder, "text_model", decoder)  # transformers 4.x SmolVLM: get_decoder() is the whole model
+    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, modules.RMSNorm))
+    # GLM-4V's decoder norms its sublayers' outputs; GLM-4.5V's vision tower norms the patch embeddings it adds to
     post_norms = (
         "gemma2",
         "gemma3_text",
@@ -95,6 +101,8 @@ def test_patched_model_matches_eager(model_type, restore_rope):
         "olmo3",
         "glm4",
         "exaone4",
+        "glm4v",
+        "glm4v_moe",
     )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
@@ -120,6 +128,45 @@ def test_vision_language_model_with_an_image_matches_eager(restore_rope):
     assert_same_training_step(baseline, patched, batch, baseline_ropes=ropes, **image)
     norm = patched.model.visual.blocks[0].norm1
     assert isinstance(norm, modules.LayerNorm) and norm.weight.grad is not None
+
+
+def test_llava_with_a_pixtral_vision_tower_and_an_image_matches_eager(restore_rope):
+    """Pixtral 12B's layout: Llava around a Mistral language model and a Pixtral vision tower. Fed an image, the
+    vision tower trains through Pixtral's row (tigon's RMSNorm, gated MLP and RoPE on its (S, D) 2-D tables), the
+    language tower through Mistral's; no CLIP-style MLP is left to report."""
+    vision = dict(VISION, model_type="pixtral", head_dim=16)
+    outer = dict(image_token_index=5, vision_feature_layer=-1, vision_feature_select_strategy="full")
+    baseline = tiny("llava", outer=outer, vision=vision, model_type="mistral")
+    patched = copy.deepcopy(baseline)
+    ropes = rope_functions()
+    report = apply(patched)
+    assert report.skipped == []
+    assert report.applied == {"rms_norm": 3 + 5, "gated_mlp": 1 + 2, "rope": 1, "fused_linear_cross_entropy": 1}
+    batch = torch.tensor([[7, 8, *[5] * 16, 9, 10, 11]])  # an 8 x 8 image: 4 x 4 patches of 2, one token each
+    image = dict(pixel_values=torch.randn(1, 3, 8, 8), image_sizes=torch.tensor([[8, 8]]))
+    assert_same_training_step(baseline, patched, batch, baseline_ropes=ropes, **image)
+    layer = patched.model.vision_tower.transformer.layers[0]
+    assert isinstance(layer.feed_forward, modules.GatedMLP) and layer.feed_forward.gate_proj.weight.grad is not None
+    assert isinstance(layer.attention_norm, modules.RMSNorm) and layer.attention_norm.weight.grad is not None
+    assert type(patched.model.language_model.layers[0].mlp) is modules.GatedMLP
+    assert [entry.split(" (")[0] for entry in apply(tiny("llava")).skipped] == ["swiglu"]  # CLIP's fc1, fc2
+
+
+def test_a_pixtral_vision_encoder_alone_is_patched_and_has_no_loss(restore_rope):
+    """model_type "pixtral" is the vision encoder alone: its parts are swapped, the report says it has no LM head."""
+    config = transformers.AutoConfig.for_model("pixtral", **VISION, head_dim=16)
+    torch.manual_seed(0)
+    baseline = transformers.AutoModel.from_config(config)
+    patched = copy.deepcopy(baseline)
+    ropes = rope_functions()
+    report = apply(patched)
+    assert report.applied == {"rms_norm": 3, "gated_mlp": 1, "rope": 1}
+    assert report.skipped == ["fused_linear_cross_entropy (pixtral is a vision encoder: it has no LM head)"]
+    pixels, sizes = torch.randn(1, 3, 8, 8), torch.tensor([[8, 8]])
+    with rope_functions_set(ropes):
+        expected = baseline(pixels, image_sizes=sizes).last_hidden_state
+    got = patched(pixels, image_sizes=sizes).last_hidden_state
+    assert relative_error(got, expected) < 1e-5
 
 
 def test_lora_adapters_stay_on_the_fused_gate_up_mlp(restore_rope):

@@ -46,6 +46,9 @@ NO_CLASSIFIER = [
     "paligemma",
     "internvl",
     "mistral3",
+    "glm4v",
+    "glm4v_moe",
+    "smolvlm",
 ]
 
 
