@@ -812,6 +812,28 @@ PRESETS: dict[str, Preset] = {
         params=2.53e9,
         liger="apply_liger_kernel_to_granite",  # has no fused linear cross entropy: Liger's cross entropy on logits
     ),
+    "nemotron": Preset(
+        "nemotron",
+        "nvidia/Minitron-4B-Base",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 256000,
+            "tie_word_embeddings": False,
+            "norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 4096,
+            "hidden_act": "relu2",
+        },
+        params=4.19e9,
+        liger="apply_liger_kernel_to_nemotron",  # its squared ReLU and fused linear cross entropy; not the norms
+        layers=16,  # 16 of 32 layers, 2.9B parameters
+    ),
     # The presets below are transformers' own config defaults for the family (the shape its config class builds
     # with no arguments; `params` is what that builds, counted by the preset test), written out in full.
     "smollm3": Preset(

@@ -242,6 +242,8 @@ FAMILY_CASES = {
     "olmo2": case({}, 2, 0, True, []),
     "glm4": case({}, 2, 0, False, ["rope (Glm4"]),
     "granite": case({}, 2, 0, True, []),
+    # the whole head rotated here (its members rotate half, which keeps transformers' function), so tigon's RoPE runs
+    "nemotron": case(dict(partial_rotary_factor=1.0), 0, 0, True, ["swiglu (Nemotron's MLP"]),
     "smollm3": case({}, 2, 0, True, []),
     "olmo3": case({}, 2, 0, True, []),
     "glm4_moe": case(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **MOE), 2, 1, True, []),

@@ -1,7 +1,7 @@
 """Convergence: a small model trained with and without tigon's kernels follows the same curve.
 
 Each family is built from a config, trained with AdamW for 30 steps on fixed random data (fp32),
-once as transformers builds it and once after `tigon.kernels.apply` (on the CPU: RMSNorm, the gated
+once as transformers builds it and once after `tigon.kernels.apply` (on the CPU: the norms, the gated
 MLP and the fused linear cross entropy, plus RoPE for Llama; on the GPU every kernel that fits).
 Compared, with the bounds below:
 - per-step training loss: |ours - theirs| <= 1e-4 * theirs (rounding differences, which Adam
@@ -92,6 +92,7 @@ CPU_FAMILIES = {
     "gemma4_text": dict(GEMMA4, global_head_dim=16, hidden_size_per_layer_input=16),
     "glm4v": GLM4V_ROPE,  # post-norms, the packed gated MLP (its interleaved RoPE stays)
     "glm4v_moe": GLM4V_MOE,  # the routed experts beside shared ones, after a dense layer
+    "nemotron": FAMILY_CASES["nemotron"].overrides,  # LayerNorms scaling by 1 + weight; its ungated MLP stays
 }
 
 # Per-step loss, final parameters and eval logits for the families whose training amplifies rounding past the bounds
@@ -202,7 +203,8 @@ def train_all(
     patched = copy.deepcopy(baseline)
     original_ropes = rope_functions()
     report = apply(patched, **(kernels or {}))
-    assert report.applied["rms_norm"] > 0 and report.applied["fused_linear_cross_entropy"] == 1
+    norms = report.applied.get("rms_norm", 0) + report.applied.get("layer_norm", 0)
+    assert norms > 0 and report.applied["fused_linear_cross_entropy"] == 1
 
     ours = train(patched, data, held_out, batch, device, adam_eps)
     with rope_functions_set(original_ropes):

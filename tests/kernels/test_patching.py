@@ -25,7 +25,7 @@ from tests.kernels.families import (
 )
 from tests.kernels.helpers import relative_error
 from tigon.kernels import modules, patching
-from tigon.kernels.patching import apply
+from tigon.kernels.patching import FAMILIES, apply
 from tigon.kernels.patching.causal_lm import decoder_of
 
 transformers = pytest.importorskip("transformers")
@@ -77,18 +77,21 @@ def test_patched_model_matches_eager(model_type, restore_rope):
             patched(input_ids=batch, labels=batch)
 
     layers = baseline.config.get_text_config().num_hidden_layers
+    offset_norms = sum(type(module).__name__ in FAMILIES[model_type].offset_layer_norm for module in baseline.modules())
     assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
     assert report.applied.get("gated_experts", 0) == experts
-    assert report.applied["rms_norm"] >= 2 * layers + 1 and report.applied["fused_linear_cross_entropy"] == 1
+    assert report.applied.get("rms_norm", 0) + offset_norms >= 2 * layers + 1
+    assert report.applied["fused_linear_cross_entropy"] == 1
     assert len(report.skipped) == len(skipped)
     for prefix, entry in zip(skipped, report.skipped, strict=True):
         assert entry.startswith(prefix), report.skipped
     vision_norms = sum(type(module) is torch.nn.LayerNorm for module in baseline.modules())
-    assert report.applied.get("layer_norm", 0) == vision_norms
+    assert report.applied.get("layer_norm", 0) == vision_norms + offset_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
     decoder = decoder_of(patched)
     decoder = getattr(decoder, "text_model", decoder)  # transformers 4.x SmolVLM: get_decoder() is the whole model
-    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, modules.RMSNorm))
+    norms = (modules.RMSNorm, modules.OffsetLayerNorm)
+    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, norms))
     # GLM-4V's decoder norms its sublayers' outputs; GLM-4.5V's vision tower norms the patch embeddings it adds to
     post_norms = (
         "gemma2",
@@ -241,6 +244,26 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
         patching.FAMILIES["qwen3"].modeling
     ).Qwen3MLP.__tigon_original__.__module__.startswith("transformers")
     assert again.applied == report.applied
+
+
+@pytest.mark.parametrize("model_type", family_params(["nemotron"]))
+def test_apply_to_builds_nemotron_with_its_offset_layer_norms(model_type, restore_modeling):
+    overrides = FAMILY_CASES[model_type].overrides
+    baseline = tiny(model_type, **overrides)
+    for name, parameter in baseline.named_parameters():
+        if "layernorm" in name or name == "model.norm.weight":  # zero-centred, as Nemotron stores them
+            torch.nn.init.normal_(parameter, std=0.3)
+    report = tigon.kernels.apply_to(model_type)
+    assert report.applied == {"layer_norm": 1, "fused_linear_cross_entropy": 1, "rope": 1}
+    assert [entry.split(" (")[0] for entry in report.skipped] == ["swiglu"]
+    patched = tiny(model_type, **overrides)
+    norm = patched.model.layers[0].input_layernorm
+    assert type(norm).__name__ == "NemotronLayerNorm1P" and isinstance(norm, modules.OffsetLayerNorm)
+    patched.load_state_dict(baseline.state_dict())
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+    modeling = importlib.import_module(patching.FAMILIES[model_type].modeling)
+    with pytest.raises(ValueError, match="elementwise_affine=False"):
+        modeling.NemotronLayerNorm1P(64, elementwise_affine=False)
 
 
 @pytest.mark.parametrize("model_type", family_params(["gemma4_text"]))

@@ -226,6 +226,7 @@ PLANNER_UNMODELED = {
     "deepseek_v3": "its latent attention, routed and shared experts and dense first layers",
     "deepseek_v2": "its latent attention, routed and shared experts and dense first layers",
     "hunyuan_v1_moe": "its experts beside a shared MLP",
+    "nemotron": "its ungated MLP (up, squared ReLU, down) and LayerNorms with biases",
 } | {family: "its vision tower" for family, preset in PRESETS.items() if preset.vision is not None}
 
 
