@@ -390,6 +390,34 @@ FAMILIES: dict[str, Family] = {
         ),
         causal_lm="NemotronForCausalLM",
     ),
+    "deepseek_v4": Family(
+        _models("deepseek_v4"),
+        # the decoder's and the final norm; the attention's query latent and key/value norms, the compressors' and the
+        # indexer's
+        ("DeepseekV4RMSNorm",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",  # float32 weights, multiplied in float32 and cast once
+        rope=False,
+        unfit=(
+            (
+                "rope",
+                "DeepSeek-V4 rotates interleaved pairs of each head's trailing slice, from half-width cos/sin tables, "
+                "one tensor per call; tigon's RoPE is rotate-half over full-width tables",
+            ),
+            (
+                "swiglu",
+                "DeepSeek-V4's experts and shared experts clamp gate and up (config.swiglu_limit) before "
+                "silu(gate) * up; tigon's SwiGLU does not clamp",
+            ),
+            (
+                "rms_norm",
+                "the weightless norms (DeepseekV4UnweightedRMSNorm: the hyper-connections', the query heads') "
+                "multiply x in its own dtype by its reciprocal RMS cast to that dtype: no tigon norm rounds so",
+            ),
+        ),
+        before=(("5.20", (("norm_casting", "llama"),)),),  # older lines multiply the weight after the cast
+        causal_lm="DeepseekV4ForCausalLM",
+    ),
     "smollm3": Family(_models("smollm3"), ("SmolLM3RMSNorm",), ("SmolLM3MLP",), causal_lm="SmolLM3ForCausalLM"),
     "olmo3": Family(
         _models("olmo3"),

@@ -106,6 +106,7 @@ def test_patched_model_matches_eager(model_type, restore_rope):
         "exaone4",
         "glm4v",
         "glm4v_moe",
+        "deepseek_v4",  # its hyper-connections: out-of-place, as the post-norm families
     )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
@@ -435,6 +436,30 @@ def test_a_row_takes_the_fields_of_the_lines_older_than_its_versions(version, so
     monkeypatch.setattr(patching, "_transformers_version", lambda: version)
     installed = row.installed()
     assert (installed.final_logit_softcapping, installed.experts, installed.before) == (softcap, experts, ())
+
+
+@pytest.mark.parametrize(
+    ("version", "casting"), [("5.24.0", "gemma"), ("5.20.0", "gemma"), ("5.19.1", "llama"), ("5.17.0", "llama")]
+)
+def test_deepseek_v4_norm_casting_follows_the_installed_line(version, casting, monkeypatch):
+    """DeepSeek-V4's RMSNorm multiplies its float32 weight before the one cast from transformers 5.20 on, after
+    casting the normed input before that."""
+    monkeypatch.setattr(patching, "_transformers_version", lambda: version)
+    assert patching.FAMILIES["deepseek_v4"].installed().norm_casting == casting
+
+
+@pytest.mark.parametrize("model_type", family_params(["deepseek_v4"]))
+def test_deepseek_v4_norm_matches_on_bf16_inputs_with_float32_weights(model_type):
+    """The row's casting is the installed line's: the same output dtype and values as DeepseekV4RMSNorm."""
+    row = patching.FAMILIES[model_type].installed()
+    theirs = importlib.import_module(row.modeling).DeepseekV4RMSNorm(48).to(torch.float32)
+    torch.manual_seed(0)
+    torch.nn.init.uniform_(theirs.weight, 0.5, 1.5)
+    ours = modules.RMSNorm.from_module(copy.deepcopy(theirs), casting=row.norm_casting)
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    expected, got = theirs(x), ours(x)
+    assert got.dtype == expected.dtype
+    assert relative_error(got.float(), expected.float()) < 1e-2
 
 
 def test_import_tigon_kernels_stays_light():

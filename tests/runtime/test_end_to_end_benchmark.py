@@ -227,6 +227,7 @@ PLANNER_UNMODELED = {
     "deepseek_v2": "its latent attention, routed and shared experts and dense first layers",
     "hunyuan_v1_moe": "its experts beside a shared MLP",
     "nemotron": "its ungated MLP (up, squared ReLU, down) and LayerNorms with biases",
+    "deepseek_v4": "its hyper-connections, compressed attention and indexer, routed and shared experts",
 } | {family: "its vision tower" for family, preset in PRESETS.items() if preset.vision is not None}
 
 
