@@ -58,6 +58,8 @@ class Preset:
     `micro_batch` caps the run's micro-batch where the family's model does not fit the default's (why: beside it).
     `layer_types` lists a hybrid family's layer kinds at the shortened depth, so a model shortened below its
     pattern's period keeps each kind of layer (Qwen3-Next: a Gated DeltaNet layer and an attention one).
+    `reduced` holds config values the benchmark shape replaces besides the depth, where even one layer of the member
+    does not fit (DeepSeek-V4: fewer experts); such a preset's benchmarked model is not the member's shape.
     """
 
     family: str  # tigon's kernel table key, which is also the transformers model_type
@@ -71,6 +73,7 @@ class Preset:
     vision: VisionTower | None = None
     micro_batch: int | None = None
     layer_types: tuple[str, ...] = ()
+    reduced: dict = field(default_factory=dict)
 
     def micro_batch_for(self, requested: int) -> int:
         """The micro-batch this preset runs at when `requested` is asked for: at most its cap."""
@@ -80,6 +83,7 @@ class Preset:
         """The benchmark's `model.config_overrides`: `config`, shortened to `layers`, with the vision tower."""
         text = {**self.config, **({"num_hidden_layers": self.layers} if self.layers else {})}
         text |= {"layer_types": list(self.layer_types)} if self.layer_types else {}
+        text |= self.reduced
         return self._with_vision(text, {**self.vision.config, **self.vision.depth} if self.vision else {}, {})
 
     def full_shape(self) -> dict:
@@ -126,8 +130,12 @@ class Preset:
         if self.vision is not None:
             vision = ", its vision tower shortened" if self.vision.depth else ", its vision tower"
             vision += " (trained on text)"
+        reduced = "".join(f", {key}={value}" for key, value in self.reduced.items())
         if self.layers and self.layers < depth:
-            return f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers{vision} (random init)"
+            return (
+                f"{self.source} widths and vocabulary, {self.layers} of its {depth} layers{reduced}{vision} "
+                "(random init)"
+            )
         return f"{self.source} (random init from its config{vision})"
 
 
@@ -811,6 +819,74 @@ PRESETS: dict[str, Preset] = {
         },
         params=2.53e9,
         liger="apply_liger_kernel_to_granite",  # has no fused linear cross entropy: Liger's cross entropy on logits
+    ),
+    "nemotron": Preset(
+        "nemotron",
+        "nvidia/Minitron-4B-Base",
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 256000,
+            "tie_word_embeddings": False,
+            "norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 4096,
+            "hidden_act": "relu2",
+        },
+        params=4.19e9,
+        liger="apply_liger_kernel_to_nemotron",  # its squared ReLU and fused linear cross entropy; not the norms
+        layers=16,  # 16 of 32 layers, 2.9B parameters
+    ),
+    # transformers' DeepseekV4Config defaults (DeepSeek-V4-Flash, 284B), not a member's config.json. One MoE layer's
+    # 256 experts alone are 6.4B parameters, so the benchmark runs 16 of them (top-6): not the member's shape.
+    "deepseek_v4": Preset(
+        "deepseek_v4",
+        "transformers' DeepseekV4Config defaults (DeepSeek-V4-Flash)",
+        {
+            "hidden_size": 4096,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 43,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 1,
+            "head_dim": 512,
+            "q_lora_rank": 1024,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 6,
+            "hc_mult": 4,
+            "sliding_window": 128,
+            "swiglu_limit": 10.0,
+            "vocab_size": 129280,
+            "rms_norm_eps": 1e-6,
+            # top-k routing in every layer: the first layers' hash routing reads a token -> experts table that only
+            # a checkpoint fills (all zeros from a config: every token to expert 0); the same parameters
+            "mlp_layer_types": ["moe"] * 43,
+        },
+        params=284.3e9,
+        liger="apply_liger_kernel_to_deepseek_v4",  # its RMSNorm and fused linear cross entropy
+        layers=4,
+        reduced={"n_routed_experts": 16},  # 3.23B parameters
+        attention="eager",  # transformers has no SDPA path for DeepSeek-V4
+        tiny={
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_topk": 4,
+            "n_routed_experts": 8,
+            "hc_mult": 2,
+        },
     ),
     # The presets below are transformers' own config defaults for the family (the shape its config class builds
     # with no arguments; `params` is what that builds, counted by the preset test), written out in full.

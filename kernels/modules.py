@@ -117,6 +117,33 @@ class LayerNorm(nn.Module):
         return F.layer_norm(hidden_states, self.weight, self.bias, self.eps)
 
 
+class OffsetLayerNorm(LayerNorm):
+    """LayerNorm scaling by `1 + weight`: Nemotron's NemotronLayerNorm1P, whose weights are stored zero-centred.
+
+    As transformers' class does, under an enabled CUDA autocast it casts the input, `1 + weight` and the bias to the
+    autocast dtype and normalizes in it; otherwise (CPU autocast included) in the input's dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, in_place_backward: bool = False) -> None:
+        super().__init__(hidden_size, eps, bias)
+        self.in_place_backward = in_place_backward
+
+    @classmethod
+    def from_module(cls, module: nn.LayerNorm, in_place_backward: bool = False) -> OffsetLayerNorm:
+        new = cls(module.weight.shape[0], eps=module.eps, bias=False, in_place_backward=in_place_backward)
+        new.weight, new.bias = module.weight, module.bias
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        operands = (hidden_states, self.weight + 1.0, self.bias)
+        if torch.is_autocast_enabled():  # transformers' check, which reads CUDA's autocast state
+            dtype = torch.get_autocast_dtype(hidden_states.device.type)
+            operands = tuple(None if tensor is None else tensor.to(dtype) for tensor in operands)
+        hidden_states, weight, bias = operands
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            return F.layer_norm(hidden_states, weight, bias, self.eps, self.in_place_backward)
+
+
 class _GatedLinears(nn.Module):
     """A gated MLP made of the Linear layers named in `LINEARS` and an activation read from the config."""
 

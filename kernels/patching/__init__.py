@@ -25,6 +25,7 @@ from tigon.kernels.modules import (
     GatedMLP,
     GemmaRMSNorm,
     LayerNorm,
+    OffsetLayerNorm,
     PackedGatedMLP,
     RMSNorm,
 )
@@ -54,6 +55,8 @@ class Family:
     stream directly (Gemma 2/3 and OLMo 2 post-norms, GLM-4's) must set it False.
 
     `norm_casting` is "gemma" for norms that scale in float32 and cast once at the end.
+    `offset_layer_norm` lists LayerNorm classes that scale by `1 + weight` (Nemotron's), swapped for tigon's
+    OffsetLayerNorm under the norm switch and reported as `layer_norm`.
     `rope` is False where the family's `apply_rotary_pos_emb` is not the Llama rotate-half form;
     `partial_rope` routes calls whose `cos` covers only part of the head dim to the original;
     `mlp_width(config, layer_idx)` is the width of the row's `mlp` classes where transformers builds them from
@@ -89,6 +92,7 @@ class Family:
     gemma_norm: bool = False
     in_place_norm_backward: bool = True
     norm_casting: str = "llama"
+    offset_layer_norm: tuple[str, ...] = ()
     rope: bool = True
     partial_rope: bool = False
     rope_one_tensor: bool = False
@@ -372,6 +376,47 @@ FAMILIES: dict[str, Family] = {
     ),
     "granite": Family(
         _models("granite"), ("GraniteRMSNorm",), ("GraniteMLP",), logits_scaling=True, causal_lm="GraniteForCausalLM"
+    ),
+    "nemotron": Family(
+        _models("nemotron"),
+        (),
+        offset_layer_norm=("NemotronLayerNorm1P",),
+        partial_rope=True,  # partial_rotary_factor 0.5 in its members: such calls keep transformers' function
+        unfit=(
+            (
+                "swiglu",
+                "Nemotron's MLP is up_proj, squared ReLU, down_proj with no gate: no tigon kernel computes it",
+            ),
+        ),
+        causal_lm="NemotronForCausalLM",
+    ),
+    "deepseek_v4": Family(
+        _models("deepseek_v4"),
+        # the decoder's and the final norm; the attention's query latent and key/value norms, the compressors' and the
+        # indexer's
+        ("DeepseekV4RMSNorm",),
+        in_place_norm_backward=False,
+        norm_casting="gemma",  # float32 weights, multiplied in float32 and cast once
+        rope=False,
+        unfit=(
+            (
+                "rope",
+                "DeepSeek-V4 rotates interleaved pairs of each head's trailing slice, from half-width cos/sin tables, "
+                "one tensor per call; tigon's RoPE is rotate-half over full-width tables",
+            ),
+            (
+                "swiglu",
+                "DeepSeek-V4's experts and shared experts clamp gate and up (config.swiglu_limit) before "
+                "silu(gate) * up; tigon's SwiGLU does not clamp",
+            ),
+            (
+                "rms_norm",
+                "the weightless norms (DeepseekV4UnweightedRMSNorm: the hyper-connections', the query heads') "
+                "multiply x in its own dtype by its reciprocal RMS cast to that dtype: no tigon norm rounds so",
+            ),
+        ),
+        before=(("5.20", (("norm_casting", "llama"),)),),  # older lines multiply the weight after the cast
+        causal_lm="DeepseekV4ForCausalLM",
     ),
     "smollm3": Family(_models("smollm3"), ("SmolLM3RMSNorm",), ("SmolLM3MLP",), causal_lm="SmolLM3ForCausalLM"),
     "olmo3": Family(
@@ -661,7 +706,7 @@ def modeling_module(model_type: str, family: Family | None = None):
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *_swapped_classes(family), *family.vision_mlp]
+    targets = [*family.rms_norm, *family.offset_layer_norm, *_swapped_classes(family), *family.vision_mlp]
     targets += [family.causal_lm] if family.causal_lm else []
     targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
@@ -742,6 +787,9 @@ def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport,
             if rms_norm and kind in family.rms_norm:
                 setattr(parent, name, norm_class.from_module(child, **norm_options))
                 count("rms_norm")
+            elif rms_norm and kind in family.offset_layer_norm:
+                setattr(parent, name, OffsetLayerNorm.from_module(child, family.in_place_norm_backward))
+                count("layer_norm")
             elif rms_norm and family.layer_norm and type(child) is nn.LayerNorm and child.weight is not None:
                 setattr(parent, name, LayerNorm.from_module(child))
                 count("layer_norm")
@@ -843,6 +891,27 @@ def _norm_class(family: Family, original: type) -> type:
     )
 
 
+def _offset_norm_class(family: Family, original: type) -> type:
+    """tigon's OffsetLayerNorm with the HF constructor (torch's LayerNorm's) and the HF class name."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1 or not elementwise_affine:
+            raise ValueError(
+                f"tigon's {original.__name__} norms the last dimension with a weight, not normalized_shape="
+                f"{normalized_shape} with elementwise_affine={elementwise_affine}; build it unpatched "
+                "(apply_to(..., rms_norm=False))"
+            )
+        OffsetLayerNorm.__init__(self, shape[0], eps, bias, family.in_place_norm_backward)
+        self.to(device=device, dtype=dtype)
+
+    return type(
+        original.__name__,
+        (OffsetLayerNorm,),
+        {"__init__": __init__, "__module__": __name__, "__tigon_original__": original},
+    )
+
+
 def _mlp_class(base: type, original: type, width: Callable[[object, int], int] | None = None) -> type:
     """A tigon MLP or experts module with the HF constructor and the HF class name.
 
@@ -901,6 +970,7 @@ def apply_to(
     swaps = []
     if rms_norm:
         swaps += [(name, "rms_norm", _norm_class) for name in family.rms_norm]
+        swaps += [(name, "layer_norm", _offset_norm_class) for name in family.offset_layer_norm]
     if swiglu:
         for name, (base, swap) in _swapped_classes(family).items():
             width = family.mlp_width if name in family.mlp else None

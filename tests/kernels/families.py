@@ -124,6 +124,27 @@ DEEPSEEK = dict(
     v_head_dim=16,
     **MOE,
 )
+# DeepSeek-V4: one key/value head, a query latent, grouped output projections, two residual streams mixed by
+# hyper-connections; a heavily compressed attention layer with hash routing, then a compressed sparse one (its
+# indexer) with top-k routing, each with routed experts beside a shared one
+DEEPSEEK_V4 = dict(
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    sliding_window=4,
+    hc_mult=2,
+    hc_sinkhorn_iters=3,
+    n_routed_experts=4,
+    layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    **MOE,
+)
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
 FALCON_H1 = dict(
     mamba_d_ssm=32,
@@ -242,6 +263,11 @@ FAMILY_CASES = {
     "olmo2": case({}, 2, 0, True, []),
     "glm4": case({}, 2, 0, False, ["rope (Glm4"]),
     "granite": case({}, 2, 0, True, []),
+    # the whole head rotated here (its members rotate half, which keeps transformers' function), so tigon's RoPE runs
+    "nemotron": case(dict(partial_rotary_factor=1.0), 0, 0, True, ["swiglu (Nemotron's MLP"]),
+    "deepseek_v4": case(
+        DEEPSEEK_V4, 0, 0, False, ["rope (DeepSeek-V4", "swiglu (DeepSeek-V4", "rms_norm (the weightless"]
+    ),
     "smollm3": case({}, 2, 0, True, []),
     "olmo3": case({}, 2, 0, True, []),
     "glm4_moe": case(dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, **MOE), 2, 1, True, []),

@@ -73,6 +73,32 @@ def test_layer_norm_module_matches_torch(device):
     compare_modules(theirs, modules.LayerNorm.from_module(copy.deepcopy(theirs)), torch.randn(6, 40, device=device))
 
 
+@pytest.mark.parametrize("in_place_backward", [False, True])
+def test_offset_layer_norm_module_matches_nemotron(device, in_place_backward):
+    from transformers.models.nemotron import modeling_nemotron
+
+    torch.manual_seed(3)
+    theirs = modeling_nemotron.NemotronLayerNorm1P(40, eps=1e-5).to(device)
+    nn.init.normal_(theirs.weight, std=0.3)  # zero-centred, as Nemotron stores them: the scale is 1 + weight
+    nn.init.normal_(theirs.bias)
+    ours = modules.OffsetLayerNorm.from_module(copy.deepcopy(theirs), in_place_backward=in_place_backward)
+    compare_modules(theirs, ours, torch.randn(6, 40, device=device))
+
+
+def test_offset_layer_norm_keeps_the_input_dtype_under_cpu_autocast():
+    """transformers' Nemotron norm casts only under CUDA's autocast: on the CPU it norms in the input's dtype."""
+    from transformers.models.nemotron import modeling_nemotron
+
+    theirs = modeling_nemotron.NemotronLayerNorm1P(16)
+    nn.init.normal_(theirs.weight, std=0.3)
+    ours = modules.OffsetLayerNorm.from_module(copy.deepcopy(theirs))
+    x = torch.randn(3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = theirs(x), ours(x)
+    assert got.dtype == expected.dtype == torch.float32
+    assert_close(got, expected, torch.float32, "output")
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated_mlp_matches_llama_mlp(activation, device):
     torch.manual_seed(3)

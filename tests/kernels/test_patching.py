@@ -25,7 +25,7 @@ from tests.kernels.families import (
 )
 from tests.kernels.helpers import relative_error
 from tigon.kernels import modules, patching
-from tigon.kernels.patching import apply
+from tigon.kernels.patching import FAMILIES, apply
 from tigon.kernels.patching.causal_lm import decoder_of
 
 transformers = pytest.importorskip("transformers")
@@ -77,18 +77,21 @@ def test_patched_model_matches_eager(model_type, restore_rope):
             patched(input_ids=batch, labels=batch)
 
     layers = baseline.config.get_text_config().num_hidden_layers
+    offset_norms = sum(type(module).__name__ in FAMILIES[model_type].offset_layer_norm for module in baseline.modules())
     assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
     assert report.applied.get("gated_experts", 0) == experts
-    assert report.applied["rms_norm"] >= 2 * layers + 1 and report.applied["fused_linear_cross_entropy"] == 1
+    assert report.applied.get("rms_norm", 0) + offset_norms >= 2 * layers + 1
+    assert report.applied["fused_linear_cross_entropy"] == 1
     assert len(report.skipped) == len(skipped)
     for prefix, entry in zip(skipped, report.skipped, strict=True):
         assert entry.startswith(prefix), report.skipped
     vision_norms = sum(type(module) is torch.nn.LayerNorm for module in baseline.modules())
-    assert report.applied.get("layer_norm", 0) == vision_norms
+    assert report.applied.get("layer_norm", 0) == vision_norms + offset_norms
     assert sum(type(module) is torch.nn.LayerNorm for module in patched.modules()) == 0
     decoder = decoder_of(patched)
     decoder = getattr(decoder, "text_model", decoder)  # transformers 4.x SmolVLM: get_decoder() is the whole model
-    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, modules.RMSNorm))
+    norms = (modules.RMSNorm, modules.OffsetLayerNorm)
+    norm = next(module for module in decoder.layers[0].modules() if isinstance(module, norms))
     # GLM-4V's decoder norms its sublayers' outputs; GLM-4.5V's vision tower norms the patch embeddings it adds to
     post_norms = (
         "gemma2",
@@ -103,6 +106,7 @@ def test_patched_model_matches_eager(model_type, restore_rope):
         "exaone4",
         "glm4v",
         "glm4v_moe",
+        "deepseek_v4",  # its hyper-connections: out-of-place, as the post-norm families
     )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
@@ -241,6 +245,26 @@ def test_apply_to_patches_models_built_afterwards(restore_modeling):
         patching.FAMILIES["qwen3"].modeling
     ).Qwen3MLP.__tigon_original__.__module__.startswith("transformers")
     assert again.applied == report.applied
+
+
+@pytest.mark.parametrize("model_type", family_params(["nemotron"]))
+def test_apply_to_builds_nemotron_with_its_offset_layer_norms(model_type, restore_modeling):
+    overrides = FAMILY_CASES[model_type].overrides
+    baseline = tiny(model_type, **overrides)
+    for name, parameter in baseline.named_parameters():
+        if "layernorm" in name or name == "model.norm.weight":  # zero-centred, as Nemotron stores them
+            torch.nn.init.normal_(parameter, std=0.3)
+    report = tigon.kernels.apply_to(model_type)
+    assert report.applied == {"layer_norm": 1, "fused_linear_cross_entropy": 1, "rope": 1}
+    assert [entry.split(" (")[0] for entry in report.skipped] == ["swiglu"]
+    patched = tiny(model_type, **overrides)
+    norm = patched.model.layers[0].input_layernorm
+    assert type(norm).__name__ == "NemotronLayerNorm1P" and isinstance(norm, modules.OffsetLayerNorm)
+    patched.load_state_dict(baseline.state_dict())
+    assert_same_training_step(baseline, patched, torch.randint(0, 131, (1, 7)))
+    modeling = importlib.import_module(patching.FAMILIES[model_type].modeling)
+    with pytest.raises(ValueError, match="elementwise_affine=False"):
+        modeling.NemotronLayerNorm1P(64, elementwise_affine=False)
 
 
 @pytest.mark.parametrize("model_type", family_params(["gemma4_text"]))
@@ -412,6 +436,30 @@ def test_a_row_takes_the_fields_of_the_lines_older_than_its_versions(version, so
     monkeypatch.setattr(patching, "_transformers_version", lambda: version)
     installed = row.installed()
     assert (installed.final_logit_softcapping, installed.experts, installed.before) == (softcap, experts, ())
+
+
+@pytest.mark.parametrize(
+    ("version", "casting"), [("5.24.0", "gemma"), ("5.20.0", "gemma"), ("5.19.1", "llama"), ("5.17.0", "llama")]
+)
+def test_deepseek_v4_norm_casting_follows_the_installed_line(version, casting, monkeypatch):
+    """DeepSeek-V4's RMSNorm multiplies its float32 weight before the one cast from transformers 5.20 on, after
+    casting the normed input before that."""
+    monkeypatch.setattr(patching, "_transformers_version", lambda: version)
+    assert patching.FAMILIES["deepseek_v4"].installed().norm_casting == casting
+
+
+@pytest.mark.parametrize("model_type", family_params(["deepseek_v4"]))
+def test_deepseek_v4_norm_matches_on_bf16_inputs_with_float32_weights(model_type):
+    """The row's casting is the installed line's: the same output dtype and values as DeepseekV4RMSNorm."""
+    row = patching.FAMILIES[model_type].installed()
+    theirs = importlib.import_module(row.modeling).DeepseekV4RMSNorm(48).to(torch.float32)
+    torch.manual_seed(0)
+    torch.nn.init.uniform_(theirs.weight, 0.5, 1.5)
+    ours = modules.RMSNorm.from_module(copy.deepcopy(theirs), casting=row.norm_casting)
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    expected, got = theirs(x), ours(x)
+    assert got.dtype == expected.dtype
+    assert relative_error(got.float(), expected.float()) < 1e-2
 
 
 def test_import_tigon_kernels_stays_light():

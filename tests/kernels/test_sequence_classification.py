@@ -31,6 +31,7 @@ NO_CLASSIFIER = [
     "qwen3_5_moe",
     "gemma4_text",
     "granite",
+    "deepseek_v4",
     "glm4_moe",
     "falcon_h1",
     "llama4_text",

@@ -208,6 +208,8 @@ def test_preset_is_its_source_models_shape(family):
 
     bench, bench_config = _count(family, preset.shape())  # shortened: fewer layers, the same widths
     assert bench_config.get_text_config().num_hidden_layers == (preset.layers or preset.config["num_hidden_layers"])
+    for key, value in preset.reduced.items():  # DeepSeek-V4's fewer experts: in the benchmark shape, not the member's
+        assert getattr(bench_config.get_text_config(), key) == value != getattr(hf_config.get_text_config(), key)
     assert bench >= 0.9e9  # ~1B-4B: AdamW in bf16 and the activations fit one GPU
     assert bench <= 4e9 or preset.layers == 1, bench  # one Llama 4 layer and its embeddings are 4.3B
 
@@ -226,6 +228,8 @@ PLANNER_UNMODELED = {
     "deepseek_v3": "its latent attention, routed and shared experts and dense first layers",
     "deepseek_v2": "its latent attention, routed and shared experts and dense first layers",
     "hunyuan_v1_moe": "its experts beside a shared MLP",
+    "nemotron": "its ungated MLP (up, squared ReLU, down) and LayerNorms with biases",
+    "deepseek_v4": "its hyper-connections, compressed attention and indexer, routed and shared experts",
 } | {family: "its vision tower" for family, preset in PRESETS.items() if preset.vision is not None}
 
 
