@@ -157,6 +157,16 @@ TINY_VISION = {
 TINY_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]}
 #: --tiny: special tokens within the 512-token vocabulary, for configs that take no null ones (Mllama's)
 TINY_SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+#: GLM-4.1V's and GLM-4.5V's vision tower (transformers' defaults, the same in both)
+GLM4V_VISION = {
+    "depth": 24,
+    "hidden_size": 1536,
+    "intermediate_size": 13696,  # the patch merger's
+    "num_heads": 12,
+    "out_hidden_size": 4096,
+    "patch_size": 14,
+    "image_size": 336,
+}
 #: --tiny: GLM-4V's multimodal RoPE sections for a 16-wide head, half of it rotated (the members' 8, 12 and 12 take 64)
 GLM4V_TINY_ROPE = {
     "rope_type": "default",
@@ -1431,15 +1441,7 @@ PRESETS: dict[str, Preset] = {
         layers=8,  # 8 of 40 layers, 3.8B parameters with the vision tower
         tiny={"rope_parameters": GLM4V_TINY_ROPE},
         vision=VisionTower(
-            {
-                "depth": 24,
-                "hidden_size": 1536,
-                "intermediate_size": 13696,  # the patch merger's
-                "num_heads": 12,
-                "out_hidden_size": 4096,
-                "patch_size": 14,
-                "image_size": 336,
-            },
+            GLM4V_VISION,
             {"tie_word_embeddings": False},
             QWEN_TINY_VISION,
         ),
@@ -1468,15 +1470,7 @@ PRESETS: dict[str, Preset] = {
         layers=2,  # the dense layer and one MoE layer (128 experts, 2.3B parameters)
         tiny={"rope_parameters": GLM4V_TINY_ROPE, "n_routed_experts": 8},
         vision=VisionTower(
-            {
-                "depth": 24,
-                "hidden_size": 1536,
-                "intermediate_size": 13696,  # the patch merger's
-                "num_heads": 12,
-                "out_hidden_size": 4096,
-                "patch_size": 14,
-                "image_size": 336,
-            },
+            GLM4V_VISION,
             {"tie_word_embeddings": False},
             QWEN_TINY_VISION,
             depth={"depth": 1},  # 1 of 24 vision layers: 3.9B parameters in all, not 4.6B

@@ -30,9 +30,10 @@ MAMBA2_FIELDS: dict[str, tuple[str, str, str]] = {
 def broadcast_scan_bytes(model_config, tokens: int, sequences: int, transformers_version: str) -> int:
     """Bytes of the broadcast product one layer's PyTorch scan builds for `sequences` rows of `tokens`; 0 where the
     model has no Mamba-2 mixer or the installed transformers computes it without that product."""
+    from packaging.version import Version  # transformers' own dependency
+
     fields = MAMBA2_FIELDS.get(getattr(model_config, "model_type", None))
-    release = tuple(int(part) for part in transformers_version.split(".")[:2] if part.isdigit())
-    if fields is None or release >= FIXED_IN:
+    if fields is None or Version(transformers_version).release >= FIXED_IN:
         return 0
     heads, state, chunk = (getattr(model_config, name) for name in fields)
     chunks = -(-tokens // chunk)

@@ -759,6 +759,9 @@ def _language_row(config) -> tuple[str, Family | None]:
     return language_type, language.installed()
 
 
+_NO_LM_HEAD = "fused_linear_cross_entropy ({} is a vision encoder: it has no LM head)"
+
+
 def _vision_row(config) -> tuple[str, Family | None]:
     """For a `language_model` row: the model_type of its vision tower and that vision encoder's row (None if the
     tower has none)."""
@@ -864,7 +867,7 @@ def apply(
                 report.applied["fused_linear_cross_entropy"] = 1
     report.skipped = skipped
     if fused_linear_cross_entropy and family.causal_lm is None:
-        report.skipped.append(f"fused_linear_cross_entropy ({model_type} is a vision encoder: it has no LM head)")
+        report.skipped.append(_NO_LM_HEAD.format(model_type))
     elif fused_linear_cross_entropy and "fused_linear_cross_entropy" not in report.applied:
         report.skipped.append(
             f"fused_linear_cross_entropy ({type(model).__name__} has no {family.causal_lm}: the fused loss replaces "
@@ -886,9 +889,13 @@ def _norm_class(family: Family, original: type) -> type:
         weightless = {} if with_scale else {"with_weight": False}
         base.__init__(self, hidden_size if hidden_size is not None else dim, eps, **options, **weightless)
 
-    return type(
-        original.__name__, (base,), {"__init__": __init__, "__module__": __name__, "__tigon_original__": original}
-    )
+    return _hf_class(base, original, __init__)
+
+
+def _hf_class(base: type, original: type, init: Callable) -> type:
+    """A subclass of tigon's `base` under the HF class's name, built by `init` (the HF constructor's arguments), that
+    remembers the class it replaces (`__tigon_original__`, which a second `apply_to` restores from)."""
+    return type(original.__name__, (base,), {"__init__": init, "__module__": __name__, "__tigon_original__": original})
 
 
 def _offset_norm_class(family: Family, original: type) -> type:
@@ -905,11 +912,7 @@ def _offset_norm_class(family: Family, original: type) -> type:
         OffsetLayerNorm.__init__(self, shape[0], eps, bias, family.in_place_norm_backward)
         self.to(device=device, dtype=dtype)
 
-    return type(
-        original.__name__,
-        (OffsetLayerNorm,),
-        {"__init__": __init__, "__module__": __name__, "__tigon_original__": original},
-    )
+    return _hf_class(OffsetLayerNorm, original, __init__)
 
 
 def _mlp_class(base: type, original: type, width: Callable[[object, int], int] | None = None) -> type:
@@ -917,7 +920,6 @@ def _mlp_class(base: type, original: type, width: Callable[[object, int], int] |
 
     It takes the arguments the HF class takes (`config`, then optional sizes, or a layer index the class only stores,
     as transformers 4.x's HunYuanMoEV1MLP); with `width`, `(config, layer_idx)`, and its width from `width`."""
-    namespace = {"__module__": __name__, "__tigon_original__": original}
     if width is not None:
 
         def __init__(self, config, layer_idx: int):
@@ -937,8 +939,7 @@ def _mlp_class(base: type, original: type, width: Callable[[object, int], int] |
                 )
             base.__init__(self, config, intermediate_size=arguments.get("intermediate_size"))
 
-    namespace["__init__"] = __init__
-    return type(original.__name__, (base,), namespace)
+    return _hf_class(base, original, __init__)
 
 
 def apply_to(
@@ -989,7 +990,7 @@ def apply_to(
         report.applied["rope"] = 1
     report.skipped = _unfit(family.unfit, wanted) + _unfit(family.vision_unfit, wanted)
     if fused_linear_cross_entropy and family.causal_lm is None:
-        report.skipped.append(f"fused_linear_cross_entropy ({model_type} is a vision encoder: it has no LM head)")
+        report.skipped.append(_NO_LM_HEAD.format(model_type))
     report.skipped += _left_to_apply(family, wanted)
     logger.info("%s", report)
     return report

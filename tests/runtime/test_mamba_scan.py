@@ -21,7 +21,7 @@ def test_the_broadcast_product_is_chunks_by_chunk_squared_by_heads_by_state_in_f
     assert broadcast_scan_bytes(mamba, 128, 1, "5.0.0") == 2 * 64 * 64 * 8 * 16 * 4
 
 
-@pytest.mark.parametrize("version", ["5.18.0", "5.24.0", "6.0.0.dev0"])
+@pytest.mark.parametrize("version", ["5.18.0", "5.18.0rc1", "5.24.0", "6.0.0.dev0"])
 def test_transformers_5_18_and_later_build_no_such_product(version):
     assert broadcast_scan_bytes(FalconH1Config(), 4096, 4, version) == 0
 
