@@ -168,6 +168,13 @@ GLM4V_VISION = {
     "image_size": 336,
 }
 #: --tiny: GLM-4V's multimodal RoPE sections for a 16-wide head, half of it rotated (the members' 8, 12 and 12 take 64)
+GLM4V_ROPE = {  # GLM-4.1V's and GLM-4.5V's config.json: M-RoPE over half of each head (transformers' defaults rotate
+    # the whole head, which their [8, 12, 12] sections do not span)
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "mrope_section": [8, 12, 12],
+    "partial_rotary_factor": 0.5,
+}
 GLM4V_TINY_ROPE = {
     "rope_type": "default",
     "rope_theta": 10000.0,
@@ -1425,7 +1432,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "glm4v": Preset(
         "glm4v",
-        "transformers' Glm4vConfig defaults (GLM-4.1V-9B-Thinking's shape)",
+        "THUDM/GLM-4.1V-9B-Thinking",
         {
             "hidden_size": 4096,
             "intermediate_size": 13696,
@@ -1434,7 +1441,9 @@ PRESETS: dict[str, Preset] = {
             "num_key_value_heads": 2,
             "vocab_size": 151552,
             "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 32768,
+            "max_position_embeddings": 65536,
+            "attention_bias": True,
+            "rope_parameters": GLM4V_ROPE,
         },
         params=10.29e9,
         liger="apply_liger_kernel_to_glm4v",
@@ -1448,7 +1457,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "glm4v_moe": Preset(
         "glm4v_moe",
-        "transformers' Glm4vMoeConfig defaults (GLM-4.5V's shape, without its MTP layer)",
+        "zai-org/GLM-4.5V (without its MTP layer)",
         {
             "hidden_size": 4096,
             "intermediate_size": 10944,  # the dense first layer's
@@ -1461,11 +1470,14 @@ PRESETS: dict[str, Preset] = {
             "num_hidden_layers": 46,
             "num_attention_heads": 96,
             "num_key_value_heads": 8,
-            "vocab_size": 151424,
+            "head_dim": 128,
+            "vocab_size": 151552,
             "rms_norm_eps": 1e-5,
             "max_position_embeddings": 65536,
+            "attention_bias": True,
+            "rope_parameters": GLM4V_ROPE,
         },
-        params=104.4e9,
+        params=107.74e9,
         liger="apply_liger_kernel_to_glm4v_moe",
         layers=2,  # the dense layer and one MoE layer (128 experts, 2.3B parameters)
         tiny={"rope_parameters": GLM4V_TINY_ROPE, "n_routed_experts": 8},

@@ -32,6 +32,7 @@ The distances after the chaotic steps are printed for the record, not asserted.
 """
 
 import copy
+from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
@@ -40,6 +41,7 @@ import torch
 from tests.kernels.families import (
     DEEPSEEK,
     FAMILY_CASES,
+    FLOAT64_BOUND,
     GEMMA4,
     GLM4V_MOE,
     GLM4V_ROPE,
@@ -66,6 +68,11 @@ EARLY_STEPS, EARLY_LOSS_BOUND = 6, 1e-3  # GPU: the steps before rounding differ
 # which learns the fixed rows within ten steps (3.7e-3 multimodal, 1.3e-3 text), and Qwen 3.5 MoE, whose routing
 # flips (2.0e-3; tigon's run tracks transformers' to 1e-4 there). Only their first 4 steps are deterministic enough.
 EARLY_STEPS_OF = {"gemma4": 4, "gemma4_text": 4, "qwen3_5_moe": 4}
+# Parameters whose step-0 gradient nearly cancels, so that any fp32 rounding moves it far, relatively: DeepSeek-V4's
+# hyper-connection scales (three numbers per sublayer). Writing transformers' own fp32 RMSNorm as x / sqrt(sum(x^2) / n)
+# moves the last layer's from 1.8e-5 to 5.7e-5 of float64 (CPU, transformers 5.17); tigon's norms move it to 1.0e-4
+# (CPU) and 6.2e-5 (H200). They are held to FLOAT64_BOUND of float64 instead of GRADIENT_FACTOR x transformers'.
+CANCELLING_GRADIENTS = {"deepseek_v4": "_hc.scale"}
 GPU_ADAM_EPS = 1e-6  # GPU: an eps above the gradients' rounding noise, so a gradient near 0 moves its weight little
 
 TINY = dict(
@@ -172,9 +179,10 @@ def distances(run: Run, truth: Run) -> tuple[float, float, float]:
     return loss, parameters, relative_error(run.logits, truth.logits)
 
 
-def first_gradient_error(run: Run, truth: Run) -> float:
-    """Step 0 (the same weights): the worst parameter's relative gradient error against `truth`."""
-    return max(relative_error(run.first_gradients[name], want) for name, want in truth.first_gradients.items())
+def first_gradient_error(run: Run, truth: Run, names: Callable[[str], bool] = lambda name: True) -> float:
+    """Step 0 (the same weights): the worst relative gradient error against `truth` of the parameters `names` picks."""
+    errors = [relative_error(run.first_gradients[name], want) for name, want in truth.first_gradients.items()]
+    return max(error for error, name in zip(errors, truth.first_gradients, strict=True) if names(name))
 
 
 def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
@@ -309,7 +317,16 @@ def test_every_family_trains_the_same_with_kernels_on_gpu(model_type, restore_ro
         adam_eps=GPU_ADAM_EPS,
     )
     ours_distance, theirs_distance = distances(ours, truth), distances(theirs, truth)
-    ours_gradient, theirs_gradient = first_gradient_error(ours, truth), first_gradient_error(theirs, truth)
+    cancelling = CANCELLING_GRADIENTS.get(model_type)
+
+    def cancels(name: str) -> bool:
+        return cancelling is not None and cancelling in name
+
+    if cancelling is not None:
+        worst = first_gradient_error(ours, truth, cancels)
+        assert worst <= FLOAT64_BOUND, f"step 0 gradients of the *{cancelling} parameters: {worst:.2e} from float64"
+    ours_gradient = first_gradient_error(ours, truth, lambda name: not cancels(name))
+    theirs_gradient = first_gradient_error(theirs, truth, lambda name: not cancels(name))
     print(
         f"{model_type}: distance to float64 (loss, parameters, eval logits): tigon {ours_distance}, "
         f"transformers {theirs_distance}; step 0 gradients: tigon {ours_gradient:.2e}, transformers "
