@@ -180,10 +180,9 @@ def count_parameters(config) -> int:
 
 
 def estimate_note(shape, params: int) -> str | None:
-    """Why the planner's estimate is left out for a model of `params` parameters: its shape (a Llama-like
-    decoder, with the MoE block of planner.MOE_FAMILIES) counts others, so the estimate is not this model's;
-    None where the counts agree within 2%."""
-    if abs(shape.params - params) <= 0.02 * params:
+    """Why the planner's estimate is left out for a model of `params` parameters (`ModelShape.counts`): its shape
+    counts others, so the estimate is not this model's; None where the counts agree."""
+    if shape.counts(params):
         return None
     return (
         f"the planner's decoder shape counts {count_text(shape.params)} parameters, the model has {count_text(params)}"

@@ -272,7 +272,10 @@ def loss_chunk_tokens(model: nn.Module, config: RunConfig) -> int | None:
 
     if not config.kernels.fused_linear_cross_entropy or getattr(model.config, "model_type", None) not in FAMILIES:
         return None  # no fused loss to size (a family outside the kernel table keeps its own loss)
-    work = planner.workload(config, shape=planner.ModelShape.from_hf_config(model.config))
+    shape = planner.ModelShape.from_hf_config(model.config)
+    if not shape.counts(sum(p.numel() for p in model.parameters())):
+        return None  # the planner does not model this shape, so it cannot say where the step peaks
+    work = planner.workload(config, shape=shape)
     chunk = planner.loss_chunk_tokens(work, planner.setting_of(config))
     if chunk is not None:
         logger.info("fused loss: %d-token chunks (the planner puts the step's peak elsewhere)", chunk)

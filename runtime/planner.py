@@ -308,6 +308,13 @@ class ModelShape:
             moe=moe,
         )
 
+    def counts(self, params: int) -> bool:
+        """Whether this shape is the model of `params` parameters: the counts agree within 2%. The shape is a
+        Llama-like decoder (with the MoE block of MOE_FAMILIES); where a model has other parts (latent attention,
+        hyper-connections, a vision tower) it counts other parameters, and estimates made from it are not the
+        model's."""
+        return abs(self.params - params) <= 0.02 * params
+
     def linear_shape(self, name: str) -> tuple[int, int]:
         """(in_features, out_features) of a decoder layer's projection."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim

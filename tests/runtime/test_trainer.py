@@ -162,6 +162,28 @@ def test_auto_loss_chunk_leaves_models_outside_the_kernel_table_alone(tmp_path):
     assert loss_chunk_tokens(gpt2, tiny_config(tmp_path)) is None
 
 
+def test_auto_loss_chunk_keeps_the_ops_rule_for_a_shape_the_planner_does_not_count(tmp_path):
+    """A larger chunk is chosen from the planner's estimate of where the step peaks; for a model whose parameters
+    the planner's decoder shape does not count (Nemotron's ungated MLP), that estimate is another model's, so auto
+    keeps the op's own rule. Llama at the same widths gets the larger chunk."""
+    import transformers
+
+    from tigon.runtime.model import loss_chunk_tokens
+
+    training = {"micro_batch_size": 4, "precision": "bf16", "gradient_checkpointing": True}
+    model = {"config_name": "llama", "tokenizer": "char", "dtype": "bfloat16"}
+    config = tiny_config(
+        tmp_path, data={"max_seq_len": 4096}, training=training, model=model, kernels={"enabled": True}
+    )
+    heads = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    widths = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, vocab_size=128256, **heads)
+    with torch.device("meta"):
+        llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**widths))
+        nemotron = transformers.NemotronForCausalLM(transformers.NemotronConfig(**widths))
+    assert loss_chunk_tokens(llama, config) == 4096
+    assert loss_chunk_tokens(nemotron, config) is None
+
+
 def _ddp_worker(tmp_path: Path) -> Path:
     """A script for torchrun: `tigon train CONFIG` through the CLI, then this rank's losses and parameters."""
     script = tmp_path / "ddp_worker.py"
