@@ -273,7 +273,7 @@ def loss_chunk_tokens(model: nn.Module, config: RunConfig) -> int | None:
     if not config.kernels.fused_linear_cross_entropy or getattr(model.config, "model_type", None) not in FAMILIES:
         return None  # no fused loss to size (a family outside the kernel table keeps its own loss)
     shape = planner.ModelShape.from_hf_config(model.config)
-    if not shape.counts(sum(p.numel() for p in model.parameters())):
+    if not shape.counts(language_model_parameters(model)):
         return None  # the planner does not model this shape, so it cannot say where the step peaks
     work = planner.workload(config, shape=shape)
     chunk = planner.loss_chunk_tokens(work, planner.setting_of(config))
@@ -422,6 +422,16 @@ def _hint_compile(model: nn.Module) -> None:
             "fuses them (1.5x the tokens/s at less memory for Gemma-2-2B on an H200, docs/benchmarks.md)",
             text.model_type,
         )
+
+
+def language_model_parameters(model: nn.Module) -> int:
+    """The parameters of the language model: its decoder and output head (a vision tower's left out), tied ones
+    once; every parameter for a model without transformers' `get_decoder`."""
+    if not hasattr(model, "get_decoder"):
+        return sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings()
+    parts = [*model.get_decoder().parameters(), *(head.parameters() if head is not None else ())]
+    return sum(p.numel() for p in {id(p): p for p in parts}.values())
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -238,6 +238,17 @@ class MoeShape:
         return self.experts * hidden + 3 * self.experts * hidden * self.intermediate + shared
 
 
+def ties_head(hf_config, text) -> bool:
+    """Whether transformers ties the model's head to its embedding: from 5.0 the top-level config's flag (a
+    vision-language model's own), before it the text config's (default true)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).major < 5:
+        return bool(getattr(text, "tie_word_embeddings", True))
+    return bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+
+
 def layer_value(text, key: str, default=None):
     """`text.<key>` (`default` where unset), or the first decoder layer's where the config keeps that field per layer
     (transformers 5.2x's heterogeneous configs: Gemma 4's global layers have wider heads, so reading its `head_dim`
@@ -279,7 +290,7 @@ class ModelShape:
         kv_heads = layer_value(text, "num_key_value_heads") or heads
         head_dim = layer_value(text, "head_dim") or hidden // heads
         vocab = text.vocab_size
-        tied = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+        tied = ties_head(hf_config, text)
         q, kv = heads * head_dim, kv_heads * head_dim
         bias = hidden + 2 * kv + hidden if getattr(text, "attention_bias", False) else 0
         bias = q + 2 * kv if getattr(text, "qkv_bias", False) else bias  # Qwen2-MoE: q, k and v only

@@ -182,6 +182,14 @@ def test_auto_loss_chunk_keeps_the_ops_rule_for_a_shape_the_planner_does_not_cou
         nemotron = transformers.NemotronForCausalLM(transformers.NemotronConfig(**widths))
     assert loss_chunk_tokens(llama, config) == 4096
     assert loss_chunk_tokens(nemotron, config) is None
+    with torch.device("meta"):  # a vision-language model: its language tower is what the planner's shape counts
+        llava = transformers.LlavaForConditionalGeneration(
+            transformers.LlavaConfig(
+                text_config=transformers.LlamaConfig(**widths),
+                vision_config={"hidden_size": 256, "num_attention_heads": 4},
+            )
+        )
+    assert loss_chunk_tokens(llava, config) == 4096
 
 
 def _ddp_worker(tmp_path: Path) -> Path:
