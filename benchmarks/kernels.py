@@ -181,6 +181,23 @@ def gated_case(tokens: int, inner: int, activation: str) -> Case:
     return Case([a, b], [torch.randn_like(a)], 8 * a.numel() * a.element_size(), providers)
 
 
+def relu_squared_case(tokens: int, inner: int) -> Case:
+    """Nemotron's MLP activation; tigon runs it as its module does (the gradient over the input)."""
+    from tigon.kernels.functional import relu_squared
+
+    x = torch.randn(tokens, inner, device="cuda", dtype=DTYPE, requires_grad=True)
+    eager = lambda x: torch.square(F.relu(x))  # transformers' ReLUSquaredActivation
+    compiled_eager = compiled(eager)
+    providers = {
+        "tigon": lambda: (relu_squared(x, in_place_backward=True),),
+        "eager": lambda: (eager(x),),
+        "compile": lambda: (compiled_eager(x),),
+    }
+    if liger():
+        providers["liger"] = lambda: (liger().liger_relu_squared(x),)
+    return Case([x], [torch.randn_like(x)], 5 * x.numel() * x.element_size(), providers)
+
+
 def cross_entropy_case(tokens: int, vocab: int) -> Case:
     """Logits already computed; HF's loss upcasts them to float32 before cross entropy."""
     from tigon.kernels.functional import cross_entropy
@@ -400,6 +417,7 @@ def main_cases() -> list[tuple[str, str, Callable[[], Case]]]:
         ("rope", "q 4x32x4096x128, k 4x8x4096x128", lambda: rope_case(4, 32, 8, 4096, 128)),
         ("swiglu", "8192x14336", lambda: gated_case(8192, 14336, "swiglu")),
         ("geglu", "8192x14336", lambda: gated_case(8192, 14336, "geglu")),
+        ("relu_squared", "16384x9216", lambda: relu_squared_case(16384, 9216)),
         ("cross_entropy", "8192x128256", lambda: cross_entropy_case(8192, 128256)),
         ("fused_linear_cross_entropy", "8192x4096x128256", lambda: fused_linear_cross_entropy_case(8192, 4096, 128256)),
         ("kl_divergence", "8192x128256", lambda: kl_divergence_case(8192, 128256)),

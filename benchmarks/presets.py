@@ -1528,6 +1528,31 @@ PRESETS: dict[str, Preset] = {
         layers=12,  # 12 of 30 layers (each with its per-layer embeddings, 67M): 2.4B parameters
         tiny=GEMMA4_TINY,
     ),
+    "muse_glimmer": Preset(
+        "muse_glimmer",
+        "transformers' MuseGlimmerConfig defaults",
+        {
+            "hidden_size": 6656,
+            "intermediate_size": 19968,
+            "num_hidden_layers": 52,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "vocab_size": 202048,
+            "max_position_embeddings": 131072,
+        },
+        params=29.78e9,
+        liger="apply_liger_kernel_to_muse_glimmer",
+        layers=2,  # 2 of 52 layers (0.48B each, beside 2.7B of embeddings and head): 3.8B parameters
+        layer_types=("sliding_attention", "full_attention"),  # every fourth layer attends in full
+        vision=VisionTower(
+            {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 50, "num_attention_heads": 16},
+            {},
+            {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2},
+            depth={"num_hidden_layers": 1, "layer_types": ["full_attention"]},  # 1 of 50 vision layers
+            tiny_outer={"out_hidden_size": 128, "projector_hidden_size": 64},  # the tiny tower's 2 x 2 merged patches
+        ),
+    ),
 }
 # Families of tigon's kernel table with no preset here, and why.
 NOT_BENCHMARKED = {

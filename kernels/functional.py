@@ -18,6 +18,7 @@ from tigon.kernels.ops.kto import fused_linear_kto
 from tigon.kernels.ops.layer_norm import layer_norm
 from tigon.kernels.ops.moe_experts import moe_experts
 from tigon.kernels.ops.orpo import fused_linear_orpo
+from tigon.kernels.ops.relu_squared import relu_squared
 from tigon.kernels.ops.rms_norm import rms_norm
 from tigon.kernels.ops.rope import rope
 from tigon.kernels.ops.simpo import fused_linear_simpo
@@ -40,6 +41,7 @@ __all__ = [
     "kl_divergence",
     "layer_norm",
     "moe_experts",
+    "relu_squared",
     "rms_norm",
     "rope",
     "sequence_logps",

@@ -144,6 +144,15 @@ class OffsetLayerNorm(LayerNorm):
             return F.layer_norm(hidden_states, weight, bias, self.eps, self.in_place_backward)
 
 
+class ReLUSquared(nn.Module):
+    """`relu(x) ** 2`: drop-in for transformers' `ReLUSquaredActivation` (Nemotron's MLP activation, whose input is
+    the up-projection's output, read by nothing else). Its backward writes the input's gradient over that input
+    when it is contiguous."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu_squared(x, in_place_backward=x.is_contiguous())
+
+
 class _GatedLinears(nn.Module):
     """A gated MLP made of the Linear layers named in `LINEARS` and an activation read from the config."""
 

@@ -105,6 +105,11 @@ def geglu(
     return up * F.gelu(gate * gate_multiplier, approximate=approximate) * output_multiplier
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """`relu(x) ** 2`, as transformers' `ReLUSquaredActivation` computes it."""
+    return torch.square(F.relu(x))
+
+
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` with `gate, up = gate_up.chunk(2, -1)`, as Phi-3's and GLM-4's MLPs and the MoE experts do."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -27,6 +27,7 @@ from tigon.kernels.modules import (
     LayerNorm,
     OffsetLayerNorm,
     PackedGatedMLP,
+    ReLUSquared,
     RMSNorm,
 )
 from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, fused_class, fused_forward, keep_last_hidden_state
@@ -55,8 +56,12 @@ class Family:
     stream directly (Gemma 2/3 and OLMo 2 post-norms, GLM-4's) must set it False.
 
     `norm_casting` is "gemma" for norms that scale in float32 and cast once at the end.
+    `centered_norm` lists RMSNorm classes that scale by `1 + weight` in float32 (Gemma's form, GemmaRMSNorm) beside
+    the row's other `rms_norm` classes (MUSE Glimmer's decoder norms beside its plain final and weightless ones).
     `offset_layer_norm` lists LayerNorm classes that scale by `1 + weight` (Nemotron's), swapped for tigon's
     OffsetLayerNorm under the norm switch and reported as `layer_norm`.
+    `activations` lists transformers' activation classes (`transformers.activations`, built through `ACT2FN`)
+    whose instances `apply` swaps for tigon's under the MLP switch (`ACTIVATION_SWAPS`: Nemotron's squared ReLU).
     `rope` is False where the family's `apply_rotary_pos_emb` is not the Llama rotate-half form;
     `partial_rope` routes calls whose `cos` covers only part of the head dim to the original;
     `mlp_width(config, layer_idx)` is the width of the row's `mlp` classes where transformers builds them from
@@ -71,7 +76,8 @@ class Family:
     The fused linear cross entropy replaces the forward of the `causal_lm` class (`*ForCausalLM`, or a
     vision-language model's `*ForConditionalGeneration`); `final_logit_softcapping`, `logits_scaling` and
     `logits_multiplier` name the family's head quirks, read from the text config (Gemma 2/3 and PaliGemma
-    softcap the logits, Granite divides them, Falcon-H1 multiplies them by `lm_head_multiplier`).
+    softcap the logits, Granite divides them; `logits_multiplier` names the config field the logits are multiplied
+    by, before any softcap: Falcon-H1's `lm_head_multiplier`, MUSE Glimmer's `output_multiplier`).
 
     Vision-language rows: `vision_mlp` lists the vision tower's gated MLPs (built from `config.vision_config`,
     so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
@@ -90,9 +96,11 @@ class Family:
     experts: tuple[str, ...] = ()
     expert_mlp: tuple[str, ...] = ()
     gemma_norm: bool = False
+    centered_norm: tuple[str, ...] = ()
     in_place_norm_backward: bool = True
     norm_casting: str = "llama"
     offset_layer_norm: tuple[str, ...] = ()
+    activations: tuple[str, ...] = ()
     rope: bool = True
     partial_rope: bool = False
     rope_one_tensor: bool = False
@@ -105,7 +113,7 @@ class Family:
     causal_lm: str | None = field(kw_only=True)
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
-    logits_multiplier: bool = False
+    logits_multiplier: str | None = None
     before: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def installed(self) -> Family:
@@ -131,6 +139,9 @@ MLP_SWAPS: dict[str, tuple[type, str]] = {
     "experts": (GatedExperts, "gated_experts"),
     "expert_mlp": (GatedExpertMLP, "gated_mlp"),
 }
+
+
+ACTIVATION_SWAPS: dict[str, tuple[type, str]] = {"ReLUSquaredActivation": (ReLUSquared, "relu_squared")}
 
 
 def _models(name: str) -> str:
@@ -381,11 +392,13 @@ FAMILIES: dict[str, Family] = {
         _models("nemotron"),
         (),
         offset_layer_norm=("NemotronLayerNorm1P",),
+        activations=("ReLUSquaredActivation",),
         partial_rope=True,  # partial_rotary_factor 0.5 in its members: such calls keep transformers' function
         unfit=(
             (
                 "swiglu",
-                "Nemotron's MLP is up_proj, squared ReLU, down_proj with no gate: no tigon kernel computes it",
+                "Nemotron's MLP is up_proj, squared ReLU, down_proj with no gate: its activation is tigon's "
+                "relu_squared, its Linear layers stay",
             ),
         ),
         causal_lm="NemotronForCausalLM",
@@ -460,7 +473,7 @@ FAMILIES: dict[str, Family] = {
         _models("falcon_h1"),
         ("FalconH1RMSNorm",),
         ("FalconH1MLP",),  # config.mlp_multipliers go into the activation kernel
-        logits_multiplier=True,
+        logits_multiplier="lm_head_multiplier",
         unfit=(
             (
                 "rms_norm",
@@ -651,6 +664,19 @@ FAMILIES: dict[str, Family] = {
         unfit=(_VISION_FC_MLP,),
         causal_lm="SmolVLMForConditionalGeneration",
     ),
+    "muse_glimmer": Family(
+        _models("muse_glimmer"),
+        ("MuseGlimmerRMSNorm",),  # the final norm (scales by weight) and the weightless query/key and embedding norms
+        ("MuseGlimmerTextMLP",),
+        centered_norm=("MuseGlimmerTextCenteredRMSNorm",),  # the decoder's four, scaling by 1 + weight
+        in_place_norm_backward=False,  # post-norms: their output joins the residual stream
+        norm_casting="gemma",
+        layer_norm=True,  # the vision tower's
+        final_logit_softcapping=True,
+        logits_multiplier="output_multiplier",
+        unfit=(_VISION_FC_MLP, _VISION_ROPE),
+        causal_lm="MuseGlimmerForConditionalGeneration",
+    ),
 }
 
 
@@ -706,10 +732,13 @@ def modeling_module(model_type: str, family: Family | None = None):
         raise PatchTargetMissing(
             f"tigon: {model_type}: cannot import {family.modeling} from transformers {_transformers_version()}"
         ) from error
-    targets = [*family.rms_norm, *family.offset_layer_norm, *_swapped_classes(family), *family.vision_mlp]
+    targets = [*family.rms_norm, *family.centered_norm, *family.offset_layer_norm, *_swapped_classes(family)]
+    targets += family.vision_mlp
     targets += [family.causal_lm] if family.causal_lm else []
     targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
+    activations = importlib.import_module("transformers.activations")
+    missing += [name for name in family.activations if not hasattr(activations, name)]
     if missing:
         raise PatchTargetMissing(
             f"tigon: {model_type}: {family.modeling} has no {', '.join(missing)} in transformers "
@@ -790,6 +819,9 @@ def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport,
             if rms_norm and kind in family.rms_norm:
                 setattr(parent, name, norm_class.from_module(child, **norm_options))
                 count("rms_norm")
+            elif rms_norm and kind in family.centered_norm:
+                setattr(parent, name, GemmaRMSNorm.from_module(child, in_place_backward=family.in_place_norm_backward))
+                count("rms_norm")
             elif rms_norm and kind in family.offset_layer_norm:
                 setattr(parent, name, OffsetLayerNorm.from_module(child, family.in_place_norm_backward))
                 count("layer_norm")
@@ -799,6 +831,10 @@ def _swap_modules(model: nn.Module, family: Family, config, report: PatchReport,
             elif swiglu and kind in mlp_swaps:
                 replacement, swap = mlp_swaps[kind]
                 setattr(parent, name, replacement.from_module(child, text_config))
+                count(swap)
+            elif swiglu and kind in family.activations:
+                replacement, swap = ACTIVATION_SWAPS[kind]
+                setattr(parent, name, replacement())
                 count(swap)
             elif swiglu and kind in family.vision_mlp:
                 setattr(parent, name, GatedMLP.from_module(child, getattr(config, "vision_config", config)))
@@ -971,6 +1007,10 @@ def apply_to(
     swaps = []
     if rms_norm:
         swaps += [(name, "rms_norm", _norm_class) for name in family.rms_norm]
+        centered = dataclasses.replace(family, gemma_norm=True)
+        swaps += [
+            (name, "rms_norm", lambda _, original: _norm_class(centered, original)) for name in family.centered_norm
+        ]
         swaps += [(name, "layer_norm", _offset_norm_class) for name in family.offset_layer_norm]
     if swiglu:
         for name, (base, swap) in _swapped_classes(family).items():
@@ -1001,6 +1041,11 @@ def _left_to_apply(family: Family, wanted: dict[str, bool]) -> list[str]:
     left = []
     if wanted["rms_norm"] and family.layer_norm:
         left.append("layer_norm (torch.nn.LayerNorm is not the family's class: apply() swaps its instances)")
+    if wanted["swiglu"] and family.activations:
+        left.append(
+            "relu_squared (transformers builds the activation from ACT2FN, which every family shares: apply() swaps "
+            "its instances)"
+        )
     if wanted["swiglu"] and family.vision_mlp:
         left.append("swiglu (the vision tower's gated MLPs take the vision config: apply() swaps them)")
     if family.language_model:

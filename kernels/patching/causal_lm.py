@@ -68,7 +68,7 @@ def causal_lm_loss(
     if family.logits_scaling:
         hidden = hidden / config.logits_scaling
     if family.logits_multiplier:
-        hidden = hidden * config.lm_head_multiplier
+        hidden = hidden * getattr(config, family.logits_multiplier)
     softcap = getattr(config, "final_logit_softcapping", None) if family.final_logit_softcapping else None
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]

@@ -61,7 +61,11 @@ MULTIMODAL = {
     "glm4v": (GLM4V_VISION, {}),
     "glm4v_moe": (GLM4V_VISION, {}),
     "smolvlm": (VISION, dict(model_type="llama")),
+    "muse_glimmer": (dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2), {}),
 }
+# Top-level sizes of a vision-language config that follow its tiny vision tower: MUSE Glimmer's vision adapter takes
+# the tower's merged patches (2 x 2 of 32 wide).
+OUTER = {"muse_glimmer": dict(out_hidden_size=128, projector_hidden_size=64)}
 # Phi-4-multimodal keeps its text settings at the top of its config, beside its vision and audio towers'.
 TOWERS = {
     "phi4_multimodal": dict(
@@ -101,7 +105,7 @@ def tiny(family: str, outer: dict | None = None, vision: dict | None = None, **o
         return transformers.AutoModelForCausalLM.from_config(config)
     tower, text = MULTIMODAL[family]
     config = transformers.AutoConfig.for_model(
-        family, text_config={**text, **common}, vision_config=vision or tower, **(outer or {})
+        family, text_config={**text, **common}, vision_config=vision or tower, **OUTER.get(family, {}), **(outer or {})
     )
     return transformers.AutoModelForImageTextToText.from_config(config)
 
@@ -298,6 +302,9 @@ FAMILY_CASES = {
     "glm4v": case(GLM4V_ROPE, 2 + 1, 0, False, ["rope (GLM-4V", "rope (the vision", "swiglu (the vision patch"]),
     "glm4v_moe": case(GLM4V_MOE, 2 + 1, 1, True, ["rope (the vision", "swiglu (the vision patch"]),
     "smolvlm": case({}, 2, 0, True, ["swiglu (the vision"]),
+    # centered decoder norms beside plain and weightless ones; the logits scaled by output_multiplier, then softcapped
+    # (0.5: the member's 0.196 under the softcap of 20 keeps a tiny model's loss from falling in the tests' 30 steps)
+    "muse_glimmer": case(dict(output_multiplier=0.5), 2, 0, True, ["swiglu (the vision", "rope (the vision"]),
 }
 
 

@@ -86,6 +86,12 @@ def test_gated_activation_compiles_without_graph_breaks(activation):
     )  # the in-place backward is an eager-mode saving; compiled code stays out of place
 
 
+def test_relu_squared_compiles_without_graph_breaks():
+    assert_compiled_matches(
+        lambda x: F.relu_squared(x, in_place_backward=True), reference.relu_squared, (torch.randn(3, 50),)
+    )
+
+
 @pytest.mark.parametrize("activation", ["swiglu_packed", "geglu_packed"])
 def test_packed_gated_activation_compiles_without_graph_breaks(activation):
     gate_up = torch.randn(3, 2, 2 * 25)

@@ -80,6 +80,9 @@ def test_patched_model_matches_eager(model_type, restore_rope):
     offset_norms = sum(type(module).__name__ in FAMILIES[model_type].offset_layer_norm for module in baseline.modules())
     assert report.applied.get("gated_mlp", 0) == mlps and report.applied.get("rope", 0) == int(rope)
     assert report.applied.get("gated_experts", 0) == experts
+    activations = FAMILIES[model_type].activations
+    assert report.applied.get("relu_squared", 0) == sum(type(m).__name__ in activations for m in baseline.modules())
+    assert not any(type(module).__name__ in activations for module in patched.modules())
     assert report.applied.get("rms_norm", 0) + offset_norms >= 2 * layers + 1
     assert report.applied["fused_linear_cross_entropy"] == 1
     assert len(report.skipped) == len(skipped)
@@ -107,6 +110,7 @@ def test_patched_model_matches_eager(model_type, restore_rope):
         "glm4v",
         "glm4v_moe",
         "deepseek_v4",  # its hyper-connections: out-of-place, as the post-norm families
+        "muse_glimmer",
     )
     assert norm.in_place_backward is (model_type not in post_norms)
     assert sum(isinstance(module, MLP_MODULES) for module in patched.modules()) == mlps
@@ -256,7 +260,7 @@ def test_apply_to_builds_nemotron_with_its_offset_layer_norms(model_type, restor
             torch.nn.init.normal_(parameter, std=0.3)
     report = tigon.kernels.apply_to(model_type)
     assert report.applied == {"layer_norm": 1, "fused_linear_cross_entropy": 1, "rope": 1}
-    assert [entry.split(" (")[0] for entry in report.skipped] == ["swiglu"]
+    assert [entry.split(" (")[0] for entry in report.skipped] == ["swiglu", "relu_squared"]
     patched = tiny(model_type, **overrides)
     norm = patched.model.layers[0].input_layernorm
     assert type(norm).__name__ == "NemotronLayerNorm1P" and isinstance(norm, modules.OffsetLayerNorm)

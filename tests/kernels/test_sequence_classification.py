@@ -50,6 +50,7 @@ NO_CLASSIFIER = [
     "glm4v",
     "glm4v_moe",
     "smolvlm",
+    "muse_glimmer",
 ]
 
 
