@@ -38,6 +38,7 @@ OPS = (
     "swiglu",
     "geglu",
     "swiglu_packed",
+    "relu_squared",
     "cross_entropy",
     "fused_linear_cross_entropy",
 )
@@ -150,7 +151,7 @@ def family_settings(family: str) -> dict[str, Any]:
         raise WarmupError(f"unknown model family {family!r}; tigon patches: {', '.join(sorted(FAMILIES))}")
     spec = FAMILIES[family].installed()
     return {
-        "casting": "gemma" if spec.gemma_norm else "llama",
+        "casting": "gemma" if spec.gemma_norm else spec.norm_casting,
         "offset": 1.0 if spec.gemma_norm else 0.0,
         "in_place_backward": spec.in_place_norm_backward,
         "softcap": SOFTCAP if spec.final_logit_softcapping else None,
@@ -159,10 +160,12 @@ def family_settings(family: str) -> dict[str, Any]:
             "rms_norm",
             "fused_add_rms_norm",
             "rope",
+            *(("layer_norm",) if spec.offset_layer_norm or spec.layer_norm else ()),  # Nemotron's, vision towers'
             # separate gate/up projections run the activation; a fused gate_up_proj (Phi-3, GLM-4) and MoE experts
             # run the packed one
             *((("geglu" if spec.gemma_norm else "swiglu"),) if spec.mlp or spec.expert_mlp else ()),
             *(("swiglu_packed",) if spec.packed_mlp or spec.experts else ()),
+            *(("relu_squared",) if spec.activations else ()),  # Nemotron's MLP activation
             "fused_linear_cross_entropy",
         ),
     }
@@ -223,6 +226,11 @@ def _run_op(op: str, shapes: Shapes, dtype, device, settings: dict[str, Any]):
         out = (functional.swiglu_packed(gate_up),)
         ref = (reference.swiglu_packed(gate_up.detach()),)
         inputs = (gate_up,)
+    elif op == "relu_squared":
+        x = rand(t, shapes.intermediate)
+        out = (functional.relu_squared(x),)
+        ref = (reference.relu_squared(x.detach()),)
+        inputs = (x,)
     elif op == "cross_entropy":
         logits, target = rand(t, shapes.vocab), _targets(t, shapes.vocab, g, device)
         # First the reference: the kernel writes the gradient over the logits.
@@ -258,7 +266,7 @@ def _describe(op: str, shapes: Shapes) -> str:
         return f"tokens={shapes.tokens} vocab={shapes.vocab}"
     if op == "fused_linear_cross_entropy":
         return f"tokens={shapes.tokens} hidden={shapes.hidden} vocab={shapes.vocab}"
-    size = shapes.intermediate if op in ("swiglu", "geglu", "swiglu_packed") else shapes.hidden
+    size = shapes.intermediate if op in ("swiglu", "geglu", "swiglu_packed", "relu_squared") else shapes.hidden
     return f"tokens={shapes.tokens} width={size}"
 
 

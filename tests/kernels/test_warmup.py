@@ -58,7 +58,9 @@ def test_family_picks_the_patched_ops():
     qwen2_moe = warm_up([LLAMA_8B], family="qwen2_moe")  # a shared expert MLP and the experts
     assert [r.op for r in phi3.results] == ["rms_norm", "fused_add_rms_norm", "rope", "swiglu_packed", loss]
     assert [r.op for r in qwen2_moe.results][3:] == ["swiglu", "swiglu_packed", loss]
-    assert llama.ok and gemma.ok and phi3.ok and qwen2_moe.ok
+    nemotron = warm_up([LLAMA_8B], family="nemotron")  # LayerNorms, its squared-ReLU MLP
+    assert [r.op for r in nemotron.results][3:] == ["layer_norm", "relu_squared", loss]
+    assert llama.ok and gemma.ok and phi3.ok and qwen2_moe.ok and nemotron.ok
 
 
 @cpu_only
