@@ -168,6 +168,22 @@ GLM4V_VISION = {
     "image_size": 336,
 }
 #: --tiny: GLM-4V's multimodal RoPE sections for a 16-wide head, half of it rotated (the members' 8, 12 and 12 take 64)
+# GLM-4.5-Air's language model, which GLM-4.5V's is too (their MTP layer left out)
+GLM45_AIR = {
+    "hidden_size": 4096,
+    "intermediate_size": 10944,  # the dense first layer's
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 46,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "vocab_size": 151552,
+    "rms_norm_eps": 1e-5,
+}
 GLM4V_ROPE = {  # GLM-4.1V's and GLM-4.5V's config.json: M-RoPE over half of each head (transformers' defaults rotate
     # the whole head, which their [8, 12, 12] sections do not span)
     "rope_type": "default",
@@ -947,23 +963,7 @@ PRESETS: dict[str, Preset] = {
     "glm4_moe": Preset(
         "glm4_moe",
         "transformers' Glm4MoeConfig defaults (GLM-4.5-Air's widths, without its MTP layer)",
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 10944,  # the dense first layer's
-            "moe_intermediate_size": 1408,
-            "n_routed_experts": 128,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 8,
-            "first_k_dense_replace": 1,
-            "norm_topk_prob": True,
-            "num_hidden_layers": 46,
-            "num_attention_heads": 96,
-            "num_key_value_heads": 8,
-            "vocab_size": 151552,
-            "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 131072,
-        },
+        {**GLM45_AIR, "tie_word_embeddings": False, "max_position_embeddings": 131072},
         params=103.5e9,
         liger="apply_liger_kernel_to_glm4_moe",
         layers=2,  # the dense layer and one MoE layer (128 experts, 2.2B parameters): 3.7B parameters
@@ -1459,33 +1459,21 @@ PRESETS: dict[str, Preset] = {
         "glm4v_moe",
         "zai-org/GLM-4.5V (without its MTP layer)",
         {
-            "hidden_size": 4096,
-            "intermediate_size": 10944,  # the dense first layer's
-            "moe_intermediate_size": 1408,
-            "n_routed_experts": 128,
-            "n_shared_experts": 1,
-            "num_experts_per_tok": 8,
-            "first_k_dense_replace": 1,
-            "norm_topk_prob": True,
-            "num_hidden_layers": 46,
-            "num_attention_heads": 96,
-            "num_key_value_heads": 8,
+            **GLM45_AIR,
             "head_dim": 128,
-            "vocab_size": 151552,
-            "rms_norm_eps": 1e-5,
             "max_position_embeddings": 65536,
             "attention_bias": True,
             "rope_parameters": GLM4V_ROPE,
         },
         params=107.74e9,
         liger="apply_liger_kernel_to_glm4v_moe",
-        layers=2,  # the dense layer and one MoE layer (128 experts, 2.3B parameters)
+        layers=2,  # the dense layer and one MoE layer (128 experts, 2.2B parameters)
         tiny={"rope_parameters": GLM4V_TINY_ROPE, "n_routed_experts": 8},
         vision=VisionTower(
             GLM4V_VISION,
             {"tie_word_embeddings": False},
             QWEN_TINY_VISION,
-            depth={"depth": 1},  # 1 of 24 vision layers: 3.9B parameters in all, not 4.6B
+            depth={"depth": 1},  # 1 of 24 vision layers: 4.1B parameters in all, not 4.7B
         ),
     ),
     "smolvlm": Preset(
