@@ -187,8 +187,9 @@ def distances(run: Run, truth: Run) -> tuple[float, float, float]:
 
 def first_gradient_error(run: Run, truth: Run, names: Callable[[str], bool] = lambda name: True) -> float:
     """Step 0 (the same weights): the worst relative gradient error against `truth` of the parameters `names` picks."""
-    errors = [relative_error(run.first_gradients[name], want) for name, want in truth.first_gradients.items()]
-    return max(error for error, name in zip(errors, truth.first_gradients, strict=True) if names(name))
+    return max(
+        relative_error(run.first_gradients[name], want) for name, want in truth.first_gradients.items() if names(name)
+    )
 
 
 def assert_same_first_gradients(ours: Run, theirs: Run) -> None:
