@@ -4,6 +4,8 @@ at K - 1 other seeds, whose distance from the first is the noise an FP8 differen
 
     python -m benchmarks.fp8_loss_curve --steps 600 --hidden 1024 --layers 4 --out fp8-loss.json   # GPU, the demo
     python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 4 --seeds 3 --out f.json
+    python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 8 --micro-batch 64 \
+        --learning-rate 6e-4 --seeds 3 --corpus-mb 40 --out f.json   # a larger batch and a lower rate: less noise
     TIGON_FP8_EMULATE=1 python -m benchmarks.fp8_loss_curve --steps 4 --compile-backend aot_eager --out fp8.json  # CPU
 
 The model is examples/demo.yaml's Llama, optionally wider and deeper, on its task (two-digit addition, packed) or,
@@ -88,6 +90,10 @@ def run_config(args: argparse.Namespace, training: dict, run_dir: Path, corpus: 
         ]
     if args.layers:
         overrides.append(f"model.config_overrides.num_hidden_layers={args.layers}")
+    if args.learning_rate:
+        overrides.append(f"training.learning_rate={args.learning_rate}")
+    if args.micro_batch:
+        overrides.append(f"training.micro_batch_size={args.micro_batch}")
     if corpus is not None:
         overrides += [
             f"data.train={corpus}",
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
     parser.add_argument("--hidden", type=int, help="hidden size (a multiple of 64; heads of 64); default the config's")
     parser.add_argument("--layers", type=int, help="decoder layers; default the config's")
+    parser.add_argument("--learning-rate", type=float, help="peak learning rate; default the config's")
+    parser.add_argument("--micro-batch", type=int, help="sequences a step; default the config's")
     parser.add_argument(
         "--compile-backend", default="inductor", choices=["inductor", "aot_eager"], help="training.compile_backend"
     )

@@ -7,7 +7,8 @@
 #   [fp8 (benchmarks/end_to_end.py --compile, tigon in bf16 and with --precision fp8: tokens/s and peak memory of the
 #   Llama-3-8B shape on one GPU; E2E_SHAPE, E2E_SEQS (4096), E2E_MICRO (4))]
 #   [fp8-loss (benchmarks/fp8_loss_curve.py: the demo task, widened to FP8_HIDDEN (1024) x FP8_LAYERS (4), trained
-#   FP8_STEPS (600) steps in bf16 and in fp8 tensorwise and rowwise; the curves' relative difference)]
+#   FP8_STEPS (600) steps in bf16 and in fp8 tensorwise and rowwise; the curves' relative difference; FP8_CORPUS=stdlib
+#   trains on real text, FP8_CORPUS_MB of it; FP8_SEEDS, FP8_LR, FP8_MICRO: bf16's seeds, the learning rate, the batch)]
 #   [planner-tests] [preference-memory (benchmarks/preference_memory.py: the planner's estimate against measured
 #   peaks of DPO, KTO and ORPO runs, padded and packed pairs, frozen and precomputed reference)]
 #   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
@@ -106,6 +107,7 @@ for step in "$@"; do
       done ;;
     fp8-loss) python3 -m benchmarks.fp8_loss_curve --steps "${FP8_STEPS:-600}" --hidden "${FP8_HIDDEN:-1024}" \
         --layers "${FP8_LAYERS:-4}" --seeds "${FP8_SEEDS:-1}" ${FP8_CORPUS:+--corpus "$FP8_CORPUS"} \
+        ${FP8_CORPUS_MB:+--corpus-mb "$FP8_CORPUS_MB"} ${FP8_LR:+--learning-rate "$FP8_LR"} ${FP8_MICRO:+--micro-batch "$FP8_MICRO"} \
         --out "$out/fp8-loss.json" > "$out/fp8-loss.log" 2>&1; echo "fp8-loss: exit $?"
       grep -E "against bf16|loss .* ->|wrote|Error" "$out/fp8-loss.log" | tail -n 20 ;;
     e2e) python3 -m benchmarks.end_to_end --seqs 4096 --out "$out/e2e.json" 2>&1 | tee "$out/e2e.log" ;;

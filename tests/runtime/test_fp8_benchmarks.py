@@ -61,7 +61,13 @@ def test_the_stdlib_corpus_is_real_source_text_up_to_its_size(tmp_path):
     assert any("def " in text for text in documents) and all(documents)
     config = fp8_loss_curve.run_config(
         argparse.Namespace(
-            steps=3, compile_backend="aot_eager", hidden=None, layers=None, config=str(ROOT / "examples/demo.yaml")
+            steps=3,
+            compile_backend="aot_eager",
+            hidden=None,
+            layers=None,
+            learning_rate=3e-4,
+            micro_batch=5,
+            config=str(ROOT / "examples/demo.yaml"),
         ),
         {"precision": "bf16"},
         tmp_path / "run",
@@ -69,6 +75,7 @@ def test_the_stdlib_corpus_is_real_source_text_up_to_its_size(tmp_path):
     )
     assert (config.data.train, config.data.format, config.data.eval) == (str(path), "text", None)
     assert config.data.max_seq_len == fp8_loss_curve.CORPUS_SEQ_LEN
+    assert (config.training.learning_rate, config.training.micro_batch_size) == (3e-4, 5)
 
 
 def test_the_stdlib_corpus_leaves_out_empty_files(tmp_path, monkeypatch):
