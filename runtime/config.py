@@ -105,7 +105,28 @@ class DataConfig(Section):
         description="pack documents into full sequences; positions restart per document. Preference objectives: "
         "a micro-batch's sequences laid end to end in one row without padding (unset: false, padded rows)",
     )
+    long_documents: Literal["auto", "split", "truncate"] = Field(
+        "auto",
+        description="a document longer than max_seq_len: split it into pieces of max_seq_len tokens, each "
+        "overlapping the last by one token so every token but the document's first is predicted once, or "
+        "truncate it to its first max_seq_len tokens; auto: split for format text, truncate for instruction and "
+        "chat (a response belongs with its prompt)",
+    )
     skip_malformed: bool = Field(False, description="skip malformed records (and report how many) instead of failing")
+
+    @property
+    def splits_long_documents(self) -> bool:
+        """Whether documents longer than max_seq_len are split into pieces (long_documents, auto resolved)."""
+        return self.long_documents == "split" or (self.long_documents == "auto" and self.format == "text")
+
+    @model_validator(mode="after")
+    def _room_to_split(self) -> DataConfig:
+        if self.splits_long_documents and self.max_seq_len < 2:
+            raise ValueError(
+                "data.max_seq_len 1 leaves a split document's pieces no token to predict: raise data.max_seq_len "
+                "or set data.long_documents: truncate"
+            )
+        return self
 
 
 class TrainingConfig(Section):

@@ -11,7 +11,9 @@ Conventions:
   -100 marks a token that carries no loss. The first token of every document has label -100, so no
   token is ever predicted from the previous document; padding has label -100.
 - Sequences are `data.max_seq_len` long. With packing, documents follow each other greedily in file
-  order; a document that does not fit in what is left of a sequence starts the next one. Position ids
+  order; a document that does not fit in what is left of a sequence starts the next one. A document
+  longer than a sequence is split into pieces (format text, by default) or truncated
+  (`data.long_documents`). Position ids
   restart at 0 for every document, so documents are told apart by their position ids alone: "varlen"
   attention takes the boundaries `model_inputs` derives from them, flash-attention 2 and flex attention
   need nothing else, sdpa and eager take the block-diagonal causal mask `packed_attention_mask` builds.
@@ -516,11 +518,13 @@ class PackedDataset(Dataset):
     """Fixed-length sequences of documents; items are dicts of LongTensors input_ids, labels, position_ids.
 
     `documents` are (input_ids, labels) pairs. A document longer than `max_seq_len` keeps its first
-    `max_seq_len` tokens (counted in `truncated`); one with no label left after that (and after its first
-    label is set to -100) is dropped (counted in `dropped`). With `packing`, documents are placed greedily
-    in order; otherwise each gets its own sequence. Tails are padded with `pad_token_id`, label -100, and
-    position ids that go on counting from the last document's: under causal attention no real token
-    attends to the padding after it, and a row of one document stays one document, which trains with
+    `max_seq_len` tokens (counted in `truncated`), or with `split_long` becomes pieces of `max_seq_len` tokens
+    (counted in `split_documents`), each starting with the previous piece's last token: every piece's first
+    label is -100, so that overlap keeps each token predicted once. A document or piece with no label left
+    (after its first label is set to -100) is dropped (counted in `dropped`). With `packing`, documents are
+    placed greedily in order; otherwise each gets its own sequence. Tails are padded with `pad_token_id`,
+    label -100, and position ids that go on counting from the last document's: under causal attention no real
+    token attends to the padding after it, and a row of one document stays one document, which trains with
     plain causal attention (no dense mask, see `model_inputs`).
 
     `teacher_hidden`: distillation's precomputed teacher (`distill.precompute_teacher`), the teacher's final hidden
@@ -536,15 +540,18 @@ class PackedDataset(Dataset):
         max_seq_len: int,
         pad_token_id: int,
         packing: bool = True,
+        split_long: bool = False,
     ):
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        if split_long and max_seq_len < 2:
+            raise ValueError("split_long needs max_seq_len of at least 2: a 1-token piece has no token to predict")
         if pad_token_id is None:
             raise ValueError(
                 "pad_token_id is None: give the tokenizer a pad token (tigon.runtime.tokenizer.load_tokenizer does)"
             )
         self.max_seq_len, self.packing = max_seq_len, packing
-        self.truncated = self.dropped = self.documents = 0
+        self.truncated = self.split_documents = self.dropped = self.documents = 0
         self.num_tokens = self.num_loss_tokens = self.num_padding_tokens = 0
         rows_ids: list[list[int]] = []
         rows_labels: list[list[int]] = []
@@ -561,15 +568,25 @@ class PackedDataset(Dataset):
             start = positions[-1] + 1 if positions else 0
             rows_positions.append(positions + list(range(start, start + pad)))
 
-        for number, (doc_ids, doc_labels) in enumerate(documents):
-            if len(doc_ids) != len(doc_labels):
-                raise ValueError(f"document {number}: {len(doc_ids)} input ids but {len(doc_labels)} labels")
+        def pieces(numbered):
+            """Each document, or with split_long each piece of one, whole documents counted as split or truncated."""
+            for number, (doc_ids, doc_labels) in numbered:
+                if len(doc_ids) != len(doc_labels):
+                    raise ValueError(f"document {number}: {len(doc_ids)} input ids but {len(doc_labels)} labels")
+                if len(doc_ids) <= max_seq_len:
+                    yield doc_ids, doc_labels
+                elif split_long:
+                    self.split_documents += 1
+                    for start in range(0, len(doc_ids) - 1, max_seq_len - 1):
+                        yield doc_ids[start : start + max_seq_len], doc_labels[start : start + max_seq_len]
+                else:
+                    self.truncated += 1
+                    yield doc_ids[:max_seq_len], doc_labels[:max_seq_len]
+
+        for doc_ids, doc_labels in pieces(enumerate(documents)):
             if not doc_ids:
                 self.dropped += 1
                 continue
-            if len(doc_ids) > max_seq_len:
-                doc_ids, doc_labels = doc_ids[:max_seq_len], doc_labels[:max_seq_len]
-                self.truncated += 1
             doc_labels = [IGNORE_INDEX, *doc_labels[1:]]
             loss_tokens = sum(label != IGNORE_INDEX for label in doc_labels)
             if not loss_tokens:
@@ -611,7 +628,7 @@ class PackedDataset(Dataset):
             )
         dataset = cls.__new__(cls)
         dataset.max_seq_len, dataset.packing = max_seq_len, packing
-        dataset.truncated = dataset.dropped = dataset.documents = 0
+        dataset.truncated = dataset.split_documents = dataset.dropped = dataset.documents = 0
         dataset.num_tokens = dataset.num_loss_tokens = dataset.num_padding_tokens = 0
         for name, value in counters.items():
             if not hasattr(dataset, name):
@@ -775,6 +792,7 @@ class DataSummary:
     loss_tokens: int  # tokens with a label
     padding_tokens: int
     unknown_tokens: int = 0  # tokens the tokenizer could only map to its unknown token
+    split_documents: int = 0  # documents split into pieces of data.max_seq_len (data.long_documents)
     loss_fraction: float = field(init=False)  # loss_tokens / tokens
     eval: DataSummary | None = None
 
@@ -787,6 +805,7 @@ class DataSummary:
     def describe(self) -> str:
         lines = [
             f"{self.path}: {self.records} records ({self.skipped} malformed skipped), {self.truncated} truncated, "
+            f"{self.split_documents} split, "
             f"{self.dropped} without loss tokens dropped -> {self.sequences} sequences, {self.tokens} tokens "
             f"({self.loss_fraction:.1%} with loss, {self.padding_tokens} padding)"
         ]
@@ -820,7 +839,9 @@ def _build(
     if not documents:
         raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
     unknown = _warn_unknown_tokens(path, records, locations, documents, tokenizer)
-    dataset = PackedDataset(documents, data_config.max_seq_len, pad_token_id, data_config.packing)
+    dataset = PackedDataset(
+        documents, data_config.max_seq_len, pad_token_id, data_config.packing, data_config.splits_long_documents
+    )
     if not len(dataset):
         raise DataError(
             f"dataset {path}: none of its {len(documents)} documents has a token with loss within the first "
@@ -831,6 +852,7 @@ def _build(
         records=len(records),
         skipped=skipped,
         truncated=dataset.truncated,
+        split_documents=dataset.split_documents,
         dropped=dataset.dropped,
         sequences=len(dataset),
         tokens=dataset.num_tokens,

@@ -39,7 +39,15 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAYS = ("input_ids", "labels", "position_ids")
 PREFERENCE_ARRAYS = ("input_ids", "labels", "attention_mask")
-COUNTERS = ("truncated", "dropped", "documents", "num_tokens", "num_loss_tokens", "num_padding_tokens")
+COUNTERS = (
+    "truncated",
+    "split_documents",
+    "dropped",
+    "documents",
+    "num_tokens",
+    "num_loss_tokens",
+    "num_padding_tokens",
+)
 
 
 @dataclass
@@ -116,7 +124,7 @@ def _load_split(path: Path) -> PackedDataset | PreferenceDataset:
                 **arrays, desirable=desirable, truncated=int(metadata["truncated"]), dropped=int(metadata["dropped"])
             )
         arrays = {name: file.get_tensor(name).long() for name in ARRAYS}
-    counters = {name: int(metadata[name]) for name in COUNTERS}
+    counters = {name: int(metadata[name]) for name in COUNTERS if name in metadata}  # older packings lack some
     return PackedDataset.from_arrays(
         **arrays, max_seq_len=int(metadata["max_seq_len"]), packing=metadata["packing"] == "True", **counters
     )
@@ -143,7 +151,7 @@ def _summary_dict(summary: DataSummary | PreferenceSummary) -> dict[str, Any]:
         result["eval"] = _summary_dict(summary.eval) if summary.eval is not None else None
         return result
     fields = ("path", "records", "skipped", "truncated", "dropped", "sequences", "tokens", "loss_tokens")
-    result: dict[str, Any] = {name: getattr(summary, name) for name in (*fields, "padding_tokens")}
+    result: dict[str, Any] = {name: getattr(summary, name) for name in (*fields, "padding_tokens", "split_documents")}
     result["eval"] = _summary_dict(summary.eval) if summary.eval is not None else None
     return result
 

@@ -267,6 +267,43 @@ def test_packing_invariants():
     assert dataset.num_tokens + dataset.num_padding_tokens == len(dataset) * 16
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_split_long_documents_predict_every_token_once(packing):
+    docs = documents([20, 5, 15, 1, 9])  # 20 and 15 are over 8; 15 = 1 + 2 x 7 ends exactly on a piece; 9 = 8 + 1
+    dataset = PackedDataset(docs, max_seq_len=8, pad_token_id=0, packing=packing, split_long=True)
+    assert (dataset.split_documents, dataset.truncated, dataset.dropped) == (3, 0, 1)  # the 1-token document
+    predicted, pieces = [], []
+    for item in dataset:
+        ids, labels, positions = item["input_ids"].tolist(), item["labels"].tolist(), item["position_ids"].tolist()
+        real = sum(token != 0 for token in ids)
+        pieces += split_documents(ids[:real], positions[:real])
+        predicted += [label for label in labels if label != IGNORE_INDEX]
+    # each piece starts with the previous piece's last token, whose label it gives up: every token of a document
+    # but its first is a label exactly once, in order
+    assert predicted == [token for ids, _ in docs for token in ids[1:]]
+    assert [len(piece) for piece in pieces] == [8, 8, 6, 5, 8, 8, 8, 2]
+    assert pieces[1][0] == pieces[0][-1] and pieces[2][0] == pieces[1][-1]
+    assert dataset.num_loss_tokens == len(predicted)
+
+
+def test_long_documents_follow_the_format_or_the_setting(tmp_path, tokenizer):
+    long_text = write_jsonl(tmp_path / "text.jsonl", [{"text": "x" * 50}, {"text": "short"}])
+    train, _, summary = build_datasets(data_config(long_text, max_seq_len=16), tokenizer)
+    assert (summary.split_documents, summary.truncated) == (1, 0)  # text: split by default
+    assert summary.loss_tokens == 51 + 6  # <bos> x..x <eos>: every token but each document's first
+    assert "0 truncated, 1 split" in summary.describe()
+    _, _, summary = build_datasets(data_config(long_text, max_seq_len=16, long_documents="truncate"), tokenizer)
+    assert (summary.split_documents, summary.truncated, summary.loss_tokens) == (0, 1, 15 + 6)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"instruction": "1+2=", "response": "3" * 40}])
+    _, _, summary = build_datasets(data_config(pairs, format="instruction", max_seq_len=16), tokenizer)
+    assert (summary.split_documents, summary.truncated) == (0, 1)  # a response stays with its prompt
+    config = data_config(pairs, format="instruction", max_seq_len=16, long_documents="split")
+    assert build_datasets(config, tokenizer)[2].split_documents == 1
+    with pytest.raises(ValueError, match="data.long_documents: truncate"):
+        DataConfig(train="x.jsonl", max_seq_len=1)
+    assert DataConfig(train="x.jsonl", max_seq_len=1, long_documents="truncate").max_seq_len == 1
+
+
 def test_greedy_packing_layout():
     dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0)
     layout = [split_documents(i["input_ids"].tolist(), i["position_ids"].tolist()) for i in dataset]
