@@ -302,10 +302,10 @@ class GatedExperts(nn.Module):
     Under the "eager" experts implementation it runs transformers' loop over the hit experts (same
     routing, each expert's weighted output `index_add_`ed into an output of the input's dtype, expert by
     expert). Under "grouped_mm", transformers' default where it can run, it runs tigon's `moe_experts`:
-    transformers' grouped_mm forward op for op, whose backward keeps only the gate/up projection's output
-    (24 of 100 KiB a token at Qwen3-30B-A3B's sizes) and recomputes the rest. It calls transformers' own
-    function instead where that op cannot run (expert parallelism, torch.compile, DTensor parameters,
-    routing weights wider than the experts' dtype, no grouped GEMM on the device, CPU tensors without
+    transformers' grouped_mm forward with each token's weighted sum in one pass, whose backward keeps only the
+    gate/up projection's output (24 of 100 KiB a token at Qwen3-30B-A3B's sizes) and recomputes the rest. It
+    calls transformers' own function instead where that op cannot run (expert parallelism, torch.compile,
+    DTensor parameters, routing weights wider than float32, no grouped GEMM on the device, CPU tensors without
     TRITON_INTERPRET=1) and under any other implementation ("batched_mm", ...); those apply this module's
     `_apply_gate` to the gate/up projection's output, whose backward writes over that output under
     "grouped_mm" and "batched_mm", where only the activation reads it.
@@ -382,7 +382,7 @@ class GatedExperts(nn.Module):
             and not any(is_dtensor(tensor) for tensor in tensors)
             and dtype in FLOAT_DTYPES
             and self.down_proj.dtype == dtype
-            and torch.promote_types(top_k_weights.dtype, dtype) == dtype  # exact in the experts' dtype
+            and torch.promote_types(top_k_weights.dtype, dtype) in (dtype, torch.float32)  # float32 routers too
             and (hidden_states.is_cuda or interpreter_active())
             and grouped_mm_available(self.gate_up_proj, self.down_proj)
         )
@@ -399,7 +399,7 @@ class GatedExperts(nn.Module):
                 self.gate_up_proj,
                 self.down_proj,
                 top_k_index,
-                top_k_weights.to(dtype),
+                top_k_weights.to(torch.promote_types(top_k_weights.dtype, dtype)),
                 activation,
             )
             return out.to(hidden_states.dtype)

@@ -1,14 +1,16 @@
 """Gated MoE experts over token-expert pairs sorted by expert, with torch's grouped GEMM, saving only gate_up.
 
 The forward is transformers' "grouped_mm" experts function (transformers 5.x, 3-D `gate_up_proj`
-[E, 2I, H] and `down_proj` [E, H, I]) op for op, with tigon's packed activation: sort the T x K
-pairs by expert, gather their hidden states, `gate_up = x @ W1[e]^T`, `a = act(gate) * up`,
-`y = a @ W2[e]^T`, scale each row by its routing weight, put the rows back in token order and sum
-each token's K rows. Run under autograd, that keeps four (T x K)-row tensors for the backward, the
-gathered inputs (H wide), gate_up (2I), a (I) and y (H), and three int64 index vectors. Here only
-gate_up and the sort order are kept: 2I of those 2H + 3I values a row, at Qwen3-30B-A3B's H = 2048,
-I = 768, K = 8 24 KiB a token instead of 100 KiB, in the backward of each layer (with gradient
-checkpointing, of the one layer being recomputed).
+[E, 2I, H] and `down_proj` [E, H, I]) with tigon's packed activation: sort the T x K pairs by expert,
+gather their hidden states, `gate_up = x @ W1[e]^T`, `a = act(gate) * up`, `y = a @ W2[e]^T`; then one
+kernel reads each token's K rows of y where the sort put them, scales each by its routing weight and sums
+them in float32, rounding once (transformers scales, un-sorts and sums in three passes over T x K rows,
+and where the router keeps its weights in float32, as DeepSeek-V2's does, in float32 rows). Run under
+autograd, transformers' function keeps four (T x K)-row tensors for the backward, the gathered inputs (H
+wide), gate_up (2I), a (I) and y (H), and three int64 index vectors. Here only gate_up and the sort order
+are kept: 2I of those 2H + 3I values a row, at Qwen3-30B-A3B's H = 2048, I = 768, K = 8 24 KiB a token
+instead of 100 KiB, in the backward of each layer (with gradient checkpointing, of the one layer being
+recomputed).
 
 The backward recomputes the rest instead of reading it, and adds no GEMM. It never rebuilds `y`: the
 routing weight's gradient `<dout, y> = <dout @ W2[e], a>` uses `g = dout @ W2[e]`, the product the
@@ -72,6 +74,35 @@ def _routed_gate_backward_kernel(
         tl.store(gate + n_cols, (g * act).to(GATE_UP.dtype.element_ty), mask=mask)
         tl.store(grad_act, a, mask=mask)
     tl.store(GRAD_WEIGHTS + rows, total, mask=row_mask)
+
+
+@triton.jit
+def _weighted_sum_kernel(ROWS, POSITION, WEIGHTS, OUT, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """OUT[t] = sum over k of WEIGHTS[t, k] * ROWS[POSITION[t, k]], in float32 and rounded once: one program
+    per token and block of BLOCK_H columns."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(POSITION + token * TOP_K + k).to(tl.int64)
+        weight = tl.load(WEIGHTS + token * TOP_K + k).to(tl.float32)
+        total += weight * tl.load(ROWS + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + token * hidden + cols, total.to(OUT.dtype.element_ty), mask=mask)
+
+
+def weighted_sum(rows: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's routing-weighted sum of its K expert outputs: `rows` (T x K, H) in expert order,
+    `position` (T, K) where each token's pairs sit in it, `weights` (T, K). Returns (T, H) in rows' dtype."""
+    tokens, top_k = weights.shape
+    hidden = rows.shape[1]
+    out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+    if tokens > 0:
+        block = min(next_power_of_2(hidden), 1024)
+        _weighted_sum_kernel[(tokens, triton.cdiv(hidden, block))](
+            rows, position, weights.contiguous(), out, hidden, TOP_K=top_k, BLOCK_H=block, **LAUNCH_OPTIONS
+        )
+    return out
 
 
 def routed_gate_backward(
@@ -149,12 +180,10 @@ class MoEExpertsFunction(torch.autograd.Function):
         n_tokens, top_k = top_k_index.shape
         order, offsets = route(top_k_index, gate_up_proj.shape[0])
         gate_up = grouped_mm(hidden_states[order // top_k], gate_up_proj.transpose(-2, -1), offsets)
-        out = grouped_mm(packed_forward(gate_up, activation), down_proj.transpose(-2, -1), offsets)
-        out.mul_(top_k_weights.reshape(-1)[order].unsqueeze(-1))
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = out[inverse]  # back in token order; the expert-ordered rows are freed here
-        out = out.view(n_tokens, top_k, out.shape[-1]).sum(dim=1, dtype=out.dtype)  # a dtype: autocast leaves it alone
+        expert_out = grouped_mm(packed_forward(gate_up, activation), down_proj.transpose(-2, -1), offsets)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=order.device)
+        out = weighted_sum(expert_out, position.view(n_tokens, top_k), top_k_weights)
         ctx.save_for_backward(hidden_states, gate_up_proj, down_proj, top_k_weights, gate_up, order, offsets)
         ctx.activation = activation
         return out
@@ -221,12 +250,16 @@ def check_moe_experts_inputs(
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
             f"(tokens, top_k) with the {hidden_states.shape[0]} tokens of hidden_states"
         )
-    dtypes = {hidden_states.dtype, gate_up_proj.dtype, down_proj.dtype, top_k_weights.dtype}
+    dtypes = {hidden_states.dtype, gate_up_proj.dtype, down_proj.dtype}
     if len(dtypes) > 1:
         raise TypeError(
-            f"hidden_states, gate_up_proj, down_proj and top_k_weights must share one dtype (the grouped GEMM "
-            f"takes one); got {hidden_states.dtype}, {gate_up_proj.dtype}, {down_proj.dtype} and "
-            f"{top_k_weights.dtype}; cast them first"
+            f"hidden_states, gate_up_proj and down_proj must share one dtype (the grouped GEMM takes one); got "
+            f"{hidden_states.dtype}, {gate_up_proj.dtype} and {down_proj.dtype}; cast them first"
+        )
+    if top_k_weights.dtype not in (hidden_states.dtype, torch.float32):
+        raise TypeError(
+            f"top_k_weights must be the experts' dtype ({hidden_states.dtype}) or float32 (a router that keeps "
+            f"its weights in float32); got {top_k_weights.dtype}: cast them first"
         )
 
 
@@ -242,7 +275,8 @@ def moe_experts(
     with `expert(e, x) = down_proj[e] @ (act(gate) * up)`, `gate, up = (gate_up_proj[e] @ x).chunk(2)`.
 
     hidden_states (T, H); gate_up_proj (E, 2I, H), gate rows first; down_proj (E, H, I); top_k_index and
-    top_k_weights (T, top_k); one float dtype; `activation` "silu" (SwiGLU), "gelu_tanh" or "gelu_erf"
+    top_k_weights (T, top_k); one float dtype, top_k_weights that or float32 (each token's weighted sum is
+    taken in float32 either way); `activation` "silu" (SwiGLU), "gelu_tanh" or "gelu_erf"
     (GeGLU). Expert ids must lie in [0, E): like transformers, this does not check them (a device sync).
     Returns (T, H). Where torch's grouped GEMM does not run (`grouped_mm_available`) or on CPU tensors without
     TRITON_INTERPRET=1, the reference runs instead (transformers' eager loop, which keeps far more for backward).

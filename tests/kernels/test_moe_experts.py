@@ -146,6 +146,41 @@ def test_experts_under_autocast_weights_run_the_op(device, monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_routing_weights_run_the_op_in_float32_sums(dtype, device, monkeypatch):
+    """A router that keeps its weights in float32 (DeepSeek-V2's) beside half-precision experts: the op runs
+    (transformers' grouped_mm would scale and sum in float32 rows), each token's weighted sum taken in float32
+    and rounded once, so it is as close to float64 as transformers' function, gradients included."""
+    torch.manual_seed(13)
+    theirs, config = transformers_experts("qwen3_moe", "grouped_mm")
+    theirs = theirs.to(device, dtype)
+    ours = modules.GatedExperts.from_module(copy.deepcopy(theirs), config)
+    calls = []
+    apply_op = op.MoEExpertsFunction.apply
+    monkeypatch.setattr(op.MoEExpertsFunction, "apply", lambda *args: calls.append(1) or apply_op(*args))
+    index, weights = routing(23, 5, 3, device)
+    hidden, grad = torch.randn(23, 48, device=device), torch.randn(23, 48, device=device)
+    results = {}
+    for name, experts in (("ours", ours), ("theirs", theirs)):
+        x, w = hidden.to(dtype).requires_grad_(True), weights.clone().requires_grad_(True)
+        out = experts(x, index, w)
+        out.backward(grad.to(dtype))
+        results[name] = [out, x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    exact = [as_float64(t) for t in (hidden.to(dtype), theirs.gate_up_proj, theirs.down_proj, weights)]
+    out = reference.moe_experts(*exact[:3], index, exact[3])
+    out.backward(grad.to(dtype).double())
+    results["exact"] = [out, exact[0].grad, exact[3].grad, exact[1].grad, exact[2].grad]
+    assert calls == [1] and results["ours"][0].dtype == dtype and results["ours"][2].dtype == torch.float32
+    # Triton's interpreter rounds float32 to bfloat16 by truncation, twice round-to-nearest's error, where
+    # torch's CPU ops round to nearest: on the CPU tigon's bf16 roundings may be up to twice as far.
+    factor = 2.0 if dtype == torch.bfloat16 and str(device) == "cpu" else 1.05
+    names = ("output", "hidden_states", "top_k_weights", "gate_up_proj", "down_proj")
+    for name, got, theirs_value, expected in zip(names, *results.values(), strict=True):
+        error = ((got.double() - expected).norm() / expected.norm()).item()
+        transformers_error = ((theirs_value.double() - expected).norm() / expected.norm()).item()
+        assert error <= factor * transformers_error + 1e-6, (name, error, transformers_error)
+
+
 def test_moe_experts_reject_bad_inputs():
     hidden, gate_up, down = torch.randn(4, 8), torch.randn(3, 12, 8), torch.randn(3, 8, 6)
     index, weights = torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
@@ -156,6 +191,8 @@ def test_moe_experts_reject_bad_inputs():
     with pytest.raises(ValueError, match=r"with the 4 tokens of hidden_states"):
         op.moe_experts(hidden, gate_up, down, index[:3], weights[:3])
     with pytest.raises(TypeError, match="must share one dtype"):
+        op.moe_experts(hidden, gate_up.half(), down, index, weights)
+    with pytest.raises(TypeError, match=r"top_k_weights must be the experts' dtype \(torch.float32\) or float32"):
         op.moe_experts(hidden, gate_up, down, index, weights.half())
     with pytest.raises(ValueError, match="activation='relu'"):
         op.moe_experts(hidden, gate_up, down, index, weights, "relu")
