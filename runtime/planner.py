@@ -45,8 +45,8 @@ else the weights' size) and r the residual stream's size (the weights' dtype):
   values and sum (4 k + 4). Per token-expert pair, transformers' grouped_mm experts keep three int64 index
   vectors (24), the gathered input and the expert's output (2 c h), gate_up, SiLU's output and the product
   (4 c i) and the routing weight (c; 4 for Mixtral's float32 weights); tigon's moe_experts keeps gate_up and
-  its int64 sort position (2 c i + 8) and the routing weights (c k). Mixtral's float32 routing weights keep
-  grouped_mm under the kernels, with tigon's activation (3 c i). Qwen2-MoE's shared expert saves a gated MLP's
+  its int64 sort position (2 c i + 8) and the routing weights (c k; 4 k for Mixtral's float32 weights).
+  Qwen2-MoE's shared expert saves a gated MLP's
   activations and, for its sigmoid gate, the gate (c) and its output (c h).
 
 With gradient checkpointing a layer keeps only its input (r h per token); during the backward one
@@ -186,7 +186,7 @@ class MoeKeys:
     intermediate: str  # each expert's intermediate size
     shared: str | None = None  # a shared expert's intermediate size (Qwen2-MoE), its output gated by a sigmoid
     normalized: bool | None = None  # the top-k probabilities renormalized; None: the config's norm_topk_prob
-    float32_weights: bool = False  # the routing weights stay float32 (so tigon's experts op falls back)
+    float32_weights: bool = False  # the routing weights stay float32 (kept as such for the backward)
 
 
 MOE_FAMILIES = {
@@ -704,10 +704,10 @@ def moe_bytes(work: Workload, kernels: bool) -> float:
     h, k, i = s.hidden, moe.top_k, moe.intermediate
     weight = 4 if moe.float32_weights else c
     total = c * h + 4 * moe.experts + 8 * k + (4 + 4 * k if moe.normalized else 0)
-    if kernels and not moe.float32_weights:  # tigon's moe_experts keeps the routing weights and, a pair, gate_up
-        total += c * k + k * (2 * c * i + 8)
-    else:  # tigon's activation saves gate and up only (its product is down's input), eager also SiLU's output
-        total += k * (24 + 2 * c * h + (3 if kernels else 4) * c * i + weight)
+    if kernels:  # tigon's moe_experts keeps the routing weights and, a pair, gate_up and its sort position
+        total += k * (weight + 2 * c * i + 8)
+    else:  # transformers' grouped_mm: index vectors, gathered input and output, gate_up, SiLU's output, product
+        total += k * (24 + 2 * c * h + 4 * c * i + weight)
     if moe.shared:  # a gated MLP on the router's input, its sigmoid gate and output, both saved by the product
         total += (3 if kernels else 4) * c * moe.shared + c + c * h
     return total

@@ -705,9 +705,9 @@ def test_moe_parameter_count_matches_the_built_model(family):
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("family", list(MOE_CASES))
 def test_moe_block_formula_matches_what_autograd_saves(family, kernels, restore_rope):
-    """One MoE block in bf16, transformers' grouped_mm experts (its default) or tigon's (moe_experts; Mixtral's
-    float32 routing weights keep grouped_mm, with tigon's activation): the saved bytes are moe_bytes a token,
-    plus the experts' int32 offsets (4 bytes an expert)."""
+    """One MoE block in bf16, transformers' grouped_mm experts (its default) or tigon's (moe_experts, Mixtral's
+    float32 routing weights included): the saved bytes are moe_bytes a token, plus the experts' int32 offsets (4
+    bytes an expert)."""
     import torch
 
     from tigon.kernels.patching import apply
