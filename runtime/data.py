@@ -13,10 +13,10 @@ Conventions:
 - Sequences are `data.max_seq_len` long. With packing, documents follow each other greedily in file
   order; a document that does not fit in what is left of a sequence starts the next one. A document
   longer than a sequence is split into pieces (format text, by default) or truncated
-  (`data.long_documents`). Position ids
-  restart at 0 for every document, so documents are told apart by their position ids alone: "varlen"
-  attention takes the boundaries `model_inputs` derives from them, flash-attention 2 and flex attention
-  need nothing else, sdpa and eager take the block-diagonal causal mask `packed_attention_mask` builds.
+  (`data.long_documents`). Position ids restart at 0 for every document, so documents are told apart
+  by their position ids alone: "varlen" attention takes the boundaries `model_inputs` derives from
+  them, flash-attention 2 and flex attention need nothing else, sdpa and eager take the block-diagonal
+  causal mask `packed_attention_mask` builds.
 - Formats: `text` (loss on every token), `instruction` (prompt then response + eos; loss on the
   response and eos), `chat` (messages rendered by the tokenizer's chat template; loss on the
   assistant turns, including the end-of-turn tokens the template puts inside them).
@@ -569,7 +569,7 @@ class PackedDataset(Dataset):
             rows_positions.append(positions + list(range(start, start + pad)))
 
         def pieces(numbered):
-            """Each document, or with split_long each piece of one, whole documents counted as split or truncated."""
+            """The documents to place: each one whole, split into pieces, or truncated (and counted as such)."""
             for number, (doc_ids, doc_labels) in numbered:
                 if len(doc_ids) != len(doc_labels):
                     raise ValueError(f"document {number}: {len(doc_ids)} input ids but {len(doc_labels)} labels")
