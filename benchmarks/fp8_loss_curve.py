@@ -4,7 +4,7 @@ at K - 1 other seeds, whose distance from the first is the noise an FP8 differen
 
     python -m benchmarks.fp8_loss_curve --steps 600 --hidden 1024 --layers 4 --out fp8-loss.json   # GPU, the demo
     python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 4 --seeds 3 --out f.json
-    python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 8 --micro-batch 64 \
+    python -m benchmarks.fp8_loss_curve --corpus stdlib --steps 1000 --hidden 1024 --layers 8 --micro-batch 32 \
         --learning-rate 6e-4 --seeds 3 --corpus-mb 40 --out f.json   # a larger batch and a lower rate: less noise
     TIGON_FP8_EMULATE=1 python -m benchmarks.fp8_loss_curve --steps 4 --compile-backend aot_eager --out fp8.json  # CPU
 
