@@ -105,6 +105,11 @@ class DataConfig(Section):
         description="pack documents into full sequences; positions restart per document. Preference objectives: "
         "a micro-batch's sequences laid end to end in one row without padding (unset: false, padded rows)",
     )
+    packing_strategy: Literal["best_fit", "in_order"] = Field(
+        "best_fit",
+        description="how packing fills sequences: best_fit places the longest documents first, each into the "
+        "fullest sequence it still fits (little padding); in_order fills one sequence at a time in the data's order",
+    )
     long_documents: Literal["auto", "split", "truncate"] = Field(
         "auto",
         description="a document longer than max_seq_len: split it into pieces of max_seq_len tokens, each "

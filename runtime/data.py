@@ -32,6 +32,7 @@ markers falls back to `apply_chat_template(..., return_assistant_tokens_mask=Tru
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -521,8 +522,10 @@ class PackedDataset(Dataset):
     `max_seq_len` tokens (counted in `truncated`), or with `split_long` becomes pieces of `max_seq_len` tokens
     (counted in `split_documents`), each starting with the previous piece's last token: every piece's first
     label is -100, so that overlap keeps each token predicted once. A document or piece with no label left
-    (after its first label is set to -100) is dropped (counted in `dropped`). With `packing`, documents are
-    placed greedily in order; otherwise each gets its own sequence. Tails are padded with `pad_token_id`,
+    (after its first label is set to -100) is dropped (counted in `dropped`). With `packing`, documents share
+    sequences: `strategy` "best_fit" places the longest first, each into the fullest sequence it still fits
+    (best-fit decreasing: little padding, so little compute spent on it), "in_order" fills one sequence at a time
+    in the documents' order; without `packing` each gets its own sequence. Tails are padded with `pad_token_id`,
     label -100, and position ids that go on counting from the last document's: under causal attention no real
     token attends to the padding after it, and a row of one document stays one document, which trains with
     plain causal attention (no dense mask, see `model_inputs`).
@@ -541,7 +544,10 @@ class PackedDataset(Dataset):
         pad_token_id: int,
         packing: bool = True,
         split_long: bool = False,
+        strategy: str = "in_order",
     ):
+        if strategy not in PACKING_STRATEGIES:
+            raise ValueError(f"unknown packing strategy {strategy!r}; use one of {', '.join(PACKING_STRATEGIES)}")
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         if split_long and max_seq_len < 2:
@@ -553,20 +559,7 @@ class PackedDataset(Dataset):
         self.max_seq_len, self.packing = max_seq_len, packing
         self.truncated = self.split_documents = self.dropped = self.documents = 0
         self.num_tokens = self.num_loss_tokens = self.num_padding_tokens = 0
-        rows_ids: list[list[int]] = []
-        rows_labels: list[list[int]] = []
-        rows_positions: list[list[int]] = []
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-
-        def close() -> None:
-            pad = max_seq_len - len(ids)
-            self.num_padding_tokens += pad
-            rows_ids.append(ids + [pad_token_id] * pad)
-            rows_labels.append(labels + [IGNORE_INDEX] * pad)
-            start = positions[-1] + 1 if positions else 0
-            rows_positions.append(positions + list(range(start, start + pad)))
+        placed: list[tuple[Sequence[int], list[int]]] = []  # documents that train, labels shifted
 
         def pieces(numbered):
             """The documents to place: each one whole, split into pieces, or truncated (and counted as such)."""
@@ -592,17 +585,28 @@ class PackedDataset(Dataset):
             if not loss_tokens:
                 self.dropped += 1
                 continue
-            if ids and (not packing or len(ids) + len(doc_ids) > max_seq_len):
-                close()
-                ids, labels, positions = [], [], []
-            ids += doc_ids
-            labels += doc_labels
-            positions += range(len(doc_ids))
+            placed.append((doc_ids, doc_labels))
             self.documents += 1
             self.num_tokens += len(doc_ids)
             self.num_loss_tokens += loss_tokens
-        if ids:
-            close()
+
+        lengths = [len(doc_ids) for doc_ids, _ in placed]
+        if not packing:
+            rows = [[index] for index in range(len(placed))]
+        elif strategy == "best_fit":
+            rows = best_fit_rows(lengths, max_seq_len)
+        else:
+            rows = in_order_rows(lengths, max_seq_len)
+        rows_ids, rows_labels, rows_positions = [], [], []
+        for row in rows:
+            ids = [token for index in row for token in placed[index][0]]
+            pad = max_seq_len - len(ids)
+            self.num_padding_tokens += pad
+            rows_ids.append(ids + [pad_token_id] * pad)
+            rows_labels.append([label for index in row for label in placed[index][1]] + [IGNORE_INDEX] * pad)
+            positions = [position for index in row for position in range(lengths[index])]
+            start = positions[-1] + 1
+            rows_positions.append(positions + list(range(start, start + pad)))
         shape = (len(rows_ids), max_seq_len)
         self.input_ids = torch.tensor(rows_ids, dtype=torch.long).reshape(shape)
         self.labels = torch.tensor(rows_labels, dtype=torch.long).reshape(shape)
@@ -646,6 +650,50 @@ class PackedDataset(Dataset):
             hidden, offsets = self.teacher_hidden
             item["teacher_hidden"] = hidden[offsets[index] : offsets[index + 1]]
         return item
+
+
+PACKING_STRATEGIES = ("best_fit", "in_order")
+
+
+def in_order_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Documents (by index) into rows of `capacity` tokens in their order, a new row when the next does not fit."""
+    rows: list[list[int]] = []
+    room = 0
+    for index, length in enumerate(lengths):
+        if not rows or length > room:
+            rows.append([])
+            room = capacity
+        rows[-1].append(index)
+        room -= length
+    return rows
+
+
+def best_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Documents (by index) into rows of `capacity` tokens, best-fit decreasing: longest first (equal lengths in
+    their order), each into a row with the least room that still holds it, else a new row."""
+    rows: list[list[int]] = []
+    rooms: list[int] = []  # the distinct room left in some row, ascending
+    rows_with_room: dict[int, list[int]] = {}
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        at = bisect.bisect_left(rooms, length)
+        if at == len(rooms):
+            row, room = len(rows), capacity
+            rows.append([])
+        else:
+            room = rooms[at]
+            row = rows_with_room[room].pop()
+            if not rows_with_room[room]:
+                del rows_with_room[room], rooms[at]
+        rows[row].append(index)
+        left = room - length
+        if not left:
+            continue
+        if left not in rows_with_room:
+            rows_with_room[left] = []
+            bisect.insort(rooms, left)
+        rows_with_room[left].append(row)
+    return rows
 
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids")
@@ -840,7 +888,12 @@ def _build(
         raise DataError(f"dataset {path}: all {skipped} records are malformed (skipped); nothing left to train on")
     unknown = _warn_unknown_tokens(path, records, locations, documents, tokenizer)
     dataset = PackedDataset(
-        documents, data_config.max_seq_len, pad_token_id, data_config.packing, data_config.splits_long_documents
+        documents,
+        data_config.max_seq_len,
+        pad_token_id,
+        data_config.packing,
+        data_config.splits_long_documents,
+        data_config.packing_strategy,
     )
     if not len(dataset):
         raise DataError(

@@ -16,8 +16,10 @@ from tigon.runtime.data import (
     DataError,
     MalformedRecordError,
     PackedDataset,
+    best_fit_rows,
     build_datasets,
     encode_prompt,
+    in_order_rows,
     instruction_prompt_ids,
     model_inputs,
     packed_attention_mask,
@@ -286,6 +288,14 @@ def test_split_long_documents_predict_every_token_once(packing):
     assert dataset.num_loss_tokens == len(predicted)
 
 
+def test_runs_pack_best_fit_unless_told_in_order(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "text.jsonl", [{"text": "x" * n} for n in (9, 6, 7, 4, 2, 5)])  # 11 8 9 6 4 7 tokens
+    _, _, best_fit = build_datasets(data_config(path, max_seq_len=16), tokenizer)
+    _, _, in_order = build_datasets(data_config(path, max_seq_len=16, packing_strategy="in_order"), tokenizer)
+    assert (best_fit.sequences, in_order.sequences) == (3, 4)  # [11 4] [9 7] [8 6]; [11] [8] [9 6] [4 7]
+    assert best_fit.tokens == in_order.tokens == 45 and best_fit.padding_tokens == 3
+
+
 def test_long_documents_follow_the_format_or_the_setting(tmp_path, tokenizer):
     long_text = write_jsonl(tmp_path / "text.jsonl", [{"text": "x" * 50}, {"text": "short"}])
     train, _, summary = build_datasets(data_config(long_text, max_seq_len=16), tokenizer)
@@ -304,12 +314,45 @@ def test_long_documents_follow_the_format_or_the_setting(tmp_path, tokenizer):
     assert DataConfig(train="x.jsonl", max_seq_len=1, long_documents="truncate").max_seq_len == 1
 
 
-def test_greedy_packing_layout():
-    dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0)
+def test_in_order_packing_layout():
+    dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0, strategy="in_order")
     layout = [split_documents(i["input_ids"].tolist(), i["position_ids"].tolist()) for i in dataset]
     # the 1-token document has no loss token and is dropped; padding (2, 1 and 3 tokens) continues the last document
     assert [[len(p) for p in row] for row in layout] == [[5, 5], [10], [10]]
     assert dataset[0]["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+
+
+def test_best_fit_packing_fills_rows_the_in_order_packer_leaves_part_empty():
+    docs = documents([5, 4, 3, 4, 3, 5])
+    in_order = PackedDataset(docs, max_seq_len=8, pad_token_id=0, strategy="in_order")
+    best_fit = PackedDataset(docs, max_seq_len=8, pad_token_id=0, strategy="best_fit")
+    assert (len(in_order), in_order.num_padding_tokens) == (4, 8)  # [5] [4 3] [4 3] [5]
+    assert (len(best_fit), best_fit.num_padding_tokens) == (3, 0)  # [5 3] [5 3] [4 4]
+    layout = [split_documents(i["input_ids"].tolist(), i["position_ids"].tolist()) for i in best_fit]
+    assert sorted(sorted(len(d) for d in row) for row in layout) == [[3, 5], [3, 5], [4, 4]]
+    assert sorted(d for row in layout for d in row) == sorted(ids for ids, _ in docs)  # each document once, whole
+    for item in best_fit:
+        labels, ids, positions = item["labels"].tolist(), item["input_ids"].tolist(), item["position_ids"].tolist()
+        starts = [i for i, p in enumerate(positions) if p == 0]
+        assert all(labels[start] == IGNORE_INDEX for start in starts)  # nothing predicted across a boundary
+        assert [label for label in labels if label != IGNORE_INDEX] == [
+            token for i, token in enumerate(ids) if i not in starts
+        ]
+    assert best_fit.num_tokens == in_order.num_tokens and best_fit.num_loss_tokens == in_order.num_loss_tokens
+
+
+def test_best_fit_rows_hold_every_document_once_and_nearly_fill_mixed_lengths():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.exp(torch.empty(3000).uniform_(4.6, 8.3, generator=generator)).long().tolist()  # 100-4000
+    rows = best_fit_rows(lengths, 4096)
+    assert sorted(index for row in rows for index in row) == list(range(len(lengths)))
+    assert max(sum(lengths[i] for i in row) for row in rows) <= 4096
+    assert sum(lengths) / (len(rows) * 4096) > 0.99
+    in_order = in_order_rows(lengths, 4096)
+    assert sum(lengths) / (len(in_order) * 4096) < 0.85 and len(rows) < len(in_order)
+    assert best_fit_rows([], 8) == [] and best_fit_rows([8, 8], 8) == [[0], [1]]
+    with pytest.raises(ValueError, match="unknown packing strategy 'first_fit'"):
+        PackedDataset(documents([3]), max_seq_len=8, pad_token_id=0, strategy="first_fit")
 
 
 def test_no_packing_gives_one_document_per_sequence():
