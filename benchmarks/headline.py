@@ -10,7 +10,11 @@ and the scaling sweep (benchmarks/scaling.sh) drive these pieces.
 The model is a real config with random weights: Llama-3-8B (hidden 4096, intermediate 14336, 32 layers,
 32 heads, 8 KV heads, vocab 128256, rope_theta 500000) or Llama-3.2-1B (`--shape llama-3.2-1b`), bf16,
 AdamW, gradient checkpointing on, FSDP2 by default (`--strategy ddp`, `fsdp` or `zero3`), trained on random
-characters (the char tokenizer; the head still spans all 128256 tokens). Variants: eager (kernels off),
+characters (the char tokenizer; the head still spans all 128256 tokens): one document a sequence, or with
+`--documents mixed` fine-tuning-like documents of 100 to 4000 characters (log-uniform, as
+benchmarks/packed_attention.py draws them) packed into each sequence, where tigon's variants attend over the
+documents' boundaries (`model.attn_implementation: auto`) and eager and liger through SDPA's block-diagonal mask.
+Variants: eager (kernels off),
 liger (HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
 planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab);
 `--tiny` makes a tiny Llama for CPU smoke runs. Tokens/s is measured after the warm-up steps from
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import string
 import sys
 from pathlib import Path
@@ -46,6 +51,9 @@ LLAMA_3_2_1B = {
 TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
 SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
+DOCUMENTS = ("full", "mixed")
+MIXED_LENGTHS = (100, 4000)  # characters a document, log-uniform
+REAL_TOKENS = re.compile(r"sequences, (\d+) tokens \(.*?, (\d+) padding\)")
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
@@ -66,6 +74,18 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
             file.write(json.dumps({"text": "".join(rng.choices(alphabet, k=length))}) + "\n")
 
 
+def write_documents(path: Path, n_chars: int, seed: int = 0) -> None:
+    """Text records of random characters whose lengths are log-uniform in MIXED_LENGTHS, `n_chars` in all."""
+    if path.is_file():
+        return
+    from benchmarks.packed_attention import documents
+
+    alphabet = string.ascii_letters + string.digits + " "
+    with atomic_path(path) as temporary, temporary.open("w") as file:
+        for doc in documents(n_chars, len(alphabet), *MIXED_LENGTHS, seed):
+            file.write(json.dumps({"text": "".join(alphabet[i] for i in doc)}) + "\n")
+
+
 def prepare(
     out: Path,
     variant: str,
@@ -79,11 +99,18 @@ def prepare(
     strategy: str = "fsdp",
     settings: list[str] = (),
     tag: str = "",
+    documents: str = "full",
 ) -> Path:
     """Write the run's data (shared per sequence length) and config; returns the config path. `settings` are
-    `KEY=VALUE` overrides as `tigon train --set` takes them; `tag` names such a run apart (`tigon-TAG-4096`)."""
-    data = out / "data" / f"text-{seq}.jsonl"
-    write_data(data, n_docs=int(gpus * micro_batch * steps * 1.1) + 8, length=seq)
+    `KEY=VALUE` overrides as `tigon train --set` takes them; `tag` names such a run apart (`tigon-TAG-4096`);
+    `documents` is one document a sequence ("full") or packed fine-tuning-like documents ("mixed")."""
+    sequences = int(gpus * micro_batch * steps * 1.1) + 8
+    data = out / "data" / f"{'text' if documents == 'full' else documents}-{seq}.jsonl"
+    if documents == "full":
+        write_data(data, n_docs=sequences, length=seq)
+    else:
+        write_documents(data, n_chars=int(sequences * seq * 1.1))
+    kernels = variant.startswith(("tigon", "planner"))
     shape = {**(TINY if tiny else SHAPES[shape_name]), "max_position_embeddings": max(8192, seq)}
     if layers:
         shape["num_hidden_layers"] = layers
@@ -95,7 +122,7 @@ def prepare(
             "config_overrides": shape,
             "tokenizer": "char",
             "dtype": "bfloat16",
-            "attn_implementation": "sdpa",
+            "attn_implementation": "auto" if kernels and documents == "mixed" else "sdpa",
         },
         "data": {"train": str(data.resolve()), "format": "text", "max_seq_len": seq, "packing": True},
         "training": {
@@ -108,7 +135,7 @@ def prepare(
             "plan": "auto" if variant.startswith("planner") else "manual",
             "compile": variant.endswith("-compiled"),
         },
-        "kernels": {"enabled": variant.startswith(("tigon", "planner"))},
+        "kernels": {"enabled": kernels},
         "parallelism": STRATEGIES[strategy],
         "checkpoint": {"every_steps": 0, "export": False, "resume": False},
         "logging": {"run_dir": str(run_dir.resolve()), "every_steps": 1, "tensorboard": False, "progress_bar": False},
@@ -151,6 +178,10 @@ def collect(out: Path) -> dict:
         log_text = log.read_text(errors="replace") if log.is_file() else ""
         summary_file = run_dir / "summary.json"
         row = {"variant": variant, "seq": int(seq), "oom": "out of memory" in log_text.lower()}
+        counted = REAL_TOKENS.search(log_text)
+        if counted:  # the packed data's share of real tokens (a sequence's tail is padding)
+            real, padding = int(counted.group(1)), int(counted.group(2))
+            row["real_token_fraction"] = real / (real + padding)
         if summary_file.is_file():
             summary = json.loads(summary_file.read_text())
             metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -309,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--strategy", default="fsdp", choices=STRATEGIES, help="parallelism (zero3: DeepSpeed ZeRO-3)")
     prep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
     prep.add_argument("--tag", default="", help="names a run with overrides apart: VARIANT-TAG-SEQ")
+    prep.add_argument("--documents", default="full", choices=DOCUMENTS, help="one a sequence, or mixed lengths packed")
     liger = commands.add_parser("liger-train", help="tigon train CONFIG with Liger-Kernel applied to Llama")
     liger.add_argument("config")
     gather = commands.add_parser("collect", help="tabulate every run under --out (headline.json, headline.md)")
@@ -336,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.strategy,
                 args.set,
                 args.tag,
+                args.documents,
             )
         )
         return 0

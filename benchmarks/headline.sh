@@ -11,6 +11,7 @@
 #   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline.sh   # CPU smoke run
 #   VARIANTS="tigon-compiled planner-compiled" bash benchmarks/headline.sh   # decoder layers compiled (training.compile)
 #   TAG=ckpt10 SETS="training.checkpoint_layers=10" VARIANTS=tigon bash benchmarks/headline.sh   # config overrides
+#   DOCS=mixed TAG=mixed SEQS=4096 VARIANTS="liger planner" bash benchmarks/headline.sh   # packed fine-tuning data
 #
 # A variant that runs out of memory at one length is not run at longer ones. Run from the repository root.
 set -uo pipefail
@@ -24,6 +25,7 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 TINY=${TINY:-}
 SETS=${SETS:-}  # KEY=VALUE config overrides (space-separated), applied to every run of this sweep
 TAG=${TAG:-}    # names the overridden runs apart: VARIANT-TAG-SEQ
+DOCS=${DOCS:-full}  # full: one document a sequence; mixed: documents of 100-4000 characters packed
 LIMIT=${LIMIT:-1800}  # seconds per run
 out=${OUT:-bench-out}/headline
 mkdir -p "$out"
@@ -39,7 +41,7 @@ for seq in $SEQS; do
       continue
     fi
     config=$(python3 -m benchmarks.headline prepare --out "$out" --variant "$variant" --seq "$seq" --gpus "$GPUS" \
-      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny} ${TAG:+--tag "$TAG"} \
+      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny} ${TAG:+--tag "$TAG"} --documents "$DOCS" \
       $(for setting in $SETS; do printf -- '--set %s ' "$setting"; done)) || exit 1
     if [[ "$variant" == liger ]]; then entry=(-m benchmarks.headline liger-train "$config"); else entry=(-m tigon.runtime train "$config"); fi
     echo "== $name at seq $seq on $GPUS GPUs${SETS:+ ($SETS)}"

@@ -83,3 +83,19 @@ def test_prepare_names_compiled_variants_and_applies_overrides(tmp_path):
     config = load_config(path)
     assert config.training.compile and config.training.plan == "auto" and config.kernels.enabled
     assert config.training.checkpoint_layers == 1
+
+
+def test_mixed_documents_are_packed_fine_tuning_data_with_tigon_attending_over_their_boundaries(tmp_path):
+    from benchmarks.headline import MIXED_LENGTHS, prepare
+    from tigon.runtime.config import load_config
+
+    tigon = load_config(prepare(tmp_path, "planner", 4096, 2, 3, 2, None, tiny=True, documents="mixed"))
+    eager = load_config(prepare(tmp_path, "eager", 4096, 2, 3, 2, None, tiny=True, documents="mixed"))
+    assert tigon.model.attn_implementation == "auto" and eager.model.attn_implementation == "sdpa"
+    assert tigon.data.train == eager.data.train and tigon.data.packing
+    lengths = [len(json.loads(line)["text"]) for line in Path(tigon.data.train).read_text().splitlines()]
+    assert min(lengths) >= MIXED_LENGTHS[0] and max(lengths) <= MIXED_LENGTHS[1]
+    assert sum(lengths) >= (int(2 * 2 * 3 * 1.1) + 8) * 4096  # as many characters as the full-length data holds
+    assert sum(length < 1000 for length in lengths) > sum(length > 3000 for length in lengths)  # log-uniform
+    full = load_config(prepare(tmp_path, "tigon", 4096, 2, 3, 2, None, tiny=True))
+    assert full.model.attn_implementation == "sdpa" and full.data.train != tigon.data.train
