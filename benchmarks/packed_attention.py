@@ -73,7 +73,7 @@ def packed_rows(spec: dict):
 
     rows_needed = spec["rows"] * (spec["warmup"] + spec["steps"])
     docs = documents(rows_needed * spec["seq"], spec["shape"]["vocab_size"], spec["low"], spec["high"], spec["seed"])
-    dataset = PackedDataset([(d, d) for d in docs], spec["seq"], pad_token_id=0)
+    dataset = PackedDataset([(d, d) for d in docs], spec["seq"], pad_token_id=0, strategy="in_order")
     if len(dataset) < rows_needed:
         raise RuntimeError(f"packed {len(dataset)} rows, the run needs {rows_needed}")
     return dataset

@@ -523,12 +523,12 @@ class PackedDataset(Dataset):
     (counted in `split_documents`), each starting with the previous piece's last token: every piece's first
     label is -100, so that overlap keeps each token predicted once. A document or piece with no label left
     (after its first label is set to -100) is dropped (counted in `dropped`). With `packing`, documents share
-    sequences: `strategy` "best_fit" places the longest first, each into the fullest sequence it still fits
-    (best-fit decreasing: little padding, so little compute spent on it), "in_order" fills one sequence at a time
-    in the documents' order; without `packing` each gets its own sequence. Tails are padded with `pad_token_id`,
-    label -100, and position ids that go on counting from the last document's: under causal attention no real
-    token attends to the padding after it, and a row of one document stays one document, which trains with
-    plain causal attention (no dense mask, see `model_inputs`).
+    sequences: `strategy` "best_fit" (the default) places the longest first, each into the fullest sequence it
+    still fits (best-fit decreasing: little padding, so little compute spent on it), "in_order" fills one sequence
+    at a time in the documents' order; without `packing` each gets its own sequence. Tails are padded with
+    `pad_token_id`, label -100, and position ids that go on counting from the last document's: under causal
+    attention no real token attends to the padding after it, and a row of one document stays one document, which
+    trains with plain causal attention (no dense mask, see `model_inputs`).
 
     `teacher_hidden`: distillation's precomputed teacher (`distill.precompute_teacher`), the teacher's final hidden
     states at every item's completion tokens end to end and each item's first row (N + 1 offsets); an item then
@@ -544,7 +544,7 @@ class PackedDataset(Dataset):
         pad_token_id: int,
         packing: bool = True,
         split_long: bool = False,
-        strategy: str = "in_order",
+        strategy: str = "best_fit",
     ):
         if strategy not in PACKING_STRATEGIES:
             raise ValueError(f"unknown packing strategy {strategy!r}; use one of {', '.join(PACKING_STRATEGIES)}")

@@ -241,7 +241,7 @@ def split_documents(row_ids, row_positions):
 def test_packing_invariants():
     lengths = [5, 3, 9, 2, 12, 4, 4, 7, 2, 16, 20, 1]
     docs = documents(lengths)
-    dataset = PackedDataset(docs, max_seq_len=16, pad_token_id=0)
+    dataset = PackedDataset(docs, max_seq_len=16, pad_token_id=0, strategy="in_order")
     assert dataset.truncated == 1  # the 20-token document keeps its first 16 tokens
     assert dataset.dropped == 1  # the 1-token document has no label left once its first is -100
     rebuilt = []
@@ -272,7 +272,7 @@ def test_packing_invariants():
 @pytest.mark.parametrize("packing", [True, False])
 def test_split_long_documents_predict_every_token_once(packing):
     docs = documents([20, 5, 15, 1, 9])  # 20 and 15 are over 8; 15 = 1 + 2 x 7 ends exactly on a piece; 9 = 8 + 1
-    dataset = PackedDataset(docs, max_seq_len=8, pad_token_id=0, packing=packing, split_long=True)
+    dataset = PackedDataset(docs, max_seq_len=8, pad_token_id=0, packing=packing, split_long=True, strategy="in_order")
     assert (dataset.split_documents, dataset.truncated, dataset.dropped) == (3, 0, 1)  # the 1-token document
     predicted, pieces = [], []
     for item in dataset:
