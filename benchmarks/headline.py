@@ -284,9 +284,9 @@ def scaling_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(scaling_reports: dict[str, Path], headline_report: Path, out_dir: Path) -> list[Path]:
+def plot(scaling_reports: dict[str, Path], headline_reports: list[Path], out_dir: Path) -> list[Path]:
     """Two PNGs: tokens/s per GPU against GPUs (one line per model and strategy), and rank 0's peak memory
-    against sequence length at micro-batch 1 (one line per variant)."""
+    against sequence length at micro-batch 1 without accumulation (one line per variant, from every report)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,11 +308,17 @@ def plot(scaling_reports: dict[str, Path], headline_report: Path, out_dir: Path)
     figure.savefig(scaling_png, dpi=120)
     plt.close(figure)
 
-    runs = [r for r in json.loads(headline_report.read_text())["runs"] if r.get("micro_batch") == 1]
+    runs = [
+        r
+        for report in headline_reports
+        for r in json.loads(report.read_text())["runs"]
+        if r.get("micro_batch") == 1 and r.get("accumulation") == 1
+    ]
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    for variant in sorted({r["variant"] for r in runs}):
+    for index, variant in enumerate(sorted({r["variant"] for r in runs})):
         points = sorted((r["seq"], r["peak_bytes_rank0"] / GiB) for r in runs if r["variant"] == variant)
-        axes.plot(*zip(*points, strict=True), marker="o", label=variant)
+        style = ("-", "--", ":")[index % 3]  # equal peaks stay visible one over the other
+        axes.plot(*zip(*points, strict=True), marker="o", linestyle=style, label=variant)
     axes.set(xlabel="sequence length", ylabel="peak GiB (rank 0)", title="Llama-3-8B, FSDP2 on 4 GPUs, micro-batch 1")
     axes.set_xscale("log", base=2)
     axes.set_ylim(bottom=0)
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--out", required=True)
     draw = commands.add_parser("plot", help="the scaling and memory PNGs from scaling and headline reports")
     draw.add_argument("--scaling", nargs="+", required=True, metavar="MODEL=scaling.json")
-    draw.add_argument("--headline", required=True, help="a headline.json")
+    draw.add_argument("--headline", nargs="+", required=True, help="headline.json reports (micro-batch 1 runs)")
     draw.add_argument("--out-dir", default="docs")
     args = parser.parse_args(argv)
     if args.command == "prepare":
@@ -376,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         return liger_train(args.config)
     if args.command == "plot":
         reports = {model: Path(path) for model, path in (item.split("=", 1) for item in args.scaling)}
-        for path in plot(reports, Path(args.headline), Path(args.out_dir)):
+        for path in plot(reports, [Path(path) for path in args.headline], Path(args.out_dir)):
             print(path)
         return 0
     if args.command == "scaling":

@@ -99,3 +99,15 @@ def test_mixed_documents_are_packed_fine_tuning_data_with_tigon_attending_over_t
     assert sum(length < 1000 for length in lengths) > sum(length > 3000 for length in lengths)  # log-uniform
     full = load_config(prepare(tmp_path, "tigon", 4096, 2, 3, 2, None, tiny=True))
     assert full.model.attn_implementation == "sdpa" and full.data.train != tigon.data.train
+
+
+def test_the_docs_plots_redraw_from_the_recorded_reports(tmp_path):
+    """The command docs/benchmarks.md gives for its two multi-GPU plots, on the reports in docs/results."""
+    from benchmarks.headline import main
+
+    results = ROOT / "docs" / "results"
+    scaling = [f"Llama-3-8B={results / 'scaling-llama-3-8b-h200x4.json'}"]
+    headline = [str(results / "headline-llama-3-8b-h200x4.json"), str(results / "headline-llama-3-8b-h200x4-16k.json")]
+    assert main(["plot", "--scaling", *scaling, "--headline", *headline, "--out-dir", str(tmp_path)]) == 0
+    for name in ("multi-gpu-scaling.png", "multi-gpu-memory.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
