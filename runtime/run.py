@@ -205,11 +205,15 @@ RESUME_SECTIONS = ("model", "data", "lora")
 # Where downloads are cached, and which exact attention computes the same function, do not change a run: a resumed
 # run may use another cache or attention implementation.
 RESUME_IGNORED = {"model": {"cache_dir", "attn_implementation"}, "data": {"cache_dir"}}
+# Fields whose default changed: a checkpoint written before the field existed ran with the value given here.
+EARLIER_DEFAULTS = {"data": {"packing_strategy": "in_order"}}
 
 
 def _resume_section(section: dict | None, name: str) -> dict | None:
     """A saved or current config section as resuming compares it: defaults filled in (a checkpoint written before a
-    field existed has its default), download caches left out."""
+    field existed has its default, or the earlier one of EARLIER_DEFAULTS), download caches left out."""
+    if isinstance(section, dict):
+        section = {**EARLIER_DEFAULTS.get(name, {}), **section}
     try:
         section = RunConfig.model_fields[name].annotation.model_validate(section).model_dump(mode="json")
     except ValidationError:
@@ -226,15 +230,20 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         return
     saved = json.loads(saved_file.read_text())
     current = json.loads(config.model_dump_json())
-    differing = [
-        name
-        for name in RESUME_SECTIONS
-        if _resume_section(saved.get(name), name) != _resume_section(current[name], name)
-    ]
+    differing, fields = [], []
+    for name in RESUME_SECTIONS:
+        before, now = _resume_section(saved.get(name), name), _resume_section(current[name], name)
+        if before == now:
+            continue
+        differing.append(name)
+        if isinstance(before, dict) and isinstance(now, dict):
+            keys = sorted(key for key in before.keys() | now.keys() if before.get(key) != now.get(key))
+            fields += [f"{name}.{key}: {before.get(key)!r} there, {now.get(key)!r} here" for key in keys]
     if differing:
         raise ConfigError(
             f"checkpoint.resume: {checkpoint_dir} belongs to a run with different {', '.join(differing)} settings; "
             "use another logging.run_dir, or set checkpoint.resume: false to start over there"
+            + (f" ({'; '.join(fields)})" if fields else "")
         )
 
 

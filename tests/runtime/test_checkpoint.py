@@ -567,3 +567,17 @@ def test_a_background_write_that_fails_leaves_the_previous_checkpoint_newest(tmp
         pending.finish()
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [1]
     assert not (tmp_path / "checkpoints" / ".tmp-step-2").exists()
+
+
+def test_a_checkpoint_from_before_best_fit_packing_resumes_only_in_order(tmp_path):
+    """Rows were packed in order before data.packing_strategy existed: resuming such a checkpoint with best-fit rows
+    would train other rows, so it is refused, naming the field and the value that resumes it."""
+    from tigon.runtime.config import ConfigError
+    from tigon.runtime.run import check_resumable
+
+    saved = json.loads(tiny_config(tmp_path).model_dump_json())
+    del saved["data"]["packing_strategy"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match="data.packing_strategy: 'in_order' there, 'best_fit' here"):
+        check_resumable(tmp_path, tiny_config(tmp_path))
+    check_resumable(tmp_path, tiny_config(tmp_path, data={"packing_strategy": "in_order"}))
