@@ -51,6 +51,7 @@ LLAMA_3_2_1B = {
 TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
 SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
+ALPHABET = string.ascii_letters + string.digits + " "  # the random text's characters
 DOCUMENTS = ("full", "mixed")
 MIXED_LENGTHS = (100, 4000)  # characters a document, log-uniform
 REAL_TOKENS = re.compile(r"sequences, (\d+) tokens \(.*?, (\d+) padding\)")
@@ -68,10 +69,9 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
     if path.is_file():
         return
     rng = random.Random(seed)
-    alphabet = string.ascii_letters + string.digits + " "
     with atomic_path(path) as temporary, temporary.open("w") as file:
         for _ in range(n_docs):
-            file.write(json.dumps({"text": "".join(rng.choices(alphabet, k=length))}) + "\n")
+            file.write(json.dumps({"text": "".join(rng.choices(ALPHABET, k=length))}) + "\n")
 
 
 def write_documents(path: Path, n_chars: int, seed: int = 0) -> None:
@@ -80,10 +80,9 @@ def write_documents(path: Path, n_chars: int, seed: int = 0) -> None:
         return
     from benchmarks.packed_attention import documents
 
-    alphabet = string.ascii_letters + string.digits + " "
     with atomic_path(path) as temporary, temporary.open("w") as file:
-        for doc in documents(n_chars, len(alphabet), *MIXED_LENGTHS, seed):
-            file.write(json.dumps({"text": "".join(alphabet[i] for i in doc)}) + "\n")
+        for doc in documents(n_chars, len(ALPHABET), *MIXED_LENGTHS, seed):
+            file.write(json.dumps({"text": "".join(ALPHABET[i] for i in doc)}) + "\n")
 
 
 def prepare(
