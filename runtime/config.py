@@ -259,6 +259,13 @@ class ParallelismConfig(Section):
         "(hybrid sharding): 'node' for the ranks of one node, so that only the gradients' once-a-step all-reduce "
         "crosses nodes; unset: over every rank",
     )
+    accumulate_sharded: bool = Field(
+        False,
+        description="fsdp with gradient accumulation: reduce-scatter every micro-batch's gradients and accumulate "
+        "each rank's shard, instead of holding the whole model's gradients unsharded in float32 until the step's "
+        "last micro-batch; saves (1 - 1/shards) of those bytes for one reduce-scatter a micro-batch (the shards "
+        "accumulate in model.dtype)",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
 
     @model_validator(mode="after")
@@ -279,6 +286,16 @@ class ParallelismConfig(Section):
             )
         if isinstance(self.shard_size, int) and self.shard_size < 1:
             raise ValueError(f"parallelism.shard_size must be at least 1 (or 'node'), got {self.shard_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _accumulate_sharded_with_fsdp(self) -> ParallelismConfig:
+        if self.accumulate_sharded and self.strategy != "fsdp":
+            raise ValueError(
+                f"parallelism.accumulate_sharded is an FSDP2 setting and strategy is {self.strategy!r}, which "
+                "would ignore it (DeepSpeed ZeRO-2/3 always accumulate partitioned gradients; DDP keeps whole ones); "
+                "set strategy: fsdp, or remove accumulate_sharded"
+            )
         return self
 
     @model_validator(mode="after")

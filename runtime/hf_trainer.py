@@ -95,18 +95,23 @@ class ShardedModel(nn.Module):
     The Trainer asks accelerate to prepare only a model it has not wrapped itself, so accelerate neither wraps
     this one in DDP nor shards it again (accelerate's own FSDP2 runs on GPUs only, with other units and bf16
     gradient reduction). Between the micro-batches of a step accelerate enters the wrapped model's `no_sync`,
-    DDP's name for deferring the gradient reduction: here FSDP2's reduce-scatter waits for the last micro-batch.
+    DDP's name for deferring the gradient reduction: here FSDP2's reduce-scatter waits for the last micro-batch,
+    unless `accumulate_sharded` (`parallelism.accumulate_sharded`) has it run after every one.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, accumulate_sharded: bool = False):
         super().__init__()
         self.module = module
+        self.accumulate_sharded = accumulate_sharded
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
+        if self.accumulate_sharded:
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         try:
             yield
@@ -280,7 +285,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
 
         def _wrap_model(self, model, training=True, dataloader=None):
             if sharded and training and not isinstance(model, ShardedModel):
-                return ShardedModel(model)
+                return ShardedModel(model, config.parallelism.accumulate_sharded)
             return super()._wrap_model(model, training, dataloader)
 
         def _move_model_to_device(self, model, device):

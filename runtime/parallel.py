@@ -10,7 +10,9 @@
 - `fsdp` (`FSDPStrategy`): FSDP2 `fully_shard` on each decoder layer, then on the root, over every rank or, with
   `parallelism.shard_size`, over groups of ranks with the groups replicating each other (hybrid sharding); a
   MixedPrecisionPolicy (parameters in bf16 or fp16 per `training.precision`, gradients reduced in
-  fp32; fp16 through a ShardedGradScaler); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Checkpoints are sharded
+  fp32; fp16 through a ShardedGradScaler); `parallelism.cpu_offload` adds a CPUOffloadPolicy. Under gradient
+  accumulation the reduce-scatter waits for the step's last micro-batch (every rank holds the whole model's
+  gradients until then), or with `parallelism.accumulate_sharded` runs after each one. Checkpoints are sharded
   torch.distributed.checkpoint directories (model and optimizer through get/set_state_dict).
 - `deepspeed` (`tigon.runtime.deepspeed_engine.DeepSpeedStrategy`): ZeRO stage 1, 2 or 3.
 
@@ -307,7 +309,9 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         return config.training.precision != "fp16"
 
     def accumulating(self, last: bool):
-        self.model.set_requires_gradient_sync(last)  # reduce-scatter the gradients once per step
+        """Gradients reduce-scatter once a step, after the last micro-batch; with `parallelism.accumulate_sharded`,
+        after every one, into each rank's shard."""
+        self.model.set_requires_gradient_sync(last or self.config.parallelism.accumulate_sharded)
         return contextlib.nullcontext()
 
     def step(self) -> torch.Tensor | float:

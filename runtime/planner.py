@@ -97,7 +97,8 @@ Parallelism: DDP keeps everything per GPU plus gradient buckets (one more gradie
 weights, gradients and states over the world size (under hybrid sharding, over a shard group:
 `Workload.shards`) and gathers two layers (and the embedding and head) at a time; with gradient accumulation
 it reduce-scatters once a step, so between micro-batches every rank keeps the whole model's gradients
-unsharded, in float32 (FSDP2's reduce dtype). DeepSpeed ZeRO, on one GPU as on several (`zero_bytes`): float32
+unsharded, in float32 (FSDP2's reduce dtype), or, accumulating sharded (`parallelism.accumulate_sharded`), only its
+shard of them in the weights' dtype. DeepSpeed ZeRO, on one GPU as on several (`zero_bytes`): float32
 master weights and AdamW's two float32 moments (12 bytes a trainable parameter) partitioned at every stage, a
 gradient partition and a reduce bucket in the weights' dtype, the weights whole (stages 1, 2) or partitioned (3,
 with two layers gathered); the optimizer step converts one group (ZeRO-3: one sub-group) of gradients to float32
@@ -112,7 +113,9 @@ memory minus CUDA_CONTEXT) are ranked by a relative step-time model: checkpointi
 forward of its layers (x 4/3 for all of them, in proportion for some), the kernels save KERNEL_TIME of a
 step, a micro-batch of n tokens runs at n / (n + HALF_EFFICIENCY_TOKENS) of the GPU's rate, and under
 sharded weights (FSDP2, ZeRO-3) each micro-batch gathers them again, costing the time of `gather_tokens` more
-tokens. The model ranks settings; it does not predict tokens/s.
+tokens, and accumulating sharded reduce-scatters each micro-batch's gradients (`sharded_accumulation_tokens`); the
+planner tries that only where the shards accumulate in float32 (`sharded_accumulation_allowed`). The model ranks
+settings; it does not predict tokens/s.
 """
 
 from __future__ import annotations
@@ -375,6 +378,7 @@ class Workload:
     cpu_offload: bool = False
     world_size: int = 1
     shard_size: int | None = None  # fsdp: ranks each parameter is sharded over (`parallelism.shard_size`); None: all
+    accumulate_sharded: bool = False  # the config accumulates FSDP2's gradients sharded (in any weight dtype)
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
     frozen: FrozenModel | None = None  # a reference model or teacher run beside it (see frozen_model)
@@ -425,12 +429,17 @@ class Setting:
     kernels: bool
     checkpoint_layers: int | None = None  # with checkpointing: the first N decoder layers only; None: every one
     selective_layers: int = 0  # after those, this many recompute only their element-wise work
+    accumulate_sharded: bool = False  # FSDP2: reduce-scatter every micro-batch (`parallelism.accumulate_sharded`)
 
     def describe(self) -> str:
         return (
-            f"micro-batch {self.micro_batch} x accumulation {self.accumulation}, checkpointing "
+            f"micro-batch {self.micro_batch} x accumulation {self.accumulation_text()}, checkpointing "
             f"{self.checkpointing_text()}, kernels {'on' if self.kernels else 'off'}"
         )
+
+    def accumulation_text(self) -> str:
+        """'4', or '4 sharded' where the gradients accumulate in each rank's shard."""
+        return f"{self.accumulation}{' sharded' if self.accumulate_sharded else ''}"
 
     def checkpointed_layers(self, layers: int) -> int:
         """How many of the model's `layers` decoder layers recompute their activations."""
@@ -521,6 +530,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         cpu_offload=config.parallelism.cpu_offload,
         world_size=world_size,
         shard_size=shard_group(config, world_size),
+        accumulate_sharded=config.parallelism.accumulate_sharded,
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
         frozen=frozen_model(config, shape),
@@ -575,6 +585,7 @@ def setting_of(config: RunConfig) -> Setting:
         config.kernels.enabled,
         training.checkpoint_layers if training.gradient_checkpointing else None,
         training.selective_layers,
+        config.parallelism.accumulate_sharded,
     )
 
 
@@ -1065,7 +1076,7 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         fixed["frozen model"] = frozen_weights
     activations = checkpointed * layer_input + selective * partial + kept_layers * layer + head + per_batch + mask
     carried = grads if setting.accumulation > 1 else 0  # earlier micro-batches' gradients stay during the next
-    if work.strategy == "fsdp" and setting.accumulation > 1:
+    if work.strategy == "fsdp" and setting.accumulation > 1 and not setting.accumulate_sharded:
         carried = trainable * 4  # unsharded float32 until the last micro-batch reduce-scatters them
     loss_grads = {"gradients": carried}
     top_grads, first_grads = {"gradients": max(carried, head_grad)}, {"gradients": grads}
@@ -1150,10 +1161,21 @@ def gather_tokens(work: Workload) -> float:
     return 2 * work.compute_bytes * (n - 1) / n * GATHER_FLOPS_PER_BYTE / 6
 
 
+def sharded_accumulation_tokens(work: Workload, setting: Setting) -> float:
+    """With `accumulate_sharded`, the cost of the reduce-scatters that accumulation adds, per micro-batch and in
+    the units of `gather_tokens`: each of a step's micro-batches but the last reduce-scatters the float32
+    gradients (FSDP2's reduce dtype, 4 bytes a parameter) as the last one does anyway."""
+    n = work.shards
+    if not setting.accumulate_sharded or n == 1:
+        return 0.0
+    extra = (setting.accumulation - 1) / setting.accumulation
+    return extra * 4 * (n - 1) / n * GATHER_FLOPS_PER_BYTE / 6
+
+
 def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
     tokens = work.tokens(setting.micro_batch)
-    time = (tokens + HALF_EFFICIENCY_TOKENS + gather_tokens(work)) / tokens
+    time = (tokens + HALF_EFFICIENCY_TOKENS + gather_tokens(work) + sharded_accumulation_tokens(work, setting)) / tokens
     layers = work.shape.layers
     time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(layers) / layers
     time *= 1 + (SELECTIVE_TIME - 1) * setting.selective_count(layers) / layers
@@ -1162,11 +1184,20 @@ def relative_step_time(work: Workload, setting: Setting) -> float:
     return time * KERNEL_TIME
 
 
+def sharded_accumulation_allowed(work: Workload) -> bool:
+    """Whether the planner may accumulate FSDP2's gradients sharded: several shards, and float32 weights, whose
+    shards accumulate in float32 as the unsharded gradients would, or a config that accumulates sharded already
+    (bf16/fp16 weights accumulate in their own dtype: a change of numerics the planner leaves to the config)."""
+    exact = work.weight_bytes == 4 or work.accumulate_sharded
+    return work.strategy == "fsdp" and work.shards > 1 and exact and not work.cpu_offload
+
+
 def candidates(work: Workload, current: Setting) -> list[Setting]:
     """Every setting with the current global batch: micro-batch x accumulation, checkpointing of none, some or
     every layer, kernels; where layers can recompute selectively, also any number of them selective, or the first
     ones whole and every other one selective (selective layers save a third of a layer's bytes for a few percent
-    of its time, so they go first and whole layers only where they are not enough)."""
+    of its time, so they go first and whole layers only where they are not enough); under FSDP2 with accumulation
+    (`sharded_accumulation_allowed`), each of those with the gradients accumulated sharded too."""
     global_batch = current.micro_batch * current.accumulation
     kernel_options = (True, False) if work.kernels_fit else (False,)
     layers = work.shape.layers
@@ -1174,12 +1205,14 @@ def candidates(work: Workload, current: Setting) -> list[Setting]:
     if selective_allowed(work):
         checkpointing += [(False, None, m) for m in range(1, layers + 1)]
         checkpointing += [(True, n, layers - n) for n in range(1, layers)]
+    sharded = (False, True) if sharded_accumulation_allowed(work) else (False,)
     options = [
-        Setting(micro, global_batch // micro, on, kernels, full, selective)
+        Setting(micro, global_batch // micro, on, kernels, full, selective, accumulate)
         for micro in range(1, global_batch + 1)
         if global_batch % micro == 0
         for on, full, selective in checkpointing
         for kernels in kernel_options
+        for accumulate in (sharded if micro < global_batch else (False,))
     ]
     return options if current in options else [*options, current]
 
@@ -1198,6 +1231,7 @@ class Plan:
     def table(self) -> str:
         """A readable table: the plan first, then each alternative, fitting or not."""
         s, w = self.work.shape, self.work
+        accum_width = 13 if sharded_accumulation_allowed(w) or self.current.setting.accumulate_sharded else 5
         lines = [
             f"model {s.model_type}: {_count(s.params)} parameters ({_count(w.trainable)} trainable), "
             f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
@@ -1207,7 +1241,7 @@ class Plan:
             f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
-            f"{'':2}{'micro':>5} {'accum':>5} {'ckpt':>16} {'kernels':>7} {'estimate':>10} {'fits':>4} "
+            f"{'':2}{'micro':>5} {'accum':>{accum_width}} {'ckpt':>16} {'kernels':>7} {'estimate':>10} {'fits':>4} "
             f"{'rel. time':>9}  peaks at",
         ]
         for item in sorted(self.shown(), key=lambda e: (e.peak > self.budget, self.rank(e))):
@@ -1215,7 +1249,7 @@ class Plan:
             mark = "->" if self.chosen is not None and item.setting == self.chosen.setting else "  "
             mark = "=>" if mark == "->" and item.setting == self.current.setting else mark
             lines.append(
-                f"{mark}{st.micro_batch:5d} {st.accumulation:5d} {st.checkpointing_text():>16} "
+                f"{mark}{st.micro_batch:5d} {st.accumulation_text():>{accum_width}} {st.checkpointing_text():>16} "
                 f"{'on' if st.kernels and w.kernels_fit else 'off':>7} {_gib(item.peak):>10} "
                 f"{'yes' if item.peak <= self.budget else 'no':>4} {self.rank(item):9.2f}  {item.moment}"
                 + ("   (current)" if item.setting == self.current.setting else "")
@@ -1244,12 +1278,12 @@ class Plan:
         for item in self.alternatives:
             st = item.setting
             whole = st.checkpoint_layers is None and not st.selective_layers
+            key = (st.micro_batch, st.kernels, st.accumulate_sharded)
             if whole or st in (self.current.setting, getattr(self.chosen, "setting", None)):
                 rows.append(item)
                 if not st.checkpointing and not st.selective_layers and item.peak <= self.budget:
-                    off_fits.add((st.micro_batch, st.kernels))
+                    off_fits.add(key)
             if not whole and item.peak <= self.budget:
-                key = (st.micro_batch, st.kernels)
                 if key not in fastest or self.rank(item) < self.rank(fastest[key]):
                     fastest[key] = item
         return rows + [item for key, item in fastest.items() if key not in off_fits and item not in rows]
@@ -1320,6 +1354,8 @@ def make_plan(
     if current.checkpoint_layers is not None and current.checkpoint_layers >= work.shape.layers:
         current = dataclasses.replace(current, checkpoint_layers=None)  # every layer
     current = dataclasses.replace(current, selective_layers=current.selective_count(work.shape.layers))
+    if current.accumulation == 1:  # nothing to accumulate: one reduce-scatter a step either way
+        current = dataclasses.replace(current, accumulate_sharded=False)
     alternatives = [estimate(work, setting) for setting in candidates(work, current)]
     fitting = [item for item in alternatives if item.peak <= budget]
     if not fitting:
@@ -1328,11 +1364,24 @@ def make_plan(
             f"nothing fits in {_gib(gpu_memory)} of GPU memory ({_gib(budget)} usable): the smallest setting "
             f"({smallest.setting.describe()}) needs {_gib(smallest.peak)}. Shorten data.max_seq_len "
             f"(now {work.seq_len}), train LoRA adapters (lora.enabled: true), shard over more GPUs "
-            "(parallelism.strategy: fsdp), or use a GPU with more memory"
+            "(parallelism.strategy: fsdp), or use a GPU with more memory" + sharded_accumulation_hint(work, smallest)
         )
     chosen = min(fitting, key=lambda e: (relative_step_time(work, e.setting), e.peak))
     current_estimate = next(item for item in alternatives if item.setting == current)
     return Plan(chosen, current_estimate, budget, gpu_memory, work, alternatives)
+
+
+def sharded_accumulation_hint(work: Workload, smallest: Estimate) -> str:
+    """Where FSDP2 holds whole float32 gradients between micro-batches and the planner does not try sharded ones
+    (bf16/fp16 weights, `sharded_accumulation_allowed`): what accumulating them sharded would need."""
+    setting = smallest.setting
+    if work.strategy != "fsdp" or work.shards == 1 or setting.accumulation == 1 or setting.accumulate_sharded:
+        return ""
+    sharded = estimate(work, dataclasses.replace(setting, accumulate_sharded=True))
+    return (
+        f"; or accumulate the gradients sharded (parallelism.accumulate_sharded: true, {_gib(sharded.peak)} for "
+        f"that setting; the shards accumulate in {_dtype(work.weight_bytes)})"
+    )
 
 
 def config_changes(current: Setting, chosen: Setting) -> list[str]:
@@ -1344,12 +1393,14 @@ def config_changes(current: Setting, chosen: Setting) -> list[str]:
         "training.checkpoint_layers": (current.checkpoint_layers, chosen.checkpoint_layers),
         "training.selective_layers": (current.selective_layers, chosen.selective_layers),
         "kernels.enabled": (current.kernels, chosen.kernels),
+        "parallelism.accumulate_sharded": (current.accumulate_sharded, chosen.accumulate_sharded),
     }
     return [f"{key}={'null' if new is None else str(new).lower()}" for key, (old, new) in keys.items() if old != new]
 
 
 def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of `config` with the plan's setting (micro-batch, accumulation, checkpointing, kernels)."""
+    """A copy of `config` with the plan's setting (micro-batch, accumulation, checkpointing, kernels, and whether
+    FSDP2 accumulates the gradients sharded)."""
     chosen = plan.chosen.setting
     training = config.training.model_copy(
         update={
@@ -1361,7 +1412,8 @@ def apply_plan(config: RunConfig, plan: Plan) -> RunConfig:
         }
     )
     kernels = config.kernels.model_copy(update={"enabled": chosen.kernels})
-    return config.model_copy(update={"training": training, "kernels": kernels})
+    parallelism = config.parallelism.model_copy(update={"accumulate_sharded": chosen.accumulate_sharded})
+    return config.model_copy(update={"training": training, "kernels": kernels, "parallelism": parallelism})
 
 
 def oom_advice(config: RunConfig, gpu_memory: int, world_size: int | None = None) -> str:

@@ -196,6 +196,12 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
         ("parallelism", "zero_stage", 3, "parallelism.zero_stage is a DeepSpeed setting and strategy is 'ddp'"),
         ("parallelism", "shard_size", 2, "parallelism.shard_size is an FSDP2 setting and strategy is 'ddp'"),
         ("parallelism", "shard_size", "rack", "parallelism.shard_size"),
+        (
+            "parallelism",
+            "accumulate_sharded",
+            True,
+            "parallelism.accumulate_sharded is an FSDP2 setting and strategy is 'ddp'",
+        ),
     ],
 )
 def test_silent_mistakes_are_errors(tmp_path, section, key, value, expected):

@@ -92,6 +92,36 @@ def test_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
     assert not [p for p in (tmp_path / "full" / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+def test_fsdp2_accumulating_sharded_gradients_matches_one_process_under_every_trainer(tmp_path):
+    """`parallelism.accumulate_sharded`: micro-batch 1 x accumulation 2 on each of 2 ranks, every micro-batch's
+    gradients reduce-scattered into the shards (fp32 weights, so the shards accumulate in float32), under the torch
+    trainer (resuming exactly), HF's and Lightning's, against one process's micro-batch of 4; the bytes it saves
+    are counted in test_fsdp_memory.py."""
+    sections = {
+        "parallelism": {"strategy": "fsdp", "accumulate_sharded": True},
+        "training": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
+    }
+    runs = launch(
+        tmp_path,
+        {
+            "torch": resumable_config(tmp_path, "torch", 6, False, **sections),
+            "killed": resumable_config(tmp_path, "resumed", 3, False, **sections),
+            "resumed": resumable_config(tmp_path, "resumed", 6, False, **sections),
+            **{
+                name: resumable_config(tmp_path, name, 6, False, trainer=name, **sections)
+                for name in ("hf", "lightning")
+            },
+        },
+    )
+    single = train(resumable_config(tmp_path, "single", 6, False, training={"micro_batch_size": 4}))
+    assert single.losses[-1] < single.losses[0], single.losses
+    for name in ("torch", "hf", "lightning"):
+        worst = max(abs(a - b) / abs(b) for a, b in zip(runs[name]["losses"], single.losses, strict=True))
+        print(f"{name}: worst relative loss difference to one process {worst:.2e}")
+        assert worst < RELATIVE_TOLERANCE, (name, runs[name]["losses"], single.losses)
+    assert runs["resumed"]["resumed_from"] == 3 and runs["resumed"]["losses"] == runs["torch"]["losses"]
+
+
 def test_hybrid_sharded_fsdp2_matches_one_process_resumes_exactly_and_exports(tmp_path):
     """4 ranks as 2 replicas of 2-rank shard groups (`parallelism.shard_size: 2`): the checkpoint holds each weight
     in 2 shards (the replicas' copies written once), not 4."""

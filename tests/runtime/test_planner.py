@@ -142,6 +142,59 @@ def test_fsdp2_accumulation_keeps_whole_float32_gradients_during_the_next_micro_
     assert two.peak - one.peak == LLAMA_1B.params * 4 - one.parts.get("gradients", 0)
 
 
+def test_sharded_accumulation_keeps_only_each_ranks_shard_of_the_gradients():
+    """With `parallelism.accumulate_sharded` every micro-batch reduce-scatters: between micro-batches a rank holds
+    its shard of the gradients in the weights' dtype, not all of them in float32 (the CPU worker test of this
+    counts the bytes FSDP2 really holds)."""
+    work = bf16_work(LLAMA_1B, 4096, strategy="fsdp", world_size=4)
+    whole = estimate(work, Setting(4, 2, False, True))
+    sharded = estimate(work, Setting(4, 2, False, True, accumulate_sharded=True))
+    assert whole.parts["gradients"] == LLAMA_1B.params * 4
+    assert sharded.parts["gradients"] == LLAMA_1B.params * 2 // 4
+    assert whole.peak - sharded.peak == LLAMA_1B.params * 4 - LLAMA_1B.params * 2 // 4
+    # each micro-batch but the last adds a reduce-scatter of the float32 gradients (3/4 of them arrive elsewhere)
+    extra = planner.sharded_accumulation_tokens(work, sharded.setting)
+    assert extra == 0.5 * 4 * 0.75 * 2200 / 6
+    slower = planner.relative_step_time(work, sharded.setting) / planner.relative_step_time(work, whole.setting)
+    assert slower == pytest.approx(1 + extra / (4 * 4096 + 512 + planner.gather_tokens(work)))
+
+
+def test_the_planner_accumulates_sharded_only_where_it_keeps_float32_gradients(tmp_path):
+    """fp32 weights: the shards accumulate in float32 as the whole gradients would, so the planner tries it and,
+    where memory is tight, takes it; bf16 weights: only where the config says so (the shards accumulate in
+    bf16), and a run that fits nothing is told what it would need."""
+    fp32_config = plan_config(tmp_path, parallelism={"strategy": "fsdp"})
+    fp32_config.model.dtype = "float32"
+    fp32 = planner.workload(fp32_config, world_size=4)
+    bf16 = planner.workload(plan_config(tmp_path, parallelism={"strategy": "fsdp"}), world_size=4)
+    current = Setting(8, 1, False, True)
+    assert any(s.accumulate_sharded for s in planner.candidates(fp32, current))
+    assert not any(s.accumulate_sharded for s in planner.candidates(bf16, current))
+    assert not any(s.accumulate_sharded and s.accumulation == 1 for s in planner.candidates(fp32, current))
+    consenting = dataclasses.replace(bf16, accumulate_sharded=True)
+    assert any(s.accumulate_sharded for s in planner.candidates(consenting, current))
+    one_gpu = planner.workload(fp32_config, world_size=1)
+    assert not any(s.accumulate_sharded for s in planner.candidates(one_gpu, current))
+
+    plan = planner.make_plan(fp32_config, gpu_memory=12 * GiB, world_size=4)
+    chosen = plan.chosen.setting
+    assert chosen.accumulate_sharded and chosen.accumulation > 1, plan.table()
+    assert "--set parallelism.accumulate_sharded=true" in plan.table()
+    assert f"x accumulation {chosen.accumulation} sharded" in plan.table()
+    assert planner.apply_plan(fp32_config, plan).parallelism.accumulate_sharded
+
+    tight = plan_config(tmp_path, seq_len=8192, micro_batch=1, parallelism={"strategy": "fsdp"})
+    tight.training.gradient_accumulation_steps = 8
+    with pytest.raises(PlanError) as error:
+        planner.make_plan(tight, gpu_memory=8 * GiB, world_size=2)
+    sharded = estimate(
+        planner.workload(tight, world_size=2),
+        Setting(1, 8, True, True, accumulate_sharded=True),
+    )
+    assert f"parallelism.accumulate_sharded: true, {sharded.peak / GiB:.2f} GiB for that setting" in str(error.value)
+    assert "the shards accumulate in bf16/fp16" in str(error.value)
+
+
 def test_fused_loss_removes_the_logits():
     logits = estimate(bf16_work(LLAMA_1B, 4096, fused_loss=False), Setting(8, 1, True, True))
     fused = estimate(bf16_work(LLAMA_1B, 4096), Setting(8, 1, True, True))
