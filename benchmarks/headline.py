@@ -191,6 +191,7 @@ def collect(out: Path) -> dict:
                 "world_size": summary["world_size"],
                 "micro_batch": training["micro_batch_size"],
                 "accumulation": training["gradient_accumulation_steps"],
+                "accumulate_sharded": summary["config"]["parallelism"].get("accumulate_sharded", False),
                 "checkpointing": training["gradient_checkpointing"],
                 "recompute": recompute_text(training),
                 "final_loss": summary["final_loss"],
@@ -226,7 +227,8 @@ def markdown(report: dict) -> str:
             tps = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "-"
             recompute = r.get("recompute", "on" if r["checkpointing"] else "off")
             lines.append(
-                f"| {r['variant']} | {r['seq']} | {r['micro_batch']} x {r['accumulation']} | "
+                f"| {r['variant']} | {r['seq']} | {r['micro_batch']} x {r['accumulation']}"
+                f"{' sharded' if r.get('accumulate_sharded') else ''} | "
                 f"{recompute} | {tps} | {r['peak_bytes_rank0'] / GiB:.2f} |"
             )
         else:

@@ -15,9 +15,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Text = Annotated[str, StringConstraints(min_length=1)]  # an empty name, path or field is always a mistake
+
+
+def parse_memory(text: str) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '81920MiB', '0.5TB' -> bytes; a bare number is GB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?)?\s*", text)
+    if not match:
+        raise ConfigError(f"GPU memory {text!r}: write a size like 80GB, 80GiB or 81920MiB")
+    value, unit = float(match.group(1)), (match.group(2) or "GB").upper().rstrip("B")
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    return int(value * scale[unit])
 
 
 class Section(BaseModel):
@@ -192,6 +211,18 @@ class TrainingConfig(Section):
         description="auto: the memory planner picks micro-batch (same global batch), gradient checkpointing and "
         "kernels to fit this GPU (see `tigon plan`)",
     )
+    gpu_memory: Text | None = Field(
+        None,
+        description="the GPU memory this run may use per GPU, e.g. 72GiB: the planner plans for it and PyTorch's "
+        "allocator stops there (a GPU shared with another process, or a smaller card's setting); unset: the whole GPU",
+    )
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _gpu_memory_is_a_size(cls, value: str | None) -> str | None:
+        if value is not None and parse_memory(value) <= 0:
+            raise ValueError(f"{value!r} is no memory at all; write a size like 72GiB")
+        return value
 
     @property
     def resolved_fp8_scaling(self) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.config import ConfigError, RunConfig, parse_memory
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -112,6 +112,17 @@ def select_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+def cap_gpu_memory(config: RunConfig, device: torch.device) -> None:
+    """`training.gpu_memory`: PyTorch's allocator on `device` stops there, so the run raises out-of-memory (with
+    the planner's advice) rather than take memory it was not given."""
+    if config.training.gpu_memory is None:
+        return
+    fraction = parse_memory(config.training.gpu_memory) / torch.cuda.get_device_properties(device).total_memory
+    if fraction < 1:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        logger.info("GPU memory capped at %s (training.gpu_memory)", config.training.gpu_memory)
+
+
 def resolve_backend(config: RunConfig, device: torch.device) -> str:
     backend = config.parallelism.backend
     if backend == "auto":
@@ -128,6 +139,7 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
     device = select_device(env)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        cap_gpu_memory(config, device)
     global _owns_process_group
     if config.parallelism.strategy != "ddp" and not env.distributed and not dist.is_initialized():
         # FSDP2 and DeepSpeed shard over a process group even in one process (e.g. to offload to the CPU).

@@ -125,11 +125,10 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime.config import ConfigError, RunConfig, parse_memory
 from tigon.runtime.distributed import DistEnv, shard_ranks
 from tigon.runtime.hub import config_json
 from tigon.runtime.model_types import text_overrides
@@ -1322,23 +1321,20 @@ def _dtype(size: int) -> str:
     return {2: "bf16/fp16", 4: "fp32"}[size]
 
 
-def parse_memory(text: str) -> int:
-    """'80GB' (10^9), '80GiB' (2^30), '81920MiB', '0.5TB' -> bytes; a bare number is GB."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?)?\s*", text)
-    if not match:
-        raise ConfigError(f"GPU memory {text!r}: write a size like 80GB, 80GiB or 81920MiB")
-    value, unit = float(match.group(1)), (match.group(2) or "GB").upper().rstrip("B")
-    scale = {"K": 10**3, "M": 10**6, "G": GB, "T": 10**12, "KI": 2**10, "MI": MiB, "GI": GiB, "TI": 2**40}[unit]
-    return int(value * scale)
-
-
-def detect_gpu_memory() -> int:
-    """Total memory of this process's CUDA device; a clear error without one."""
+def detect_gpu_memory(config: RunConfig | None = None) -> int:
+    """The memory a run may use on this process's CUDA device: the device's, or `training.gpu_memory` where that
+    is less (which needs no device); a clear error where neither is known."""
     import torch
 
+    limit = parse_memory(config.training.gpu_memory) if config is not None and config.training.gpu_memory else None
     if not torch.cuda.is_available():
-        raise ConfigError("no CUDA GPU here to plan for: pass --gpu-memory (e.g. --gpu-memory 80GB)")
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if limit is not None:
+            return limit
+        raise ConfigError(
+            "no CUDA GPU here to plan for: pass --gpu-memory (e.g. --gpu-memory 80GB) or set training.gpu_memory"
+        )
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return total if limit is None else min(total, limit)
 
 
 def make_plan(
@@ -1346,7 +1342,7 @@ def make_plan(
 ) -> Plan:
     """Estimate every candidate setting and choose the fastest that fits; PlanError when none does."""
     work = work or workload(config, world_size)
-    gpu_memory = gpu_memory if gpu_memory is not None else detect_gpu_memory()
+    gpu_memory = gpu_memory if gpu_memory is not None else detect_gpu_memory(config)
     if gpu_memory <= CUDA_CONTEXT:
         raise PlanError(f"GPU memory {_gib(gpu_memory)}: less than the CUDA context alone ({_gib(CUDA_CONTEXT)})")
     budget = int((gpu_memory - CUDA_CONTEXT) * FIT_FRACTION)
@@ -1449,11 +1445,8 @@ class TrainingOutOfMemory(RuntimeError):
 
 def out_of_memory_error(config: RunConfig, error: BaseException) -> TrainingOutOfMemory:
     """The error train() raises in place of torch.OutOfMemoryError: the planner's advice for this GPU."""
-    import torch
-
-    gpu_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     try:
-        advice = oom_advice(config, gpu_memory)
+        advice = oom_advice(config, detect_gpu_memory(config))
     except (ConfigError, OSError, ValueError) as planning:  # the advice must not hide the out-of-memory error
         advice = f"CUDA out of memory ({error}); the planner could not estimate this run: {planning}"
     return TrainingOutOfMemory(advice)

@@ -196,6 +196,8 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
         ("parallelism", "zero_stage", 3, "parallelism.zero_stage is a DeepSpeed setting and strategy is 'ddp'"),
         ("parallelism", "shard_size", 2, "parallelism.shard_size is an FSDP2 setting and strategy is 'ddp'"),
         ("parallelism", "shard_size", "rack", "parallelism.shard_size"),
+        ("training", "gpu_memory", "lots", "training.gpu_memory: Value error, GPU memory 'lots': write a size like"),
+        ("training", "gpu_memory", "0GiB", "training.gpu_memory: Value error, '0GiB' is no memory at all"),
         (
             "parallelism",
             "accumulate_sharded",

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from tests.kernels.helpers import saved_bytes
 from tests.runtime.configs import TINY_MODEL, llama_1b_shape, tiny_config
 from tigon.runtime import cli, planner
-from tigon.runtime.config import parse_config
+from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.planner import GiB, ModelShape, PlanError, Setting, Workload, estimate
 
 TINY = ModelShape.from_hf_config(
@@ -389,6 +389,27 @@ def test_plan_command_prints_the_table(tmp_path, capsys):
     assert "GPU memory 141.00 GiB" in out and "plan: micro-batch" in out and "(current)" in out
     assert cli.main(["plan", str(path), "--gpu-memory", "2GiB"]) == 2
     assert "error: nothing fits in 2.00 GiB" in capsys.readouterr().err
+
+
+def test_training_gpu_memory_is_the_memory_planned_for(tmp_path, capsys):
+    """`training.gpu_memory` is what the planner plans for, on a machine without a GPU too (the whole GPU's memory
+    where that is less); --gpu-memory still wins on the command line."""
+    import yaml
+
+    config = plan_config(tmp_path)
+    config.training.gpu_memory = "20GiB"
+    plan = planner.make_plan(config, world_size=1)
+    assert plan.gpu_memory == 20 * GiB and plan.chosen.peak <= plan.budget
+    assert plan.budget == int((20 * GiB - planner.CUDA_CONTEXT) * planner.FIT_FRACTION)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
+    assert cli.main(["plan", str(path), "--gpus", "1"]) == 0
+    assert "GPU memory 20.00 GiB" in capsys.readouterr().out
+    assert cli.main(["plan", str(path), "--gpus", "1", "--gpu-memory", "40GiB"]) == 0
+    assert "GPU memory 40.00 GiB" in capsys.readouterr().out
+    config.training.gpu_memory = None
+    with pytest.raises(ConfigError, match="no CUDA GPU here to plan for: pass --gpu-memory"):
+        planner.make_plan(config, world_size=1)
 
 
 def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):

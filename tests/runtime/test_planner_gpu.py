@@ -74,6 +74,56 @@ def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_run_stays_within_training_gpu_memory(tmp_path):
+    """`training.gpu_memory` caps PyTorch's allocator: a setting that fits the GPU but not the cap stops with the
+    planner's advice for the capped memory, and the planner's setting for the cap trains within it."""
+    import json
+
+    import torch
+
+    from benchmarks.presets import LLAMA_32_1B
+    from tigon.runtime.config import parse_config
+    from tigon.runtime.planner import TrainingOutOfMemory
+    from tigon.runtime.trainer import train
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": "0123456789 " * 200}) + "\n" for _ in range(40)))
+
+    def config(name: str, plan: str):
+        return parse_config(
+            {
+                "model": {
+                    "config_name": "llama",
+                    "config_overrides": LLAMA_32_1B,
+                    "tokenizer": "char",
+                    "dtype": "bfloat16",
+                },
+                "data": {"train": str(data), "max_seq_len": 2048},
+                "training": {
+                    "max_steps": 2,
+                    "micro_batch_size": 8,
+                    "precision": "bf16",
+                    "gpu_memory": "16GiB",
+                    "plan": plan,
+                },
+                "checkpoint": {"export": False, "resume": False},
+                "logging": {"run_dir": str(tmp_path / name), "tensorboard": False, "progress_bar": False},
+            }
+        )
+
+    try:
+        with pytest.raises(TrainingOutOfMemory) as error:  # about 26 GiB as configured
+            train(config("manual", "manual"))
+        assert "on a 16.00 GiB GPU" in str(error.value) and "The fastest setting that fits is" in str(error.value)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        result = train(config("auto", "auto"))
+        assert len(result.losses) == 2 and result.peak_memory_bytes <= 16 * 2**30, result.peak_memory_bytes
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", list(PREFERENCE_CASES))
 def test_preference_estimate_within_ten_percent_of_the_measured_peak(case):
     """DPO, KTO and ORPO, padded and packed pairs, a frozen reference copy and a precomputed pass (sequence 1024,
