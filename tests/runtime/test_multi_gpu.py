@@ -1,6 +1,7 @@
-"""The torch, HF and Lightning trainers under DDP, FSDP2 (over every GPU, and hybrid: `hsdp`, shard groups of 2
-GPUs, which on 4 GPUs are 2 replicas) and DeepSpeed ZeRO-2/3 on 1, 2, 4 and 8 GPUs over NCCL (marker `gpu`; needs
-2 or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4- and 8-GPU cases need as many):
+"""The torch, HF and Lightning trainers under DDP, FSDP2 (over every GPU; hybrid: `hsdp`, shard groups of 2 GPUs, which
+on 4 GPUs are 2 replicas; `fsdp-sharded`, accumulating the gradients sharded) and DeepSpeed ZeRO-2/3 on 1, 2, 4 and
+8 GPUs over NCCL (marker `gpu`; needs 2 or more GPUs and DeepSpeed, whose wheel travels to the GPU machine; the 4-
+and 8-GPU cases need as many):
 
     python -m pytest -m gpu tests/runtime/test_multi_gpu.py
 
@@ -52,6 +53,7 @@ STRATEGIES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
     "hsdp": {"strategy": "fsdp", "shard_size": 2},  # on 4 GPUs 2 replicas of 2-GPU shard groups; on 2 or 1, fsdp
+    "fsdp-sharded": {"strategy": "fsdp", "accumulate_sharded": True},  # a reduce-scatter every micro-batch
     "zero2": {"strategy": "deepspeed", "zero_stage": 2},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3},
 }

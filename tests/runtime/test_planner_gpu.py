@@ -77,6 +77,7 @@ def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
 def test_a_run_stays_within_training_gpu_memory(tmp_path):
     """`training.gpu_memory` caps PyTorch's allocator: a setting that fits the GPU but not the cap stops with the
     planner's advice for the capped memory, and the planner's setting for the cap trains within it."""
+    import gc
     import json
 
     import torch
@@ -114,7 +115,10 @@ def test_a_run_stays_within_training_gpu_memory(tmp_path):
     try:
         with pytest.raises(TrainingOutOfMemory) as error:  # about 26 GiB as configured
             train(config("manual", "manual"))
-        assert "on a 16.00 GiB GPU" in str(error.value) and "The fastest setting that fits is" in str(error.value)
+        message = str(error.value)
+        del error  # its traceback holds the failed run's model and optimizer
+        gc.collect()
+        assert "on a 16.00 GiB GPU" in message and "The fastest setting that fits is" in message, message
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         result = train(config("auto", "auto"))
