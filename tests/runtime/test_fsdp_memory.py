@@ -32,7 +32,7 @@ MODEL = {
 # dtype under bf16 mixed precision, else its unsharded parameter's own (private attributes: FSDP2 has no public
 # view of them)
 WORKER = """
-import json, sys
+import json, os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -65,7 +65,10 @@ for path in sys.argv[3:]:
     record[config.name] = gradient_bytes(model)
 with open(f"{out}/rank{dist.get_rank()}.json", "w") as file:
     json.dump(record, file)
+dist.barrier()  # no rank leaves while gloo's threads still serve another's collective
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # the record is written: skip interpreter teardown, where gloo's threads can abort a loaded machine
 """
 
 
