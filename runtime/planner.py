@@ -1186,9 +1186,12 @@ def relative_step_time(work: Workload, setting: Setting) -> float:
 def sharded_accumulation_allowed(work: Workload) -> bool:
     """Whether the planner may accumulate FSDP2's gradients sharded: several shards, and float32 weights, whose
     shards accumulate in float32 as the unsharded gradients would, or a config that accumulates sharded already
-    (bf16/fp16 weights accumulate in their own dtype: a change of numerics the planner leaves to the config)."""
-    exact = work.weight_bytes == 4 or work.accumulate_sharded
-    return work.strategy == "fsdp" and work.shards > 1 and exact and not work.cpu_offload
+    (bf16/fp16 weights accumulate in their own dtype: a change of numerics the planner leaves to the config).
+    Under hybrid sharding only where the config says so: every micro-batch would then also all-reduce the shards
+    across the replicas, between nodes, which the time model does not price."""
+    if work.strategy != "fsdp" or work.shards == 1 or work.cpu_offload:
+        return False
+    return work.accumulate_sharded or (work.shards == work.world_size and work.weight_bytes == 4)
 
 
 def candidates(work: Workload, current: Setting) -> list[Setting]:

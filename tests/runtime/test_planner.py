@@ -175,6 +175,10 @@ def test_the_planner_accumulates_sharded_only_where_it_keeps_float32_gradients(t
     assert any(s.accumulate_sharded for s in planner.candidates(consenting, current))
     one_gpu = planner.workload(fp32_config, world_size=1)
     assert not any(s.accumulate_sharded for s in planner.candidates(one_gpu, current))
+    hybrid = dataclasses.replace(fp32, world_size=8, shard_size=4)  # 2 replicas: an all-reduce each micro-batch
+    assert not any(s.accumulate_sharded for s in planner.candidates(hybrid, current))
+    hybrid_consenting = dataclasses.replace(hybrid, accumulate_sharded=True)
+    assert any(s.accumulate_sharded for s in planner.candidates(hybrid_consenting, current))
 
     plan = planner.make_plan(fp32_config, gpu_memory=12 * GiB, world_size=4)
     chosen = plan.chosen.setting
