@@ -1229,6 +1229,7 @@ class Plan:
     gpu_memory: int
     work: Workload
     alternatives: list[Estimate]
+    limited: bool = False  # gpu_memory is the config's training.gpu_memory, less than the GPU's
 
     def table(self) -> str:
         """A readable table: the plan first, then each alternative, fitting or not."""
@@ -1240,7 +1241,8 @@ class Plan:
             f"sequence {w.seq_len}{_rows_text(w)}, weights {_dtype(w.weight_bytes)}, compute "
             f"{_dtype(w.compute_bytes)}, attention {w.attention}, {w.strategy} x {w.world_size}{_groups_text(w)}, "
             "loss from " + _loss_text(w),
-            f"GPU memory {_gib(self.gpu_memory)}, budget {_gib(self.budget)} "
+            f"GPU memory {_gib(self.gpu_memory)}{' (training.gpu_memory)' if self.limited else ''}, budget "
+            f"{_gib(self.budget)} "
             f"({FIT_FRACTION:.0%} of it less {_gib(CUDA_CONTEXT)} CUDA context)",
             "",
             f"{'':2}{'micro':>5} {'accum':>{accum_width}} {'ckpt':>16} {'kernels':>7} {'estimate':>10} {'fits':>4} "
@@ -1345,7 +1347,9 @@ def make_plan(
 ) -> Plan:
     """Estimate every candidate setting and choose the fastest that fits; PlanError when none does."""
     work = work or workload(config, world_size)
+    limited = gpu_memory is None and config.training.gpu_memory is not None
     gpu_memory = gpu_memory if gpu_memory is not None else detect_gpu_memory(config)
+    limited = limited and gpu_memory == parse_memory(config.training.gpu_memory)
     if gpu_memory <= CUDA_CONTEXT:
         raise PlanError(f"GPU memory {_gib(gpu_memory)}: less than the CUDA context alone ({_gib(CUDA_CONTEXT)})")
     budget = int((gpu_memory - CUDA_CONTEXT) * FIT_FRACTION)
@@ -1367,7 +1371,7 @@ def make_plan(
         )
     chosen = min(fitting, key=lambda e: (relative_step_time(work, e.setting), e.peak))
     current_estimate = next(item for item in alternatives if item.setting == current)
-    return Plan(chosen, current_estimate, budget, gpu_memory, work, alternatives)
+    return Plan(chosen, current_estimate, budget, gpu_memory, work, alternatives, limited)
 
 
 def sharded_accumulation_hint(work: Workload, smallest: Estimate) -> str:
@@ -1419,9 +1423,15 @@ def oom_advice(config: RunConfig, gpu_memory: int, world_size: int | None = None
     """What to change after a CUDA out-of-memory error: the planner's setting for this GPU, as config keys."""
     work = workload(config, world_size)
     current = estimate(work, setting_of(config))
+    limit = config.training.gpu_memory
+    where = (
+        f"within {_gib(gpu_memory)} of GPU memory (training.gpu_memory)"
+        if limit is not None and gpu_memory == parse_memory(limit)
+        else f"on a {_gib(gpu_memory)} GPU"
+    )
     head = (
         f"CUDA out of memory: the planner estimates this run's peak at {_gib(current.peak)} per GPU "
-        f"({setting_of(config).describe()}) on a {_gib(gpu_memory)} GPU."
+        f"({setting_of(config).describe()}) {where}."
     )
     try:
         plan = make_plan(config, gpu_memory, world_size, work)

@@ -405,12 +405,14 @@ def test_training_gpu_memory_is_the_memory_planned_for(tmp_path, capsys):
     plan = planner.make_plan(config, world_size=1)
     assert plan.gpu_memory == 20 * GiB and plan.chosen.peak <= plan.budget
     assert plan.budget == int((20 * GiB - planner.CUDA_CONTEXT) * planner.FIT_FRACTION)
+    advice = planner.oom_advice(config, gpu_memory=20 * GiB, world_size=1)
+    assert "within 20.00 GiB of GPU memory (training.gpu_memory)" in advice
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpus", "1"]) == 0
-    assert "GPU memory 20.00 GiB" in capsys.readouterr().out
+    assert "GPU memory 20.00 GiB (training.gpu_memory), budget" in capsys.readouterr().out
     assert cli.main(["plan", str(path), "--gpus", "1", "--gpu-memory", "40GiB"]) == 0
-    assert "GPU memory 40.00 GiB" in capsys.readouterr().out
+    assert "GPU memory 40.00 GiB, budget" in capsys.readouterr().out
     config.training.gpu_memory = None
     with pytest.raises(ConfigError, match="no CUDA GPU here to plan for: pass --gpu-memory"):
         planner.make_plan(config, world_size=1)

@@ -118,7 +118,8 @@ def test_a_run_stays_within_training_gpu_memory(tmp_path):
         message = str(error.value)
         del error  # its traceback holds the failed run's model and optimizer
         gc.collect()
-        assert "on a 16.00 GiB GPU" in message and "The fastest setting that fits is" in message, message
+        assert "within 16.00 GiB of GPU memory (training.gpu_memory)" in message, message
+        assert "The fastest setting that fits is" in message, message
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         result = train(config("auto", "auto"))
