@@ -6,14 +6,10 @@ gradient when the reduce-scatter waits for the step's last micro-batch, only its
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from transformers import LlamaConfig
 
 from tests.runtime.configs import tiny_config
-from tests.runtime.worker_groups import worker_env, write_configs
+from tests.runtime.worker_groups import launch_worker
 from tigon.runtime import planner
 from tigon.runtime.planner import ModelShape, Setting
 
@@ -84,20 +80,7 @@ def test_the_planner_counts_the_gradients_fsdp2_holds_between_micro_batches(tmp_
         for precision in ("fp32", "bf16")
         for kind in ("whole", "sharded")
     }
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    files = write_configs(tmp_path / "configs", configs)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    done = subprocess.run(
-        [*command, str(worker), str(tmp_path), json.dumps(MODEL), *files],
-        cwd=tmp_path,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    held = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    held = launch_worker(tmp_path, WORKER, ranks, MODEL, configs)
 
     shape = ModelShape.from_hf_config(LlamaConfig(**MODEL))
     for precision in ("fp32", "bf16"):

@@ -9,16 +9,13 @@ bookkeeping scalars (`allocations.SCALAR_BYTES`: step counts, the gradient norm,
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import pytest
 from transformers import LlamaConfig
 
 from tests.runtime.allocations import SCALAR_BYTES
 from tests.runtime.configs import llama_1b_shape, tiny_config
-from tests.runtime.worker_groups import worker_env, write_configs
+from tests.runtime.worker_groups import launch_worker
 from tigon.runtime import planner
 from tigon.runtime.planner import ModelShape
 
@@ -82,20 +79,7 @@ def run_ranks(tmp_path, ranks: int) -> tuple[list[dict], dict]:
         )
         for stage in STAGES
     }
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    files = write_configs(tmp_path / "configs", configs)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    done = subprocess.run(
-        [*command, str(worker), str(tmp_path), json.dumps(MODEL), *files],
-        cwd=tmp_path,
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+    records = launch_worker(tmp_path, WORKER, ranks, MODEL, configs)
     return records, configs
 
 

@@ -79,6 +79,25 @@ def write_configs(directory: Path, configs: dict[str, object]) -> list[str]:
     return files
 
 
+def launch_worker(tmp_path: Path, source: str, ranks: int, model: dict, configs: dict[str, object]) -> list[dict]:
+    """Run the worker script `source` on `ranks` gloo processes with `model` (a config dict, as JSON) and the
+    `configs`' files as arguments; each rank's record, which the script writes to `tmp_path/rank<R>.json`."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(source)
+    files = write_configs(tmp_path / "configs", configs)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+    done = subprocess.run(
+        [*command, str(worker), str(tmp_path), json.dumps(model), *files],
+        cwd=tmp_path,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
 def launch(
     tmp_path: Path,
     configs: dict[str, object],
