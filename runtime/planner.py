@@ -1342,14 +1342,19 @@ def detect_gpu_memory(config: RunConfig | None = None) -> int:
     return total if limit is None else min(total, limit)
 
 
+def is_memory_limit(config: RunConfig, gpu_memory: int) -> bool:
+    """Whether `gpu_memory` is the run's `training.gpu_memory` (less than the GPU's own)."""
+    return config.training.gpu_memory is not None and gpu_memory == parse_memory(config.training.gpu_memory)
+
+
 def make_plan(
     config: RunConfig, gpu_memory: int | None = None, world_size: int | None = None, work: Workload | None = None
 ) -> Plan:
     """Estimate every candidate setting and choose the fastest that fits; PlanError when none does."""
     work = work or workload(config, world_size)
-    limited = gpu_memory is None and config.training.gpu_memory is not None
-    gpu_memory = gpu_memory if gpu_memory is not None else detect_gpu_memory(config)
-    limited = limited and gpu_memory == parse_memory(config.training.gpu_memory)
+    detected = gpu_memory is None
+    gpu_memory = detect_gpu_memory(config) if detected else gpu_memory
+    limited = detected and is_memory_limit(config, gpu_memory)
     if gpu_memory <= CUDA_CONTEXT:
         raise PlanError(f"GPU memory {_gib(gpu_memory)}: less than the CUDA context alone ({_gib(CUDA_CONTEXT)})")
     budget = int((gpu_memory - CUDA_CONTEXT) * FIT_FRACTION)
@@ -1423,10 +1428,9 @@ def oom_advice(config: RunConfig, gpu_memory: int, world_size: int | None = None
     """What to change after a CUDA out-of-memory error: the planner's setting for this GPU, as config keys."""
     work = workload(config, world_size)
     current = estimate(work, setting_of(config))
-    limit = config.training.gpu_memory
     where = (
         f"within {_gib(gpu_memory)} of GPU memory (training.gpu_memory)"
-        if limit is not None and gpu_memory == parse_memory(limit)
+        if is_memory_limit(config, gpu_memory)
         else f"on a {_gib(gpu_memory)} GPU"
     )
     head = (
