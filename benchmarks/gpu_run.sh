@@ -14,7 +14,8 @@
 #   [adapter-tests (the HF Trainer and Lightning adapters on one GPU: strategies and objectives)] [multi-gpu-tests (4 GPUs: the three trainers
 #   under DDP, FSDP2 and ZeRO-2/3 on 1, 2 and 4 GPUs, a killed rank; TEST_LIMIT seconds)] [scaling (benchmarks/scaling.sh)]
 #   [recompute-curve (tokens/s against peak memory for each of RECOMPUTE_LAYERS: N layers checkpointed whole, sM selective,
-#   N+sM both; and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b, E2E_MICRO)]
+#   N+sM both; and Liger-Kernel with checkpointing on and off; E2E_SHAPE=llama-3-8b, E2E_MICRO; E2E_TIGON_FLAGS="--compile
+#   --precision fp8": tigon's runs compiled, in FP8)]
 #   [e2e-qlora (Llama-3-8B QLoRA on one GPU: HF + peft, + Liger-Kernel, tigon, the planner; carry .whl-qlora: bitsandbytes, peft)]
 #   [flyte-gpu (pyflyte run of the workflow on every GPU, a killed worker; carry .whl-flyte too)]
 #   [trl (benchmarks/trl_integration.py: TRL's DPOTrainer and SFTTrainer alone, with Liger-Kernel and with use_tigon;
@@ -84,7 +85,7 @@ for step in "$@"; do
           *+s*) ckpt=(--checkpoint-layers "${layers%%+*}" --selective-layers "${layers##*+s}") ;;
           *) ckpt=(--checkpoint-layers "$layers") ;;
         esac
-        python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon "${ckpt[@]}" --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
+        python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants tigon "${ckpt[@]}" ${E2E_TIGON_FLAGS:-} --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-$layers.json" 2>&1 | grep -E "tokens/s|memory|failed"
       done
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-on.json" 2>&1 | grep -E "tokens/s|memory|failed"
       python3 -m benchmarks.end_to_end --family llama ${E2E_SHAPE:+--shape $E2E_SHAPE} --variants liger --no-checkpointing --seqs 4096 --micro-batch "${E2E_MICRO:-8}" --steps 4 --warmup 2 --out "$out/recompute-liger-off.json" 2>&1 | grep -E "tokens/s|memory|failed"

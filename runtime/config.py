@@ -245,11 +245,6 @@ class TrainingConfig(Section):
                 "layer is left to recompute selectively; set training.checkpoint_layers to the layers that recompute "
                 "whole, or selective_layers: 0"
             )
-        if self.compile:
-            raise ValueError(
-                "training.selective_layers with training.compile: compiled layers choose their own recomputation; "
-                "set compile: false or selective_layers: 0"
-            )
         return self
 
 

@@ -332,7 +332,7 @@ def enable_selective_layers(model: nn.Module, training: TrainingConfig) -> None:
     check_model(model)
     layers = required_layers(model, "training.selective_layers", "set training.selective_layers: 0")
     first = training.checkpoint_layers if training.gradient_checkpointing else 0
-    count = enable_selective_recomputation(layers[first : first + training.selective_layers])
+    count = enable_selective_recomputation(layers[first : first + training.selective_layers], training.compile)
     logger.info("selective recomputation: %d decoder layers keep their matmul and attention outputs", count)
 
 

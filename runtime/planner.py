@@ -739,9 +739,9 @@ def selective_layer_bytes(work: Workload) -> float:
 
 
 def selective_allowed(work: Workload) -> bool:
-    """Whether the run's layers can recompute selectively (dense layers, one attention kernel, no 4-bit base, no
-    compile; see `tigon.runtime.recompute`)."""
-    refused = work.shape.moe or work.quantized_bytes or work.compiled
+    """Whether the run's layers can recompute selectively (dense layers, one attention kernel, no 4-bit base; see
+    `tigon.runtime.recompute`)."""
+    refused = work.shape.moe or work.quantized_bytes
     return not refused and work.attention not in ("eager", "flex_attention")
 
 

@@ -15,6 +15,11 @@ matrix products are recognized while one of them runs, through forward hooks. At
 name (SDPA's, PyTorch's varlen and flash-attention's ops), so eager and flex attention, which are not one op, are
 refused, as are MoE layers (their experts run inside one op) and 4-bit base weights (their matmul is
 bitsandbytes' own).
+
+A compiled layer (`training.compile`, and so FP8) checkpoints inside its compiled forward, where hooks do not run
+while the graph is traced: its policy keeps every matrix product's output (FP8's `_scaled_mm` too) and attention's,
+and AOTAutograd's partitioner saves only those the backward reads. down_proj's output is read by nothing, so such a
+layer keeps what an eager one keeps.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ KEPT_PROJECTIONS = frozenset(
     {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "o_proj", "gate_proj", "up_proj", "gate_up_proj"}
 )
 MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+COMPILED_KEPT = MATMULS | {torch.ops.aten._scaled_mm.default}
 ATTENTION_WORDS = ("attention", "attn")
 REFUSED_ATTENTION = {"eager", "flex_attention"}
 
@@ -73,6 +79,29 @@ def selective_contexts(projections: KeptProjections):
     return create_selective_checkpoint_contexts(policy(projections))
 
 
+def compiled_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The policy of a compiled layer: keep every matrix product's and attention's output, recompute the rest."""
+    if op in COMPILED_KEPT or is_attention(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_contexts():
+    """`checkpoint`'s context_fn inside a compiled layer."""
+    return create_selective_checkpoint_contexts(compiled_policy)
+
+
+def checkpointed_forward(forward):
+    """`forward` checkpointed under the compiled policy: set as the layer's own forward before it is compiled, so
+    the checkpoint is traced into the layer's graph (transformers' own checkpointing may sit outside it)."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=compiled_contexts)
+
+    return run
+
+
 def kept_projections(layer: nn.Module) -> list[nn.Linear]:
     """The layer's Linear layers whose outputs a selective layer keeps (a LoRA projection's base layer)."""
     found = []
@@ -101,8 +130,9 @@ def check_model(model: nn.Module) -> None:
         )
 
 
-def enable_selective_recomputation(layers: list[nn.Module]) -> int:
-    """Checkpoint `layers` selectively (see the module doc); returns how many."""
+def enable_selective_recomputation(layers: list[nn.Module], compiled: bool = False) -> int:
+    """Checkpoint `layers` selectively (see the module doc), for compiling them afterwards when `compiled`;
+    returns how many."""
     for layer in layers:
         projections = KeptProjections()
         kept = kept_projections(layer)
@@ -111,6 +141,9 @@ def enable_selective_recomputation(layers: list[nn.Module]) -> int:
                 f"training.selective_layers: {type(layer).__name__} has none of the projections selective "
                 f"recomputation keeps ({', '.join(sorted(KEPT_PROJECTIONS))}); use gradient_checkpointing instead"
             )
+        if compiled:
+            layer.forward = checkpointed_forward(layer.forward)
+            continue
         for module in kept:
             module.register_forward_pre_hook(projections.enter)
             module.register_forward_hook(projections.leave)

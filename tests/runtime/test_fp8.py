@@ -80,18 +80,35 @@ def test_fp8_trains_within_tolerance_of_bf16(tmp_path, scaling):
     assert fp8.losses[-1] < fp8.losses[0] * 0.8  # and it learns
 
 
+def test_fp8_with_selective_layers_trains_as_without_recomputation(tmp_path):
+    """Both layers selective: the backward recomputes the FP8 casts of the kept outputs' consumers from the same
+    values, so the losses equal the run that keeps everything."""
+    sections = dict(eval={"metrics": []})
+    plain = train(tiny_config(tmp_path / "plain", training=FP8, **sections))
+    selective = train(tiny_config(tmp_path / "selective", training={**FP8, "selective_layers": 2}, **sections))
+    assert selective.losses == plain.losses
+
+
 def test_fp8_under_fsdp2_matches_one_process(tmp_path):
     """2 ranks over gloo, FP8 all-gather of the weights (tensorwise) and the scales precomputed after each step,
-    against one fp8 process with the whole micro-batch."""
+    with and without selective layers (whose recomputation reads the weights FSDP2 gathers again), against one
+    fp8 process with the whole micro-batch."""
     training = {**FP8, "micro_batch_size": 2}
+    fsdp = {"strategy": "fsdp"}
     runs = launch(
         tmp_path,
-        {"fsdp": resumable_config(tmp_path, "fsdp", 4, False, training=training, parallelism={"strategy": "fsdp"})},
+        {
+            "fsdp": resumable_config(tmp_path, "fsdp", 4, False, training=training, parallelism=fsdp),
+            "fsdp-selective": resumable_config(
+                tmp_path, "fsdp-selective", 4, False, training={**training, "selective_layers": 2}, parallelism=fsdp
+            ),
+        },
     )
     single = train(resumable_config(tmp_path, "single", 4, False, training={**FP8, "micro_batch_size": 4}))
-    worst = worst_relative(runs["fsdp"]["losses"], single.losses)
-    print(f"fsdp fp8: worst relative loss difference to one process {worst:.2e}")
-    assert worst < FSDP_TOLERANCE, (runs["fsdp"]["losses"], single.losses)
+    for name, run in runs.items():
+        worst = worst_relative(run["losses"], single.losses)
+        print(f"{name} fp8: worst relative loss difference to one process {worst:.2e}")
+        assert worst < FSDP_TOLERANCE, (name, run["losses"], single.losses)
 
 
 def test_fp8_under_fsdp2_casts_weights_before_the_all_gather(tmp_path):

@@ -432,12 +432,16 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     assert "plan: micro-batch 1 x accumulation 8, checkpointing 12 selective, kernels on" in out
     assert "--set training.selective_layers=12" in out and "gradient_checkpointing" not in out.splitlines()[-1]
     assert len(out.splitlines()) < 40  # the table shows the fastest partial setting that fits, not every count
-    config.training.compile = True  # compiled layers recompute whole layers or none
+    config.training.compile = True  # compiled layers recompute selectively too
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0
+    assert "plan: micro-batch 1 x accumulation 8, checkpointing 12 selective, kernels on" in capsys.readouterr().out
+    config.model.attn_implementation = "eager"  # not one kernel whose output a layer can keep
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
+    assert cli.main(["plan", str(path), "--gpu-memory", "32GiB", "--gpus", "1"]) == 0
     out = capsys.readouterr().out
-    assert "plan: micro-batch 1 x accumulation 8, checkpointing 6 layers, kernels on" in out
-    assert "selective" not in out
+    assert "checkpointing" in out and "selective" not in out
+    config.model.attn_implementation = "sdpa"
     config.training.compile = False
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "141GiB", "--gpus", "1"]) == 0

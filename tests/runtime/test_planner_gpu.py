@@ -40,6 +40,46 @@ def test_estimate_within_ten_percent_of_the_measured_peak(variant, checkpointing
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_compiled_selective_layers_keep_what_the_planner_counts(precision):
+    """Compiled layers (Inductor), every one selective, against the same compiled run keeping everything. The
+    selective estimate is within ten percent of the measured peak in bf16 and FP8: the partitioner saves what the
+    policy keeps and no more. Keeping everything, bf16's is within ten percent too, and FP8's an upper bound: the
+    compiled FP8 layers save their Linear layers' inputs as FP8, which the planner counts as bf16."""
+    peaks, estimates = {}, {}
+    everything, selective = 0, SMALL_LLAMA["num_hidden_layers"]
+    for count in (everything, selective):
+        spec = {
+            "shape": SMALL_LLAMA,
+            "variant": "tigon",
+            "seq": 2048,
+            "micro_batch": 4,
+            "checkpointing": False,
+            "selective_layers": count,
+            "compile": True,
+            "precision": precision,
+            "steps": 2,
+            "warmup": 1,
+            "gpu_memory": None,
+        }
+        result = run_in_subprocess(spec, timeout=600)
+        assert not result["oom"], result
+        peaks[count], estimates[count] = result["peak_bytes"], result["estimate_bytes"]
+        print(
+            f"compiled {precision}, {count} selective: estimate {estimates[count] / 2**30:.3f} GiB, "
+            f"measured {peaks[count] / 2**30:.3f} GiB"
+        )
+    assert abs(estimates[selective] - peaks[selective]) <= 0.10 * peaks[selective]
+    assert peaks[selective] < peaks[everything]
+    if precision == "bf16":
+        assert abs(estimates[everything] - peaks[everything]) <= 0.10 * peaks[everything]
+        freed, counted = peaks[everything] - peaks[selective], estimates[everything] - estimates[selective]
+        assert freed >= 0.9 * counted, (freed, counted)
+    else:
+        assert peaks[everything] <= estimates[everything]
+
+
+@pytest.mark.gpu
 def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
     """A Llama-3.2-1B-shaped run far past the GPU's memory: train() raises the planner's advice, not a bare OOM."""
     import json

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.runtime.configs import resumable_config, tiny_config
+from tests.runtime.configs import COMPILED, resumable_config, tiny_config
 from tests.runtime.worker_groups import RELATIVE_TOLERANCE, launch, worst_relative
 from tigon.kernels.patching import apply
 from tigon.runtime import planner, recompute
@@ -99,6 +99,55 @@ def test_a_selective_layer_keeps_what_the_planner_counts(kernels, caches):
     assert sum(storages.values()) + layer_input == planner.selective_layer_bytes(work) * 3 * 16
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_compiled_selective_layer_keeps_what_the_planner_counts(kernels):
+    """Compiled, the layer's graph saves through autograd's saved-tensor hooks: the same outputs as the eager layer
+    (down_proj's is kept by the policy and read by nothing, so not saved), its input, and RoPE's cos and sin,
+    which every layer shares."""
+    torch._dynamo.reset()
+    model = tiny_llama(kernels).to(torch.bfloat16)
+    layers = checkpointable_layers(model)
+    recompute.enable_selective_recomputation(layers, compiled=True)
+    layers[0].compile(backend="aot_eager")
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, 97, (3, 16))
+    hidden = model.model.embed_tokens(ids)
+    positions = torch.arange(16)[None]
+    cos_sin = model.model.rotary_emb(hidden, positions)
+    saved = {}
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layers[0](hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+    torch._dynamo.reset()
+    activations = [nbytes for pointer, nbytes in saved.items() if pointer not in weights]
+    assert len(activations) == 8 + 1 + 2
+    work = Workload(ModelShape.from_hf_config(LLAMA), 16, 2, 2, autocast=False, attention="sdpa")
+    shared = sum(t.untyped_storage().nbytes() for t in cos_sin)
+    assert sum(activations) - shared == planner.selective_layer_bytes(work) * 3 * 16
+
+
+def test_compiled_selective_layers_train_as_compiled_layers_without_checkpointing(tmp_path, monkeypatch):
+    """Layer 0 whole, layer 1 selective, both compiled with the kernels inside: the recomputation repeats the
+    compiled graph's ops on the same inputs, so the losses equal the run that keeps everything."""
+    torch._dynamo.reset()
+    decided = []
+    policy = recompute.compiled_policy
+    monkeypatch.setattr(recompute, "compiled_policy", lambda ctx, op, *a, **k: decided.append(op) or policy(ctx, op))
+    training = {"max_steps": 3, "micro_batch_size": 2, **COMPILED}
+    sections = dict(kernels={"enabled": True, "fused_linear_cross_entropy": False}, eval={"metrics": []})
+    plain = train(tiny_config(tmp_path / "plain", training=training, **sections))
+    mixed = {**training, "gradient_checkpointing": True, "checkpoint_layers": 1, "selective_layers": 1}
+    assert decided == []
+    run = train(tiny_config(tmp_path / "mixed", training=mixed, **sections))
+    torch._dynamo.reset()
+    assert torch.ops.aten.mm.default in decided  # the policy ran while the layer's graph was traced
+    assert run.losses == plain.losses
+
+
 def test_selective_lora_layers_keep_the_base_projections_only(tmp_path):
     """With LoRA the base layer's output is kept and the adapters recompute: the same bytes as without LoRA, and
     the same losses as without checkpointing."""
@@ -166,7 +215,6 @@ def test_selective_layers_under_ddp_fsdp2_and_zero3_match_one_process(tmp_path):
             {"training": {"gradient_checkpointing": True, "selective_layers": 2}},
             "gradient_checkpointing on every layer: no layer is left .*set training.checkpoint_layers",
         ),
-        ({"training": {"compile": True, "selective_layers": 2}}, "with training.compile: .*set compile: false"),
         (
             {"training": {"selective_layers": 2}, "lora": {"enabled": True, "quantize_base": "nf4"}},
             "with lora.quantize_base: .*use gradient_checkpointing instead",
