@@ -97,7 +97,9 @@ def checkpointed_forward(forward):
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=compiled_contexts)
+        return checkpoint(
+            functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=compiled_contexts
+        )
 
     return run
 
