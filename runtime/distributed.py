@@ -195,6 +195,14 @@ def wait_for_idle_process_groups() -> None:
         dist.barrier(group=group)
 
 
+def report_failure(error: BaseException) -> None:
+    """Log a rank's failure before it leaves the process group: leaving waits for the other ranks, which may sit in
+    a collective that this rank will never join, so the error would otherwise show only once they time out."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.strip() not in ("", "1"):  # read as is: the error being reported may be about these variables
+        logger.error("rank %s of %s failed: %s", os.environ.get("RANK", "?"), world_size, error)
+
+
 def shutdown() -> None:
     """Leave the process group if `init_distributed` created it (a caller's own group is left alone)."""
     global _owns_process_group

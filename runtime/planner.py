@@ -404,6 +404,7 @@ class Workload:
         return dataclasses.replace(self, seq_len=self.tokens(micro_batch), packed_rows=False)
 
     compiled: bool = False  # training.compile: compiled layers run tigon's gated activations out of place
+    fp8: bool = False  # training.precision fp8: the decoder's Linear layers in FP8 (compiled)
 
     @property
     def linear_params(self) -> int:
@@ -538,6 +539,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         packed_rows=objective.preference and config.data.packing,
         reference_pass=objective.preference and objective.reference_source == "precomputed",
         compiled=config.training.compile,
+        fp8=config.training.precision == "fp8",
     )
 
 
@@ -739,9 +741,10 @@ def selective_layer_bytes(work: Workload) -> float:
 
 
 def selective_allowed(work: Workload) -> bool:
-    """Whether the run's layers can recompute selectively (dense layers, one attention kernel, no 4-bit base; see
-    `tigon.runtime.recompute`)."""
-    refused = work.shape.moe or work.quantized_bytes
+    """Whether the planner offers selective layers (dense layers, one attention kernel, no 4-bit base; see
+    `tigon.runtime.recompute`). Not under FP8, whose backward's FP8 buffers the estimate does not count: such a
+    run sets `training.selective_layers` itself."""
+    refused = work.shape.moe or work.quantized_bytes or work.fp8
     return not refused and work.attention not in ("eager", "flex_attention")
 
 

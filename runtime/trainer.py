@@ -19,7 +19,7 @@ import torch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import planner, storage
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import env_from_environ, shutdown, wait_for_idle_process_groups
+from tigon.runtime.distributed import env_from_environ, report_failure, shutdown, wait_for_idle_process_groups
 from tigon.runtime.hf_trainer import train_with_hf
 from tigon.runtime.lightning_trainer import train_with_lightning
 from tigon.runtime.lock import RunDirLock
@@ -54,7 +54,12 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
         wait_for_idle_process_groups()  # a run, or the process, that follows meets idle gloo threads
         return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
-        raise planner.out_of_memory_error(config, error) from error
+        advice = planner.out_of_memory_error(config, error)
+        report_failure(advice)
+        raise advice from error
+    except Exception as error:
+        report_failure(error)
+        raise
     finally:
         torch.nn.functional.linear = functional_linear
         shutdown()
