@@ -196,18 +196,28 @@ def wait_for_idle_process_groups() -> None:
 
 
 def report_failure(error: BaseException) -> None:
-    """Log a rank's failure before it leaves the process group: leaving waits for the other ranks, which may sit in
-    a collective that this rank will never join, so the error would otherwise show only once they time out."""
+    """Log a rank's failure before it leaves the process group (`shutdown`), so the error is in the log however the
+    other ranks, which may sit in a collective this rank will never join, come to an end."""
     world_size = os.environ.get("WORLD_SIZE", "1")
     if world_size.strip() not in ("", "1"):  # read as is: the error being reported may be about these variables
         logger.error("rank %s of %s failed: %s", os.environ.get("RANK", "?"), world_size, error)
 
 
-def shutdown() -> None:
-    """Leave the process group if `init_distributed` created it (a caller's own group is left alone)."""
+def shutdown(failed: bool = False) -> None:
+    """Leave the process group if `init_distributed` created it (a caller's own group is left alone).
+
+    After a failure on this rank an NCCL group is aborted instead: destroying it waits for the collectives this
+    rank had queued, which the other ranks will never match, so the process would hang until NCCL's timeout
+    instead of exiting and letting torchrun stop the job. torch's abort is `_abort_process_group` (experimental,
+    NCCL only); other backends' groups are destroyed."""
     global _owns_process_group
     if _owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+        if failed and dist.get_backend() == "nccl":
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _owns_process_group = False
     while _added_environ:
         os.environ.pop(_added_environ.pop(), None)

@@ -40,6 +40,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     main = env_from_environ().is_main
     lock = RunDirLock(config.logging.run_dir).acquire() if main else None  # one run per run directory
     lease = None
+    failed = False
     try:
         if main:
             if config.checkpoint.remote_dir:  # and per object-store prefix
@@ -54,15 +55,17 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
         wait_for_idle_process_groups()  # a run, or the process, that follows meets idle gloo threads
         return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
+        failed = True
         advice = planner.out_of_memory_error(config, error)
         report_failure(advice)
         raise advice from error
     except Exception as error:
+        failed = True
         report_failure(error)
         raise
     finally:
         torch.nn.functional.linear = functional_linear
-        shutdown()
+        shutdown(failed)
         if lease is not None:
             lease.release()
         if lock is not None:
