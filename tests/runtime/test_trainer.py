@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -442,3 +443,24 @@ def test_a_failing_rank_logs_its_error_before_leaving_the_process_group(monkeypa
         monkeypatch.setenv("RANK", "1")
         report_failure(torch.OutOfMemoryError("CUDA out of memory"))
     assert [record.getMessage() for record in caplog.records] == ["rank 1 of 2 failed: CUDA out of memory"]
+
+
+def test_a_rank_that_fails_mid_run_ends_the_job_with_its_error(tmp_path):
+    """2 ranks over gloo; rank 1's third optimizer step raises (benchmarks/rank_fault) while rank 0 goes on into
+    the next step: the job ends, non-zero, with rank 1's error logged by the runtime before it left the group."""
+    import yaml
+
+    config = tiny_config(tmp_path, training={"micro_batch_size": 2, "max_steps": 6}, eval={"metrics": []})
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    fault = str(Path(__file__).resolve().parents[2] / "benchmarks" / "rank_fault")
+    env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3")
+    env["PYTHONPATH"] = f"{fault}{os.pathsep}{env['PYTHONPATH']}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command += ["-m", "tigon.runtime", "train", str(config_file)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "rank 1 of 2 failed: injected fault on rank 1 at optimizer step 3" in output, output[-3000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics if '"loss"' in line] == [1, 2]  # the steps before it
