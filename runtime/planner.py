@@ -604,6 +604,12 @@ class Estimate:
     moments: dict[str, int] = field(default_factory=dict)  # every moment's total
 
 
+def linear_input_bytes(work: Workload) -> int:
+    """Bytes per element of a saved Linear layer's input: the compute dtype's, or one under FP8, whose compiled
+    layers keep the FP8 cast their matmul's backward reads instead of the bf16 input."""
+    return 1 if work.fp8 else work.compute_bytes
+
+
 def _saves_input(work: Workload, name: str) -> bool:
     """Whether a projection's input itself is saved: its weight trains, or its LoRA adapter reads it without a
     copy (an adapter's own copy counts in `_adapter_bytes`)."""
@@ -679,7 +685,8 @@ def attention_bytes(work: Workload) -> float:
     """Bytes per token one attention block saves: q/k/v input, the attention kernel's, o_proj's input."""
     s, c = work.shape, work.compute_bytes
     h, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    total = c * h if any(_saves_input(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
+    x = linear_input_bytes(work)
+    total = x * h if any(_saves_input(work, n) for n in ("q_proj", "k_proj", "v_proj")) else 0
     if work.attention in UNMASKED:
         total += c * (2 * q + 2 * kv) + 4 * s.heads  # o_proj reads the kernel's output itself
     else:
@@ -700,10 +707,10 @@ def eager_scores_bytes(work: Workload) -> float:
 
 def mlp_bytes(work: Workload, kernels: bool) -> float:
     """Bytes per token one gated MLP saves: its input, gate/up (and SiLU's output, eager), down_proj's input."""
-    c, h, i = work.compute_bytes, work.shape.hidden, work.shape.intermediate
-    total = c * h if any(_saves_input(work, n) for n in ("gate_proj", "up_proj")) else 0
+    c, h, i, x = work.compute_bytes, work.shape.hidden, work.shape.intermediate, linear_input_bytes(work)
+    total = x * h if any(_saves_input(work, n) for n in ("gate_proj", "up_proj")) else 0
     total += c * i * (2 if kernels else 3)
-    total += c * i if _saves_input(work, "down_proj") else 0
+    total += x * i if _saves_input(work, "down_proj") else 0
     return total + _adapter_bytes(work, ("gate_proj", "up_proj", "down_proj"))
 
 

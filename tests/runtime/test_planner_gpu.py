@@ -42,10 +42,10 @@ def test_estimate_within_ten_percent_of_the_measured_peak(variant, checkpointing
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_compiled_selective_layers_keep_what_the_planner_counts(precision):
-    """Compiled layers (Inductor), every one selective, against the same compiled run keeping everything. The
-    selective estimate is within ten percent of the measured peak in bf16 and FP8: the partitioner saves what the
-    policy keeps and no more. Keeping everything, bf16's is within ten percent too, and FP8's an upper bound: the
-    compiled FP8 layers save their Linear layers' inputs as FP8, which the planner counts as bf16."""
+    """Compiled layers (Inductor), every one selective, against the same compiled run keeping everything, in bf16
+    and FP8 (whose compiled layers keep their Linear layers' inputs as FP8 casts, `linear_input_bytes`): both
+    estimates within ten percent of the measured peaks, and the memory the selective layers free at least 90% of
+    what the planner counts (the partitioner saves what the policy keeps and no more)."""
     peaks, estimates = {}, {}
     everything, selective = 0, SMALL_LLAMA["num_hidden_layers"]
     for count in (everything, selective):
@@ -69,14 +69,10 @@ def test_compiled_selective_layers_keep_what_the_planner_counts(precision):
             f"compiled {precision}, {count} selective: estimate {estimates[count] / 2**30:.3f} GiB, "
             f"measured {peaks[count] / 2**30:.3f} GiB"
         )
-    assert abs(estimates[selective] - peaks[selective]) <= 0.10 * peaks[selective]
-    assert peaks[selective] < peaks[everything]
-    if precision == "bf16":
-        assert abs(estimates[everything] - peaks[everything]) <= 0.10 * peaks[everything]
-        freed, counted = peaks[everything] - peaks[selective], estimates[everything] - estimates[selective]
-        assert freed >= 0.9 * counted, (freed, counted)
-    else:
-        assert peaks[everything] <= estimates[everything]
+    for count in (everything, selective):
+        assert abs(estimates[count] - peaks[count]) <= 0.10 * peaks[count]
+    freed, counted = peaks[everything] - peaks[selective], estimates[everything] - estimates[selective]
+    assert freed >= 0.9 * counted, (freed, counted)
 
 
 @pytest.mark.gpu
