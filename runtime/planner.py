@@ -749,8 +749,9 @@ def selective_layer_bytes(work: Workload) -> float:
 
 def selective_allowed(work: Workload) -> bool:
     """Whether the planner offers selective layers (dense layers, one attention kernel, no 4-bit base; see
-    `tigon.runtime.recompute`). Not under FP8, whose backward's FP8 buffers the estimate does not count: such a
-    run sets `training.selective_layers` itself."""
+    `tigon.runtime.recompute`). Not under FP8, where the settings it chose with them on 4 GPUs ran slower than
+    with whole layers or stopped after a step (docs/benchmarks.md): such a run sets `training.selective_layers`
+    itself."""
     refused = work.shape.moe or work.quantized_bytes or work.fp8
     return not refused and work.attention not in ("eager", "flex_attention")
 

@@ -436,7 +436,7 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0
     assert "plan: micro-batch 1 x accumulation 8, checkpointing 12 selective, kernels on" in capsys.readouterr().out
-    config.training.precision = "fp8"  # not offered: the estimate does not count FP8's backward buffers
+    config.training.precision = "fp8"  # not offered under FP8 (docs/benchmarks.md says why)
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0
     out = capsys.readouterr().out
