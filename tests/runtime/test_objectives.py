@@ -9,13 +9,12 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.runtime.configs import KTO_RECORDS, PAIRS, preference_config, trl_trainer
-from tests.runtime.worker_groups import logged_steps
+from tests.runtime.worker_groups import logged_steps, torchrun
 from tigon.runtime.config import ConfigError, parse_config
 from tigon.runtime.data import MalformedRecordError
 from tigon.runtime.preference_data import build_preference_datasets, tokenize_preference
@@ -196,9 +195,8 @@ def test_dpo_under_ddp_two_processes_matches_one_process(tmp_path):
         "    json.dump({'losses': result.losses, 'eval': result.eval_metrics, 'world': result.world_size}, f)\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     done = subprocess.run(
-        [*command, str(script), str(config_file), str(tmp_path)],
+        [*torchrun(2), str(script), str(config_file), str(tmp_path)],
         cwd=tmp_path,
         env=env,
         capture_output=True,

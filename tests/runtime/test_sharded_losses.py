@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tests.runtime.configs import TINY_MODEL
+from tests.runtime.worker_groups import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # fp32: max |difference| / max |reference|, per step loss and per parameter
@@ -231,8 +232,7 @@ def main(out_dir: str, case: str) -> None:
 def launch(tmp_path: Path, case: str) -> None:
     """Run the worker for `case` in a 2-process torchrun group (Triton through its interpreter)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "tests.runtime.test_sharded_losses", str(tmp_path), case]
+    command = [*torchrun(2), "-m", "tests.runtime.test_sharded_losses", str(tmp_path), case]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     print(done.stdout)

@@ -11,14 +11,13 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
-from tests.runtime.worker_groups import process_env
+from tests.runtime.worker_groups import process_env, torchrun
 from tigon.runtime.batches import GlobalBatchSampler, collate, label_tokens, token_loss_sum
 from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.optim import build_optimizer, lr_factor, param_groups
@@ -229,17 +228,7 @@ def test_ddp_two_processes_over_gloo_agree_with_one_process(tmp_path):
     raw["checkpoint"] = {**raw["checkpoint"], "every_steps": 3, "export": True}
     config_file.write_text(yaml.safe_dump(raw))
     env = process_env(OMP_NUM_THREADS="1")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(_ddp_worker(tmp_path)),
-        str(config_file),
-        str(tmp_path),
-    ]
+    command = [*torchrun(2), str(_ddp_worker(tmp_path)), str(config_file), str(tmp_path)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -456,8 +445,7 @@ def test_a_rank_that_fails_mid_run_ends_the_job_with_its_error(tmp_path):
     fault = str(Path(__file__).resolve().parents[2] / "benchmarks" / "rank_fault")
     env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3")
     env["PYTHONPATH"] = f"{fault}{os.pathsep}{env['PYTHONPATH']}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += ["-m", "tigon.runtime", "train", str(config_file)]
+    command = [*torchrun(2), "-m", "tigon.runtime", "train", str(config_file)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]

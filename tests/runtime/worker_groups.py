@@ -55,6 +55,11 @@ def python_path() -> str:
     return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def torchrun(ranks: int) -> list[str]:
+    """The command that starts `ranks` local processes under torch elastic (what follows it: the script or -m)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+
+
 def process_env(**variables: str) -> dict[str, str]:
     """The environment of a process started from the repository: tigon importable (`python_path`), Triton's
     interpreter off (CPU tensors take the reference path; the interpreter would be slow), and `variables`."""
@@ -85,9 +90,8 @@ def launch_worker(tmp_path: Path, source: str, ranks: int, model: dict, configs:
     worker = tmp_path / "worker.py"
     worker.write_text(source)
     files = write_configs(tmp_path / "configs", configs)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     done = subprocess.run(
-        [*command, str(worker), str(tmp_path), json.dumps(model), *files],
+        [*torchrun(ranks), str(worker), str(tmp_path), json.dumps(model), *files],
         cwd=tmp_path,
         env=worker_env(),
         capture_output=True,
@@ -119,8 +123,7 @@ def launch(
     env = {**worker_env(), "TEST_BACKEND": backend}
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    command += ["--max-restarts", str(max_restarts)]
+    command = [*torchrun(nproc), "--max-restarts", str(max_restarts)]
     done = subprocess.run(
         [*command, str(worker), str(tmp_path), *files],
         cwd=tmp_path,
