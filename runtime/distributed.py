@@ -195,24 +195,21 @@ def wait_for_idle_process_groups() -> None:
         dist.barrier(group=group)
 
 
-def report_failure(error: BaseException) -> None:
-    """Log a rank's failure before it leaves the process group (`shutdown`), so the error is in the log however the
-    other ranks, which may sit in a collective this rank will never join, come to an end."""
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    if world_size.strip() not in ("", "1"):  # read as is: the error being reported may be about these variables
-        logger.error("rank %s of %s failed: %s", os.environ.get("RANK", "?"), world_size, error)
-
-
-def shutdown(failed: bool = False) -> None:
+def shutdown(failure: BaseException | None = None) -> None:
     """Leave the process group if `init_distributed` created it (a caller's own group is left alone).
 
-    After a failure on this rank an NCCL group is aborted instead: destroying it waits for the collectives this
-    rank had queued, which the other ranks will never match, so the process would hang until NCCL's timeout
-    instead of exiting and letting torchrun stop the job. torch's abort is `_abort_process_group` (experimental,
-    NCCL only); other backends' groups are destroyed."""
+    After a `failure` on this rank, the error is logged first, so it is in the log however the other ranks,
+    which may sit in a collective this rank will never join, come to an end; and an NCCL group is aborted
+    instead of destroyed: destroying it waits for the collectives this rank had queued, which the other ranks
+    will never match, so the process would hang until NCCL's timeout instead of exiting and letting torchrun
+    stop the job. torch's abort is `_abort_process_group` (experimental, NCCL only); other backends' groups are
+    destroyed."""
     global _owns_process_group
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if failure is not None and world_size.strip() not in ("", "1"):  # as is: the failure may be about these
+        logger.error("rank %s of %s failed: %s", os.environ.get("RANK", "?"), world_size, failure)
     if _owns_process_group and dist.is_initialized():
-        if failed and dist.get_backend() == "nccl":
+        if failure is not None and dist.get_backend() == "nccl":
             from torch.distributed import distributed_c10d
 
             distributed_c10d._abort_process_group()

@@ -19,7 +19,7 @@ import torch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import planner, storage
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import env_from_environ, report_failure, shutdown, wait_for_idle_process_groups
+from tigon.runtime.distributed import env_from_environ, shutdown, wait_for_idle_process_groups
 from tigon.runtime.hf_trainer import train_with_hf
 from tigon.runtime.lightning_trainer import train_with_lightning
 from tigon.runtime.lock import RunDirLock
@@ -40,7 +40,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     main = env_from_environ().is_main
     lock = RunDirLock(config.logging.run_dir).acquire() if main else None  # one run per run directory
     lease = None
-    failed = False
+    failure = None
     try:
         if main:
             if config.checkpoint.remote_dir:  # and per object-store prefix
@@ -55,17 +55,14 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
         wait_for_idle_process_groups()  # a run, or the process, that follows meets idle gloo threads
         return result
     except torch.OutOfMemoryError as error:  # answered with the planner's setting for this GPU
-        failed = True
-        advice = planner.out_of_memory_error(config, error)
-        report_failure(advice)
-        raise advice from error
+        failure = planner.out_of_memory_error(config, error)
+        raise failure from error
     except Exception as error:
-        failed = True
-        report_failure(error)
+        failure = error
         raise
     finally:
         torch.nn.functional.linear = functional_linear
-        shutdown(failed)
+        shutdown(failure)
         if lease is not None:
             lease.release()
         if lock is not None:

@@ -422,15 +422,16 @@ def test_checkpointing_some_layers_recomputes_those_and_trains_the_same(tmp_path
 
 def test_a_failing_rank_logs_its_error_before_leaving_the_process_group(monkeypatch, caplog):
     """Leaving the group waits for the other ranks, which may never come: the error is in the log first."""
-    from tigon.runtime.distributed import report_failure
+    from tigon.runtime.distributed import shutdown
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with caplog.at_level("ERROR", logger="tigon.runtime"):
-        report_failure(ValueError("one process: the CLI prints it"))
+        shutdown(ValueError("one process: the CLI prints it"))
         assert caplog.records == []
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("RANK", "1")
-        report_failure(torch.OutOfMemoryError("CUDA out of memory"))
+        shutdown(torch.OutOfMemoryError("CUDA out of memory"))
+        shutdown()  # a run that finished
     assert [record.getMessage() for record in caplog.records] == ["rank 1 of 2 failed: CUDA out of memory"]
 
 
