@@ -136,7 +136,6 @@ def enable_selective_recomputation(layers: list[nn.Module], compiled: bool = Fal
     """Checkpoint `layers` selectively (see the module doc), for compiling them afterwards when `compiled`;
     returns how many."""
     for layer in layers:
-        projections = KeptProjections()
         kept = kept_projections(layer)
         if not kept:
             raise ConfigError(
@@ -146,6 +145,7 @@ def enable_selective_recomputation(layers: list[nn.Module], compiled: bool = Fal
         if compiled:
             layer.forward = checkpointed_forward(layer.forward)
             continue
+        projections = KeptProjections()
         for module in kept:
             module.register_forward_pre_hook(projections.enter)
             module.register_forward_hook(projections.leave)

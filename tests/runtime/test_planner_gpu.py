@@ -14,21 +14,18 @@ from benchmarks.preference_memory import CASES as PREFERENCE_CASES
 from benchmarks.preference_memory import SMALL_LLAMA, describe, run_case
 
 
+def small_llama_spec(**changes) -> dict:
+    """One measurement of SMALL_LLAMA for benchmarks/end_to_end_runner.py: 4 sequences a step, two steps after a
+    warm-up, on the whole GPU; `changes` set the rest."""
+    return {"shape": SMALL_LLAMA, "micro_batch": 4, "steps": 2, "warmup": 1, "gpu_memory": None, **changes}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [1024, 2048])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("variant", ["eager", "tigon"])
 def test_estimate_within_ten_percent_of_the_measured_peak(variant, checkpointing, seq):
-    spec = {
-        "shape": SMALL_LLAMA,
-        "variant": variant,
-        "seq": seq,
-        "micro_batch": 4,
-        "checkpointing": checkpointing,
-        "steps": 2,
-        "warmup": 1,
-        "gpu_memory": None,
-    }
+    spec = small_llama_spec(variant=variant, seq=seq, checkpointing=checkpointing)
     result = run_in_subprocess(spec, timeout=600)
     assert not result["oom"], result
     estimate, peak = result["estimate_bytes"], result["peak_bytes"]
@@ -49,19 +46,9 @@ def test_compiled_selective_layers_keep_what_the_planner_counts(precision):
     peaks, estimates = {}, {}
     everything, selective = 0, SMALL_LLAMA["num_hidden_layers"]
     for count in (everything, selective):
-        spec = {
-            "shape": SMALL_LLAMA,
-            "variant": "tigon",
-            "seq": 2048,
-            "micro_batch": 4,
-            "checkpointing": False,
-            "selective_layers": count,
-            "compile": True,
-            "precision": precision,
-            "steps": 2,
-            "warmup": 1,
-            "gpu_memory": None,
-        }
+        spec = small_llama_spec(
+            variant="tigon", seq=2048, checkpointing=False, selective_layers=count, compile=True, precision=precision
+        )
         result = run_in_subprocess(spec, timeout=600)
         assert not result["oom"], result
         peaks[count], estimates[count] = result["peak_bytes"], result["estimate_bytes"]
