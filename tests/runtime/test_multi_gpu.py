@@ -30,19 +30,29 @@ for bit under FSDP2 and ZeRO, and within DDP_RESUME_TOLERANCE under DDP. DDP sum
 buckets, and rebuilds its buckets in the order the gradients became ready after its first step; the first step
 after a resume is such a first step, so NCCL reduces it in the initial layout and the sums differ in their last
 bits (measured 8e-9 relative on the loss two steps later, on 4 H200s).
+
+Alignment: OBJECTIVE_CASES train the preference objectives and distillation (tests/runtime/configs:
+preference_config's 8 pairs or 16 KTO completions on the tiny Llama, distill_config's teacher and student) for 3
+steps with a held-out evaluation, under DDP, FSDP2 and ZeRO-3, on 1, 2 and 4 GPUs at one global batch (8 pairs or
+completions; distillation 4 packed sequences). DPO (frozen and precomputed reference), SimPO and distillation
+average over pairs or tokens of the whole global batch, so each reaches the one-GPU run's per-step losses and
+held-out metrics within the tolerances above. ORPO's NLL term is a mean over each micro-batch's tokens and KTO's
+reference point a mean over each micro-batch's mismatched sequences (TRL's definitions, docs/runtime.md), so
+their steps depend on which records share a micro-batch: they are held to DDP's run on as many GPUs instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.runtime.configs import adapter_config
-from tests.runtime.worker_groups import launch, worst_relative
+from tests.runtime.configs import KTO_RECORDS, PAIRS, adapter_config, distill_config, preference_config
+from tests.runtime.worker_groups import assert_close, launch, train_with_a_failing_rank, worst_relative
 
 RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
@@ -71,6 +81,29 @@ KILL_CASES = (
     "hf-zero2-kernels",
     "lightning-ddp-kernels",
 )
+
+PREFERENCE_OBJECTIVES = {  # name: (objective section, records)
+    "dpo": ({"type": "dpo"}, PAIRS),
+    "dpo-precomputed": ({"type": "dpo", "reference": "precomputed"}, PAIRS),
+    "simpo": ({"type": "simpo"}, PAIRS),
+    "orpo": ({"type": "orpo"}, PAIRS),
+    "kto": ({"type": "kto"}, KTO_RECORDS),
+}
+SPLIT_BOUND = ("orpo", "kto")  # objectives whose step depends on which records share a micro-batch
+OBJECTIVE_LAYOUT = {1: (4, 2), 2: (2, 2), 4: (1, 2)}  # GPUs: (micro-batch, accumulation) of 8 pairs a step
+DISTILL_LAYOUT = {1: (2, 2), 2: (1, 2), 4: (1, 1)}  # 4 packed sequences a step
+OBJECTIVE_STRATEGIES = {"ddp": STRATEGIES["ddp"], "fsdp": STRATEGIES["fsdp"], "zero3": STRATEGIES["zero3"]}
+OBJECTIVE_CASES = {  # name: (trainer, objective, strategy, precision)
+    **{
+        f"{objective}-{strategy}": ("torch", objective, strategy, "fp32")
+        for objective in (*PREFERENCE_OBJECTIVES, "distill")
+        for strategy in OBJECTIVE_STRATEGIES
+    },
+    "hf-dpo-fsdp": ("hf", "dpo", "fsdp", "fp32"),
+    "lightning-dpo-zero3": ("lightning", "dpo", "zero3", "fp32"),
+    "dpo-fsdp-bf16": ("torch", "dpo", "fsdp", "bf16"),
+    "distill-fsdp-bf16": ("torch", "distill", "fsdp", "bf16"),
+}
 
 KILL_WORKER = """
 import json, os, signal, sys, threading, time
@@ -136,29 +169,67 @@ def case_config(directory: Path, name: str, gpus: int):
     )
 
 
+def objective_case_config(directory: Path, name: str, gpus: int):
+    """The objective case's run on `gpus` GPUs: 3 steps, evaluated on its training records."""
+    trainer, objective, strategy, precision = OBJECTIVE_CASES[name]
+    micro_batch, accumulation = (DISTILL_LAYOUT if objective == "distill" else OBJECTIVE_LAYOUT)[gpus]
+    data = {"eval": str(directory / objective / "train.jsonl")}
+    sections = {
+        "trainer": trainer,
+        "training": {
+            "max_steps": 3,
+            "micro_batch_size": micro_batch,
+            "gradient_accumulation_steps": accumulation,
+            "precision": precision,
+        },
+        "parallelism": OBJECTIVE_STRATEGIES[strategy],
+        "logging": {"run_dir": str(directory / name)},
+    }
+    (directory / objective).mkdir(parents=True, exist_ok=True)
+    if objective == "distill":
+        data |= {"format": "instruction", "max_seq_len": 16}
+        return distill_config(directory / objective, data=data, **sections)
+    section, records = PREFERENCE_OBJECTIVES[objective]
+    return preference_config(directory / objective, section, records, data=data, **sections)
+
+
+def group_configs(directory: Path, gpus: int, names: tuple[str, ...], config=case_config) -> dict[str, object]:
+    """The cases `names` as runs on `gpus` GPUs (`config(directory, name, gpus)`), their files written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {name: config(directory, name, gpus) for name in names}
+
+
 def train_group(
-    directory: Path, gpus: int, devices: str | None, names: list[str], backend: str = "nccl"
+    directory: Path, gpus: int, devices: str | None, names: tuple[str, ...], backend: str = "nccl", config=case_config
 ) -> dict[str, dict]:
     """The cases `names` in one `gpus`-process group on `devices` (CUDA_VISIBLE_DEVICES)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    configs = {name: case_config(directory, name, gpus) for name in names}
+    configs = group_configs(directory, gpus, names, config)
     return launch(directory, configs, backend=backend, nproc=gpus, devices=devices, timeout=540)
 
 
-def train_all(root: Path, sizes: dict[int, str], backend: str = "nccl") -> dict[int, dict[str, dict]]:
+def train_all(
+    root: Path, sizes: dict[int, str], backend: str = "nccl", names: tuple[str, ...] = tuple(CASES), config=case_config
+) -> dict[int, dict[str, dict]]:
     """{GPUs: {case: rank 0's record}}: the one-GPU runs split over two single-GPU groups and run beside the
     two-GPU group, then the four-GPU group, then the eight-GPU one. `sizes` maps each group size to its devices,
-    "a,b" for two."""
-    names = list(CASES)
+    "a,b" for two. Every group's files are written before any starts (a saved test model seeds torch's global
+    generator, which threads would share)."""
     half = len(names) // 2
+    first = {  # directory: (GPUs, devices, names)
+        "gpus-1a": (1, sizes[1].split(",")[0], names[:half]),
+        "gpus-1b": (1, sizes[1].split(",")[-1], names[half:]),
+        "gpus-2": (2, sizes[2], names),
+    }
+    configs = {name: group_configs(root / name, gpus, group, config) for name, (gpus, _, group) in first.items()}
     with ThreadPoolExecutor(3) as pool:
-        one = pool.submit(train_group, root / "gpus-1a", 1, sizes[1].split(",")[0], names[:half], backend)
-        other = pool.submit(train_group, root / "gpus-1b", 1, sizes[1].split(",")[-1], names[half:], backend)
-        two = pool.submit(train_group, root / "gpus-2", 2, sizes[2], names, backend)
-        runs = {1: one.result() | other.result(), 2: two.result()}
+        futures = {
+            name: pool.submit(launch, root / name, configs[name], backend, gpus, devices, 540)
+            for name, (gpus, devices, _) in first.items()
+        }
+        runs = {1: futures["gpus-1a"].result() | futures["gpus-1b"].result(), 2: futures["gpus-2"].result()}
     for gpus in (4, 8):
         if gpus in sizes:
-            runs[gpus] = train_group(root / f"gpus-{gpus}", gpus, sizes[gpus], names, backend)
+            runs[gpus] = train_group(root / f"gpus-{gpus}", gpus, sizes[gpus], names, backend, config)
     return runs
 
 
@@ -174,18 +245,31 @@ def train_killed(directory: Path, gpus: int, devices: str | None, backend: str =
     return records
 
 
-@pytest.fixture(scope="module")
-def groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
-    """{GPUs: {case: rank 0's record}} for 1, 2 and (on a 4- or 8-GPU machine) 4 and 8 GPUs."""
+def group_devices(largest: int) -> dict[int, str]:
+    """{group size: its devices} for 1, 2 and, where the machine has them, 4 and up to `largest` GPUs; fails
+    where the machine cannot run the module."""
     if torch.cuda.device_count() < 2:
         pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
     if importlib.util.find_spec("deepspeed") is None:
         pytest.fail("DeepSpeed is not installed: carry its wheel to the GPU machine")
     count = torch.cuda.device_count()
     sizes = {1: "0,1", 2: "2,3", 4: "0,1,2,3"} if count >= 4 else {1: "0,1", 2: "0,1"}
-    if count >= 8:
+    if count >= 8 and largest >= 8:
         sizes[8] = ",".join(map(str, range(8)))
-    return train_all(tmp_path_factory.mktemp("multi-gpu"), sizes)
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """{GPUs: {case: rank 0's record}} for 1, 2 and (on a 4- or 8-GPU machine) 4 and 8 GPUs."""
+    return train_all(tmp_path_factory.mktemp("multi-gpu"), group_devices(8))
+
+
+@pytest.fixture(scope="module")
+def objective_groups(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """{GPUs: {objective case: rank 0's record}} for 1, 2 and (on a machine of 4 or more) 4 GPUs."""
+    root = tmp_path_factory.mktemp("objectives")
+    return train_all(root, group_devices(4), names=tuple(OBJECTIVE_CASES), config=objective_case_config)
 
 
 @pytest.mark.gpu
@@ -217,3 +301,56 @@ def test_a_killed_rank_restarts_and_resumes_exactly(groups, tmp_path):
             assert worst_relative(record["losses"], full) < DDP_RESUME_TOLERANCE, (record["losses"], full)
         else:
             assert record["losses"] == full, (record["losses"], full)
+
+
+@pytest.mark.gpu
+def test_a_rank_that_fails_mid_run_ends_the_nccl_job_with_its_error(tmp_path):
+    """2 GPUs, FSDP2 over NCCL: rank 1's third optimizer step raises while rank 0 goes on into the next step's
+    collectives. The job ends (non-zero, within the helper's timeout: the failing rank aborts its NCCL group rather
+    than wait in it) with that rank's error in the log, after the steps before it."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
+    config = case_config(tmp_path, "torch-fsdp-kernels-bf16", 2)
+    done = train_with_a_failing_rank(tmp_path, config, 2, devices="0,1")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "rank 1 of 2 failed: injected fault on rank 1 at optimizer step 3" in output, output[-3000:]
+    steps = (Path(config.logging.run_dir) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in steps if '"loss"' in line] == [1, 2]
+
+
+def tolerance_of(precision: str) -> float:
+    return BF16_TOLERANCE if precision == "bf16" else RELATIVE_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [2, 4])
+@pytest.mark.parametrize("name", [name for name, case in OBJECTIVE_CASES.items() if case[1] not in SPLIT_BOUND])
+def test_alignment_on_several_gpus_reaches_the_one_gpu_losses_and_metrics(objective_groups, name, gpus):
+    if gpus not in objective_groups:
+        pytest.skip(f"this machine has {torch.cuda.device_count()} GPUs; the {gpus}-GPU cases need {gpus}")
+    reference, record = objective_groups[1][name], objective_groups[gpus][name]
+    assert len(record["losses"]) == 3 and record["losses"][-1] < record["losses"][0], record["losses"]
+    tolerance = tolerance_of(OBJECTIVE_CASES[name][3])
+    worst = worst_relative(record["losses"], reference["losses"])
+    assert worst < tolerance, (record["losses"], reference["losses"])
+    split_free = {key: value for key, value in reference["eval"].items() if key != "nll_loss"}  # a micro-batch mean
+    worst_eval = assert_close(
+        {key: record["eval"][key] for key in split_free}, split_free, tolerance, (name, gpus, "held out")
+    )
+    print(f"{name} on {gpus} GPUs: worst relative difference to one GPU {worst:.2e} (held out {worst_eval:.2e})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+@pytest.mark.parametrize("objective", SPLIT_BOUND)
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_split_bound_objectives_on_several_gpus_match_ddp(objective_groups, objective, strategy, gpus):
+    if gpus not in objective_groups:
+        pytest.skip(f"this machine has {torch.cuda.device_count()} GPUs; the {gpus}-GPU cases need {gpus}")
+    ddp, record = objective_groups[gpus][f"{objective}-ddp"], objective_groups[gpus][f"{objective}-{strategy}"]
+    assert len(record["losses"]) == 3 and record["losses"][-1] < record["losses"][0], record["losses"]
+    worst = worst_relative(record["losses"], ddp["losses"])
+    assert worst < RELATIVE_TOLERANCE, (record["losses"], ddp["losses"])
+    worst_eval = assert_close(record["eval"], ddp["eval"], RELATIVE_TOLERANCE, (objective, strategy, gpus))
+    print(f"{objective} {strategy} on {gpus} GPUs: worst difference to DDP {worst:.2e}, held out {worst_eval:.2e}")

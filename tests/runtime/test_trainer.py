@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
-from tests.runtime.worker_groups import process_env, torchrun
+from tests.runtime.worker_groups import process_env, torchrun, train_with_a_failing_rank
 from tigon.runtime.batches import GlobalBatchSampler, collate, label_tokens, token_loss_sum
 from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.optim import build_optimizer, lr_factor, param_groups
@@ -438,16 +437,8 @@ def test_a_failing_rank_logs_its_error_before_leaving_the_process_group(monkeypa
 def test_a_rank_that_fails_mid_run_ends_the_job_with_its_error(tmp_path):
     """2 ranks over gloo; rank 1's third optimizer step raises (benchmarks/rank_fault) while rank 0 goes on into
     the next step: the job ends, non-zero, with rank 1's error logged by the runtime before it left the group."""
-    import yaml
-
     config = tiny_config(tmp_path, training={"micro_batch_size": 2, "max_steps": 6}, eval={"metrics": []})
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    fault = str(Path(__file__).resolve().parents[2] / "benchmarks" / "rank_fault")
-    env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3")
-    env["PYTHONPATH"] = f"{fault}{os.pathsep}{env['PYTHONPATH']}"
-    command = [*torchrun(2), "-m", "tigon.runtime", "train", str(config_file)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = train_with_a_failing_rank(tmp_path, config, 2)
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
     assert "rank 1 of 2 failed: injected fault on rank 1 at optimizer step 3" in output, output[-3000:]
