@@ -112,6 +112,21 @@ def select_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def configure_allocator() -> None:
+    """PyTorch's CUDA allocator with expandable segments, unless PYTORCH_CUDA_ALLOC_CONF is set or CUDA is already
+    initialized (the allocator reads its settings then). A training step allocates buffers of many sizes (compiled
+    graphs, FP8 casts, FSDP2's gathers); in fixed segments their freed blocks fragment, and a run whose tensors
+    fit can still fail with memory reserved but unallocated. Expandable segments grow one mapping per stream."""
+    if ALLOCATOR_VARIABLE in os.environ or not torch.cuda.is_available() or torch.cuda.is_initialized():
+        return
+    os.environ[ALLOCATOR_VARIABLE] = ALLOCATOR_DEFAULT
+    logger.info("CUDA allocator: %s (set %s to choose otherwise)", ALLOCATOR_DEFAULT, ALLOCATOR_VARIABLE)
+
+
 def cap_gpu_memory(config: RunConfig, device: torch.device) -> None:
     """`training.gpu_memory`: PyTorch's allocator on `device` stops there, so the run raises out-of-memory (with
     the planner's advice) rather than take memory it was not given."""
@@ -138,6 +153,7 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
     env = env_from_environ(environ)
     device = select_device(env)
     if device.type == "cuda":
+        configure_allocator()
         torch.cuda.set_device(device)
         cap_gpu_memory(config, device)
     global _owns_process_group

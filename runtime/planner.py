@@ -1471,13 +1471,22 @@ class TrainingOutOfMemory(RuntimeError):
     """A CUDA out-of-memory error during training, with the planner's advice in its message."""
 
 
+def allocator_account(error: BaseException) -> str:
+    """torch's account of a failed CUDA allocation (what was asked for, what was free, allocated and reserved but
+    unallocated), without its advice: whether the memory was used or fragmented."""
+    text = " ".join(str(error).split()).removeprefix("CUDA out of memory.").strip()
+    return text.split(" If reserved but unallocated")[0]
+
+
 def out_of_memory_error(config: RunConfig, error: BaseException) -> TrainingOutOfMemory:
-    """The error train() raises in place of torch.OutOfMemoryError: the planner's advice for this GPU."""
+    """The error train() raises in place of torch.OutOfMemoryError: the planner's advice for this GPU, then
+    torch's account of the allocation that failed."""
     try:
         advice = oom_advice(config, detect_gpu_memory(config))
     except (ConfigError, OSError, ValueError) as planning:  # the advice must not hide the out-of-memory error
-        advice = f"CUDA out of memory ({error}); the planner could not estimate this run: {planning}"
-    return TrainingOutOfMemory(advice)
+        return TrainingOutOfMemory(f"CUDA out of memory ({error}); the planner could not estimate this run: {planning}")
+    account = allocator_account(error)
+    return TrainingOutOfMemory(f"{advice} (torch: {account})" if account else advice)
 
 
 def planned_config(config: RunConfig) -> RunConfig:

@@ -19,7 +19,7 @@ import torch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import planner, storage
 from tigon.runtime.config import RunConfig
-from tigon.runtime.distributed import env_from_environ, shutdown, wait_for_idle_process_groups
+from tigon.runtime.distributed import configure_allocator, env_from_environ, shutdown, wait_for_idle_process_groups
 from tigon.runtime.hf_trainer import train_with_hf
 from tigon.runtime.lightning_trainer import train_with_lightning
 from tigon.runtime.lock import RunDirLock
@@ -32,6 +32,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
 
     `datasets`: pre-packed data (`tigon.runtime.packed`) to train on instead of tokenizing `config.data`.
     """
+    configure_allocator()  # before the planner reads the GPU, which initializes CUDA
     if config.training.plan == "auto":
         config = planner.planned_config(config)
     # DeepSpeed's ZeRO-3 swaps in its own torch.nn.functional.linear for the rest of the process; a later run in

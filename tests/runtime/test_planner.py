@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from tests.kernels.helpers import saved_bytes
@@ -365,6 +366,26 @@ def test_oom_advice_names_the_config_keys(tmp_path):
         assert f"--set {change}" in advice
     assert "training.plan: auto" in advice
     assert "nothing fits" in planner.oom_advice(config, gpu_memory=4 * GiB, world_size=1)
+
+
+def test_out_of_memory_error_keeps_torchs_account_of_the_allocation(tmp_path):
+    """The advice first, then what torch measured (asked for, free, allocated, reserved but unallocated), which
+    tells memory used from memory fragmented; torch's own advice is left out."""
+    config = plan_config(tmp_path, seq_len=4096, gradient_checkpointing=False)
+    config.training.gpu_memory = "80GB"
+    account = (
+        "Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 139.80 GiB of which 2.12 GiB is free. Including "
+        "non-PyTorch memory, this process has 137.66 GiB memory in use. Of the allocated memory 110.52 GiB is "
+        "allocated by PyTorch, and 25.88 GiB is reserved by PyTorch but unallocated."
+    )
+    torch_error = torch.OutOfMemoryError(
+        f"CUDA out of memory. {account} If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+        "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+    error = planner.out_of_memory_error(config, torch_error)
+    assert isinstance(error, planner.TrainingOutOfMemory)
+    assert str(error) == f"{planner.oom_advice(config, 80 * 10**9)} (torch: {account})"
 
 
 def test_parse_memory():

@@ -94,6 +94,7 @@ def test_out_of_memory_is_answered_with_the_planners_setting(tmp_path):
     message = str(error.value)
     assert message.startswith("CUDA out of memory: the planner estimates this run's peak at")
     assert "--set training.micro_batch_size=" in message and "training.plan: auto" in message
+    assert "(torch: Tried to allocate" in message and "reserved by PyTorch but unallocated" in message
 
 
 @pytest.mark.gpu
@@ -161,3 +162,29 @@ def test_preference_estimate_within_ten_percent_of_the_measured_peak(case):
     print(describe(result))
     estimate, peak = result["estimate_bytes"], result["peak_bytes"]
     assert abs(estimate - peak) <= 0.10 * peak, f"estimate {estimate} vs measured {peak} ({estimate / peak:.3f}x)"
+
+
+ALLOCATOR_PROBE = """
+import torch
+from tigon.runtime.distributed import configure_allocator
+configure_allocator()
+x = torch.empty(1 << 20, device="cuda")
+print(sorted({bool(segment.get("is_expandable")) for segment in torch.cuda.memory_snapshot()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("setting", "expandable"), [(None, "[True]"), ("expandable_segments:False", "[False]")])
+def test_the_runtime_allocates_in_expandable_segments_unless_told_otherwise(setting, expandable):
+    import subprocess
+    import sys
+
+    from tests.runtime.worker_groups import process_env
+
+    env = process_env()
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if setting is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = setting
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == expandable, done.stdout

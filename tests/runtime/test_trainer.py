@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -417,6 +418,23 @@ def test_checkpointing_some_layers_recomputes_those_and_trains_the_same(tmp_path
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
     none = train(tiny_config(tmp_path / "none", training={"max_steps": 3}))
     assert train(some).losses == none.losses  # recomputing a layer changes no value
+
+
+def test_the_allocator_gets_expandable_segments_unless_configured(monkeypatch):
+    """Set before CUDA starts on a machine with a GPU (the GPU test checks the segments); a user's setting, a CPU
+    machine and an initialized CUDA are left alone."""
+    from tigon.runtime.distributed import ALLOCATOR_VARIABLE, configure_allocator
+
+    monkeypatch.delenv(ALLOCATOR_VARIABLE, raising=False)
+    configure_allocator()
+    assert ALLOCATOR_VARIABLE not in os.environ  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(ALLOCATOR_VARIABLE, "backend:native")
+    configure_allocator()
+    assert os.environ[ALLOCATOR_VARIABLE] == "backend:native"
+    monkeypatch.delenv(ALLOCATOR_VARIABLE)
+    configure_allocator()
+    assert os.environ[ALLOCATOR_VARIABLE] == "expandable_segments:True"
 
 
 def test_a_failing_rank_logs_its_error_before_leaving_the_process_group(monkeypatch, caplog):
