@@ -153,6 +153,10 @@ CHECKPOINT_TIME = 4 / 3  # recomputing the forward costs about one more forward 
 SELECTIVE_TIME = 1.03  # recomputing norms, RoPE and the activation: memory-bound passes over a layer's activations
 KERNEL_TIME = 0.9  # tigon's kernels on: a step takes about this fraction of the eager step
 HALF_EFFICIENCY_TOKENS = 512  # a micro-batch of this many tokens runs at half the GPU's rate
+#: an FP8 run's extra cost per micro-batch, in tokens of its compute: every Linear casts its weight (and the
+#: transpose its backward reads) to FP8 each micro-batch, and FP8's faster matrix products leave the fixed costs a
+#: larger share of the step. Fitted to FP8 settings measured on 4 x H200 (docs/planner.md, "FP8 runs").
+FP8_MICRO_BATCH_TOKENS = 1400
 #: a GPU's bf16 matrix-product rate over the bandwidth of its share of an all-gather (H100 / H200: about
 #: 990 TFLOP/s over 450 GB/s of NVLink): FLOPs a GPU could have done in the time it receives a byte
 GATHER_FLOPS_PER_BYTE = 2200
@@ -749,10 +753,8 @@ def selective_layer_bytes(work: Workload) -> float:
 
 def selective_allowed(work: Workload) -> bool:
     """Whether the planner offers selective layers (dense layers, one attention kernel, no 4-bit base; see
-    `tigon.runtime.recompute`). Not under FP8, where the settings it chose with them on 4 GPUs ran slower than
-    with whole layers or stopped after a step (docs/benchmarks.md): such a run sets `training.selective_layers`
-    itself."""
-    refused = work.shape.moe or work.quantized_bytes or work.fp8
+    `tigon.runtime.recompute`)."""
+    refused = work.shape.moe or work.quantized_bytes
     return not refused and work.attention not in ("eager", "flex_attention")
 
 
@@ -1185,7 +1187,8 @@ def sharded_accumulation_tokens(work: Workload, setting: Setting) -> float:
 def relative_step_time(work: Workload, setting: Setting) -> float:
     """Step time relative to the ideal (checkpointing off, kernels on, saturating micro-batches); ranks only."""
     tokens = work.tokens(setting.micro_batch)
-    time = (tokens + HALF_EFFICIENCY_TOKENS + gather_tokens(work) + sharded_accumulation_tokens(work, setting)) / tokens
+    fixed = HALF_EFFICIENCY_TOKENS + (FP8_MICRO_BATCH_TOKENS if work.fp8 else 0)
+    time = (tokens + fixed + gather_tokens(work) + sharded_accumulation_tokens(work, setting)) / tokens
     layers = work.shape.layers
     time *= 1 + (CHECKPOINT_TIME - 1) * setting.checkpointed_layers(layers) / layers
     time *= 1 + (SELECTIVE_TIME - 1) * setting.selective_count(layers) / layers
