@@ -149,7 +149,12 @@ def prepare(
 
 
 def liger_train(config_path: str) -> int:
-    """`tigon train CONFIG` with Liger-Kernel patched into transformers' Llama first (every model built after)."""
+    """`tigon train CONFIG` with Liger-Kernel patched into transformers' Llama first (every model built after), and
+    the runtime's CUDA allocator settings before that (Liger-Kernel's import starts CUDA, after which the runtime
+    leaves the allocator as it is)."""
+    from tigon.runtime.distributed import configure_allocator
+
+    configure_allocator()
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
     apply_liger_kernel_to_llama()
