@@ -120,7 +120,8 @@ def configure_allocator() -> None:
     """PyTorch's CUDA allocator with expandable segments, unless PYTORCH_CUDA_ALLOC_CONF is set or CUDA is already
     initialized (the allocator reads its settings then). A training step allocates buffers of many sizes (compiled
     graphs, FP8 casts, FSDP2's gathers); in fixed segments their freed blocks fragment, and a run whose tensors
-    fit can still fail with memory reserved but unallocated. Expandable segments grow one mapping per stream."""
+    fit can still fail with memory reserved but unallocated. Expandable segments grow one mapping per stream. The
+    setting is this process's environment variable, so processes it starts later inherit it."""
     if ALLOCATOR_VARIABLE in os.environ or not torch.cuda.is_available() or torch.cuda.is_initialized():
         return
     os.environ[ALLOCATOR_VARIABLE] = ALLOCATOR_DEFAULT
