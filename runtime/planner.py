@@ -1253,7 +1253,8 @@ class Plan:
             f"model {s.model_type}: {_count(s.params)} parameters ({_count(w.trainable)} trainable), "
             f"{s.layers} layers, hidden {s.hidden}, vocab {s.vocab}",
             f"sequence {w.seq_len}{_rows_text(w)}, weights {_dtype(w.weight_bytes)}, compute "
-            f"{_dtype(w.compute_bytes)}, attention {w.attention}, {w.strategy} x {w.world_size}{_groups_text(w)}, "
+            f"{_dtype(w.compute_bytes)}{' (decoder Linear layers fp8)' if w.fp8 else ''}, attention {w.attention}, "
+            f"{w.strategy} x {w.world_size}{_groups_text(w)}, "
             "loss from " + _loss_text(w),
             f"GPU memory {_gib(self.gpu_memory)}{' (training.gpu_memory)' if self.limited else ''}, budget "
             f"{_gib(self.budget)} "

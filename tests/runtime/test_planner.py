@@ -487,7 +487,9 @@ def test_plan_checkpoints_only_as_many_layers_as_memory_needs(tmp_path, capsys):
     config.training.precision = "fp8"  # a micro-batch costs FP8 more (FP8_MICRO_BATCH_TOKENS): the largest wins
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
     assert cli.main(["plan", str(path), "--gpu-memory", "16GiB", "--gpus", "1"]) == 0
-    assert "plan: micro-batch 8 x accumulation 1, checkpointing 15 layers, kernels on" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan: micro-batch 8 x accumulation 1, checkpointing 15 layers, kernels on" in out
+    assert "compute bf16/fp16 (decoder Linear layers fp8)" in out
     config.training.precision = "bf16"
     config.model.attn_implementation = "eager"  # not one kernel whose output a layer can keep
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
