@@ -293,6 +293,14 @@ class ParallelismConfig(Section):
         "accumulate in model.dtype)",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
+    collective_timeout_minutes: float = Field(
+        30,
+        gt=0,
+        description="how long a collective waits for the other ranks before the run fails: a rank that hangs (stuck "
+        "I/O, a deadlock, a GPU that stopped answering) ends the job after this long, and a restart resumes from the "
+        "newest checkpoint; keep it above the longest work one rank does while the others wait (rank 0's "
+        "checkpoint checks and uploads)",
+    )
 
     @model_validator(mode="after")
     def _zero_stage_with_deepspeed(self) -> ParallelismConfig:

@@ -175,8 +175,8 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
         _owns_process_group = True
     if env.distributed and not dist.is_initialized():
         backend = resolve_backend(config, device)
-        timeout = datetime.timedelta(minutes=30)
-        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+        rendezvous_timeout = datetime.timedelta(minutes=30)  # the other ranks' processes may still be starting
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=rendezvous_timeout))
         # Keys of this restart only: a torch elastic restart can hand the new workers a store that still
         # holds the previous worker group's addresses, and gloo would dial those dead peers.
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -185,7 +185,7 @@ def init_distributed(config: RunConfig, environ: Mapping[str, str] | None = None
             store=dist.PrefixStore(f"tigon/restart-{restart}", store),
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timeout,
+            timeout=datetime.timedelta(minutes=config.parallelism.collective_timeout_minutes),
             device_id=device if device.type == "cuda" else None,
         )
         _owns_process_group = True

@@ -1,24 +1,29 @@
-"""A fault on one rank, for seeing how a multi-process run ends when one of its processes raises mid-run.
+"""A fault on one rank, for seeing how a multi-process run ends when one of its processes fails or hangs mid-run.
 
     PYTHONPATH=benchmarks/rank_fault:$PYTHONPATH FAULT_RANK=1 FAULT_AT_STEP=3 torchrun ... -m tigon.runtime train CONFIG
 
 Python imports this module at start-up when its folder is on PYTHONPATH. In the process whose RANK is FAULT_RANK,
-AdamW's step raises a RuntimeError on its FAULT_AT_STEP-th call, while the other ranks go on into the next step's
-collectives. Without FAULT_AT_STEP it does nothing.
+AdamW's step raises a RuntimeError on its FAULT_AT_STEP-th call (FAULT_KIND=raise, the default), or stops there
+for good without a word (FAULT_KIND=hang: a rank stuck in I/O or a deadlock), while the other ranks go on into the
+next step's collectives. Without FAULT_AT_STEP it does nothing.
 """
 
 import os
+import time
 
 if os.environ.get("FAULT_AT_STEP") and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
     import torch.optim
 
     fault_at = int(os.environ["FAULT_AT_STEP"])
+    hang = os.environ.get("FAULT_KIND", "raise") == "hang"
     adamw_step = torch.optim.AdamW.step
     calls = [0]
 
     def step(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == fault_at:
+            while hang:
+                time.sleep(60)
             raise RuntimeError(f"injected fault on rank {os.environ['RANK']} at optimizer step {fault_at}")
         return adamw_step(self, *args, **kwargs)
 

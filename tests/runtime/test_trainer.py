@@ -462,3 +462,18 @@ def test_a_rank_that_fails_mid_run_ends_the_job_with_its_error(tmp_path):
     assert "rank 1 of 2 failed: injected fault on rank 1 at optimizer step 3" in output, output[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics if '"loss"' in line] == [1, 2]  # the steps before it
+
+
+def test_a_rank_that_hangs_ends_the_job_after_the_collective_timeout(tmp_path):
+    """2 ranks over gloo; rank 1 stops for good in its third optimizer step (benchmarks/rank_fault, FAULT_KIND=hang)
+    while rank 0 goes on into the next step's collectives: after parallelism.collective_timeout_minutes (0.2 here,
+    12 s) rank 0's collective fails, the runtime logs it, and torchrun ends the job, non-zero, where the default
+    timeout would have held it for 30 minutes."""
+    sections = {"eval": {"metrics": []}, "parallelism": {"collective_timeout_minutes": 0.2}}
+    config = tiny_config(tmp_path, training={"micro_batch_size": 2, "max_steps": 6}, **sections)
+    done = train_with_a_failing_rank(tmp_path, config, 2, kind="hang")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert re.search(r"rank 0 of 2 failed: .*Timed out waiting 12000ms", output), output[-3000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics if '"loss"' in line] == [1, 2]

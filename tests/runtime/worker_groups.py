@@ -103,14 +103,14 @@ def launch_worker(tmp_path: Path, source: str, ranks: int, model: dict, configs:
 
 
 def train_with_a_failing_rank(
-    tmp_path: Path, config, ranks: int, devices: str | None = None
+    tmp_path: Path, config, ranks: int, devices: str | None = None, kind: str = "raise"
 ) -> subprocess.CompletedProcess:
     """`tigon train` of `config` under torchrun on `ranks` processes, where rank 1's third optimizer step raises
-    (benchmarks/rank_fault) while the others go on into the next step; the finished torchrun, its output captured.
-    A job that hangs instead of ending fails at the timeout."""
+    (`kind` "raise") or never returns ("hang"; benchmarks/rank_fault) while the others go on into the next step;
+    the finished torchrun, its output captured. A job that does not end fails at the timeout."""
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3")
+    env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3", FAULT_KIND=kind)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), env["PYTHONPATH"]])
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
