@@ -39,6 +39,9 @@ average over pairs or tokens of the whole global batch, so each reaches the one-
 held-out metrics within the tolerances above. ORPO's NLL term is a mean over each micro-batch's tokens and KTO's
 reference point a mean over each micro-batch's mismatched sequences (TRL's definitions, docs/runtime.md), so
 their steps depend on which records share a micro-batch: they are held to DDP's run on as many GPUs instead.
+
+A failing rank: on 2 GPUs under FSDP2, rank 1's third optimizer step raises (benchmarks/rank_fault); the job must
+end with that rank's error in its log, not wait in NCCL's collectives.
 """
 
 from __future__ import annotations
