@@ -295,16 +295,9 @@ def test_fp8_micro_batches_rank_in_the_order_measured():
     on 4 x H200 (Llama-3-8B, sequence 4096, FSDP2; docs/planner.md) in their measured order: micro-batch 8 with 22
     whole layers ahead of 2 x 4 with 24 selective (measured 1.19x faster; bf16's costs ranked it behind), and 8 with
     23 selective ahead of 4 x 2 keeping everything (1.03x)."""
-    shape = ModelShape.from_hf_config(
-        LlamaConfig(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-        )
-    )
+    from benchmarks.presets import LLAMA_3_8B
+
+    shape = ModelShape.from_hf_config(LlamaConfig(**LLAMA_3_8B))
     bf16 = bf16_work(shape, 4096, strategy="fsdp", world_size=4, compiled=True)
     fp8 = dataclasses.replace(bf16, fp8=True)
     whole_8, selective_2x4 = Setting(8, 1, True, True, 22, 0), Setting(2, 4, False, True, None, 24)
