@@ -108,13 +108,12 @@ def train_with_a_failing_rank(
     """`tigon train` of `config` under torchrun on `ranks` processes, where rank 1's third optimizer step raises
     (`kind` "raise") or never returns ("hang"; benchmarks/rank_fault) while the others go on into the next step;
     the finished torchrun, its output captured. A job that does not end fails at the timeout."""
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    (config_file,) = write_configs(tmp_path, {"run": config})
     env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3", FAULT_KIND=kind)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), env["PYTHONPATH"]])
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
-    command = [*torchrun(ranks), "-m", "tigon.runtime", "train", str(config_file)]
+    command = [*torchrun(ranks), "-m", "tigon.runtime", "train", config_file]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
