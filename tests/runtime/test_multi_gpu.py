@@ -61,6 +61,7 @@ RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
 DDP_RESUME_TOLERANCE = 1e-6
 GLOBAL_BATCH = 16
+GROUP_TIMEOUT = 540  # seconds for one torchrun group's runs
 LAYOUT = {1: (4, 4), 2: (4, 2), 4: (2, 2), 8: (1, 2)}  # GPUs: (micro-batch, accumulation), GLOBAL_BATCH a step
 STRATEGIES = {
     "ddp": {"strategy": "ddp"},
@@ -190,7 +191,6 @@ def objective_case_config(directory: Path, name: str, gpus: int):
     }
     (directory / objective).mkdir(parents=True, exist_ok=True)
     if objective == "distill":
-        data |= {"format": "instruction", "max_seq_len": 16}
         return distill_config(directory / objective, data=data, **sections)
     section, records = PREFERENCE_OBJECTIVES[objective]
     return preference_config(directory / objective, section, records, data=data, **sections)
@@ -207,7 +207,7 @@ def train_group(
 ) -> dict[str, dict]:
     """The cases `names` in one `gpus`-process group on `devices` (CUDA_VISIBLE_DEVICES)."""
     configs = group_configs(directory, gpus, names, config)
-    return launch(directory, configs, backend=backend, nproc=gpus, devices=devices, timeout=540)
+    return launch(directory, configs, backend=backend, nproc=gpus, devices=devices, timeout=GROUP_TIMEOUT)
 
 
 def train_all(
@@ -226,7 +226,7 @@ def train_all(
     configs = {name: group_configs(root / name, gpus, group, config) for name, (gpus, _, group) in first.items()}
     with ThreadPoolExecutor(3) as pool:
         futures = {
-            name: pool.submit(launch, root / name, configs[name], backend, gpus, devices, 540)
+            name: pool.submit(launch, root / name, configs[name], backend, gpus, devices, GROUP_TIMEOUT)
             for name, (gpus, devices, _) in first.items()
         }
         runs = {1: futures["gpus-1a"].result() | futures["gpus-1b"].result(), 2: futures["gpus-2"].result()}
@@ -241,7 +241,14 @@ def train_killed(directory: Path, gpus: int, devices: str | None, backend: str =
     directory.mkdir(parents=True, exist_ok=True)
     configs = {name: case_config(directory, name, gpus) for name in KILL_CASES}
     records = launch(
-        directory, configs, backend, gpus, devices, timeout=540, worker_source=KILL_WORKER, max_restarts=len(configs)
+        directory,
+        configs,
+        backend,
+        gpus,
+        devices,
+        timeout=GROUP_TIMEOUT,
+        worker_source=KILL_WORKER,
+        max_restarts=len(configs),
     )
     for name in KILL_CASES:
         assert (directory / f"{name}.killed").is_file(), name
