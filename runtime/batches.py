@@ -1,28 +1,53 @@
 """Batches of the training and held-out data, shared by the trainers and the objectives: the data order
-(`GlobalBatchSampler`), collation, autocast, a micro-batch's next-token loss (`token_loss_sum`), and the global
-batch's token counts."""
+(`GlobalBatchSampler`, `train_order`), collation, autocast, a micro-batch's next-token loss (`token_loss_sum`), and
+the global batch's token counts."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import logging
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from tigon.runtime.attention import resolve
 from tigon.runtime.config import RunConfig
-from tigon.runtime.data import IGNORE_INDEX, model_inputs, token_multiple
+from tigon.runtime.data import IGNORE_INDEX, PackedDataset, model_inputs, token_multiple
 from tigon.runtime.distributed import DistEnv, all_reduce_sum
+
+logger = logging.getLogger("tigon.runtime")
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: outside FP8 matmuls
 
 
 class GlobalBatchSampler:
-    """This rank's micro-batches of each global batch, in an order independent of how it is split."""
+    """This rank's micro-batches of each global batch; which items form a global batch does not depend on how it is
+    split over ranks and micro-batches.
 
-    def __init__(self, n_items: int, micro_batch: int, accumulation: int, world_size: int, rank: int, seed: int):
+    Without `costs` the global batch's items are dealt in their shuffled order. With `costs` (an item's compute, in
+    tokens) they are dealt so that every micro-batch's summed cost is about the same (`balanced_slots`): ranks
+    synchronize at every micro-batch, so the costliest one sets the pace. The step trains the same items either
+    way.
+    """
+
+    def __init__(
+        self,
+        n_items: int,
+        micro_batch: int,
+        accumulation: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        costs: Sequence[int] | None = None,
+    ):
+        if costs is not None and len(costs) != n_items:
+            raise ValueError(f"costs has {len(costs)} entries for {n_items} items; give one per item")
         self.n_items, self.micro_batch, self.accumulation = n_items, micro_batch, accumulation
         self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.costs = costs
         self.global_batch = micro_batch * accumulation * world_size
         self._epoch, self._order = None, None
 
@@ -40,13 +65,89 @@ class GlobalBatchSampler:
         """Indices of this rank's `accumulation` micro-batches in global batch `batch` of `epoch`."""
         if not 0 <= batch < self.batches_per_epoch:
             raise IndexError(f"global batch {batch} out of range (an epoch has {self.batches_per_epoch})")
-        order = self.order(epoch)
         start = batch * self.global_batch
-        result = []
-        for micro in range(self.accumulation):
-            chunk = start + (micro * self.world_size + self.rank) * self.micro_batch
-            result.append(order[chunk : chunk + self.micro_batch].tolist())
-        return result
+        items = self.order(epoch)[start : start + self.global_batch].tolist()
+        slots = self.accumulation * self.world_size
+        if self.costs is None:
+            dealt = [items[slot * self.micro_batch : (slot + 1) * self.micro_batch] for slot in range(slots)]
+        else:
+            dealt = balanced_slots(items, self.costs, slots, self.micro_batch)
+        return [dealt[micro * self.world_size + self.rank] for micro in range(self.accumulation)]
+
+
+def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int) -> list[list[int]]:
+    """`items` dealt into `slots` groups of `size` whose summed `costs` are close to equal, each group in the
+    items' order.
+
+    The costliest item goes first, each to the group with the least cost that has room (longest processing time
+    first); then, while it lowers the costliest group, one of its items swaps with a cheaper one of another group.
+    Deterministic: every rank deals the same groups.
+    """
+    if len(items) != slots * size:
+        raise ValueError(f"{len(items)} items cannot fill {slots} groups of {size}")
+    groups: list[list[int]] = [[] for _ in range(slots)]
+    totals = [0] * slots
+    open_groups = [(0, slot) for slot in range(slots)]  # (total, group) of the groups with room
+    for item in sorted(items, key=lambda i: -costs[i]):
+        total, slot = heapq.heappop(open_groups)
+        groups[slot].append(item)
+        totals[slot] = total + costs[item]
+        if len(groups[slot]) < size:
+            heapq.heappush(open_groups, (totals[slot], slot))
+    for _ in range(2 * slots):
+        heavy = max(range(slots), key=totals.__getitem__)
+        best = None  # (the two groups' higher total after the swap, other group, its item, heavy's item)
+        for other in range(slots):
+            if other == heavy:
+                continue
+            for mine in groups[heavy]:
+                for theirs in groups[other]:
+                    moved = costs[mine] - costs[theirs]
+                    peak = max(totals[heavy] - moved, totals[other] + moved)
+                    if moved > 0 and peak < totals[heavy] and (best is None or peak < best[0]):
+                        best = (peak, other, theirs, mine)
+        if best is None:
+            break
+        _, other, theirs, mine = best
+        groups[heavy][groups[heavy].index(mine)] = theirs
+        groups[other][groups[other].index(theirs)] = mine
+        moved = costs[mine] - costs[theirs]
+        totals[heavy] -= moved
+        totals[other] += moved
+    position = {item: index for index, item in enumerate(items)}
+    return [sorted(group, key=position.__getitem__) for group in groups]
+
+
+def item_costs(config: RunConfig, dataset) -> list[int] | None:
+    """Each training item's compute in tokens where it differs between items, else None.
+
+    Under varlen attention a packed row's padding is dropped (`tigon.runtime.data.model_inputs`), so a row costs
+    the tokens up to its last labelled one; under other attention every row computes all of its tokens.
+    `data.balance_micro_batches: false` turns balancing off.
+    """
+    if not config.data.balance_micro_batches or resolve(config.model.attn_implementation) != "varlen":
+        return None
+    if not isinstance(dataset, PackedDataset):
+        return None
+    return dataset.row_tokens()
+
+
+def train_order(config: RunConfig, dataset, world_size: int, rank: int) -> GlobalBatchSampler:
+    """The run's data order over `dataset`: `world_size` ranks, the run's micro-batch and accumulation, balanced
+    micro-batches where items' costs differ (`item_costs`)."""
+    training = config.training
+    costs = item_costs(config, dataset)
+    if costs is not None and rank == 0 and training.gradient_accumulation_steps * world_size > 1:
+        logger.info("micro-batches balanced: each global batch's rows dealt by their unpadded tokens")
+    return GlobalBatchSampler(
+        len(dataset),
+        training.micro_batch_size,
+        training.gradient_accumulation_steps,
+        world_size,
+        rank,
+        training.seed,
+        costs,
+    )
 
 
 JOINED = ("teacher_hidden",)  # items' rows of differing counts, joined end to end

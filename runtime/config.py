@@ -129,6 +129,12 @@ class DataConfig(Section):
         description="how packing fills sequences: best_fit places the longest documents first, each into the "
         "fullest sequence it still fits (little padding); in_order fills one sequence at a time in the data's order",
     )
+    balance_micro_batches: bool = Field(
+        True,
+        description="deal each global batch's rows to ranks and micro-batches so each micro-batch holds about as "
+        "many tokens, where rows differ: varlen attention drops a row's padding, and ranks wait for the fullest "
+        "micro-batch. The step trains the same rows either way",
+    )
     long_documents: Literal["auto", "split", "truncate"] = Field(
         "auto",
         description="a document longer than max_seq_len: split it into pieces of max_seq_len tokens, each "

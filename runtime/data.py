@@ -644,6 +644,17 @@ class PackedDataset(Dataset):
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def row_tokens(self, chunk: int = 4096) -> list[int]:
+        """Per row, the tokens up to its last labelled one: what varlen attention computes of it (its padding is
+        dropped). Read `chunk` rows at a time."""
+        if getattr(self, "_row_tokens", None) is None:
+            self._row_tokens = [
+                length
+                for start in range(0, len(self), chunk)
+                for length in labelled_lengths(self.labels[start : start + chunk]).tolist()
+            ]
+        return self._row_tokens
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         item = {name: getattr(self, name)[index] for name in ("input_ids", "labels", "position_ids")}
         if self.teacher_hidden is not None:

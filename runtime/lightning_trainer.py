@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
-from tigon.runtime.batches import GlobalBatchSampler, collate
+from tigon.runtime.batches import GlobalBatchSampler, collate, train_order
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.evaluation import Evaluation
@@ -170,14 +170,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         return train_prepared(config, prepared)
     prepare_objective(config, prepared)  # the reference or the teacher, before the model is sharded or wrapped
     dataset = prepared.train_dataset
-    order = GlobalBatchSampler(
-        len(dataset),
-        training.micro_batch_size,
-        training.gradient_accumulation_steps,
-        env.world_size,
-        env.rank,
-        training.seed,
-    )
+    order = train_order(config, dataset, env.world_size, env.rank)
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"seconds": 0.0, "tokens": 0}

@@ -202,9 +202,9 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 RESUME_SECTIONS = ("model", "data", "lora")
-# Where downloads are cached, and which exact attention computes the same function, do not change a run: a resumed
-# run may use another cache or attention implementation.
-RESUME_IGNORED = {"model": {"cache_dir", "attn_implementation"}, "data": {"cache_dir"}}
+# Where downloads are cached, which exact attention computes the same function, and how a global batch's rows are
+# dealt to micro-batches do not change a run: a resumed run may change them.
+RESUME_IGNORED = {"model": {"cache_dir", "attn_implementation"}, "data": {"cache_dir", "balance_micro_batches"}}
 # Fields whose default changed: a checkpoint written before the field existed ran with the value given here.
 EARLIER_DEFAULTS = {"data": {"packing_strategy": "in_order"}}
 

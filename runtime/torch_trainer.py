@@ -30,7 +30,7 @@ import torch
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import post_training, storage
-from tigon.runtime.batches import GlobalBatchSampler, collate, global_token_counts, token_loss_sum
+from tigon.runtime.batches import GlobalBatchSampler, collate, global_token_counts, token_loss_sum, train_order
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.evaluation import Evaluation
@@ -60,7 +60,6 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     report. The adapters finish a run that has no step left to train (resumed at its last step) here too: it
     loads the checkpoint they wrote, evaluates and exports."""
     env, device = prepared.env, prepared.device
-    training = config.training
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
     if config.logging.profile_step is not None and config.logging.profile_step > total_steps:
         raise ConfigError(
@@ -70,14 +69,7 @@ def train_prepared(config: RunConfig, prepared: Prepared) -> TrainResult:
     trainable, total_params = count_parameters(prepared.model)  # before ZeRO-3 partitions the weights
     prepare_objective(config, prepared)
     strategy = build_strategy(prepared.model, config, env, device, total_steps)  # ddp, fsdp or deepspeed
-    sampler = GlobalBatchSampler(
-        len(prepared.train_dataset),
-        training.micro_batch_size,
-        training.gradient_accumulation_steps,
-        env.world_size,
-        env.rank,
-        training.seed,
-    )
+    sampler = train_order(config, prepared.train_dataset, env.world_size, env.rank)
     if env.is_main:
         logger.info(
             "training %s parameters (%s total) on %s x %d: %d steps of %d sequences x %d tokens (%d steps per epoch)",

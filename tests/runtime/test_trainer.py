@@ -18,7 +18,15 @@ import torch
 
 from tests.runtime.configs import TINY_MODEL, tiny_config
 from tests.runtime.worker_groups import process_env, torchrun, train_with_a_failing_rank
-from tigon.runtime.batches import GlobalBatchSampler, collate, label_tokens, token_loss_sum
+from tigon.runtime.batches import (
+    GlobalBatchSampler,
+    balanced_slots,
+    collate,
+    item_costs,
+    label_tokens,
+    token_loss_sum,
+    train_order,
+)
 from tigon.runtime.config import ConfigError, TrainingConfig
 from tigon.runtime.optim import build_optimizer, lr_factor, param_groups
 from tigon.runtime.trainer import train
@@ -301,6 +309,88 @@ def test_global_batch_order_does_not_depend_on_the_split():
     rank0 = GlobalBatchSampler(40, 2, 1, 2, 0, seed=3).micro_batches(0, 0)[0]
     rank1 = GlobalBatchSampler(40, 2, 1, 2, 1, seed=3).micro_batches(0, 0)[0]
     assert not set(rank0) & set(rank1)
+
+
+def row_costs(n_rows: int, seed: int = 0) -> list[int]:
+    """Tokens per packed row of mixed-length documents filled in order: rows of 4096 slots, 55-100% real tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    return (2250 + torch.randint(0, 1847, (n_rows,), generator=generator)).tolist()
+
+
+def micro_batch_spread(samplers: list[GlobalBatchSampler], costs: list[int], batch: int) -> float:
+    """Summed over the global batch's micro-batch positions: the fullest rank's tokens over the mean rank's."""
+    per_rank = [[sum(costs[i] for i in mb) for mb in s.micro_batches(0, batch)] for s in samplers]
+    fullest = sum(max(ranks) for ranks in zip(*per_rank, strict=True))
+    return fullest * len(samplers) / sum(map(sum, per_rank))
+
+
+@pytest.mark.parametrize("micro, accumulation, world", [(4, 2, 4), (8, 1, 4), (2, 4, 2)])
+def test_balanced_micro_batches_train_the_same_global_batch_with_even_tokens(micro, accumulation, world):
+    """With costs, each global batch's rows are dealt so the ranks' micro-batches hold about as many tokens; the
+    global batch itself, and so the step, is the one the plain order gives."""
+    costs = row_costs(400)
+
+    def samplers(with_costs: bool) -> list[GlobalBatchSampler]:
+        return [
+            GlobalBatchSampler(400, micro, accumulation, world, rank, seed=3, costs=costs if with_costs else None)
+            for rank in range(world)
+        ]
+
+    plain, balanced = samplers(False), samplers(True)
+    for batch in range(plain[0].batches_per_epoch):
+        dealt = [mb for s in balanced for mb in s.micro_batches(0, batch)]
+        assert all(len(mb) == micro for mb in dealt)
+        assert sorted(i for mb in dealt for i in mb) == sorted(
+            i for s in plain for mb in s.micro_batches(0, batch) for i in mb
+        )
+    plain_spread, balanced_spread = (
+        sum(micro_batch_spread(s, costs, batch) for batch in range(10)) / 10 for s in (plain, balanced)
+    )
+    assert plain_spread > 1.04 and balanced_spread < 1.01, (plain_spread, balanced_spread)
+
+
+def test_balanced_slots_even_out_costs_deterministically():
+    assert balanced_slots([0, 1, 2, 3, 4, 5], [9, 1, 1, 8, 1, 2], slots=2, size=3) == [
+        [0, 1, 2],
+        [3, 4, 5],
+    ]  # 11 and 11
+    costs = row_costs(64, seed=1)
+    items = list(range(63, -1, -1))
+    groups = balanced_slots(items, costs, slots=8, size=8)
+    assert groups == balanced_slots(items, costs, slots=8, size=8)
+    totals = [sum(costs[i] for i in group) for group in groups]
+    assert max(totals) - min(totals) < 0.005 * sum(totals) / 8, totals
+    assert all(group == sorted(group, reverse=True) for group in groups)  # each group keeps the items' order
+    with pytest.raises(ValueError, match="6 items cannot fill 4 groups of 2"):
+        balanced_slots(list(range(6)), [1] * 6, slots=4, size=2)
+    with pytest.raises(ValueError, match="costs has 3 entries for 4 items"):
+        GlobalBatchSampler(4, 1, 1, 1, 0, seed=0, costs=[1, 2, 3])
+
+
+def test_items_cost_their_unpadded_tokens_only_under_varlen_attention(tmp_path):
+    """Varlen attention drops a packed row's padding, so rows cost their tokens up to the last labelled one; under
+    other attention, or with data.balance_micro_batches off, every row costs the same (no costs)."""
+    from tests.runtime.configs import adapter_config
+    from tigon.runtime.data import build_datasets, labelled_lengths
+    from tigon.runtime.hf_trainer import epoch_order
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = adapter_config(tmp_path, "torch", model={"attn_implementation": "varlen"})
+    dataset, _, _ = build_datasets(config, load_tokenizer(config.model))
+    costs = item_costs(config, dataset)
+    assert costs == labelled_lengths(dataset.labels).tolist() and len(set(costs)) > 1
+    off = config.model_copy(update={"data": config.data.model_copy(update={"balance_micro_batches": False})})
+    sdpa = config.model_copy(update={"model": config.model.model_copy(update={"attn_implementation": "sdpa"})})
+    assert item_costs(off, dataset) is None and item_costs(sdpa, dataset) is None
+
+    world = 2
+    ranks = [train_order(config, dataset, world, rank) for rank in range(world)]
+    stream = epoch_order(config, dataset, world)  # the HF Trainer's: accelerate deals micro-batch k to rank k % W
+    plain = GlobalBatchSampler(len(dataset), 2, 2, world, 0, seed=config.training.seed)
+    assert any(ranks[0].micro_batches(0, b) != plain.micro_batches(0, b) for b in range(plain.batches_per_epoch))
+    for batch in range(stream.batches_per_epoch):
+        dealt = stream.micro_batches(0, batch)
+        assert [dealt[k::world] for k in range(world)] == [r.micro_batches(0, batch) for r in ranks]
 
 
 def test_learning_rate_schedules():
