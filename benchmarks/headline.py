@@ -6,6 +6,7 @@ and the scaling sweep (benchmarks/scaling.sh) drive these pieces.
     torchrun --nproc_per_node 4 -m benchmarks.headline liger-train DIR/liger-4096/config.yaml
     python -m benchmarks.headline collect --out DIR                                      # headline.json + .md
     python -m benchmarks.headline scaling --out DIR    # tokens/s per GPU against GPUs (scaling.json + .md)
+    python -m benchmarks.headline paired --out DIR tigon-plain-4096 tigon-4096   # the same batches, step by step
 
 The model is a real config with random weights: Llama-3-8B (hidden 4096, intermediate 14336, 32 layers,
 32 heads, 8 KV heads, vocab 128256, rope_theta 500000) or Llama-3.2-1B (`--shape llama-3.2-1b`), bf16,
@@ -173,6 +174,29 @@ def steady_tokens_per_second(metrics: list[dict]) -> float | None:
     return (last["tokens_seen"] - first["tokens_seen"]) / seconds if seconds > 0 else None
 
 
+def step_seconds(metrics: list[dict]) -> list[float]:
+    """Each step's seconds after the warm-up steps (from the cumulative rates the run logs)."""
+    ends = [m["tokens_seen"] / m["tokens_per_second"] for m in metrics if m.get("tokens_per_second")]
+    return [end - start for start, end in zip(ends[WARMUP_STEPS - 1 :], ends[WARMUP_STEPS:], strict=False)]
+
+
+def paired(out: Path, base: str, other: str) -> dict:
+    """Two runs under `out` (directory names, e.g. tigon-plain-4096) that trained the same global batches in the
+    same order, step by step: the median of `other`'s step time over `base`'s, and their total times' ratio. Pairing
+    the steps takes out what varies from batch to batch (the tokens a step holds)."""
+    seconds = []
+    for name in (base, other):
+        metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
+        seconds.append(step_seconds(metrics))
+    ratios = sorted(b / a for a, b in zip(*seconds, strict=False))
+    if not ratios:
+        raise ValueError(f"{base} and {other} have no timed step in common (each needs more than {WARMUP_STEPS})")
+    middle = len(ratios) // 2
+    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    steps = len(ratios)
+    return {"steps": steps, "median_ratio": median, "total_ratio": sum(seconds[1][:steps]) / sum(seconds[0][:steps])}
+
+
 def collect(out: Path) -> dict:
     """Every run under `out`: tokens/s after warm-up, rank 0's peak memory, out-of-memory, the longest fit."""
     runs = []
@@ -192,6 +216,7 @@ def collect(out: Path) -> dict:
             training = summary["config"]["training"]
             row |= {
                 "tokens_per_second": steady_tokens_per_second(metrics),
+                "step_seconds": [round(seconds, 4) for seconds in step_seconds(metrics)],
                 "peak_bytes_rank0": summary["peak_memory_bytes"],
                 "world_size": summary["world_size"],
                 "micro_batch": training["micro_batch_size"],
@@ -357,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     liger.add_argument("config")
     gather = commands.add_parser("collect", help="tabulate every run under --out (headline.json, headline.md)")
     gather.add_argument("--out", required=True)
+    pair = commands.add_parser("paired", help="two runs of the same batches, step by step: OTHER's time over BASE's")
+    pair.add_argument("--out", required=True)
+    pair.add_argument("base", help="a run directory under --out, e.g. tigon-plain-4096")
+    pair.add_argument("other")
     scale = commands.add_parser("scaling", help="tabulate benchmarks/scaling.sh's runs (scaling.json, scaling.md)")
     scale.add_argument("--out", required=True)
     draw = commands.add_parser("plot", help="the scaling and memory PNGs from scaling and headline reports")
@@ -390,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         reports = {model: Path(path) for model, path in (item.split("=", 1) for item in args.scaling)}
         for path in plot(reports, [Path(path) for path in args.headline], Path(args.out_dir)):
             print(path)
+        return 0
+    if args.command == "paired":
+        result = paired(Path(args.out), args.base, args.other)
+        print(
+            f"{args.other} over {args.base}, {result['steps']} steps: median step time ratio "
+            f"{result['median_ratio']:.4f}, total {result['total_ratio']:.4f}"
+        )
         return 0
     if args.command == "scaling":
         print(scaling_markdown(scaling(Path(args.out))))

@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/headline.sh                                        # every visible GPU, the full sweep
 #   GPUS=2 LAYERS=8 bash benchmarks/headline.sh                        # 2 GPUs, model shortened to 8 layers
+#   SHAPE=llama-3.2-1b GPUS=2 SEQS=4096 VARIANTS=tigon bash benchmarks/headline.sh   # the Llama-3.2-1B shape instead
 #   SEQS="4096 8192" VARIANTS="liger tigon" bash benchmarks/headline.sh
 #   MICRO_BATCH=1 SEQS="16384 32768" bash benchmarks/headline.sh       # the longest sequence at micro-batch 1
 #   TINY=1 GPUS=2 SEQS=32 VARIANTS=tigon STEPS=5 MICRO_BATCH=2 bash benchmarks/headline.sh   # CPU smoke run
@@ -21,6 +22,7 @@ SEQS=${SEQS:-"1024 2048 4096 8192 16384"}
 VARIANTS=${VARIANTS:-"eager liger tigon planner"}
 STEPS=${STEPS:-12}
 LAYERS=${LAYERS:-}
+SHAPE=${SHAPE:-llama-3-8b}  # the model's config: llama-3-8b or llama-3.2-1b (random weights)
 MICRO_BATCH=${MICRO_BATCH:-8}
 TINY=${TINY:-}
 SETS=${SETS:-}  # KEY=VALUE config overrides (space-separated), applied to every run of this sweep
@@ -41,7 +43,7 @@ for seq in $SEQS; do
       continue
     fi
     config=$(python3 -m benchmarks.headline prepare --out "$out" --variant "$variant" --seq "$seq" --gpus "$GPUS" \
-      --steps "$STEPS" --micro-batch "$MICRO_BATCH" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny} ${TAG:+--tag "$TAG"} --documents "$DOCS" \
+      --steps "$STEPS" --micro-batch "$MICRO_BATCH" --shape "$SHAPE" ${LAYERS:+--layers "$LAYERS"} ${TINY:+--tiny} ${TAG:+--tag "$TAG"} --documents "$DOCS" \
       $(for setting in $SETS; do printf -- '--set %s ' "$setting"; done)) || exit 1
     if [[ "$variant" == liger ]]; then entry=(-m benchmarks.headline liger-train "$config"); else entry=(-m tigon.runtime train "$config"); fi
     echo "== $name at seq $seq on $GPUS GPUs${SETS:+ ($SETS)}"

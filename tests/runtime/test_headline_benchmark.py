@@ -38,6 +38,28 @@ def test_tiny_headline_run_tabulates_both_variants(tmp_path):
     config = (tmp_path / "headline" / "tigon-32" / "config.yaml").read_text()
     assert "strategy: fsdp" in config
     assert "| tigon | 32 | 2 x 1 | on |" in (tmp_path / "headline" / "headline.md").read_text()
+    assert all(len(row["step_seconds"]) == 2 and min(row["step_seconds"]) > 0 for row in rows.values())
+
+
+def test_paired_runs_compare_step_by_step(tmp_path):
+    """Two runs of the same batches: each step's time against the other's (the logged rates are cumulative)."""
+    from benchmarks.headline import paired, step_seconds
+
+    def write_run(name: str, seconds: list[float]) -> None:
+        (tmp_path / name).mkdir()
+        tokens, elapsed, lines = 0, 0.0, []
+        for step, took in enumerate(seconds, start=1):
+            tokens, elapsed = tokens + 1000, elapsed + took
+            lines.append(json.dumps({"step": step, "tokens_seen": tokens, "tokens_per_second": tokens / elapsed}))
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    write_run("base", [9.0, 5.0, 5.0, 1.0, 2.0, 4.0])
+    write_run("other", [1.0, 1.0, 1.0, 1.1, 2.4, 4.0, 7.0])
+    metrics = [json.loads(line) for line in (tmp_path / "base" / "metrics.jsonl").read_text().splitlines()]
+    assert [round(s, 9) for s in step_seconds(metrics)] == [1.0, 2.0, 4.0]  # after 3 warm-up steps
+    result = paired(tmp_path, "base", "other")
+    assert result["steps"] == 3 and abs(result["median_ratio"] - 1.1) < 1e-9  # of 1.1, 1.2 and 1.0
+    assert abs(result["total_ratio"] - 7.5 / 7.0) < 1e-9
 
 
 def test_tiny_scaling_run_tabulates_tokens_per_gpu_and_efficiency(tmp_path):
