@@ -75,13 +75,16 @@ class GlobalBatchSampler:
         return [dealt[micro * self.world_size + self.rank] for micro in range(self.accumulation)]
 
 
+SWAP_PARTNERS = 4  # the least loaded groups the costliest one tries swaps with (bounds the work at many ranks)
+
+
 def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int) -> list[list[int]]:
     """`items` dealt into `slots` groups of `size` whose summed `costs` are close to equal, each group in the
     items' order.
 
     The costliest item goes first, each to the group with the least cost that has room (longest processing time
-    first); then, while it lowers the costliest group, one of its items swaps with a cheaper one of another group.
-    Deterministic: every rank deals the same groups.
+    first); then, while it lowers the costliest group, one of its items swaps with a cheaper one of one of the least
+    loaded groups. Deterministic: every rank deals the same groups.
     """
     if len(items) != slots * size:
         raise ValueError(f"{len(items)} items cannot fill {slots} groups of {size}")
@@ -95,9 +98,10 @@ def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int
         if len(groups[slot]) < size:
             heapq.heappush(open_groups, (totals[slot], slot))
     for _ in range(2 * slots):
-        heavy = max(range(slots), key=totals.__getitem__)
+        by_total = sorted(range(slots), key=totals.__getitem__)
+        heavy = by_total[-1]
         best = None  # (the two groups' higher total after the swap, other group, its item, heavy's item)
-        for other in range(slots):
+        for other in by_total[:SWAP_PARTNERS]:
             if other == heavy:
                 continue
             for mine in groups[heavy]:
