@@ -66,13 +66,14 @@ STRATEGIES = {
 
 
 def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
-    """`n_docs` text records of `length` random characters (one record per packed sequence)."""
+    """`n_docs` text records that are `length` tokens each under the char tokenizer (one record per packed
+    sequence): `length - 2` random characters, between the start and end tokens it adds."""
     if path.is_file():
         return
     rng = random.Random(seed)
     with atomic_path(path) as temporary, temporary.open("w") as file:
         for _ in range(n_docs):
-            file.write(json.dumps({"text": "".join(rng.choices(ALPHABET, k=length))}) + "\n")
+            file.write(json.dumps({"text": "".join(rng.choices(ALPHABET, k=length - 2))}) + "\n")
 
 
 def write_documents(path: Path, n_chars: int, seed: int = 0) -> None:

@@ -34,6 +34,7 @@ def test_tiny_headline_run_tabulates_both_variants(tmp_path):
         assert row["seq"] == 32 and not row["oom"] and row["world_size"] == 2
         assert row["micro_batch"] == 2 and row["checkpointing"]
         assert row["tokens_per_second"] > 0 and row["peak_bytes_rank0"] > 0
+        assert row["real_token_fraction"] == 1.0  # one document a sequence, filling it
     assert report["longest"] == {"eager": 32, "tigon": 32}
     config = (tmp_path / "headline" / "tigon-32" / "config.yaml").read_text()
     assert "strategy: fsdp" in config
