@@ -28,6 +28,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import string
 import sys
 from pathlib import Path
@@ -167,12 +168,11 @@ def liger_train(config_path: str) -> int:
 
 def steady_tokens_per_second(metrics: list[dict]) -> float | None:
     """Tokens/s between the end of the warm-up steps and the last step (the logged rates are cumulative)."""
-    steps = [m for m in metrics if "tokens_per_second" in m and m.get("tokens_per_second")]
+    steps = [m for m in metrics if m.get("tokens_per_second")]
     if len(steps) <= WARMUP_STEPS:
         return None
-    first, last = steps[WARMUP_STEPS - 1], steps[-1]
-    seconds = last["tokens_seen"] / last["tokens_per_second"] - first["tokens_seen"] / first["tokens_per_second"]
-    return (last["tokens_seen"] - first["tokens_seen"]) / seconds if seconds > 0 else None
+    seconds = sum(step_seconds(steps))
+    return (steps[-1]["tokens_seen"] - steps[WARMUP_STEPS - 1]["tokens_seen"]) / seconds if seconds > 0 else None
 
 
 def step_seconds(metrics: list[dict]) -> list[float]:
@@ -189,13 +189,12 @@ def paired(out: Path, base: str, other: str) -> dict:
     for name in (base, other):
         metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
         seconds.append(step_seconds(metrics))
-    ratios = sorted(b / a for a, b in zip(*seconds, strict=False))
+    ratios = [b / a for a, b in zip(*seconds, strict=False)]
     if not ratios:
         raise ValueError(f"{base} and {other} have no timed step in common (each needs more than {WARMUP_STEPS})")
-    middle = len(ratios) // 2
-    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
     steps = len(ratios)
-    return {"steps": steps, "median_ratio": median, "total_ratio": sum(seconds[1][:steps]) / sum(seconds[0][:steps])}
+    total = sum(seconds[1][:steps]) / sum(seconds[0][:steps])
+    return {"steps": steps, "median_ratio": statistics.median(ratios), "total_ratio": total}
 
 
 def collect(out: Path) -> dict:

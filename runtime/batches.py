@@ -100,7 +100,7 @@ def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int
     for _ in range(2 * slots):
         by_total = sorted(range(slots), key=totals.__getitem__)
         heavy = by_total[-1]
-        best = None  # (the two groups' higher total after the swap, other group, its item, heavy's item)
+        best = None  # (the two groups' higher total after the swap, other group, its item, heavy's item, cost moved)
         for other in by_total[:SWAP_PARTNERS]:
             if other == heavy:
                 continue
@@ -109,13 +109,12 @@ def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int
                     moved = costs[mine] - costs[theirs]
                     peak = max(totals[heavy] - moved, totals[other] + moved)
                     if moved > 0 and peak < totals[heavy] and (best is None or peak < best[0]):
-                        best = (peak, other, theirs, mine)
+                        best = (peak, other, theirs, mine, moved)
         if best is None:
             break
-        _, other, theirs, mine = best
+        _, other, theirs, mine, moved = best
         groups[heavy][groups[heavy].index(mine)] = theirs
         groups[other][groups[other].index(theirs)] = mine
-        moved = costs[mine] - costs[theirs]
         totals[heavy] -= moved
         totals[other] += moved
     position = {item: index for index, item in enumerate(items)}
@@ -123,7 +122,7 @@ def balanced_slots(items: list[int], costs: Sequence[int], slots: int, size: int
 
 
 def item_costs(config: RunConfig, dataset) -> list[int] | None:
-    """Each training item's compute in tokens where it differs between items, else None.
+    """Each training item's compute in tokens where it can differ between items, else None.
 
     Under varlen attention a packed row's padding is dropped (`tigon.runtime.data.model_inputs`), so a row costs
     the tokens up to its last labelled one; under other attention every row computes all of its tokens.

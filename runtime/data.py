@@ -536,6 +536,7 @@ class PackedDataset(Dataset):
     """
 
     teacher_hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+    _row_tokens: list[int] | None = None  # `row_tokens`, once read
 
     def __init__(
         self,
@@ -647,7 +648,7 @@ class PackedDataset(Dataset):
     def row_tokens(self, chunk: int = 4096) -> list[int]:
         """Per row, the tokens up to its last labelled one: what varlen attention computes of it (its padding is
         dropped). Read `chunk` rows at a time."""
-        if getattr(self, "_row_tokens", None) is None:
+        if self._row_tokens is None:
             self._row_tokens = [
                 length
                 for start in range(0, len(self), chunk)
