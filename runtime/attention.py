@@ -64,7 +64,7 @@ def document_boundaries(
     first `lengths[row]` tokens count (the batch the model gets holds just those, rows concatenated).
     `cu_seq_lens_q` (= `_k`) holds the int32 offsets of the starts over the flattened tokens, then their count;
     `max_length_q` (= `_k`) is the longest document. Computed where `position_ids` is (the CPU copy of a batch
-    needs no GPU synchronization), the offsets are then moved to `device`.
+    needs no GPU synchronization), the offsets are then copied to `device` without waiting for it.
     """
     if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2 or position_ids.numel() == 0:
         got = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
@@ -78,7 +78,7 @@ def document_boundaries(
     flat = starts.flatten().nonzero().flatten()
     ends = torch.cat([flat, flat.new_tensor([starts.numel()])])
     longest = int((ends[1:] - ends[:-1]).max())
-    offsets = ends.to(device=device or position_ids.device, dtype=torch.int32)
+    offsets = ends.to(device=device or position_ids.device, dtype=torch.int32, non_blocking=True)
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 

@@ -135,13 +135,19 @@ def item_costs(config: RunConfig, dataset) -> list[int] | None:
     return dataset.row_tokens()
 
 
+def balancing_costs(config: RunConfig, dataset, slots: int, log: bool) -> list[int] | None:
+    """`item_costs`, saying so (`log`) where a global batch has more than one micro-batch slot to deal them to."""
+    costs = item_costs(config, dataset)
+    if costs is not None and log and slots > 1:
+        logger.info("micro-batches balanced: each global batch's rows dealt by their unpadded tokens")
+    return costs
+
+
 def train_order(config: RunConfig, dataset, world_size: int, rank: int) -> GlobalBatchSampler:
     """The run's data order over `dataset`: `world_size` ranks, the run's micro-batch and accumulation, balanced
     micro-batches where items' costs differ (`item_costs`)."""
     training = config.training
-    costs = item_costs(config, dataset)
-    if costs is not None and rank == 0 and training.gradient_accumulation_steps * world_size > 1:
-        logger.info("micro-batches balanced: each global batch's rows dealt by their unpadded tokens")
+    costs = balancing_costs(config, dataset, training.gradient_accumulation_steps * world_size, log=rank == 0)
     return GlobalBatchSampler(
         len(dataset),
         training.micro_batch_size,

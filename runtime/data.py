@@ -792,6 +792,25 @@ def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
     return lengths
 
 
+def check_labels(datasets, vocab_size: int, rows: int = 4096) -> None:
+    """Fail, naming the fix, if a label of the datasets (None skipped) is neither IGNORE_INDEX nor a token id below
+    `vocab_size`. Checked once on the host, in chunks of `rows` rows, so the fused loss need not check on the GPU."""
+    for dataset in datasets:
+        if dataset is None:
+            continue
+        labels = dataset.labels.reshape(-1, dataset.labels.shape[-1])
+        for start in range(0, labels.shape[0], rows):
+            chunk = labels[start : start + rows]
+            bad = (chunk != IGNORE_INDEX) & ((chunk < 0) | (chunk >= vocab_size))
+            if bool(bad.any()):
+                label = int(chunk[bad][0])
+                raise DataError(
+                    f"a label is {label}, which is no token of the tokenizer's {vocab_size} (labels are token ids, "
+                    f"or {IGNORE_INDEX} for no loss): the data was tokenized with another tokenizer; prepare it again "
+                    "with this run's model.tokenizer"
+                )
+
+
 def token_multiple(precision: str) -> int:
     """What the tokens a micro-batch feeds the model must be a multiple of: 16 under `precision: fp8` (an FP8
     matmul's inner dimension is a multiple of 16, and the weight gradient's inner dimension is the tokens), else 1."""

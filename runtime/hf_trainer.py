@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
-from tigon.runtime.batches import GlobalBatchSampler, autocast, collate, item_costs
+from tigon.runtime.batches import GlobalBatchSampler, autocast, balancing_costs, collate
 from tigon.runtime.config import RunConfig
 from tigon.runtime.data import model_inputs
 from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed, trainable_elements
@@ -59,22 +59,23 @@ from tigon.runtime.strategies import strategy_class
 from tigon.runtime.torch_trainer import train_prepared
 
 
-def epoch_order(config: RunConfig, dataset, world_size: int = 1) -> GlobalBatchSampler:
+def epoch_order(config: RunConfig, dataset, world_size: int = 1, log: bool = False) -> GlobalBatchSampler:
     """The torch trainer's order as one stream of micro-batches, global batch after global batch.
 
     With W ranks, dealing micro-batch k of the stream to rank k % W (what accelerate's BatchSamplerShard
     does under DDP) gives rank r micro-batches r, r + W, ... of each global batch: the torch trainer's split,
-    balanced micro-batches included (`item_costs`).
+    balanced micro-batches included (`balancing_costs`, which says so where `log`).
     """
     training = config.training
+    slots = training.gradient_accumulation_steps * world_size
     return GlobalBatchSampler(
         len(dataset),
         training.micro_batch_size,
-        training.gradient_accumulation_steps * world_size,
+        slots,
         1,
         0,
         training.seed,
-        item_costs(config, dataset),
+        balancing_costs(config, dataset, slots, log),
     )
 
 
@@ -246,7 +247,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     sharded = config.parallelism.strategy == "fsdp"
     if sharded:
         shard_model(prepared.model, config, env, device)  # the torch trainer's FSDP2 units and mixed precision
-    order = OrderSampler(epoch_order(config, prepared.train_dataset, env.world_size), steps)
+    order = OrderSampler(epoch_order(config, prepared.train_dataset, env.world_size, log=env.is_main), steps)
     attn = config.model.attn_implementation
 
     def collator(items: list[dict]) -> dict:

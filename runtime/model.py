@@ -245,8 +245,9 @@ def build_from_config(config: RunConfig, vocab_size: int, tokenizer=None) -> nn.
     )
 
 
-def apply_kernels(model: nn.Module, config: RunConfig):
-    """tigon's kernels per `config.kernels`; returns the PatchReport (None when disabled)."""
+def apply_kernels(model: nn.Module, config: RunConfig, check_targets: bool = True):
+    """tigon's kernels per `config.kernels`; returns the PatchReport (None when disabled). `check_targets=False`: the
+    fused loss does not check its labels on the device (they were checked on the host)."""
     kernels = config.kernels
     if not kernels.enabled:
         logger.info("tigon kernels disabled (kernels.enabled: false)")
@@ -260,6 +261,7 @@ def apply_kernels(model: nn.Module, config: RunConfig):
         swiglu=kernels.swiglu,
         fused_linear_cross_entropy=kernels.fused_linear_cross_entropy,
         loss_chunk_tokens=loss_chunk_tokens(model, config),
+        check_targets=check_targets,
     )
 
 
@@ -368,7 +370,12 @@ def compile_decoder_layers(model: nn.Module, backend: str) -> int:
 
 
 def build_model(
-    config: RunConfig, vocab_size: int, tokenizer=None, meta: bool = False, device: torch.device | None = None
+    config: RunConfig,
+    vocab_size: int,
+    tokenizer=None,
+    meta: bool = False,
+    device: torch.device | None = None,
+    labels_checked: bool = False,
 ) -> nn.Module:
     """The model a run trains, in `model.dtype`, on the CPU unless `device` or `meta` say otherwise.
 
@@ -376,7 +383,9 @@ def build_model(
     on the CPU); on a GPU this takes a second where the CPU's one thread under `torchrun` takes minutes for
     billions of parameters. `meta=True` builds it on the meta device: shapes without memory or
     initialization, for the FSDP2 ranks that receive rank 0's weights once the model is sharded
-    (`tigon.runtime.parallel.FSDPStrategy`).
+    (`tigon.runtime.parallel.FSDPStrategy`). `labels_checked`: the caller checked every label of its data against
+    the vocabulary on the host (`tigon.runtime.data.check_labels`), so the fused loss skips its own check, a device
+    sync each forward that would keep the host from running ahead of the GPU.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
@@ -393,7 +402,7 @@ def build_model(
         else:
             model = build_from_config(config, vocab_size, tokenizer)
         check_mamba_scan(model.config, config, _gpu_bytes(), _transformers_version(), fast_path_installed())
-        model.tigon_patch_report = apply_kernels(model, config)
+        model.tigon_patch_report = apply_kernels(model, config, check_targets=not labels_checked)
         if config.lora.quantize_base and not meta:
             quantize_base(model, config, device)
         if config.training.precision == "fp8":

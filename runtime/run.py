@@ -27,7 +27,7 @@ from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
-from tigon.runtime.data import build_datasets
+from tigon.runtime.data import build_datasets, check_labels
 from tigon.runtime.distributed import (
     DistEnv,
     barrier,
@@ -128,7 +128,8 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     # receive rank 0's weights once it is sharded (parallel.receive_rank0_weights).
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
     started = time.perf_counter()
-    model = build_model(config, len(tokenizer), tokenizer, meta=meta, device=device)
+    check_labels((train_dataset, eval_dataset), len(tokenizer))
+    model = build_model(config, len(tokenizer), tokenizer, meta=meta, device=device, labels_checked=True)
     if not meta:
         model = model.to(device)
     if env.is_main:

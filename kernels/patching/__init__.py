@@ -30,7 +30,13 @@ from tigon.kernels.modules import (
     ReLUSquared,
     RMSNorm,
 )
-from tigon.kernels.patching.causal_lm import LOSS_CHUNK_TOKENS, fused_class, fused_forward, keep_last_hidden_state
+from tigon.kernels.patching.causal_lm import (
+    CHECK_TARGETS,
+    LOSS_CHUNK_TOKENS,
+    fused_class,
+    fused_forward,
+    keep_last_hidden_state,
+)
 from tigon.kernels.utils import check_chunk_size
 
 logger = logging.getLogger("tigon.kernels")
@@ -848,12 +854,15 @@ def apply(
     swiglu: bool = True,
     fused_linear_cross_entropy: bool = True,
     loss_chunk_tokens: int | None = None,
+    check_targets: bool = True,
 ) -> PatchReport:
     """Apply tigon's kernels to a built transformers model (or a PEFT wrapper of one) in place.
 
     `fused_linear_cross_entropy` makes the `*ForCausalLM` forward compute the loss without logits when
     training with labels (see `tigon.kernels.patching.causal_lm`); `loss_chunk_tokens` sets that loss's
-    tokens per chunk (None: the op's own rule). Returns what was swapped; its `skipped` names each part of
+    tokens per chunk (None: the op's own rule), and `check_targets=False` drops its check that every label lies in
+    the vocabulary (a device sync a forward, which keeps the host from running ahead of the GPU): for callers that
+    check their labels on the host, as tigon's runtime does. Returns what was swapped; its `skipped` names each part of
     the family a requested kernel leaves as transformers wrote it, with the reason.
     """
     check_chunk_size("loss_chunk_tokens", loss_chunk_tokens, "tokens")
@@ -899,6 +908,7 @@ def apply(
                 original = getattr(type(causal_lm), "__tigon_original__", type(causal_lm))
                 causal_lm.__class__ = fused_class(original, family)
                 causal_lm.__dict__[LOSS_CHUNK_TOKENS] = loss_chunk_tokens
+                causal_lm.__dict__[CHECK_TARGETS] = check_targets
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
     report.skipped = skipped

@@ -81,11 +81,13 @@ def causal_lm_loss(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         chunk_size=model.__dict__.get(LOSS_CHUNK_TOKENS),
+        check_targets=model.__dict__.get(CHECK_TARGETS, True),
     )
 
 
 LAST_HIDDEN = "_tigon_last_hidden_state"
 LOSS_CHUNK_TOKENS = "_tigon_loss_chunk_tokens"  # the fused loss's tokens per chunk from `apply` (None: the op's rule)
+CHECK_TARGETS = "_tigon_check_targets"  # whether the fused loss checks its labels on the device (`apply`'s flag)
 
 
 def _store_last_hidden_state(decoder: nn.Module, args, output) -> None:

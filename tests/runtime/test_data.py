@@ -18,6 +18,7 @@ from tigon.runtime.data import (
     PackedDataset,
     best_fit_rows,
     build_datasets,
+    check_labels,
     encode_prompt,
     in_order_rows,
     instruction_prompt_ids,
@@ -656,3 +657,15 @@ def test_a_field_of_mixed_types_keeps_its_text_as_written(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [{"text": "12"}, {"text": ["1", "2"]}, {"text": "3+4=7"}])
     with pytest.raises(MalformedRecordError, match=r"train\.jsonl, line 2: field 'text' \(data.text_field\) is a list"):
         build_datasets(data_config(path), tokenizer)
+
+
+def test_labels_outside_the_vocabulary_are_refused_on_the_host():
+    """`check_labels` reads every row, a chunk at a time: labels are token ids below the vocabulary or -100."""
+    dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0, strategy="in_order")
+    top = int(dataset.labels.max())
+    check_labels((dataset, None), top + 1, rows=1)
+    with pytest.raises(DataError, match=rf"a label is {top}, which is no token of the tokenizer's {top} .*tokenizer"):
+        check_labels((None, dataset), top, rows=1)
+    dataset.labels[-1, -1] = -5
+    with pytest.raises(DataError, match="a label is -5"):
+        check_labels((dataset,), top + 1, rows=1)

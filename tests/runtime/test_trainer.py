@@ -137,6 +137,26 @@ def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
     assert torch.allclose(sums[True], sums[False], rtol=1e-6)
 
 
+def test_a_prepared_model_checks_its_labels_on_the_host(tmp_path):
+    """`prepare` checks the data's labels against the tokenizer once and builds the model with the fused loss's
+    device check off (it would sync every forward); a model built on its own keeps that check."""
+    from tigon.kernels.patching.causal_lm import CHECK_TARGETS
+    from tigon.runtime.model import build_model
+    from tigon.runtime.run import prepare
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = tiny_config(tmp_path, kernels=LOSS_KERNEL_ONLY)
+    prepared = prepare(config)
+    assert prepared.model.__dict__[CHECK_TARGETS] is False
+    tokenizer = load_tokenizer(config.model)
+    assert build_model(config, len(tokenizer), tokenizer).__dict__[CHECK_TARGETS] is True
+    batch = collate([prepared.train_dataset[0]])
+    batch["labels"][0, -1] = len(tokenizer) + 7
+    model = build_model(config, len(tokenizer), tokenizer).train()
+    with pytest.raises(ValueError, match=f"= {len(tokenizer) + 7} is out of range"):
+        token_loss_sum(model, batch, "sdpa", torch.device("cpu"), "fp32")
+
+
 def test_loss_chunk_tokens_from_the_config_reach_the_model(tmp_path):
     """kernels.loss_chunk_tokens: a number is the fused loss's chunk; auto lets the planner choose (here: the op's
     own rule, since a micro-batch of this tiny run is one chunk under it); the loss is the same either way."""
@@ -367,9 +387,10 @@ def test_balanced_slots_even_out_costs_deterministically():
         GlobalBatchSampler(4, 1, 1, 1, 0, seed=0, costs=[1, 2, 3])
 
 
-def test_items_cost_their_unpadded_tokens_only_under_varlen_attention(tmp_path):
+def test_items_cost_their_unpadded_tokens_only_under_varlen_attention(tmp_path, caplog):
     """Varlen attention drops a packed row's padding, so rows cost their tokens up to the last labelled one; under
-    other attention, or with data.balance_micro_batches off, every row costs the same (no costs)."""
+    other attention, or with data.balance_micro_batches off, every row costs the same (no costs). The torch
+    trainer's ranks and the HF Trainer's stream deal the same micro-batches, and each says so once."""
     from tests.runtime.configs import adapter_config
     from tigon.runtime.data import build_datasets, labelled_lengths
     from tigon.runtime.hf_trainer import epoch_order
@@ -384,8 +405,12 @@ def test_items_cost_their_unpadded_tokens_only_under_varlen_attention(tmp_path):
     assert item_costs(off, dataset) is None and item_costs(sdpa, dataset) is None
 
     world = 2
-    ranks = [train_order(config, dataset, world, rank) for rank in range(world)]
-    stream = epoch_order(config, dataset, world)  # the HF Trainer's: accelerate deals micro-batch k to rank k % W
+    balanced = "micro-batches balanced: each global batch's rows dealt by their unpadded tokens"
+    with caplog.at_level("INFO", logger="tigon.runtime"):
+        ranks = [train_order(config, dataset, world, rank) for rank in range(world)]
+        assert caplog.messages.count(balanced) == 1  # rank 0's
+        stream = epoch_order(config, dataset, world, log=True)  # accelerate deals micro-batch k to rank k % W
+        assert caplog.messages.count(balanced) == 2
     plain = GlobalBatchSampler(len(dataset), 2, 2, world, 0, seed=config.training.seed)
     assert any(ranks[0].micro_batches(0, b) != plain.micro_batches(0, b) for b in range(plain.batches_per_epoch))
     for batch in range(stream.batches_per_epoch):
