@@ -794,7 +794,8 @@ def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
 
 def check_labels(datasets, vocab_size: int, rows: int = 4096) -> None:
     """Fail, naming the fix, if a label of the datasets (None skipped) is neither IGNORE_INDEX nor a token id below
-    `vocab_size`. Checked once on the host, in chunks of `rows` rows, so the fused loss need not check on the GPU."""
+    `vocab_size` (the model's head). Checked once on the host, in chunks of `rows` rows, so the fused loss need not
+    check on the GPU."""
     for dataset in datasets:
         if dataset is None:
             continue
@@ -805,7 +806,7 @@ def check_labels(datasets, vocab_size: int, rows: int = 4096) -> None:
             if bool(bad.any()):
                 label = int(chunk[bad][0])
                 raise DataError(
-                    f"a label is {label}, which is no token of the tokenizer's {vocab_size} (labels are token ids, "
+                    f"a label is {label}, which is no token of the model's {vocab_size} (labels are token ids, "
                     f"or {IGNORE_INDEX} for no loss): the data was tokenized with another tokenizer; prepare it again "
                     "with this run's model.tokenizer"
                 )

@@ -128,8 +128,9 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     # receive rank 0's weights once it is sharded (parallel.receive_rank0_weights).
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
     started = time.perf_counter()
-    check_labels((train_dataset, eval_dataset), len(tokenizer))
     model = build_model(config, len(tokenizer), tokenizer, meta=meta, device=device, labels_checked=True)
+    head = model.get_output_embeddings()
+    check_labels((train_dataset, eval_dataset), len(tokenizer) if head is None else head.weight.shape[0])
     if not meta:
         model = model.to(device)
     if env.is_main:

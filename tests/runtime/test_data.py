@@ -664,7 +664,7 @@ def test_labels_outside_the_vocabulary_are_refused_on_the_host():
     dataset = PackedDataset(documents([5, 3, 9, 1, 7]), max_seq_len=10, pad_token_id=0, strategy="in_order")
     top = int(dataset.labels.max())
     check_labels((dataset, None), top + 1, rows=1)
-    with pytest.raises(DataError, match=rf"a label is {top}, which is no token of the tokenizer's {top} .*tokenizer"):
+    with pytest.raises(DataError, match=rf"a label is {top}, which is no token of the model's {top} .*tokenizer"):
         check_labels((None, dataset), top, rows=1)
     dataset.labels[-1, -1] = -5
     with pytest.raises(DataError, match="a label is -5"):
