@@ -148,9 +148,14 @@ def moe_experts(
     return out
 
 
+def out_of_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    """Where a target is neither `ignore_index` nor a class in [0, n_classes)."""
+    return (target != ignore_index) & ((target < 0) | (target >= n_classes))
+
+
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Raise if a target that is not `ignore_index` lies outside [0, n_classes): one device sync."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    bad = out_of_range(target, n_classes, ignore_index)
     if bool(bad.any()):
         position = int(bad.nonzero()[0, 0])
         raise ValueError(

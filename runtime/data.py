@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
+from tigon.kernels.reference import out_of_range
 from tigon.runtime.attention import IMPLEMENTATIONS, document_boundaries, resolve
 
 if TYPE_CHECKING:
@@ -802,7 +803,7 @@ def check_labels(datasets, vocab_size: int, rows: int = 4096) -> None:
         labels = dataset.labels.reshape(-1, dataset.labels.shape[-1])
         for start in range(0, labels.shape[0], rows):
             chunk = labels[start : start + rows]
-            bad = (chunk != IGNORE_INDEX) & ((chunk < 0) | (chunk >= vocab_size))
+            bad = out_of_range(chunk, vocab_size, IGNORE_INDEX)
             if bool(bad.any()):
                 label = int(chunk[bad][0])
                 raise DataError(

@@ -129,12 +129,12 @@ def prepare(config: RunConfig, datasets: str | Path | None = None) -> Prepared:
     meta = config.parallelism.strategy == "fsdp" and env.distributed and not env.is_main
     started = time.perf_counter()
     model = build_model(config, len(tokenizer), tokenizer, meta=meta, device=device, labels_checked=True)
-    head = model.get_output_embeddings()
-    check_labels((train_dataset, eval_dataset), len(tokenizer) if head is None else head.weight.shape[0])
     if not meta:
         model = model.to(device)
     if env.is_main:
         logger.info("model: built on %s in %.1f s", device, time.perf_counter() - started)
+    head = model.get_output_embeddings()
+    check_labels((train_dataset, eval_dataset), len(tokenizer) if head is None else head.weight.shape[0])
     return Prepared(env, device, tokenizer, train_dataset, eval_dataset, data_summary, model, examples, manifest)
 
 
