@@ -14,7 +14,9 @@ AdamW, gradient checkpointing on, FSDP2 by default (`--strategy ddp`, `fsdp` or 
 characters (the char tokenizer; the head still spans all 128256 tokens): one document a sequence, or with
 `--documents mixed` fine-tuning-like documents of 100 to 4000 characters (log-uniform, as
 benchmarks/packed_attention.py draws them) packed into each sequence, where tigon's variants attend over the
-documents' boundaries (`model.attn_implementation: auto`) and eager and liger through SDPA's block-diagonal mask.
+documents' boundaries (`model.attn_implementation: auto`) and eager and liger through SDPA's block-diagonal mask;
+`--documents instruction` the same documents as instruction records, each split at a uniform point into a prompt
+without loss and a response.
 Variants: eager (kernels off),
 liger (HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
 planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab);
@@ -54,7 +56,7 @@ TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_l
 TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
 SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
 ALPHABET = string.ascii_letters + string.digits + " "  # the random text's characters
-DOCUMENTS = ("full", "mixed")
+DOCUMENTS = ("full", "mixed", "instruction")
 MIXED_LENGTHS = (100, 4000)  # characters a document, log-uniform
 REAL_TOKENS = re.compile(r"sequences, (\d+) tokens \(.*?, (\d+) padding\)")
 STRATEGIES = {
@@ -77,15 +79,24 @@ def write_data(path: Path, n_docs: int, length: int, seed: int = 0) -> None:
             file.write(json.dumps({"text": "".join(rng.choices(ALPHABET, k=length - 2))}) + "\n")
 
 
-def write_documents(path: Path, n_chars: int, seed: int = 0) -> None:
-    """Text records of random characters whose lengths are log-uniform in MIXED_LENGTHS, `n_chars` in all."""
+def write_documents(path: Path, n_chars: int, seed: int = 0, prompts: bool = False) -> None:
+    """Text records of random characters whose lengths are log-uniform in MIXED_LENGTHS, `n_chars` in all; with
+    `prompts`, instruction records instead: each document split at a uniformly drawn point into a prompt (no loss)
+    and a response, so prompts hold about half the tokens."""
     if path.is_file():
         return
     from benchmarks.packed_attention import documents
 
+    rng = random.Random(seed)
     with atomic_path(path) as temporary, temporary.open("w") as file:
         for doc in documents(n_chars, len(ALPHABET), *MIXED_LENGTHS, seed):
-            file.write(json.dumps({"text": "".join(ALPHABET[i] for i in doc)}) + "\n")
+            text = "".join(ALPHABET[i] for i in doc)
+            if prompts:
+                split = rng.randint(1, len(text) - 1)
+                record = {"instruction": text[:split], "response": text[split:]}
+            else:
+                record = {"text": text}
+            file.write(json.dumps(record) + "\n")
 
 
 def prepare(
@@ -105,13 +116,14 @@ def prepare(
 ) -> Path:
     """Write the run's data (shared per sequence length) and config; returns the config path. `settings` are
     `KEY=VALUE` overrides as `tigon train --set` takes them; `tag` names such a run apart (`tigon-TAG-4096`);
-    `documents` is one document a sequence ("full") or packed fine-tuning-like documents ("mixed")."""
+    `documents` is one document a sequence ("full"), packed fine-tuning-like documents ("mixed"), or those as
+    instruction records whose prompts carry no loss ("instruction")."""
     sequences = int(gpus * micro_batch * steps * 1.1) + 8
     data = out / "data" / f"{'text' if documents == 'full' else documents}-{seq}.jsonl"
     if documents == "full":
         write_data(data, n_docs=sequences, length=seq)
     else:
-        write_documents(data, n_chars=int(sequences * seq * 1.1))
+        write_documents(data, n_chars=int(sequences * seq * 1.1), prompts=documents == "instruction")
     kernels = variant.startswith(("tigon", "planner"))
     shape = {**(TINY if tiny else SHAPES[shape_name]), "max_position_embeddings": max(8192, seq)}
     if layers:
@@ -124,9 +136,14 @@ def prepare(
             "config_overrides": shape,
             "tokenizer": "char",
             "dtype": "bfloat16",
-            "attn_implementation": "auto" if kernels and documents == "mixed" else "sdpa",
+            "attn_implementation": "auto" if kernels and documents != "full" else "sdpa",
         },
-        "data": {"train": str(data.resolve()), "format": "text", "max_seq_len": seq, "packing": True},
+        "data": {
+            "train": str(data.resolve()),
+            "format": "instruction" if documents == "instruction" else "text",
+            "max_seq_len": seq,
+            "packing": True,
+        },
         "training": {
             "max_steps": steps,
             "learning_rate": 1e-5,

@@ -27,7 +27,7 @@ MICRO_BATCH=${MICRO_BATCH:-8}
 TINY=${TINY:-}
 SETS=${SETS:-}  # KEY=VALUE config overrides (space-separated), applied to every run of this sweep
 TAG=${TAG:-}    # names the overridden runs apart: VARIANT-TAG-SEQ
-DOCS=${DOCS:-full}  # full: one document a sequence; mixed: documents of 100-4000 characters packed
+DOCS=${DOCS:-full}  # full: one document a sequence; mixed: documents of 100-4000 characters packed; instruction: those split into prompt and response
 LIMIT=${LIMIT:-1800}  # seconds per run
 out=${OUT:-bench-out}/headline
 mkdir -p "$out"

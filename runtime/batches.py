@@ -178,9 +178,20 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def token_loss_sum(model: nn.Module, batch: dict, attn_implementation: str, device: torch.device, precision: str):
-    """Sum (not mean) of the next-token cross-entropy over label tokens, in float32."""
-    inputs = model_inputs(batch, attn_implementation, device, token_multiple(precision))
+def token_loss_sum(
+    model: nn.Module,
+    batch: dict,
+    attn_implementation: str,
+    device: torch.device,
+    precision: str,
+    skip_unlabelled: bool = False,
+):
+    """Sum (not mean) of the next-token cross-entropy over label tokens, in float32. `skip_unlabelled`
+    (kernels.skip_unlabelled): a model training with tigon's fused loss projects only the positions with a loss."""
+    from tigon.kernels.patching.causal_lm import has_fused_loss
+
+    positions = skip_unlabelled and model.training and has_fused_loss(model)
+    inputs = model_inputs(batch, attn_implementation, device, token_multiple(precision), loss_positions=positions)
     inputs["use_cache"] = False
     # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
     # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.

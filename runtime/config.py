@@ -262,6 +262,11 @@ class KernelsConfig(Section):
     rope: bool = True
     swiglu: bool = True
     fused_linear_cross_entropy: bool = Field(True, description="the training loss without materializing logits")
+    skip_unlabelled: bool = Field(
+        True,
+        description="the fused loss projects only the positions whose next token has a label, skipping prompts and "
+        "padding (the same loss and gradients, less work where prompts are masked); false projects every position",
+    )
     loss_chunk_tokens: Literal["auto"] | PositiveInt = Field(
         "auto",
         description="tokens per chunk of the fused loss; auto: up to 4096 where the planner's estimate says the step's "

@@ -745,7 +745,11 @@ def single_documents(position_ids: torch.Tensor) -> bool:
 
 
 def model_inputs(
-    batch: dict, attn_implementation: str, device: torch.device | str | None = None, token_multiple: int = 1
+    batch: dict,
+    attn_implementation: str,
+    device: torch.device | str | None = None,
+    token_multiple: int = 1,
+    loss_positions: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
@@ -763,7 +767,10 @@ def model_inputs(
     (position ids 0, 1, 2, ... throughout; for "varlen" also labelled to its end) the rows go as they are, with
     nothing added: attention is plain causal and SDPA may take its flash kernel, where a dense mask forces the
     slower memory-efficient kernel and an (L, L) bias per layer. `token_multiple` (`token_multiple`): "varlen"
-    keeps as many of the dropped padding tokens as make the row's length a multiple of it.
+    keeps as many of the dropped padding tokens as make the row's length a multiple of it. `loss_positions`, for a
+    model with tigon's fused loss (`tigon.kernels.patching.causal_lm.has_fused_loss`), adds the positions whose next
+    token carries a loss (`positions_with_loss`, found on the batch as given), so the head skips prompts and padding
+    without a GPU synchronization.
     """
     missing = [key for key in MODEL_INPUTS if key not in batch]
     if missing:
@@ -775,13 +782,36 @@ def model_inputs(
     if attention == "varlen":
         lengths = labelled_lengths(batch["labels"])
         if not single_documents(positions) or bool((lengths < positions.shape[1]).any()):
-            return unpadded(batch, grown_to_multiple(lengths, positions.shape[1], token_multiple), device)
+            lengths = grown_to_multiple(lengths, positions.shape[1], token_multiple)
+            return unpadded(batch, lengths, device, loss_positions)
     inputs = {key: batch[key] if device is None else batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS}
+    if loss_positions:
+        inputs |= _loss_positions(batch["labels"], device)
     if attention in ("varlen", "flash_attention_2", "flex_attention") or single_documents(positions):
         return inputs
     dtype = torch.bool if attention == "sdpa" else torch.float32
     inputs["attention_mask"] = packed_attention_mask(inputs["position_ids"], dtype)
     return inputs
+
+
+def positions_with_loss(labels: torch.Tensor) -> torch.Tensor | None:
+    """Indices into the flattened `(B, L)` labels of the positions whose next label is a token (the causal shift: a
+    row's last position predicts nothing); None where that is every position but the rows' last (nothing to skip)
+    or none (the loss is empty either way)."""
+    with_loss = torch.zeros_like(labels, dtype=torch.bool)
+    with_loss[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    count = int(with_loss.sum())
+    if count in (0, labels.shape[0] * (labels.shape[1] - 1)):
+        return None
+    return with_loss.flatten().nonzero().squeeze(1)
+
+
+def _loss_positions(labels: torch.Tensor, device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    """`loss_positions` of `labels` on `device` (none where `positions_with_loss` finds nothing to skip)."""
+    positions = positions_with_loss(labels)
+    if positions is None:
+        return {}
+    return {"loss_positions": positions if device is None else positions.to(device, non_blocking=True)}
 
 
 def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
@@ -835,7 +865,9 @@ def grown_to_multiple(lengths: torch.Tensor, row_length: int, multiple: int) -> 
     return lengths + added
 
 
-def unpadded(batch: dict, lengths: torch.Tensor, device: torch.device | str | None = None) -> dict[str, Any]:
+def unpadded(
+    batch: dict, lengths: torch.Tensor, device: torch.device | str | None = None, loss_positions: bool = False
+) -> dict[str, Any]:
     """ "varlen" inputs: each row's first `lengths` tokens, rows concatenated into one (1, N) row, and the
     documents' boundaries.
 
@@ -852,6 +884,8 @@ def unpadded(batch: dict, lengths: torch.Tensor, device: torch.device | str | No
         key: (value if device is None else value.to(device, non_blocking=True))[None] for key, value in flat.items()
     }
     target = inputs["position_ids"].device
+    if loss_positions:
+        inputs |= _loss_positions(flat["labels"][None], device)
     return inputs | document_boundaries(batch["position_ids"], lengths, target)
 
 

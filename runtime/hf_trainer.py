@@ -235,6 +235,8 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     `datasets`: pre-packed data (`tigon.runtime.packed`), as for the torch trainer."""
     from transformers import PrinterCallback, Trainer, TrainerCallback
 
+    from tigon.kernels.patching.causal_lm import has_fused_loss
+
     prepared = prepare_adapter(config, datasets)
     training, device, env = config.training, prepared.device, prepared.env
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), env.world_size, env.is_main)
@@ -249,11 +251,12 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
         shard_model(prepared.model, config, env, device)  # the torch trainer's FSDP2 units and mixed precision
     order = OrderSampler(epoch_order(config, prepared.train_dataset, env.world_size, log=env.is_main), steps)
     attn = config.model.attn_implementation
+    positions = config.kernels.skip_unlabelled and has_fused_loss(prepared.model)
 
     def collator(items: list[dict]) -> dict:
         if objective:  # the objective's code picks the model's inputs (pairs as rows, the labels as targets)
             return collate(items)
-        return {**model_inputs(collate(items), attn), "use_cache": False}
+        return {**model_inputs(collate(items), attn, loss_positions=positions), "use_cache": False}
 
     class TigonHFTrainer(Trainer):
         step_loss = 0.0

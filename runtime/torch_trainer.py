@@ -225,7 +225,14 @@ def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for index, batch in enumerate(micro_batches):
         with strategy.accumulating(last=index == len(micro_batches) - 1):
-            summed = token_loss_sum(strategy.model, batch, config.model.attn_implementation, device, training.precision)
+            summed = token_loss_sum(
+                strategy.model,
+                batch,
+                config.model.attn_implementation,
+                device,
+                training.precision,
+                config.kernels.skip_unlabelled,
+            )
             strategy.backward(summed * (env.world_size / n_label))  # gradients are averaged over the ranks
         loss_sum += summed.detach()
     grad_norm = strategy.step()

@@ -58,24 +58,31 @@ def causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     ignore_index: int = -100,
+    loss_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`ForCausalLMLoss` of the head over `hidden` `(B, S, H)`, without the logits."""
+    """`ForCausalLMLoss` of the head over `hidden` `(B, S, H)`, without the logits. `loss_positions` (indices into
+    the flattened `(B * S)` positions, after the shift) limits the head to the positions that carry a loss; the
+    others would give zero loss and zero gradient."""
     from tigon.kernels.functional import fused_linear_cross_entropy
 
     head = model.get_output_embeddings()
     weight, bias = head.weight, head.bias
     config = model.config.get_text_config()
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    if loss_positions is not None:
+        hidden, targets = hidden.index_select(0, loss_positions), targets.index_select(0, loss_positions)
     if family.logits_scaling:
         hidden = hidden / config.logits_scaling
     if family.logits_multiplier:
         hidden = hidden * getattr(config, family.logits_multiplier)
     softcap = getattr(config, "final_logit_softcapping", None) if family.final_logit_softcapping else None
-    if shift_labels is None:
-        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return fused_linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]),
+        hidden,
         weight,
-        shift_labels.reshape(-1).to(hidden.device),
+        targets,
         bias,
         ignore_index=ignore_index,
         softcap=softcap,
@@ -102,6 +109,19 @@ def decoder_of(causal_lm: nn.Module) -> nn.Module:
     that causal LM's `model`."""
     decoder = causal_lm.get_decoder()
     return decoder.model if decoder.get_output_embeddings() is not None else decoder
+
+
+def has_fused_loss(model: nn.Module) -> bool:
+    """Whether `model`'s forward reaches a causal LM with tigon's fused-loss forward, through the wrappers that pass
+    keywords on (DDP, DeepSpeed and Lightning's `module`, PEFT's base model), so it takes `loss_positions`."""
+    while not hasattr(type(model).forward, "__tigon_original__"):
+        inner = getattr(model, "module", None)
+        if inner is None and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        if not isinstance(inner, nn.Module) or inner is model:
+            return False
+        model = inner
+    return True
 
 
 def keep_last_hidden_state(causal_lm: nn.Module) -> list:
@@ -150,13 +170,14 @@ def fused_forward(original, family: Family):
     """A `forward(self, ...)` that computes the loss with the fused op when it skips the logits.
 
     `skip_logits` (keyword only, tigon's) forces the choice; by default the logits are skipped when
-    training with labels.
+    training with labels. `loss_positions` (keyword only, tigon's; `causal_lm_loss`) lets the fused loss project only
+    the positions with a label, where prompts carry none; the logits path ignores it (its loss is the same).
     """
     original = getattr(original, "__tigon_original__", original)
     names = [name for name in inspect.signature(original).parameters][1:]
 
     @functools.wraps(original)
-    def forward(self, *args, skip_logits: bool | None = None, **kwargs):
+    def forward(self, *args, skip_logits: bool | None = None, loss_positions: torch.Tensor | None = None, **kwargs):
         kwargs.update(zip(names[: len(args)], args, strict=True))
         labels = kwargs.get("labels")
         if skip_logits is None:
@@ -185,6 +206,7 @@ def fused_forward(original, family: Family):
             shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=kwargs.get("ignore_index", -100),
+            loss_positions=loss_positions,
         )
         loss = run_as_forward(head, loss_of, hidden) if gathered_in_own_forward(head) else loss_of(hidden)
         if getattr(out, "aux_loss", None) is not None:

@@ -16,6 +16,7 @@ from tests.kernels.families import (
     tiny,
 )
 from tigon.kernels.patching import apply
+from tigon.kernels.patching.causal_lm import has_fused_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,6 +94,46 @@ def test_num_items_in_batch_accumulation_equals_one_big_batch():
         loss.backward()
     baseline(input_ids=batch, labels=labels).loss.backward()
     assert_same_grads(patched, baseline, batch, labels)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "granite"])
+def test_loss_positions_project_only_those_positions(model_type):
+    """The head projects only the positions given: the loss and every gradient are transformers' with every other
+    position's label dropped (so prompts, whose labels are dropped anyway, cost no head work)."""
+    baseline, patched = loss_only_pair(model_type)
+    batch = torch.randint(0, VOCAB, (3, 10))
+    labels = batch.clone()
+    labels[0, :6] = labels[2, 3:] = -100
+    shifted_has_loss = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).flatten()
+    positions = shifted_has_loss.nonzero().squeeze(1)
+    expected = baseline(input_ids=batch, labels=labels, num_items_in_batch=7)
+    got = patched(input_ids=batch, labels=labels, num_items_in_batch=7, loss_positions=positions)
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-6 * max(1.0, expected.loss.item())
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_grads(patched, baseline, batch, labels)
+    fewer = positions[positions % 10 < 5]  # some positions with a label left out: their loss is left out too
+    restricted = torch.full_like(labels, -100).flatten()
+    restricted[fewer + 1] = labels.flatten()[fewer + 1]
+    restricted = restricted.view_as(labels)
+    got = patched(input_ids=batch, labels=labels, loss_positions=fewer).loss
+    assert abs(got.item() - baseline(input_ids=batch, labels=restricted).loss.item()) < 1e-6 * max(1.0, got.item())
+    patched.eval(), baseline.eval()  # the logits path computes every position's loss, as transformers does
+    assert torch.equal(
+        patched(input_ids=batch, labels=labels, loss_positions=fewer).loss,
+        baseline(input_ids=batch, labels=labels).loss,
+    )
+
+
+def test_has_fused_loss_looks_through_wrappers():
+    baseline, patched = loss_only_pair("llama")
+    wrapper = torch.nn.Module()
+    wrapper.module = patched  # as DDP and DeepSpeed's engine hold the model
+    assert has_fused_loss(patched) and has_fused_loss(wrapper)
+    assert not has_fused_loss(baseline) and not has_fused_loss(torch.nn.Linear(2, 2))
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"])
+    assert has_fused_loss(peft.get_peft_model(patched, config))
 
 
 def test_call_forms_match_transformers():

@@ -70,6 +70,38 @@ def test_model_inputs_per_attention_implementation():
         model_inputs(batch, "flex")
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_loss_positions_skip_prompts_with_the_same_loss_and_gradients(attention):
+    """With `loss_positions` the fused loss's head projects only the positions whose next token has a label: the
+    positions are those, and the loss and every gradient are the ones without."""
+    from tigon.kernels.patching import apply
+
+    batch = packed_batch()
+    batch["labels"][0, 1:5] = batch["labels"][1, 3:9] = -100  # prompts: tokens without a loss
+    inputs = model_inputs(batch, attention, loss_positions=True)
+    labels = inputs["labels"]
+    expected = [
+        i
+        for i in range(labels.numel())
+        if i % labels.shape[1] < labels.shape[1] - 1 and labels.flatten()[i + 1] != -100
+    ]
+    assert inputs["loss_positions"].tolist() == expected and labels.numel() - len(expected) >= 10  # the prompts
+    model = tiny()[1 if attention == "varlen" else 0]
+    models = model, copy.deepcopy(model)
+    for model in models:
+        apply(model, rms_norm=False, rope=False, swiglu=False)
+    losses = [
+        model(**model_inputs(batch, attention, loss_positions=flag), use_cache=False, num_items_in_batch=1).loss
+        for model, flag in zip(models, (True, False), strict=True)
+    ]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) < 1e-6 * losses[1].item()
+    assert relative(gradients(models[0]), gradients(models[1])) < 1e-6
+    whole = packed_batch([[21], [21]])  # every position but the rows' last predicts a label: nothing to skip
+    assert "loss_positions" not in model_inputs(whole, attention, loss_positions=True)
+
+
 def tiny(model_class=LlamaForCausalLM, config_class=LlamaConfig, **overrides):
     """(sdpa model, varlen model) with the same random weights: grouped-query heads, fp32."""
     shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)

@@ -124,6 +124,23 @@ def test_mixed_documents_are_packed_fine_tuning_data_with_tigon_attending_over_t
     assert full.model.attn_implementation == "sdpa" and full.data.train != tigon.data.train
 
 
+def test_instruction_documents_are_the_mixed_ones_with_half_their_tokens_prompts(tmp_path):
+    from benchmarks.headline import prepare
+    from tigon.runtime.config import load_config
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = load_config(prepare(tmp_path, "tigon", 4096, 2, 3, 2, None, tiny=True, documents="instruction"))
+    mixed = load_config(prepare(tmp_path, "liger", 4096, 2, 3, 2, None, tiny=True, documents="mixed"))
+    assert config.data.format == "instruction" and config.model.attn_implementation == "auto"
+    records = [json.loads(line) for line in Path(config.data.train).read_text().splitlines()]
+    texts = [json.loads(line)["text"] for line in Path(mixed.data.train).read_text().splitlines()]
+    assert [record["instruction"] + record["response"] for record in records] == texts
+    assert all(record["instruction"] and record["response"] for record in records)
+    _, _, summary = build_datasets(config, load_tokenizer(config.model))
+    assert 0.4 < summary.loss_fraction < 0.6  # the prompts, about half the tokens, carry no loss
+
+
 def test_the_docs_plots_redraw_from_the_recorded_reports(tmp_path):
     """The command docs/benchmarks.md gives for its two multi-GPU plots, on the reports in docs/results."""
     from benchmarks.headline import main

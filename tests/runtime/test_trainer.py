@@ -118,23 +118,29 @@ def test_loss_is_token_mean_over_label_tokens(tmp_path):
 
 
 def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
-    """kernels.fused_linear_cross_entropy: the training loss without logits equals the one from full logits."""
+    """kernels.fused_linear_cross_entropy: the training loss without logits equals the one from full logits, and so
+    does the fused loss over only the positions with a label (the instructions' prompts carry none)."""
     from tigon.runtime.data import build_datasets
     from tigon.runtime.model import build_model
     from tigon.runtime.tokenizer import load_tokenizer
 
     sums = {}
-    for fused in (True, False):
+    for fused, skip in ((True, True), (True, False), (False, True)):
         config = tiny_config(tmp_path, kernels={**LOSS_KERNEL_ONLY, "fused_linear_cross_entropy": fused})
         tokenizer = load_tokenizer(config.model)
         dataset, _, _ = build_datasets(config, tokenizer)
         torch.manual_seed(0)
         model = build_model(config, len(tokenizer), tokenizer).train()  # the fused loss is the training path
         assert ("fused_linear_cross_entropy" in model.tigon_patch_report.applied) is fused
-        sums[fused] = token_loss_sum(
-            model, collate([dataset[i] for i in range(3)]), "sdpa", torch.device("cpu"), "fp32"
+        keywords = []
+        model.register_forward_pre_hook(
+            lambda _, args, kwargs, seen=keywords: seen.append(set(kwargs)), with_kwargs=True
         )
-    assert torch.allclose(sums[True], sums[False], rtol=1e-6)
+        batch = collate([dataset[i] for i in range(3)])
+        sums[fused, skip] = token_loss_sum(model, batch, "sdpa", torch.device("cpu"), "fp32", skip)
+        assert ("loss_positions" in keywords[0]) is (fused and skip)
+    assert torch.allclose(sums[True, True], sums[False, True], rtol=1e-6)
+    assert torch.allclose(sums[True, False], sums[False, True], rtol=1e-6)
 
 
 def test_a_prepared_model_checks_its_labels_on_the_host(tmp_path):
