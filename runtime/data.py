@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tigon.runtime")
 
 IGNORE_INDEX = -100
+SKIP_FROM = 1 / 16  # the share of positions without a label from which the fused loss's head skips them: below it
+# the head work saved is within a step's noise, while the skipping costs a copy of the hidden states
+LOSS_POSITION_MULTIPLE = 16  # as the fused loss's chunks: its kernels then see the same alignments every micro-batch
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 OTHER_BUILDERS = {".csv": "csv", ".arrow": "arrow", ".txt": "text"}  # datasets' packaged builders by suffix
@@ -796,14 +799,18 @@ def model_inputs(
 
 def positions_with_loss(labels: torch.Tensor) -> torch.Tensor | None:
     """Indices into the flattened `(B, L)` labels of the positions whose next label is a token (the causal shift: a
-    row's last position predicts nothing); None where that is every position but the rows' last (nothing to skip)
-    or none (the loss is empty either way)."""
+    row's last position predicts nothing), with as many positions without one as make their count a multiple of
+    LOSS_POSITION_MULTIPLE. None where that would leave out under SKIP_FROM of the positions (too little head work to
+    skip) or no position has a label (the loss is empty either way)."""
     with_loss = torch.zeros_like(labels, dtype=torch.bool)
     with_loss[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    with_loss = with_loss.flatten()
     count = int(with_loss.sum())
-    if count in (0, labels.shape[0] * (labels.shape[1] - 1)):
+    missing = -count % LOSS_POSITION_MULTIPLE
+    if not count or count + missing > (1 - SKIP_FROM) * with_loss.numel():
         return None
-    return with_loss.flatten().nonzero().squeeze(1)
+    with_loss[(~with_loss).nonzero().squeeze(1)[:missing]] = True
+    return with_loss.nonzero().squeeze(1)
 
 
 def _loss_positions(labels: torch.Tensor, device: torch.device | str | None) -> dict[str, torch.Tensor]:

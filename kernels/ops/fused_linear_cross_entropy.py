@@ -82,6 +82,7 @@ FREE_MEMORY_FRACTION = 8  # a chunk's logits take at most 1/8 of the free GPU me
 MIN_CHUNK_TOKENS = 1024  # below this the weight gradient's per-chunk re-read and re-write shows in the time
 WEIGHT_GRAD_SHARE = 4  # a chunk's logits are held in the weight gradient when they take at most 1/4 of it
 STRIPE_ALIGN = 8  # borrowed rows and their stripes come in multiples of 8 columns: 16-byte aligned matmul operands
+TOKEN_ALIGN = 16  # tokens a chunk and a tile are a multiple of (`aligned_tokens`)
 STRIPE_TILE_BYTES = 1 << 24  # the borrowed rows' filling holds 16 MiB of logits: 8192 tokens x 1024 bf16 columns
 
 
@@ -100,10 +101,12 @@ def borrowed_rows(n_tokens: int, chunk: int, vocab: int, hidden: int, itemsize: 
 
 def stripe_tile(n_tokens: int, rows: int, hidden: int, itemsize: int) -> tuple[int, int]:
     """(columns, tokens) of one tile of logits when the borrowed rows are filled: hidden / 4 columns, aligned, and
-    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits, so that the filling's memory is flat in tokens."""
+    the tokens in equal tiles of at most STRIPE_TILE_BYTES of logits (`aligned_tokens`), so that the filling's memory
+    is flat in tokens."""
     columns = min(rows, max(STRIPE_ALIGN, hidden // 4 // STRIPE_ALIGN * STRIPE_ALIGN))
     tiles = -(-n_tokens * columns * itemsize // STRIPE_TILE_BYTES)
-    return columns, -(-n_tokens // tiles)
+    limit = max(1, STRIPE_TILE_BYTES // (columns * itemsize))
+    return columns, aligned_tokens(-(-n_tokens // tiles), n_tokens, limit)
 
 
 def logits_buffer_bytes(
@@ -142,8 +145,8 @@ def choose_chunk_size(
 
 
 def even_chunk_size(n_tokens: int, max_rows: int, row_bytes: int, device: torch.device) -> int:
-    """Tokens per chunk: at most `max_rows`, and on a GPU rows of `row_bytes` under free memory / 8; the
-    tokens split into equal chunks."""
+    """Tokens per chunk: at most `max_rows`, and on a GPU rows of `row_bytes` under free memory / 8; the tokens split
+    into equal chunks (`aligned_tokens`), the last the rest."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         # Memory the caching allocator holds for no tensor counts as free. One nested query: memory_reserved and
@@ -152,7 +155,17 @@ def even_chunk_size(n_tokens: int, max_rows: int, row_bytes: int, device: torch.
         free += stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
         max_rows = max(1, min(max_rows, free // FREE_MEMORY_FRACTION // row_bytes))
     chunks = -(-n_tokens // max_rows)
-    return -(-n_tokens // chunks)
+    return aligned_tokens(-(-n_tokens // chunks), n_tokens, max_rows)
+
+
+def aligned_tokens(size: int, n_tokens: int, limit: int) -> int:
+    """`size` tokens a chunk or tile, rounded up to a multiple of TOKEN_ALIGN (under TOKEN_ALIGN more than `size`, a
+    sliver of the memory budgets behind `limit`; as it is where `limit` is below TOKEN_ALIGN) and at most `n_tokens`:
+    each slice of the pass's outputs then starts at an aligned address whatever the token count, so Triton compiles
+    one kernel variant, not one per alignment as micro-batches' token counts change."""
+    if limit < TOKEN_ALIGN:
+        return size
+    return min(n_tokens, -(-size // TOKEN_ALIGN) * TOKEN_ALIGN)
 
 
 @functools.cache

@@ -125,9 +125,9 @@ def test_combined_options(name, device):
 
 @pytest.mark.parametrize("name", ["none", "class_weight", "label_smoothing", "token_scaling"])
 def test_borrowed_rows_filled_in_tiles_of_tokens(name, device, monkeypatch):
-    """The filling in tiles of 5 tokens x 8 columns (a ragged last tile of each), accumulating over the tiles."""
-    monkeypatch.setattr(flce_module, "STRIPE_TILE_BYTES", 8 * 5 * 4)
-    assert flce_module.stripe_tile(37, 32, 32, 4) == (8, 5)
+    """The filling in tiles of 16 tokens x 8 columns (a ragged last tile of each), accumulating over the tiles."""
+    monkeypatch.setattr(flce_module, "STRIPE_TILE_BYTES", 8 * 16 * 4)
+    assert flce_module.stripe_tile(37, 32, 32, 4) == (8, 16)  # 3 tiles: 13 tokens each, rounded up to 16
     run_case(37, 32, 257, torch.float32, device, chunk_size=8, **OPTIONS[name])
 
 
@@ -350,7 +350,9 @@ def test_chunk_size_rule():
     assert choose_chunk_size(8192, 128256, 4096, 2, cpu) == 1024  # hidden / 4: a quarter of the weight's bytes
     assert choose_chunk_size(32768, 128256, 4096, 2, cpu) == 1024
     assert choose_chunk_size(100, 128256, 4096, 2, cpu) == 100
-    assert choose_chunk_size(5000, 262144, 4096, 4, cpu) == 1000  # 1024 fit (1 GiB); 5 equal chunks of 1000
+    assert choose_chunk_size(5000, 262144, 4096, 4, cpu) == 1008  # 1024 fit (1 GiB): 5 chunks, 1000 aligned to 16
+    assert choose_chunk_size(1000, 262144, 4096, 4, cpu) == 1000  # one chunk: the tokens, whatever their alignment
+    assert choose_chunk_size(2050, 262144, 4096, 4, cpu) == 688  # 3 chunks of 684 rounded up: 688, 688, 674
     assert choose_chunk_size(8192, 128256, 2048, 2, cpu) == 1024  # hidden / 4 is 512: the 1024-token floor
     assert choose_chunk_size(8192, 128256, 64, 2, cpu) == 1024
     assert max_chunk_tokens(128256, 64, 2, min_tokens=1) == 16  # hidden / 4 alone

@@ -138,8 +138,8 @@ def test_chunk_size_rule_takes_a_quarter_of_the_tokens_within_its_bounds():
     cpu = torch.device("cpu")
     chunks = {n: choose_chunk_size(n, 128256, 4096, 2 + 2, cpu) for n in (7, 100, 1024, 2048, 4096, 8192, 32768)}
     assert chunks == {7: 7, 100: 100, 1024: 256, 2048: 512, 4096: 1024, 8192: 1024, 32768: 1024}
-    assert choose_chunk_size(3000, 128256, 4096, 4, cpu) == 750  # a quarter, rounded to equal chunks
-    assert choose_chunk_size(5000, 128256, 4096, 4, cpu) == 1000  # over the cap: 5 equal chunks of 1000
+    assert choose_chunk_size(3000, 128256, 4096, 4, cpu) == 752  # a quarter, 750, rounded up to a multiple of 16
+    assert choose_chunk_size(5000, 128256, 4096, 4, cpu) == 1008  # over the cap: 5 chunks of 1000, aligned
     assert choose_chunk_size(8192, 128256, 4096, 2 + 4, cpu) == 1024  # fp32 teacher: the same token bounds
     assert choose_chunk_size(8192, 262144, 2048, 4, cpu) == 512  # bounds follow the student's hidden size
 
