@@ -16,7 +16,8 @@ characters (the char tokenizer; the head still spans all 128256 tokens): one doc
 benchmarks/packed_attention.py draws them) packed into each sequence, where tigon's variants attend over the
 documents' boundaries (`model.attn_implementation: auto`) and eager and liger through SDPA's block-diagonal mask;
 `--documents instruction` the same documents as instruction records, each split at a uniform point into a prompt
-without loss and a response.
+without loss and a response; `--documents pairs` DPO records (a frozen reference copy) whose prompt and two
+responses are 100 to 2000 characters each, a micro-batch's pairs packed into one row.
 Variants: eager (kernels off),
 liger (HF + Liger-Kernel patched into transformers' Llama before the model is built), tigon (kernels on),
 planner (kernels on, `training.plan: auto`). `--layers` shortens the model (real widths and vocab);
@@ -56,7 +57,7 @@ TINY = {**LLAMA_3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_l
 TINY |= {"num_key_value_heads": 2, "vocab_size": 512}
 SHAPES = {"llama-3-8b": LLAMA_3_8B, "llama-3.2-1b": LLAMA_3_2_1B}
 ALPHABET = string.ascii_letters + string.digits + " "  # the random text's characters
-DOCUMENTS = ("full", "mixed", "instruction")
+DOCUMENTS = ("full", "mixed", "instruction", "pairs")
 MIXED_LENGTHS = (100, 4000)  # characters a document, log-uniform
 REAL_TOKENS = re.compile(r"sequences, (\d+) tokens \(.*?, (\d+) padding\)")
 STRATEGIES = {
@@ -99,6 +100,19 @@ def write_documents(path: Path, n_chars: int, seed: int = 0, prompts: bool = Fal
             file.write(json.dumps(record) + "\n")
 
 
+def write_pairs(path: Path, n_pairs: int, seed: int = 0) -> None:
+    """`n_pairs` DPO records of random characters: a prompt, a chosen and a rejected response, each of 100 to 2000
+    characters (log-uniform), so a sequence fits 4096 tokens and its prompt is about half of it."""
+    if path.is_file():
+        return
+    rng = random.Random(seed)
+    low, high = 100, 2000
+    with atomic_path(path) as temporary, temporary.open("w") as file:
+        for _ in range(n_pairs):
+            texts = ["".join(rng.choices(ALPHABET, k=round(low * (high / low) ** rng.random()))) for _ in range(3)]
+            file.write(json.dumps(dict(zip(("prompt", "chosen", "rejected"), texts, strict=True))) + "\n")
+
+
 def prepare(
     out: Path,
     variant: str,
@@ -122,6 +136,8 @@ def prepare(
     data = out / "data" / f"{'text' if documents == 'full' else documents}-{seq}.jsonl"
     if documents == "full":
         write_data(data, n_docs=sequences, length=seq)
+    elif documents == "pairs":
+        write_pairs(data, n_pairs=sequences)
     else:
         write_documents(data, n_chars=int(sequences * seq * 1.1), prompts=documents == "instruction")
     kernels = variant.startswith(("tigon", "planner"))
@@ -144,6 +160,7 @@ def prepare(
             "max_seq_len": seq,
             "packing": True,
         },
+        "objective": {"type": "dpo", "reference": "model"} if documents == "pairs" else {"type": "sft"},
         "training": {
             "max_steps": steps,
             "learning_rate": 1e-5,

@@ -264,8 +264,9 @@ class KernelsConfig(Section):
     fused_linear_cross_entropy: bool = Field(True, description="the training loss without materializing logits")
     skip_unlabelled: bool = Field(
         True,
-        description="the fused loss projects only the positions whose next token has a label, skipping prompts and "
-        "padding (the same loss and gradients, less work where prompts are masked); false projects every position",
+        description="the fused losses (SFT's and the preference objectives') project only the positions whose next "
+        "token has a label, skipping prompts and padding (the same loss and gradients, less work where prompts are "
+        "masked); false projects every position",
     )
     loss_chunk_tokens: Literal["auto"] | PositiveInt = Field(
         "auto",

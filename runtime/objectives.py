@@ -210,9 +210,15 @@ def in_compute_dtype(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]
 
 def run_layout(batch: dict[str, torch.Tensor], config: RunConfig, device: torch.device) -> PreferenceRows:
     """A micro-batch's rows as the run lays them out: padded or packed (`data.packing`), for its attention, its
-    tokens a multiple of what its precision's matrix products need."""
+    tokens a multiple of what its precision's matrix products need, the op's rows without the prompts
+    (kernels.skip_unlabelled)."""
     return preference_rows(
-        batch, config.data.packing, config.model.attn_implementation, device, token_multiple(config.training.precision)
+        batch,
+        config.data.packing,
+        config.model.attn_implementation,
+        device,
+        token_multiple(config.training.precision),
+        skip_prompts=config.kernels.skip_unlabelled,
     )
 
 

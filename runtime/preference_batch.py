@@ -10,7 +10,9 @@ are, with their padding mask. Packed (`data.packing: true`), the model runs the 
 row without padding, position ids restarting at 0 for each, and attention kept inside each sequence as for packed
 SFT rows (`tigon.runtime.data.model_inputs`: varlen boundaries, or a block-diagonal mask for sdpa and eager); each
 sequence's final hidden states are then gathered into the op's rows. Every token sees the same positions and the
-same tokens in both layouts, so the ops receive the same completion log-probs up to floating-point rounding.
+same tokens in both layouts, so the ops receive the same completion log-probs up to floating-point rounding. With
+`skip_prompts` the op's rows keep only the positions with a target (the completions), in either layout: the prompts
+carry none, so the loss and metrics stay the same while the op's head projects fewer positions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tigon.runtime.data import IGNORE_INDEX, model_inputs
+from tigon.runtime.data import IGNORE_INDEX, LOSS_POSITION_MULTIPLE, SKIP_FROM, model_inputs
 
 
 def rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -43,8 +45,21 @@ class PreferenceRows:
         """The model's final hidden states `(rows, length, H)` as the fused ops take them, `(2N, T, H)`."""
         if self.index is None:
             return hidden
-        flat = torch.cat([hidden[0], hidden.new_zeros(1, hidden.shape[-1])])
+        flat = torch.cat([hidden.flatten(0, 1), hidden.new_zeros(1, hidden.shape[-1])])
         return flat[self.index]
+
+
+def completion_columns(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For targets `(rows, T)`, each row's columns with a target first, in order, `(rows, W)`: W the most any row
+    has, rounded up to LOSS_POSITION_MULTIPLE (at most T); and which of them have one. None where that would
+    leave out under SKIP_FROM of the columns (`tigon.runtime.data.positions_with_loss` keeps the same rule)."""
+    with_target = target != IGNORE_INDEX
+    counts = with_target.sum(-1)
+    width = min(-(-int(counts.max()) // LOSS_POSITION_MULTIPLE) * LOSS_POSITION_MULTIPLE, target.shape[1])
+    if not int(counts.max()) or width > (1 - SKIP_FROM) * target.shape[1]:
+        return None
+    order = torch.argsort((~with_target).to(torch.int8), dim=-1, stable=True)[:, :width]
+    return order, torch.arange(width) < counts[:, None]
 
 
 def preference_rows(
@@ -53,33 +68,41 @@ def preference_rows(
     attn_implementation: str,
     device: torch.device,
     token_multiple: int = 1,
+    skip_prompts: bool = False,
 ) -> PreferenceRows:
     """A collated micro-batch of PreferenceDataset items, padded or packed (see the module docstring), its tokens a
     multiple of `token_multiple` (`tigon.runtime.data.token_multiple`): padded rows are cut a little longer, a
-    packed row ends in a padding sequence of its own."""
+    packed row ends in a padding sequence of its own. With `skip_prompts` (kernels.skip_unlabelled) the op's rows
+    hold only each sequence's positions with a target (`completion_columns`), so its head skips the prompts."""
     length = int(batch["attention_mask"].sum(-1).max())
     length = min(-(-length // token_multiple) * token_multiple, batch["attention_mask"].shape[-1])
     input_ids = rows(batch["input_ids"][..., :length])
     mask = rows(batch["attention_mask"][..., :length])
     labels = rows(batch["labels"][..., :length])
-    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].to(device, non_blocking=True)
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     if not packing:
-        return PreferenceRows(
-            {
-                "input_ids": input_ids.to(device, non_blocking=True),
-                "attention_mask": mask.to(device, non_blocking=True),
-            },
-            target,
-        )
-    keep = mask.bool()  # right padding: each row's tokens come first
-    tokens = int(keep.sum())
-    padding = -tokens % token_multiple
-    index = torch.full(mask.shape, tokens + padding, dtype=torch.long)
-    index[keep] = torch.arange(tokens)
-    positions = torch.cat([torch.arange(length).expand_as(mask)[keep], torch.arange(padding)])[None]
-    packed_ids = torch.cat([input_ids[keep], input_ids.new_zeros(padding)])[None]
-    # every token counts as labelled, so varlen keeps the whole row; the model gets no labels
-    packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions}
-    inputs = model_inputs(packed, attn_implementation, device)
-    inputs.pop("labels")
-    return PreferenceRows(inputs, target, index.to(device, non_blocking=True))
+        inputs = {
+            "input_ids": input_ids.to(device, non_blocking=True),
+            "attention_mask": mask.to(device, non_blocking=True),
+        }
+        index, beyond = None, target.numel()  # beyond: the zero row `op_layout` adds after the model's positions
+    else:
+        keep = mask.bool()  # right padding: each row's tokens come first
+        tokens = int(keep.sum())
+        padding = -tokens % token_multiple
+        index, beyond = torch.full(mask.shape, tokens + padding, dtype=torch.long), tokens + padding
+        index[keep] = torch.arange(tokens)
+        positions = torch.cat([torch.arange(length).expand_as(mask)[keep], torch.arange(padding)])[None]
+        packed_ids = torch.cat([input_ids[keep], input_ids.new_zeros(padding)])[None]
+        # every token counts as labelled, so varlen keeps the whole row; the model gets no labels
+        packed = {"input_ids": packed_ids, "labels": packed_ids, "position_ids": positions}
+        inputs = model_inputs(packed, attn_implementation, device)
+        inputs.pop("labels")
+    columns = completion_columns(target) if skip_prompts else None
+    if columns is not None:
+        order, valid = columns
+        every = index if index is not None else torch.arange(target.numel()).view_as(target)
+        index = torch.where(valid, every.gather(1, order), beyond)
+        target = torch.where(valid, target.gather(1, order), IGNORE_INDEX)
+    index = index.to(device, non_blocking=True) if index is not None else None
+    return PreferenceRows(inputs, target.to(device, non_blocking=True), index)

@@ -141,6 +141,18 @@ def test_instruction_documents_are_the_mixed_ones_with_half_their_tokens_prompts
     assert 0.4 < summary.loss_fraction < 0.6  # the prompts, about half the tokens, carry no loss
 
 
+def test_pairs_are_dpo_records_whose_sequences_fit_4096_tokens(tmp_path):
+    from benchmarks.headline import prepare
+    from tigon.runtime.config import load_config
+
+    config = load_config(prepare(tmp_path, "tigon", 4096, 2, 3, 2, None, tiny=True, documents="pairs"))
+    assert config.objective.type == "dpo" and config.objective.reference_source == "model" and config.data.packing
+    records = [json.loads(line) for line in Path(config.data.train).read_text().splitlines()]
+    assert len(records) == int(2 * 2 * 3 * 1.1) + 8
+    lengths = [len(record[key]) for record in records for key in ("prompt", "chosen", "rejected")]
+    assert min(lengths) >= 100 and max(lengths) <= 2000
+
+
 def test_the_docs_plots_redraw_from_the_recorded_reports(tmp_path):
     """The command docs/benchmarks.md gives for its two multi-GPU plots, on the reports in docs/results."""
     from benchmarks.headline import main

@@ -154,6 +154,46 @@ def test_packed_training_gives_the_padded_losses_and_metrics(tmp_path, objective
     assert padded[1]["loss"] != padded[0]["loss"]  # the step trained: the comparison covers an update
 
 
+def test_op_rows_without_prompts_hold_each_completion_and_train_the_same(tmp_path):
+    """kernels.skip_unlabelled: the op's rows keep only each sequence's positions with a target, in order (the
+    prompts' positions, most of these pairs', are left out); gathered, each is the token the full layout has there,
+    padded and packed. 2 DPO steps give the same losses and TRL metrics without it (packed) as with it (packed and
+    padded)."""
+    records = [{**pair, "prompt": "Add the numbers: " * (1 + i % 3) + pair["prompt"]} for i, pair in enumerate(PAIRS)]
+    settings = {"records": records, "data": {"packing": True, "max_seq_len": 64}}
+    batch = micro_batch(preference_config(tmp_path, {"type": "dpo", "reference": "model"}, **settings))
+    cpu = torch.device("cpu")
+    for packing in (False, True):
+        full = preference_rows(batch, packing, "varlen", cpu)
+        short = preference_rows(batch, packing, "varlen", cpu, skip_prompts=True)
+        assert short.target.shape[1] == 16 and full.target.shape[1] > 40  # completions of 2-4 tokens, aligned to 16
+        ids = full.inputs["input_ids"][..., None].double()
+        full_ids, short_ids = full.op_layout(ids)[..., 0], short.op_layout(ids)[..., 0]
+        for row in range(full.target.shape[0]):
+            with_target = full.target[row] != -100
+            count = int(with_target.sum())
+            assert torch.equal(short.target[row, :count], full.target[row, with_target])
+            assert torch.equal(short_ids[row, :count], full_ids[row, with_target])
+            assert bool((short.target[row, count:] == -100).all()) and bool((short_ids[row, count:] == 0).all())
+    runs = []
+    for packing, skip in ((True, False), (True, True), (False, True)):
+        config = preference_config(
+            tmp_path,
+            {"type": "dpo", "reference": "model"},
+            records=records,
+            data={"packing": packing, "max_seq_len": 64},
+            model={"attn_implementation": "varlen"},
+            kernels={"enabled": False, "skip_unlabelled": skip},
+            training={"max_steps": 2},
+            logging={"run_dir": str(tmp_path / f"run-{packing}-{skip}")},
+        )
+        runs.append(logged_steps(train(config).run_dir))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            for name in ("loss", *METRICS, "rewards/accuracies"):
+                assert abs(a[name] - b[name]) <= 1e-5 * max(1.0, abs(a[name])), (name, runs)
+
+
 def test_packed_pairs_under_fsdp2_give_the_padded_ddp_run(tmp_path):
     """torchrun, 2 ranks x micro-batch 2 x accumulation 2, 2 steps with a held-out evaluation: packed DPO rows
     (varlen boundaries) under FSDP2, the policy and its frozen reference copy sharded and the fused op run inside the
