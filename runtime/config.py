@@ -264,7 +264,8 @@ class KernelsConfig(Section):
     fused_linear_cross_entropy: bool = Field(True, description="the training loss without materializing logits")
     skip_unlabelled: bool = Field(
         True,
-        description="the fused losses (SFT's and the preference objectives') project only the positions whose next "
+        description="the fused losses (SFT's, the preference objectives' and distillation's) project only the "
+        "positions whose next "
         "token has a label, skipping prompts and padding (the same loss and gradients, less work where prompts are "
         "masked); false projects every position",
     )

@@ -125,23 +125,38 @@ def head_weight(model: nn.Module, who: str) -> torch.Tensor:
     return weight
 
 
-def distill_inputs(batch: dict, config: RunConfig, device: torch.device) -> tuple[dict, torch.Tensor]:
-    """Both models' inputs for a micro-batch, on `device`, and its flat next-token targets (-100: no completion)."""
-    batch = {name: batch[name].to(device, non_blocking=True) for name in MODEL_INPUTS}
+def distill_inputs(
+    batch: dict, config: RunConfig, device: torch.device, skip_prompts: bool = False
+) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """Both models' inputs for a micro-batch, on `device`; its flat next-token targets (-100: no completion); and
+    with `skip_prompts` (kernels.skip_unlabelled) the positions the heads project (`positions_with_loss`; None: all),
+    the targets then at those positions only."""
     inputs = model_inputs(
-        batch, config.model.attn_implementation, token_multiple=token_multiple(config.training.precision)
+        {name: batch[name] for name in MODEL_INPUTS},
+        config.model.attn_implementation,
+        device,
+        token_multiple(config.training.precision),
+        loss_positions=skip_prompts,
     )
-    labels = inputs.pop("labels")
-    return inputs, nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    labels, positions = inputs.pop("labels"), inputs.pop("loss_positions", None)
+    target = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
+    return inputs, target if positions is None else target[positions], positions
 
 
 @contextlib.contextmanager
 def teacher_outputs(
-    model: nn.Module, batch: dict, inputs: dict, target: torch.Tensor, config: RunConfig, device: torch.device
+    model: nn.Module,
+    batch: dict,
+    inputs: dict,
+    target: torch.Tensor,
+    positions: torch.Tensor | None,
+    config: RunConfig,
+    device: torch.device,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The teacher's final hidden states `(tokens, H)` and head weight in the compute dtype, whole while the context
-    is open: the teacher run beside the student, or precomputed (its stored rows placed at the completion tokens,
-    zeros elsewhere, which the JSD ignores as it ignores their target -100)."""
+    """The teacher's final hidden states at the positions of `target` (`positions`, None: every one) and its head
+    weight in the compute dtype, whole while the context is open: the teacher run beside the student, or precomputed
+    (its stored rows placed at the completion tokens, zeros elsewhere, which the JSD ignores as it ignores their
+    target -100)."""
     state = state_of(model)
     if config.objective.teacher.precompute:
         weight = state.teacher_weight
@@ -155,7 +170,13 @@ def teacher_outputs(
         hidden = final_hidden(teacher, inputs)
     with frozen_head(teacher) as (weight, _):  # whole until the student's ops are done
         hidden, weight = in_compute_dtype(hidden, weight)
-        yield hidden.reshape(-1, hidden.shape[-1]), weight
+        yield at_positions(hidden, positions), weight
+
+
+def at_positions(hidden: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Hidden states `(..., H)` flattened to rows, only those at `positions` (None: every row)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return rows if positions is None else rows.index_select(0, positions)
 
 
 def distill_sums(
@@ -165,10 +186,10 @@ def distill_sums(
     from tigon.kernels import functional as F
 
     objective = config.objective
-    inputs, target = distill_inputs(batch, config, device)
+    inputs, target, positions = distill_inputs(batch, config, device, config.kernels.skip_unlabelled)
     head_weight(model, "the student")
     alpha = objective.resolved_alpha
-    with teacher_outputs(model, batch, inputs, target, config, device) as (teacher_hidden, teacher_weight):
+    with teacher_outputs(model, batch, inputs, target, positions, config, device) as (teacher_hidden, teacher_weight):
 
         def op(hidden: torch.Tensor, weight: torch.Tensor, _bias: None) -> tuple[torch.Tensor, torch.Tensor]:
             with torch.set_grad_enabled(torch.is_grad_enabled() and alpha > 0):
@@ -181,8 +202,7 @@ def distill_sums(
             return ce.float(), jsd.float()
 
         def losses(direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = final_hidden(model, inputs, direct=direct)
-            return on_head(model, op, hidden.reshape(-1, hidden.shape[-1]))
+            return on_head(model, op, at_positions(final_hidden(model, inputs, direct=direct), positions))
 
         return in_root_forward(model, losses)
 
@@ -224,7 +244,7 @@ def teacher_hidden_states(
     for start in range(0, n, size * env.world_size):
         end = min(start + size * env.world_size, n)
         mine = list(range(min(start + env.rank * size, end), min(start + (env.rank + 1) * size, end)))
-        inputs, target = distill_inputs(collate([dataset[i] for i in mine or [0]]), config, device)
+        inputs, target, _ = distill_inputs(collate([dataset[i] for i in mine or [0]]), config, device)
         with torch.no_grad(), autocast(device, config.training.precision):
             hidden = in_compute_dtype(final_hidden(teacher, inputs))[0]
         rows = torch.zeros((int(offsets[end] - offsets[start]), weight.shape[1]), dtype=weight.dtype, device=device)

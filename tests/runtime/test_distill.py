@@ -127,6 +127,24 @@ def test_distill_matches_a_plain_pytorch_loop_step_by_step(tmp_path):
     assert result.objective_metrics == {"ce_loss": got[-1][1], "distill_loss": got[-1][2]}
 
 
+def test_the_heads_project_only_the_completions(tmp_path):
+    """kernels.skip_unlabelled: both heads get the positions with a target (the tests above train through it and
+    meet the plain loop); without it every position, the same targets among them."""
+    from tigon.runtime.batches import collate
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.distill import distill_inputs
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = distill_config(tmp_path)
+    dataset = build_datasets(config, load_tokenizer(config.model))[0]
+    batch = collate([dataset[i] for i in range(4)])
+    cpu = torch.device("cpu")
+    inputs, target, positions = distill_inputs(batch, config, cpu, skip_prompts=True)
+    _, every, none = distill_inputs(batch, config, cpu)
+    assert none is None and positions is not None and len(target) == len(positions) < len(every) / 2
+    assert torch.equal(target, every[positions]) and int((target != -100).sum()) == int((every != -100).sum())
+
+
 @pytest.mark.parametrize("beta", [0.0, 1.0], ids=["forward-kl", "reverse-kl"])
 def test_distill_kl_directions_and_evaluation(tmp_path, beta):
     """beta 0 and 1 are the forward and reverse KL; a held-out evaluation reports the two terms and their mix."""
