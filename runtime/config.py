@@ -265,9 +265,8 @@ class KernelsConfig(Section):
     skip_unlabelled: bool = Field(
         True,
         description="the fused losses (SFT's, the preference objectives' and distillation's) project only the "
-        "positions whose next "
-        "token has a label, skipping prompts and padding (the same loss and gradients, less work where prompts are "
-        "masked); false projects every position",
+        "positions whose next token has a label, skipping prompts and padding (the same loss and gradients, less "
+        "work where prompts are masked); false projects every position",
     )
     loss_chunk_tokens: Literal["auto"] | PositiveInt = Field(
         "auto",
