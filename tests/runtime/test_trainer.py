@@ -143,6 +143,31 @@ def test_fused_loss_switch_keeps_the_loss_sum(tmp_path):
     assert torch.allclose(sums[True, False], sums[False, True], rtol=1e-6)
 
 
+@pytest.mark.parametrize("trainer", ["hf", "lightning"])
+def test_the_adapters_skip_the_prompts_with_the_same_losses(tmp_path, trainer, monkeypatch):
+    """kernels.skip_unlabelled under the HF Trainer and Lightning (the torch trainer's loss: the test above): the
+    micro-batches carry loss positions (the arithmetic prompts are most of each row) and the run's losses are those
+    of the run without."""
+    pytest.importorskip("lightning")
+    import tigon.runtime.data as data
+    from tests.runtime.configs import adapter_config
+    from tests.runtime.worker_groups import RELATIVE_TOLERANCE
+
+    found = []
+    positions_with_loss = data.positions_with_loss
+    monkeypatch.setattr(
+        data, "positions_with_loss", lambda labels: found.append(positions_with_loss(labels)) or found[-1]
+    )
+    losses = {}
+    for skip in (False, True):
+        kernels = {**LOSS_KERNEL_ONLY, "skip_unlabelled": skip}
+        config = adapter_config(tmp_path, trainer, kernels=kernels, logging={"run_dir": str(tmp_path / f"run-{skip}")})
+        losses[skip] = train(config).losses
+        assert bool(found) is skip and all(positions is not None for positions in found)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False], strict=True))
+    assert len(losses[True]) == 6 and worst < RELATIVE_TOLERANCE, losses
+
+
 def test_a_prepared_model_checks_its_labels_on_the_host(tmp_path):
     """`prepare` checks the data's labels against the tokenizer once and builds the model with the fused loss's
     device check off (it would sync every forward); a model built on its own keeps that check."""
