@@ -61,8 +61,8 @@ def causal_lm_loss(
     loss_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`ForCausalLMLoss` of the head over `hidden` `(B, S, H)`, without the logits. `loss_positions` (indices into
-    the flattened `(B * S)` positions, after the shift) limits the head to the positions that carry a loss; the
-    others would give zero loss and zero gradient."""
+    the flattened `(B * S)` positions, after the shift) limits the head and the loss to those positions: given every
+    position with a label, the loss and gradients are unchanged, as the others add nothing to either."""
     from tigon.kernels.functional import fused_linear_cross_entropy
 
     head = model.get_output_embeddings()
