@@ -35,6 +35,7 @@ import json, os, sys
 import torch.distributed as dist
 from tigon.runtime.checkpoint import CheckpointError
 from tigon.runtime.config import load_config
+from tigon.runtime.distributed import wait_for_idle_process_groups
 from tigon.runtime.trainer import train
 
 die_at = os.environ.get("TEST_DIE_WRITING")
@@ -60,7 +61,8 @@ for path in sys.argv[2:]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{out}/{name}-rank{rank}.json", "w") as file:
         json.dump(record, file)
-if dist.is_initialized():
+if dist.is_initialized():  # every rank ends its runs, or fails them together (CheckpointError), and gets here
+    wait_for_idle_process_groups()  # after a failed run gloo's threads may still hold tensors; exiting then aborts
     dist.destroy_process_group()
 """
 
