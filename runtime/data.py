@@ -800,17 +800,24 @@ def model_inputs(
 def positions_with_loss(labels: torch.Tensor) -> torch.Tensor | None:
     """Indices into the flattened `(B, L)` labels of the positions whose next label is a token (the causal shift: a
     row's last position predicts nothing), with as many positions without one as make their count a multiple of
-    LOSS_POSITION_MULTIPLE. None where that would leave out under SKIP_FROM of the positions (too little head work to
-    skip) or no position has a label (the loss is empty either way)."""
+    LOSS_POSITION_MULTIPLE; None where `projected_count` finds nothing worth skipping."""
     with_loss = torch.zeros_like(labels, dtype=torch.bool)
     with_loss[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     with_loss = with_loss.flatten()
     count = int(with_loss.sum())
-    missing = -count % LOSS_POSITION_MULTIPLE
-    if not count or count + missing > (1 - SKIP_FROM) * with_loss.numel():
+    kept = projected_count(count, with_loss.numel())
+    if kept is None:
         return None
-    with_loss[(~with_loss).nonzero().squeeze(1)[:missing]] = True
+    with_loss[(~with_loss).nonzero().squeeze(1)[: kept - count]] = True
     return with_loss.nonzero().squeeze(1)
+
+
+def projected_count(count: int, total: int) -> int | None:
+    """How many of `total` positions a loss head projects when `count` of them carry a loss: `count` rounded up to
+    LOSS_POSITION_MULTIPLE; None where that leaves out under SKIP_FROM of them (too little head work to skip) or
+    `count` is 0 (the loss is empty either way). The rule of the SFT and the preference losses alike."""
+    kept = -(-count // LOSS_POSITION_MULTIPLE) * LOSS_POSITION_MULTIPLE
+    return kept if count and kept <= (1 - SKIP_FROM) * total else None
 
 
 def _loss_positions(labels: torch.Tensor, device: torch.device | str | None) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tigon.runtime.data import IGNORE_INDEX, LOSS_POSITION_MULTIPLE, SKIP_FROM, model_inputs
+from tigon.runtime.data import IGNORE_INDEX, model_inputs, projected_count
 
 
 def rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,13 +50,12 @@ class PreferenceRows:
 
 
 def completion_columns(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For targets `(rows, T)`, each row's columns with a target first, in order, `(rows, W)`: W the most any row
-    has, rounded up to LOSS_POSITION_MULTIPLE (at most T); and which of them have one. None where that would
-    leave out under SKIP_FROM of the columns (`tigon.runtime.data.positions_with_loss` keeps the same rule)."""
+    """For targets `(rows, T)`, each row's columns with a target first, in order, `(rows, W)`, and which of them have
+    one: W is `projected_count` of the most any row has; None where that finds nothing worth skipping."""
     with_target = target != IGNORE_INDEX
     counts = with_target.sum(-1)
-    width = min(-(-int(counts.max()) // LOSS_POSITION_MULTIPLE) * LOSS_POSITION_MULTIPLE, target.shape[1])
-    if not int(counts.max()) or width > (1 - SKIP_FROM) * target.shape[1]:
+    width = projected_count(int(counts.max()), target.shape[1])
+    if width is None:
         return None
     order = torch.argsort((~with_target).to(torch.int8), dim=-1, stable=True)[:, :width]
     return order, torch.arange(width) < counts[:, None]
