@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from tigon.kernels import reference
 from tigon.kernels.reference import CrossEntropyOutput, check_target_range
 from tigon.kernels.utils import (
+    DATA_COUNTS,
     LAUNCH_OPTIONS,
     check_float,
     check_same_device,
@@ -136,7 +137,7 @@ def _logit_gradient(
     return grad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _cross_entropy_kernel(
     X,
     stride_x,
@@ -358,7 +359,7 @@ def _gradient_columns_kernel(
         tl.store(pointers, grad.to(X.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _scale_kernel(
     X, stride_x, G, stride_g, n_cols, n_blocks, blocks_per_row, PER_ROW: tl.constexpr, BLOCK: tl.constexpr
 ):

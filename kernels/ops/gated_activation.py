@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import DATA_COUNTS, LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 APPROXIMATIONS = {"tanh": "gelu_tanh", "none": "gelu_erf"}
 BLOCK = 4096
@@ -329,7 +329,7 @@ MAX_COLUMN_BLOCKS = 65535  # the CUDA limit on the grid's second dimension
 MAX_PACKED_COLUMNS = MAX_COLUMN_BLOCKS * PACKED_MAX_BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _packed_forward_kernel(
     GATE_UP,
     OUT,
@@ -351,7 +351,7 @@ def _packed_forward_kernel(
     tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _packed_backward_kernel(
     GRAD,
     GATE_UP,

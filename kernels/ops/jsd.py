@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import LOG2E, scale_saved_gradients
 from tigon.kernels.utils import (
+    DATA_COUNTS,
     LAUNCH_OPTIONS,
     check_float,
     check_same_device,
@@ -91,7 +92,7 @@ def _terms(x, y, beta, BETA_MODE: tl.constexpr):
     return loss, grad, q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _jsd_kernel(
     S,
     stride_s,

@@ -27,6 +27,7 @@ from torch.autograd.function import once_differentiable
 from tigon.kernels import reference
 from tigon.kernels.ops.cross_entropy import scale_saved_gradients
 from tigon.kernels.utils import (
+    DATA_COUNTS,
     LAUNCH_OPTIONS,
     check_float,
     check_same_device,
@@ -51,7 +52,7 @@ def _pointwise(x, y, LOG_TARGET: tl.constexpr):
     return y * tl.log(tl.where(y == 0.0, 1.0, y)) - y * x  # 0 * log 0 = 0; a negative y gives NaN, as in torch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _kl_div_forward_kernel(
     X,
     stride_x,

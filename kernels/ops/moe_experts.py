@@ -30,14 +30,14 @@ import triton.language as tl
 
 from tigon.kernels import reference
 from tigon.kernels.ops.gated_activation import NUM_WARPS, _activation_and_derivative, packed_forward
-from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import DATA_COUNTS, LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu_erf")
 BACKWARD_ELEMENTS = 4096  # elements of one program's BLOCK_M x BLOCK_N tile
 BACKWARD_MAX_BLOCK_N = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _routed_gate_backward_kernel(
     GRAD_ACT,
     GATE_UP,

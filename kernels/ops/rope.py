@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
+from tigon.kernels.utils import DATA_COUNTS, LAUNCH_OPTIONS, check_float, check_same_device, next_power_of_2, use_triton
 
 MAX_TILE = 4096  # elements of one half-tile [heads, D/2] a program holds at a time
 POSITION_DTYPES = (torch.int64, torch.int32)
@@ -57,7 +57,7 @@ def _store_rotated(
     tl.store(first + HALF * stride_d, y2.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_COUNTS)
 def _rope_kernel(
     Q,
     stride_qb,

@@ -220,3 +220,29 @@ def test_gpu_real_sizes(shape, dtype):
     q = hf_layout(batch, q_heads, seq_len, head_dim, dtype, "cuda")
     k = hf_layout(batch, k_heads, seq_len, head_dim, dtype, "cuda")
     run_case(q, k, cos.float(), sin.float(), dtype, position_ids=positions)
+
+
+@pytest.mark.gpu
+def test_gpu_token_counts_share_one_compiled_kernel():
+    """A packed micro-batch's token count changes every step; crossing a multiple of 16 compiles nothing new."""
+    from triton import knobs
+
+    cos, sin = (table.float() for table in rotary_tables(8192, 64, "cuda"))
+
+    def rotate(tokens: int) -> None:
+        q, k = hf_layout(1, 32, tokens, 64, torch.bfloat16, "cuda"), hf_layout(1, 8, tokens, 64, torch.bfloat16, "cuda")
+        positions = torch.arange(tokens, device="cuda").remainder(1000)[None]
+        q_out, k_out = rope(q, k, cos, sin, positions)
+        (q_out.float().sum() + k_out.float().sum()).backward()
+
+    rotate(4096)
+    compiled = []
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
+    try:
+        for tokens in (4097, 4100, 4112, 4103):
+            rotate(tokens)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []
