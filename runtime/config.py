@@ -178,6 +178,12 @@ class TrainingConfig(Section):
         "deterministic algorithms, no cuDNN attention); an op with no deterministic version stops the run with "
         "PyTorch's error naming it",
     )
+    freeze_gc: bool = Field(
+        True,
+        description="collect Python's garbage before the first step and after it, then leave what is alive out of "
+        "later collections (gc.freeze): a full pass over a loaded model's objects stalls a step 0.25-0.5 s, and on "
+        "several GPUs every rank waits for it",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers' activations in the backward")
     checkpoint_layers: PositiveInt | None = Field(
         None,

@@ -44,6 +44,7 @@ from torch import nn
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.batches import GlobalBatchSampler, autocast, balancing_costs, collate
+from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import RunConfig
 from tigon.runtime.data import model_inputs
 from tigon.runtime.deepspeed_engine import deepspeed_config, import_deepspeed, trainable_elements
@@ -344,12 +345,14 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
+    collector = QuietCollector(config.training.freeze_gc)
     unlogged: list[dict[str, float]] = []  # the objective's metrics of the steps since HF last logged
     attached: dict[str, DDPStrategy] = {}
 
     class RecordLosses(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             attached["strategy"] = attached_strategy(trainer, prepared, config)
+            collector.start()
 
         def on_step_begin(self, args, state, control, **kwargs):
             checkpoints.restore(attached["strategy"])  # the first step of a resumed run
@@ -377,6 +380,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
                 },
             )
             evaluation.step_done(total_steps)
+            collector.step_done()
             checkpoints.save_if_due(total_steps, attached["strategy"])
 
     with trainer_process_state():
@@ -396,6 +400,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
             trainer.train()
             evaluation.finish()
         finally:
+            collector.close()
             reporter.close()
     seconds, tokens = clock["seconds"], clock["tokens"]
     return finish_adapter_run(config, prepared, checkpoints, reporter, seconds, tokens, attached["strategy"])

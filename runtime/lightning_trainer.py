@@ -36,6 +36,7 @@ import torch
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
 from tigon.runtime.batches import GlobalBatchSampler, collate, train_order
+from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
 from tigon.runtime.evaluation import Evaluation
@@ -218,6 +219,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
                 values = {"loss": loss, "lr": lr, **metrics}
                 self.log_dict({**{f"lightning/{k}": v for k, v in values.items()}, "step": float(step)}, on_step=True)
             evaluation.step_done(total_steps)
+            collector.step_done()
             checkpoints.save_if_due(total_steps, strategy)
 
     module = TigonModule()
@@ -245,13 +247,16 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         use_distributed_sampler=False,
         deterministic=config.training.deterministic or None,  # None: keeps what prepare set
     )
+    collector = QuietCollector(training.freeze_gc)
     try:
         evaluation.start()
         prepared.model.train()  # as the torch trainer does: a model from from_pretrained comes in eval mode
+        collector.start()
         trainer.fit(module, train_dataloaders=loader)
         if isinstance(strategy, LightningDDP):
             prepared.model.to(device)  # Lightning's teardown moved the module to the CPU; evaluate and export here
         evaluation.finish()
     finally:
+        collector.close()
         reporter.close()
     return finish_adapter_run(config, prepared, checkpoints, reporter, clock["seconds"], clock["tokens"], strategy)

@@ -31,6 +31,7 @@ import torch
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import post_training, storage
 from tigon.runtime.batches import GlobalBatchSampler, collate, global_token_counts, token_loss_sum, train_order
+from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from tigon.runtime.evaluation import Evaluation
@@ -149,7 +150,9 @@ def train_loop(
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
     one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
     strategy.model.train()
+    collector = QuietCollector(config.training.freeze_gc)
     try:
+        collector.start()
         while state.step < total_steps:
             if state.batches_in_epoch >= per_epoch:
                 state.epoch, state.batches_in_epoch = state.epoch + 1, 0
@@ -186,6 +189,7 @@ def train_loop(
                 },
             )
             evaluation.step_done(total_steps)
+            collector.step_done()
             if every_ckpt > 0 and (state.step % every_ckpt == 0 or state.step == total_steps):
                 if saving is not None:  # one checkpoint in flight at a time
                     saving.finish()
@@ -197,6 +201,7 @@ def train_loop(
             saving.finish()
         evaluation.finish()
     finally:
+        collector.close()
         reporter.close()
     return LoopResult(train_seconds, tokens_this_run, profile)
 
