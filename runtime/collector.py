@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import gc
 
+import torch
+
 FREEZE_AFTER_STEPS = 1  # the first step builds most of what the run keeps (compiled kernels, caches, state)
 
 
 class QuietCollector:
     """Collects and freezes at `start` and after the first `step_done`; `close` unfreezes (objects that others
-    froze too: freezing only speeds collection up, so unfreezing changes nothing but the next pass's time)."""
+    froze too: freezing only speeds collection up, so unfreezing changes nothing but the next pass's time) and
+    collects the run's cycles while its process group is still there to tear down what they hold.
 
-    def __init__(self, enabled: bool) -> None:
-        self.active = enabled
+    `setting` is `training.freeze_gc`: None freezes when training on a GPU, where a stalled step keeps the GPUs
+    waiting; a CPU run gains nothing from it."""
+
+    def __init__(self, setting: bool | None, device: torch.device) -> None:
+        self.active = device.type == "cuda" if setting is None else setting
         self.steps = 0
 
     def start(self) -> None:
@@ -36,14 +42,8 @@ class QuietCollector:
     def close(self) -> None:
         if self.active:
             gc.unfreeze()
+            gc.collect()
             self.active = False
-
-    def __enter__(self) -> QuietCollector:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def _collect_and_freeze() -> None:

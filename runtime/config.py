@@ -178,11 +178,11 @@ class TrainingConfig(Section):
         "deterministic algorithms, no cuDNN attention); an op with no deterministic version stops the run with "
         "PyTorch's error naming it",
     )
-    freeze_gc: bool = Field(
-        True,
+    freeze_gc: bool | None = Field(
+        None,
         description="collect Python's garbage before the first step and after it, then leave what is alive out of "
         "later collections (gc.freeze): a full pass over a loaded model's objects stalls a step 0.25-0.5 s, and on "
-        "several GPUs every rank waits for it",
+        "several GPUs every rank waits for it; null: on when training on GPUs",
     )
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers' activations in the backward")
     checkpoint_layers: PositiveInt | None = Field(

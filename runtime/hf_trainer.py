@@ -345,7 +345,7 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
     clock = {"started": time.perf_counter(), "seconds": 0.0, "tokens": 0}
-    collector = QuietCollector(config.training.freeze_gc)
+    collector = QuietCollector(config.training.freeze_gc, device)
     unlogged: list[dict[str, float]] = []  # the objective's metrics of the steps since HF last logged
     attached: dict[str, DDPStrategy] = {}
 

@@ -247,7 +247,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         use_distributed_sampler=False,
         deterministic=config.training.deterministic or None,  # None: keeps what prepare set
     )
-    collector = QuietCollector(training.freeze_gc)
+    collector = QuietCollector(training.freeze_gc, device)
     try:
         evaluation.start()
         prepared.model.train()  # as the torch trainer does: a model from from_pretrained comes in eval mode

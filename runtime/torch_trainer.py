@@ -150,7 +150,7 @@ def train_loop(
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
     one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
     strategy.model.train()
-    collector = QuietCollector(config.training.freeze_gc)
+    collector = QuietCollector(config.training.freeze_gc, device)
     try:
         collector.start()
         while state.step < total_steps:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.stall_trace import install, report
-from tests.runtime.worker_groups import process_env
+from tests.runtime.test_headline_benchmark import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,8 +68,7 @@ def test_the_trace_records_a_collection_and_the_timed_steps(tmp_path):
 
 
 def test_stalls_script_traces_a_tiny_run(tmp_path):
-    env = {**process_env(), "OUT": str(tmp_path), "TINY": "1", "SEQS": "64", "MICRO_BATCH": "2", "DOCS": "full"}
-    env.update(STEPS="4", RUNS="freeze")
+    env = script_env(tmp_path, TINY="1", SEQS="64", MICRO_BATCH="2", DOCS="full", STEPS="4", RUNS="freeze")
     done = subprocess.run(
         ["bash", "benchmarks/stalls.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
