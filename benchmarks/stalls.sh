@@ -17,7 +17,7 @@ mkdir -p "$out"
 source benchmarks/python_path.sh
 for run in ${RUNS:-freeze nofreeze}; do
   sets=(--set training.gradient_checkpointing=false)
-  [[ $run == nofreeze ]] && sets+=(--set training.freeze_gc=false)
+  if [[ $run == nofreeze ]]; then sets+=(--set training.freeze_gc=false); else sets+=(--set training.freeze_gc=true); fi
   config=$(python3 -m benchmarks.headline prepare --out "$out" --variant tigon --seq "$SEQS" --gpus 1 \
     --steps "${STEPS:-50}" --micro-batch "${MICRO_BATCH:-8}" --shape "${SHAPE:-llama-3.2-1b}" --tag "$run" \
     --documents "${DOCS:-instruction}" ${TINY:+--tiny} "${sets[@]}") || exit 1

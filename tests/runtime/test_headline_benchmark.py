@@ -4,19 +4,12 @@ over gloo)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+from tests.runtime.worker_groups import script_env
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def script_env(tmp_path: Path, **variables: str) -> dict[str, str]:
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OUT": str(tmp_path), **variables}
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def test_tiny_headline_run_tabulates_both_variants(tmp_path):

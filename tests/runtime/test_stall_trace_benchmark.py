@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from benchmarks.stall_trace import install, report
-from tests.runtime.test_headline_benchmark import script_env
+from tests.runtime.worker_groups import script_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -68,6 +68,15 @@ def process_env(**variables: str) -> dict[str, str]:
     return env
 
 
+def script_env(out: Path, **variables: str) -> dict[str, str]:
+    """The environment of a benchmark script run from the tests: this interpreter's `python3` first on PATH,
+    results under `out` (OUT), Triton's interpreter off, and `variables`."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "OUT": str(out), **variables}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
 def worker_env() -> dict[str, str]:
     """`process_env` with one thread per process, for the members of a worker group."""
     return process_env(OMP_NUM_THREADS="1")
