@@ -211,8 +211,13 @@ def steady_tokens_per_second(metrics: list[dict]) -> float | None:
 
 def step_seconds(metrics: list[dict]) -> list[float]:
     """Each step's seconds after the warm-up steps (from the cumulative rates the run logs)."""
+    return every_step_seconds(metrics)[WARMUP_STEPS:]
+
+
+def every_step_seconds(metrics: list[dict]) -> list[float]:
+    """Each step's seconds, the first included, from the cumulative rates the run logs."""
     ends = [m["tokens_seen"] / m["tokens_per_second"] for m in metrics if m.get("tokens_per_second")]
-    return [end - start for start, end in zip(ends[WARMUP_STEPS - 1 :], ends[WARMUP_STEPS:], strict=False)]
+    return [end - start for start, end in zip([0.0, *ends], ends, strict=False)]
 
 
 def paired(out: Path, base: str, other: str) -> dict:

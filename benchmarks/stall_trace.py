@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.headline import every_step_seconds
+
 SAMPLE_SECONDS = 0.01
 SLOW_COLLECTION_SECONDS = 0.005
 STALL_FACTOR = 1.2  # a step over this many times the median step is a stall
@@ -134,18 +136,12 @@ def main_thread_frames(samples: list[tuple[float, str]], start: float, end: floa
     return [f"{frame} {count / len(inside):.0%}" for frame, count in counts]
 
 
-def metric_step_seconds(metrics_path: Path) -> list[float]:
-    """Each step's seconds, from the cumulative rate the run logs."""
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    ends = [r["tokens_seen"] / r["tokens_per_second"] for r in records if r.get("tokens_per_second")]
-    return [end - start for start, end in zip([0.0, *ends], ends, strict=False)]
-
-
 def report(trace_path: Path, metrics_path: Path) -> dict:
     """The run's stalls (steps over STALL_FACTOR x the median of steps 2 on), and the full collections and the
     compiles inside each step after the first."""
     trace = json.loads(trace_path.read_text())
-    seconds = metric_step_seconds(metrics_path)
+    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    seconds = every_step_seconds(metrics)
     steps = trace["steps"]
     if not steps:
         raise ValueError(f"{trace_path} timed no optimizer step (was the torch trainer running?)")

@@ -5,8 +5,9 @@ kernels loaded that is hundreds of thousands of objects, 0.25-0.5 s on a GPU mac
 few dozen steps at a moment nobody chose: the step that meets it waits, and on several GPUs every rank waits for
 the one collecting. `QuietCollector` collects once before the first step and once after it (the step that compiles
 kernels and fills caches), each time freezing what is alive (`gc.freeze`): later passes walk only the objects made
-since, a few thousand. Reference counting still frees frozen objects; only their reference cycles wait, and
-`close` unfreezes them so that a later run in the same process (a notebook, a sweep) collects this one's.
+since, a few thousand. Reference counting still frees frozen objects; only their reference cycles wait, until
+`close` unfreezes and collects them, so nothing of the run stays frozen for a later run in the same process (a
+notebook, a sweep).
 """
 
 from __future__ import annotations
