@@ -27,6 +27,7 @@ from tigon.runtime.run import (
     check_config,
     check_resumable,
     finish,
+    global_batch_of,
     non_finite_loss_message,
     prepare,
     start_over,
@@ -65,7 +66,9 @@ class AdapterCheckpoints:
         self.run_dir = Path(config.logging.run_dir)
         self.remote = storage.run_storage(config.checkpoint.remote_dir)
         self.config_json = config.model_dump_json(indent=2)
-        self.state = ckpt.TrainState(world_size=env.world_size)
+        self.state = ckpt.TrainState(
+            world_size=env.world_size, global_batch=global_batch_of(config.training, env.world_size)
+        )
         self.latest: Path | None = None
         if config.checkpoint.resume:
             self.latest = storage.resume_point(config.checkpoint.remote_dir, self.run_dir, env)
@@ -73,6 +76,7 @@ class AdapterCheckpoints:
             check_resumable(self.latest, config)
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
             self.state.world_size = env.world_size
+            self.state.global_batch = global_batch_of(config.training, env.world_size)
         else:
             start_over(config, env, self.remote)
         barrier(env)

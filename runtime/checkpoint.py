@@ -67,6 +67,7 @@ from torch import nn
 
 from tigon.runtime.distributed import DistEnv, all_gather_object, barrier, broadcast_object, unwrap
 from tigon.runtime.files import atomic_write_text
+from tigon.runtime.optim import load_schedule
 from tigon.runtime.quantization import is_quantized, merge_into_dense
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class TrainState:
     tokens_seen: int = 0
     eval_history: list[dict] = field(default_factory=list)
     world_size: int = 1
+    global_batch: int = 0  # sequences an optimizer step trains (0: written before checkpoints recorded it)
 
 
 # ---------------------------------------------------------------- atomic directories
@@ -634,7 +636,7 @@ def read_torch_state(
         )
     optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True))
     schedule = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
-    scheduler.load_state_dict(schedule["scheduler"])
+    load_schedule(scheduler, schedule["scheduler"])
     if scaler is not None and "scaler" in schedule:
         scaler.load_state_dict(schedule["scaler"])
 

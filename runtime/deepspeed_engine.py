@@ -32,7 +32,7 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
-from tigon.runtime.optim import build_scheduler, param_groups
+from tigon.runtime.optim import build_scheduler, load_schedule, param_groups
 from tigon.runtime.parallel import DDPStrategy, ShardedExport
 from tigon.runtime.planner import REDUCE_BUCKET_SIZE
 
@@ -203,7 +203,7 @@ class DeepSpeedStrategy(ShardedExport, DDPStrategy):
                 f"{directory / TAG} holds no learning-rate schedule (written by an older tigon); set "
                 "checkpoint.resume: false to start over"
             )
-        self.scheduler.load_state_dict(client_state[SCHEDULE])
+        load_schedule(self.scheduler, client_state[SCHEDULE])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.config.parallelism.stage == 3:

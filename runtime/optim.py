@@ -49,3 +49,15 @@ def lr_factor(step: int, training: TrainingConfig, total_steps: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, training, total_steps))
+
+
+def load_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Restore a saved schedule's position (load the optimizer's state first). The next step's learning rate is
+    this run's schedule at that position, not the rate the saved run had set: a run resumed with more steps, or
+    another schedule, follows its own from its first step (with the same schedule the two are equal)."""
+    scheduler.load_state_dict(state)
+    pairs = zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)
+    rates = [base * factor(scheduler.last_epoch) for factor, base in pairs]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates

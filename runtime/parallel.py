@@ -44,7 +44,7 @@ from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, shard_ranks, wrap_model
 from tigon.runtime.fp8 import precompute_scales
 from tigon.runtime.model import build_model
-from tigon.runtime.optim import build_optimizer, build_scheduler
+from tigon.runtime.optim import build_optimizer, build_scheduler, load_schedule
 
 logger = logging.getLogger("tigon.runtime")
 
@@ -388,7 +388,7 @@ class FSDPStrategy(ShardedExport, DDPStrategy):
         dcp.load(state, checkpoint_id=directory / "dcp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         schedule = torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True)
-        self.scheduler.load_state_dict(schedule["scheduler"])
+        load_schedule(self.scheduler, schedule["scheduler"])
         if self.scaler.is_enabled() and "scaler" in schedule:
             self.scaler.load_state_dict(schedule["scaler"])
 

@@ -1,6 +1,7 @@
 """A training run's pieces that every trainer shares: the checks, `prepare`, resuming or starting over, the
 step plan, and `finish` (the export, the result, the summary and the Hub push).
 
+    config = keep_global_batch(config, world_size)   # a resume on another number of processes
     prepared = prepare(config)                       # process group, tokenizer, data, model
     total_steps, per_epoch = plan_steps(config, len(prepared.train_dataset), prepared.env.world_size)
     result = finish(config, prepared, strategy, state, remote, reporter, loop, resumed_from, config_json)
@@ -11,6 +12,7 @@ the three check, prepare, resume and report a run alike.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -26,7 +28,8 @@ from pydantic import ValidationError
 from torch import nn
 
 from tigon.runtime import checkpoint as ckpt
-from tigon.runtime.config import ConfigError, RunConfig
+from tigon.runtime import storage
+from tigon.runtime.config import ConfigError, RunConfig, TrainingConfig
 from tigon.runtime.data import build_datasets, check_labels
 from tigon.runtime.distributed import (
     DistEnv,
@@ -249,6 +252,93 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         )
 
 
+def global_batch_of(training: TrainingConfig, world_size: int) -> int:
+    """Sequences an optimizer step trains: micro-batch x accumulation x processes."""
+    return training.micro_batch_size * training.gradient_accumulation_steps * world_size
+
+
+def saved_global_batch(config: RunConfig) -> tuple[int, int] | None:
+    """(global batch, processes) of the run's newest checkpoint, in `logging.run_dir` or else in
+    `checkpoint.remote_dir`; None without one. A checkpoint written before the global batch was recorded gives
+    its processes times its config's micro-batch and accumulation."""
+    local = ckpt.list_checkpoints(config.logging.run_dir)
+    if local:
+        directory = local[-1][1]
+        check_resumable(directory, config)  # another run's checkpoint is named as such first
+
+        def read(name: str) -> str | None:
+            path = directory / name
+            return path.read_text() if path.is_file() else None
+
+    else:
+        store = storage.run_storage(config.checkpoint.remote_dir)
+        steps = store.checkpoint_steps() if store is not None else []
+        if not steps:
+            return None
+        read = functools.partial(store.read_text, ckpt.CHECKPOINTS, f"step-{steps[-1]}")
+    state = json.loads(read(ckpt.STATE_FILE) or "{}")
+    world_size = state.get("world_size", 1)
+    if state.get("global_batch"):
+        return state["global_batch"], world_size
+    saved = read("config.json")
+    if saved is None:
+        return None
+    training = TrainingConfig.model_validate(json.loads(saved)["training"])
+    return global_batch_of(training, world_size), world_size
+
+
+def keep_global_batch(config: RunConfig, world_size: int) -> RunConfig:
+    """`config` for a run that resumes a checkpoint written by another number of processes, with its gradient
+    accumulation (and, where the accumulation alone cannot, its micro-batch) set so that a step trains the
+    checkpoint's global batch: the data position counts global batches, so the run continues on the same
+    sequences and steps, as the uninterrupted run would have. Unchanged when nothing is resumed or the global
+    batch already matches; a ConfigError where the global batch does not split over `world_size` processes, where
+    DeepSpeed's partitions cannot move, or where the config changed the global batch itself. Call on every rank,
+    before the planner (which keeps the global batch it is given)."""
+    saved = saved_global_batch(config) if config.checkpoint.resume else None
+    training = config.training
+    if saved is None or global_batch_of(training, world_size) == saved[0]:
+        return config
+    batch, saved_world = saved
+    if saved_world == world_size:
+        raise ConfigError(
+            f"checkpoint.resume: the checkpoint in {config.logging.run_dir} trained global batches of {batch} "
+            f"sequences, and this config's are {global_batch_of(training, world_size)} (training.micro_batch_size x "
+            f"gradient_accumulation_steps x {world_size} processes); its data position counts global batches, so "
+            f"set micro_batch_size x gradient_accumulation_steps to {batch // world_size}, or start a new run in "
+            "another logging.run_dir"
+        )
+    if config.parallelism.strategy == "deepspeed":
+        raise ConfigError(
+            f"checkpoint.resume: the checkpoint in {config.logging.run_dir} was written by {saved_world} processes "
+            f"and this run has {world_size}; DeepSpeed's ZeRO partitions of the optimizer state load only on the "
+            f"number of processes that wrote them: resume on {saved_world} processes, or train with "
+            "parallelism.strategy fsdp, whose checkpoints reshard to any number"
+        )
+    if batch % world_size:
+        fits = [n for n in range(1, batch + 1) if batch % n == 0]
+        raise ConfigError(
+            f"checkpoint.resume: the checkpoint's global batch of {batch} sequences (written by {saved_world} "
+            f"processes) does not split evenly over {world_size} processes; resume on one of {fits} processes"
+        )
+    per_rank = batch // world_size
+    micro = max(n for n in range(1, min(training.micro_batch_size, per_rank) + 1) if per_rank % n == 0)
+    accumulation = per_rank // micro
+    logger.info(
+        "resuming on %d processes a run written by %d: micro-batch %d x accumulation %d (was %d x %d) keeps its "
+        "global batch of %d sequences",
+        world_size,
+        saved_world,
+        micro,
+        accumulation,
+        training.micro_batch_size,
+        training.gradient_accumulation_steps,
+        batch,
+    )
+    kept = training.model_copy(update={"micro_batch_size": micro, "gradient_accumulation_steps": accumulation})
+    return config.model_copy(update={"training": kept})
+
+
 def start_over(config: RunConfig, env: DistEnv, remote) -> None:
     """Without resume: remove the run directory's (and remote_dir's) earlier checkpoints and summary, on rank 0.
 
@@ -282,7 +372,7 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int, warn: bool 
     """(optimizer steps in the run, global batches per epoch); `warn` (rank 0) logs a warmup longer than the run,
     which a shortened smoke run of a real config may mean on purpose."""
     training = config.training
-    global_batch = training.micro_batch_size * training.gradient_accumulation_steps * world_size
+    global_batch = global_batch_of(training, world_size)
     per_epoch = n_sequences // global_batch
     if per_epoch == 0:
         raise ConfigError(

@@ -168,6 +168,13 @@ class RunStorage:
         except (FileNotFoundError, ValueError, KeyError):
             return None
 
+    def read_text(self, *parts: str) -> str | None:
+        """The text of the file `<url>/<parts>`, or None when it is absent."""
+        try:
+            return self.fs.cat_file(self._path(*parts)).decode()
+        except FileNotFoundError:
+            return None
+
     def download_dir(self, local_dir: str | Path, *parts: str) -> Path:
         """Copy a committed directory to `local_dir` (written beside it, checked, then renamed into place)."""
         listing = self.committed(*parts)

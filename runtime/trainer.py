@@ -2,8 +2,9 @@
 
     result = train(load_config("examples/demo.yaml"))
 
-It holds the run directory's lock (and the object store's lease), applies the planner's settings
-(`training.plan: auto`), and hands the run to the plain PyTorch trainer (`tigon.runtime.torch_trainer`), the
+It holds the run directory's lock (and the object store's lease), keeps a resumed run's global batch on another
+number of processes (`tigon.runtime.run.keep_global_batch`), applies the planner's settings (`training.plan:
+auto`), and hands the run to the plain PyTorch trainer (`tigon.runtime.torch_trainer`), the
 Hugging Face Trainer adapter (`tigon.runtime.hf_trainer`) or the Lightning adapter
 (`tigon.runtime.lightning_trainer`); each imports its framework only when it runs. The pieces the three share
 live below them (`tigon.runtime.run`, `tigon.runtime.evaluation`, `tigon.runtime.adapters`), so imports point
@@ -23,7 +24,7 @@ from tigon.runtime.distributed import configure_allocator, env_from_environ, shu
 from tigon.runtime.hf_trainer import train_with_hf
 from tigon.runtime.lightning_trainer import train_with_lightning
 from tigon.runtime.lock import RunDirLock
-from tigon.runtime.run import TrainResult, prepare
+from tigon.runtime.run import TrainResult, keep_global_batch, prepare
 from tigon.runtime.torch_trainer import train_prepared
 
 
@@ -33,6 +34,7 @@ def train(config: RunConfig, datasets: str | Path | None = None) -> TrainResult:
     `datasets`: pre-packed data (`tigon.runtime.packed`) to train on instead of tokenizing `config.data`.
     """
     configure_allocator()  # before the planner reads the GPU, which initializes CUDA
+    config = keep_global_batch(config, env_from_environ().world_size)  # a resume on another number of processes
     if config.training.plan == "auto":
         config = planner.planned_config(config)
     # DeepSpeed's ZeRO-3 swaps in its own torch.nn.functional.linear for the rest of the process; a later run in

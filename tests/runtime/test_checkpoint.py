@@ -103,6 +103,27 @@ def test_half_written_checkpoint_is_ignored_and_a_finished_run_is_kept_unless_as
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_a_run_resumed_with_more_steps_follows_its_own_schedule(tmp_path, schedule):
+    """A run of 3 steps (warm-up 2, so its steps equal the longer run's) continued to 6 decays as a 6-step run
+    from its first resumed step: the checkpoint's optimizer holds the 3-step schedule's last rate (zero), which
+    the resumed run replaces by its own schedule's."""
+
+    def config(run_dir: Path, max_steps: int):
+        return tiny_config(
+            tmp_path,
+            training={"max_steps": max_steps, "warmup_steps": 2, "lr_schedule": schedule},
+            checkpoint={"every_steps": 3, "resume": True},
+            eval={"metrics": []},
+            logging=_logging(run_dir),
+        )
+
+    full = train(config(tmp_path / "full", 6))
+    assert train(config(tmp_path / "extended", 3)).losses == full.losses[:3]
+    extended = train(config(tmp_path / "extended", 6))
+    assert extended.resumed_from_step == 3 and extended.losses == full.losses, (extended.losses, full.losses)
+
+
 def test_resume_is_the_default_everywhere():
     from tigon.runtime.config import CheckpointConfig, load_config
 
