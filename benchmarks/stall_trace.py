@@ -2,7 +2,7 @@
 thread's stack, placed in the steps of a run.
 
     python -m benchmarks.stall_trace train CONFIG --out DIR --tag TAG   # under torchrun, as `tigon train CONFIG`
-    python -m benchmarks.stall_trace report DIR/trace-TAG-rank0.json RUN_DIR/metrics.jsonl
+    python -m benchmarks.stall_trace report DIR/trace-TAG-rank0.json [DIR/trace-TAG-rank1.json ...] RUN/metrics.jsonl
 
 `train` runs `tigon train` (the torch trainer) with each rank recording
 
@@ -12,8 +12,8 @@ thread's stack, placed in the steps of a run.
 - the main thread's innermost frames every 10 ms,
 
 and writes DIR/trace-TAG-rankR.json when training returns. `report` lists the steps over 1.2x the median and the
-collections and compiles inside each step after the first. `bash benchmarks/stalls.sh` does both for runs with and
-without `training.freeze_gc`.
+collections and compiles of every rank given inside each step after the first. `bash benchmarks/stalls.sh` does
+both for runs with and without `training.freeze_gc`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import functools
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -136,25 +137,39 @@ def main_thread_frames(samples: list[tuple[float, str]], start: float, end: floa
     return [f"{frame} {count / len(inside):.0%}" for frame, count in counts]
 
 
-def report(trace_path: Path, metrics_path: Path) -> dict:
+def rank_of(trace_path: Path) -> int:
+    """The rank a trace file was written by (`trace-TAG-rankR.json`; 0 for another name)."""
+    match = re.search(r"-rank(\d+)\.json$", trace_path.name)
+    return int(match.group(1)) if match else 0
+
+
+def report(trace_paths: list[Path], metrics_path: Path) -> dict:
     """The run's stalls (steps over STALL_FACTOR x the median of steps 2 on), and the full collections and the
-    compiles inside each step after the first."""
-    trace = json.loads(trace_path.read_text())
+    compiles of every rank inside each step after the first. The steps are the first trace's (rank 0's): on several
+    GPUs every rank waits for the slowest in the step's collectives, so any rank's collection stalls the step."""
+    traces = {rank_of(path): json.loads(path.read_text()) for path in trace_paths}
     metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     seconds = every_step_seconds(metrics)
-    steps = trace["steps"]
+    first = traces[rank_of(trace_paths[0])]
+    steps = first["steps"]
     if not steps:
-        raise ValueError(f"{trace_path} timed no optimizer step (was the torch trainer running?)")
+        raise ValueError(f"{trace_paths[0]} timed no optimizer step (was the torch trainer running?)")
     median = statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
     collections = [
-        {"step": step_of(t, steps), "ms": round(s * 1000, 1), "collected": n}
+        {"step": step_of(t, steps), "rank": rank, "ms": round(s * 1000, 1), "collected": n}
+        for rank, trace in sorted(traces.items())
         for t, g, s, n in trace["collections"]
         if g == 2
     ]
-    compiles = [{"step": step_of(t, steps), "thread": thread, "kernel": k} for t, thread, k in trace["compiles"]]
+    compiles = [
+        {"step": step_of(t, steps), "rank": rank, "thread": thread, "kernel": k}
+        for rank, trace in sorted(traces.items())
+        for t, thread, k in trace["compiles"]
+    ]
     later = [i + 1 for i, s in enumerate(seconds) if i > 0 and s > STALL_FACTOR * median]
-    frames = {step: main_thread_frames(trace["samples"], *steps[step - 1]) for step in later if step <= len(steps)}
+    frames = {step: main_thread_frames(first["samples"], *steps[step - 1]) for step in later if step <= len(steps)}
     return {
+        "ranks": sorted(traces),
         "steps": len(seconds),
         "seconds_after_step_1": round(sum(seconds[1:]), 3),
         "median_step": round(median, 4),
@@ -162,7 +177,9 @@ def report(trace_path: Path, metrics_path: Path) -> dict:
             {"step": step, "seconds": round(seconds[step - 1], 3), "main_thread": frames.get(step, [])}
             for step in later
         ],
-        "full_collections": [c for c in collections if c["step"] is not None and c["step"] > 1],
+        "full_collections": sorted(
+            (c for c in collections if c["step"] is not None and c["step"] > 1), key=lambda c: (c["step"], c["rank"])
+        ),
         "compiles_after_step_1": [c for c in compiles if c["step"] is not None and c["step"] > 1],
     }
 
@@ -188,19 +205,26 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("config")
     command.add_argument("--out", type=Path, required=True, help="where trace-TAG-rankR.json goes")
     command.add_argument("--tag", default="run")
-    command = commands.add_parser("report", help="place a trace's events in the steps of a run")
-    command.add_argument("trace", type=Path)
+    command = commands.add_parser("report", help="place the traces' events in the steps of a run")
+    command.add_argument("traces", type=Path, nargs="+", help="rank 0's trace first, then any other ranks'")
     command.add_argument("metrics", type=Path, help="the run's metrics.jsonl")
     command.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args(argv)
     if args.command == "train":
         return train(args.config, args.out, args.tag)
-    summary = report(args.trace, args.metrics)
-    print(f"{args.trace.name}: {summary['steps']} steps, median {summary['median_step']} s")
+    summary = report(args.traces, args.metrics)
+    ranks = f" ({len(summary['ranks'])} ranks)" if len(summary["ranks"]) > 1 else ""
+    print(f"{args.traces[0].name}{ranks}: {summary['steps']} steps, median {summary['median_step']} s")
     for stall in summary["stalls"]:
         step = stall["step"]
-        events = [f"full collection {c['ms']} ms" for c in summary["full_collections"] if c["step"] == step]
-        events += [f"compiled {c['kernel']}" for c in summary["compiles_after_step_1"] if c["step"] == step]
+        events = [
+            f"full collection {c['ms']} ms on rank {c['rank']}"
+            for c in summary["full_collections"]
+            if c["step"] == step
+        ]
+        events += [
+            f"compiled {c['kernel']} on rank {c['rank']}" for c in summary["compiles_after_step_1"] if c["step"] == step
+        ]
         print(f"  step {step}: {stall['seconds']} s: {', '.join(events) or 'no collection or compile traced'}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")

@@ -41,13 +41,19 @@ reference point a mean over each micro-batch's mismatched sequences (TRL's defin
 their steps depend on which records share a micro-batch: they are held to DDP's run on as many GPUs instead.
 
 A failing rank: on 2 GPUs under FSDP2, rank 1's third optimizer step raises (benchmarks/rank_fault); the job must
-end with that rank's error in its log, not wait in NCCL's collectives.
+end with that rank's error in its log, not wait in NCCL's collectives. A hanging rank: the same, but rank 1 stops
+for good; the job must end after the collective timeout (30 s here), through NCCL's watchdog.
+
+Another number of GPUs: FSDP2 trained on every GPU to its step-3 checkpoint resumes on half of them with the
+global batch kept, to the uninterrupted run's losses.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -327,6 +333,50 @@ def test_a_rank_that_fails_mid_run_ends_the_nccl_job_with_its_error(tmp_path):
     assert "rank 1 of 2 failed: injected fault on rank 1 at optimizer step 3" in output, output[-3000:]
     steps = (Path(config.logging.run_dir) / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in steps if '"loss"' in line] == [1, 2]
+
+
+@pytest.mark.gpu
+def test_a_run_resumed_on_half_the_gpus_continues_it(tmp_path):
+    """FSDP2 over NCCL, fp32: the kernels case trained on every GPU (4, or 2) to its step-3 checkpoint, then resumed
+    on half of them. The global batch is kept (accumulation doubles), DCP reshards the weights and AdamW's states,
+    and the resumed steps reach the uninterrupted run's losses within RELATIVE_TOLERANCE."""
+    gpus = min(torch.cuda.device_count(), 4)
+    if gpus < 2:
+        pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
+    name = "torch-fsdp-kernels"
+    full, moved = case_config(tmp_path / "full", name, gpus), case_config(tmp_path / "moved", name, gpus)
+    first = moved.model_copy(update={"training": moved.training.model_copy(update={"max_steps": 3})})
+    devices = ",".join(str(gpu) for gpu in range(gpus))
+    runs = launch(tmp_path, {"full": full, "first": first}, "nccl", gpus, devices, GROUP_TIMEOUT)
+    half = launch(tmp_path, {"half": moved}, "nccl", gpus // 2, devices, GROUP_TIMEOUT)["half"]
+    assert runs["first"]["losses"] == runs["full"]["losses"][:3], runs
+    assert half["resumed_from"] == 3 and half["world_size"] == gpus // 2, half
+    worst = worst_relative(half["losses"], runs["full"]["losses"])
+    print(f"{name}: {gpus} GPUs to step 3, resumed on {gpus // 2}: worst relative difference {worst:.2e}")
+    assert worst < RELATIVE_TOLERANCE, (half["losses"], runs["full"]["losses"])
+
+
+@pytest.mark.gpu
+def test_a_rank_that_hangs_ends_the_nccl_job_after_the_collective_timeout(tmp_path):
+    """2 GPUs, FSDP2 over NCCL: rank 1 stops for good in its third optimizer step while rank 0 goes on into the next
+    step's collectives. With parallelism.collective_timeout_minutes at 0.5, NCCL's watchdog on rank 0 times the
+    waiting collective out after 30 s and takes the process down (torch's default error handling), torchrun stops
+    rank 1, and the job ends non-zero, naming the timed-out collective, instead of waiting out the default 30
+    minutes."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
+    config = case_config(tmp_path, "torch-fsdp-kernels-bf16", 2)
+    config.parallelism.collective_timeout_minutes = 0.5
+    started = time.monotonic()
+    done = train_with_a_failing_rank(tmp_path, config, 2, devices="0,1", kind="hang")
+    seconds = time.monotonic() - started
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert re.search(r"Watchdog caught collective operation timeout: .*Timeout\(ms\)=30000", output), output[-3000:]
+    steps = (Path(config.logging.run_dir) / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in steps if '"loss"' in line]
+    assert logged[:2] == [1, 2] and max(logged) < 6, logged
+    print(f"a rank hung at optimizer step 3: the job ended after {seconds:.0f} s (collective timeout 30 s)")
 
 
 def tolerance_of(precision: str) -> float:
