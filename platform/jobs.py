@@ -90,7 +90,11 @@ def torchrun_command(template: JobTemplate) -> list[str]:
     if template.nnodes == 1:
         command.append("--standalone")
     else:
-        command += [f"--nnodes={template.nnodes}", "--rdzv_backend=c10d", f"--max_restarts={template.max_restarts}"]
+        command += [
+            f"--nnodes={template.elastic_nodes}",
+            "--rdzv_backend=c10d",
+            f"--max_restarts={template.max_restarts}",
+        ]
     return command + ["-m", "tigon.runtime", "train", f"{CONFIG_MOUNT}/config.yaml"]
 
 
@@ -189,7 +193,7 @@ def pytorchjob_manifests(
     if template.nnodes > 1:
         spec["elasticPolicy"] = {
             "rdzvBackend": "c10d",
-            "minReplicas": template.nnodes,
+            "minReplicas": template.fewest_nodes,
             "maxReplicas": template.nnodes,
             "maxRestarts": template.max_restarts,
         }
@@ -287,7 +291,7 @@ def flyte_task_options(template: JobTemplate, config: RunConfig | None = None) -
     )
     options: dict[str, Any] = {
         "task_config": Elastic(
-            nnodes=template.nnodes,
+            nnodes=template.elastic_nodes,
             nproc_per_node=template.nproc_per_node,
             max_restarts=template.max_restarts,
             increase_shared_mem=False,

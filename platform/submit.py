@@ -65,6 +65,7 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
         check_pinned(template.image)
     except ImageError as error:
         raise SubmissionError(f"job template {template.name!r}: {error}") from None
+    check_fewer_nodes(config, template)
     needs = gpu_settings(config)
     if needs and not template.gpus_per_node:
         raise SubmissionError(
@@ -72,6 +73,29 @@ def check_submission(config: RunConfig, template: JobTemplate, nodes: int = 0) -
             "Pick a GPU template (see `tigon templates`) or change those settings."
         )
     return template
+
+
+def check_fewer_nodes(config: RunConfig, template: JobTemplate) -> None:
+    """SubmissionError where a job that may go on with fewer nodes (the template's min_nnodes) could not resume
+    there: its global batch must split over every node count it may run on, and DeepSpeed's partitions do not move."""
+    fewest, nodes, per_node = template.fewest_nodes, template.nnodes, template.nproc_per_node
+    if fewest == nodes:
+        return
+    if config.parallelism.strategy == "deepspeed":
+        raise SubmissionError(
+            f"job template {template.name!r} goes on with {fewest} of {nodes} nodes when nodes are lost, but "
+            "DeepSpeed's ZeRO checkpoints load only on the number of processes that wrote them: train with "
+            "parallelism.strategy fsdp, or pick a template without min_nnodes"
+        )
+    batch = config.training.micro_batch_size * config.training.gradient_accumulation_steps * nodes * per_node
+    uneven = ", ".join(str(count) for count in range(fewest, nodes) if batch % (count * per_node))
+    if uneven:
+        raise SubmissionError(
+            f"job template {template.name!r} goes on with {fewest} to {nodes} nodes of {per_node} processes, and the "
+            f"run's global batch of {batch} sequences (micro_batch_size x gradient_accumulation_steps x "
+            f"{nodes * per_node}) does not split evenly over {uneven} node(s); choose "
+            "gradient_accumulation_steps so that every node count divides it"
+        )
 
 
 DATA_KEYS = ("train", "eval")

@@ -53,6 +53,13 @@ class JobTemplate(BaseModel):
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(1, gt=0)
     max_nnodes: int = Field(1, gt=0, description="the most nodes a run may ask for with this template")
+    min_nnodes: int | None = Field(
+        None,
+        gt=0,
+        description="the fewest nodes a multi-node job goes on with: a node lost for good leaves the job on the "
+        "nodes left (torch elastic re-forms the group, at least this many) and the run resumes from its newest "
+        "checkpoint with its global batch kept; unset: every node of nnodes",
+    )
     gpus_per_node: int = Field(0, ge=0)
     gpu_type: str | None = None
     cpu: str = "2"
@@ -80,11 +87,23 @@ class JobTemplate(BaseModel):
     def _consistent(self) -> JobTemplate:
         if self.nnodes > self.max_nnodes:
             raise ValueError(f"nnodes {self.nnodes} is above max_nnodes {self.max_nnodes}")
+        if self.min_nnodes is not None and self.min_nnodes > self.max_nnodes:
+            raise ValueError(f"min_nnodes {self.min_nnodes} is above max_nnodes {self.max_nnodes}")
         if self.gpus_per_node and self.nproc_per_node != self.gpus_per_node:
             raise ValueError(f"nproc_per_node {self.nproc_per_node} must equal gpus_per_node {self.gpus_per_node}")
         if self.gpu_type and not self.gpus_per_node:
             raise ValueError(f"gpu_type {self.gpu_type!r} needs gpus_per_node above 0; set both or neither")
         return self
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes the job trains on: min_nnodes, up to nnodes (a run that asks for fewer nodes)."""
+        return min(self.min_nnodes or self.nnodes, self.nnodes)
+
+    @property
+    def elastic_nodes(self) -> int | str:
+        """torch elastic's node count: `nnodes`, or `fewest:nnodes` for a job that goes on with fewer."""
+        return self.nnodes if self.fewest_nodes == self.nnodes else f"{self.fewest_nodes}:{self.nnodes}"
 
     def with_nodes(self, nnodes: int | None) -> JobTemplate:
         """This template with a run's own node count, checked against the template's limit."""

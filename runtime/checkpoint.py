@@ -670,12 +670,6 @@ def load_checkpoint(
             logger.warning("%s has no RNG state for rank %d (world size changed?); using rank 0's", path, env.rank)
             rng_file = path / "rng-rank0.pt"
         set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
-    if state.world_size != env.world_size:
-        logger.warning(
-            "resuming a run saved with world size %d on %d processes: the data order continues by global batch",
-            state.world_size,
-            env.world_size,
-        )
     return state
 
 

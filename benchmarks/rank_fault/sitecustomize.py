@@ -5,13 +5,14 @@
 Python imports this module at start-up when its folder is on PYTHONPATH. In the process whose RANK is FAULT_RANK,
 AdamW's step raises a RuntimeError on its FAULT_AT_STEP-th call (FAULT_KIND=raise, the default), or stops there
 for good without a word (FAULT_KIND=hang: a rank stuck in I/O or a deadlock), while the other ranks go on into the
-next step's collectives. Without FAULT_AT_STEP it does nothing.
+next step's collectives. FAULT_RANK=any picks every process started with these variables (one node's, where
+the ranks are dealt by an elastic rendezvous). Without FAULT_AT_STEP it does nothing.
 """
 
 import os
 import time
 
-if os.environ.get("FAULT_AT_STEP") and os.environ.get("RANK") == os.environ.get("FAULT_RANK", "1"):
+if os.environ.get("FAULT_AT_STEP") and os.environ.get("FAULT_RANK", "1") in (os.environ.get("RANK"), "any"):
     import torch.optim
 
     fault_at = int(os.environ["FAULT_AT_STEP"])

@@ -101,6 +101,22 @@ def test_multi_node_job_has_only_workers_and_an_elastic_policy():
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
 
 
+def test_a_job_that_goes_on_with_fewer_nodes_asks_torch_elastic_for_a_range():
+    """`min_nnodes`: torchrun's --nnodes, the elasticPolicy and Flyte's Elastic all take the range, so a node lost
+    for good leaves the job on the nodes left; a run asking for fewer nodes narrows it."""
+    template = get_template("h100x8x2").model_copy(update={"min_nnodes": 1}).with_nodes(3)
+    _, job = pytorchjob_manifests(run_config(), template)  # checked against the operator's rules as it renders
+    spec = job["spec"]
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 3, "maxRestarts": 3}
+    assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
+    args = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"]
+    assert "--nnodes=1:3" in args
+    assert flyte_task_options(template)["task_config"].nnodes == "1:3"
+    fixed = get_template("h100x8x2")
+    assert fixed.elastic_nodes == 2 and flyte_task_options(fixed)["task_config"].nnodes == 2
+    assert get_template("h100x8x2").model_copy(update={"min_nnodes": 3}).fewest_nodes == 2  # up to nnodes
+
+
 def test_cache_claims_mount_where_the_template_points_and_can_be_left_out():
     template = get_template("h100x8").model_copy(update={"env": {"HF_HOME": "/models"}})
     _, job = pytorchjob_manifests(run_config(), template, hf_cache_claim="shared-models")

@@ -130,6 +130,18 @@ def test_gpu_settings_on_a_cpu_template():
     assert check_submission(load_config(DEMO), get_template("cpu-small")).name == "cpu-small"
 
 
+def test_a_job_that_goes_on_with_fewer_nodes_needs_a_global_batch_every_node_count_divides():
+    elastic = get_template("h100x8x2").model_copy(update={"min_nnodes": 1})
+    even = load_config(DEMO, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=2"])
+    assert check_submission(even, elastic, 3).fewest_nodes == 1  # 48 sequences: 8, 16 and 24 processes divide it
+    odd = load_config(DEMO, ["training.micro_batch_size=1", "training.gradient_accumulation_steps=1"])
+    with pytest.raises(SubmissionError, match=r"global batch of 24 sequences .* does not split evenly over 2 node"):
+        check_submission(odd, elastic, 3)  # 1 x 1 x 24 = 24: 16 processes do not divide it
+    zero = load_config(DEMO, ["parallelism.strategy=deepspeed", "parallelism.zero_stage=2"])
+    with pytest.raises(SubmissionError, match="DeepSpeed's ZeRO checkpoints load only on the number of processes"):
+        check_submission(zero, elastic)
+
+
 def test_render_job_refuses_gpu_settings_on_a_cpu_template(capsys):
     assert main(["render-job", DEMO, "--job-template", "cpu-small", "--set", "parallelism.backend=nccl"]) == 2
     captured = capsys.readouterr()
