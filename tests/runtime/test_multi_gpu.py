@@ -45,7 +45,8 @@ end with that rank's error in its log, not wait in NCCL's collectives. A hanging
 for good; the job must end after the collective timeout (30 s here), through NCCL's watchdog.
 
 Another number of GPUs: FSDP2 trained on every GPU to its step-3 checkpoint resumes on half of them with the
-global batch kept, to the uninterrupted run's losses.
+global batch kept, to the uninterrupted run's losses; and an elastic job of two 2-GPU "nodes" that loses one goes
+on with the other after NCCL's collective timeout, to the same losses.
 """
 
 from __future__ import annotations
@@ -61,7 +62,13 @@ import pytest
 import torch
 
 from tests.runtime.configs import KTO_RECORDS, PAIRS, adapter_config, distill_config, preference_config
-from tests.runtime.worker_groups import assert_close, launch, train_with_a_failing_rank, worst_relative
+from tests.runtime.worker_groups import (
+    assert_close,
+    launch,
+    train_losing_a_node,
+    train_with_a_failing_rank,
+    worst_relative,
+)
 
 RELATIVE_TOLERANCE = 1e-4
 BF16_TOLERANCE = 1e-2
@@ -354,6 +361,35 @@ def test_a_run_resumed_on_half_the_gpus_continues_it(tmp_path):
     worst = worst_relative(half["losses"], runs["full"]["losses"])
     print(f"{name}: {gpus} GPUs to step 3, resumed on {gpus // 2}: worst relative difference {worst:.2e}")
     assert worst < RELATIVE_TOLERANCE, (half["losses"], runs["full"]["losses"])
+
+
+@pytest.mark.gpu
+def test_a_lost_node_leaves_the_nccl_job_on_the_gpus_left(tmp_path):
+    """Two elastic "nodes" of 2 GPUs each (GPUs 0-1 and 2-3, `torchrun --nnodes 1:2`), FSDP2 over NCCL, fp32: the
+    second node's workers stop for good in their fourth optimizer step and the node is then killed whole. NCCL
+    sees no error from a peer that is gone; the first node's collectives time out after
+    parallelism.collective_timeout_minutes (0.5), torch elastic restarts its workers on the node left, and the run
+    resumes from its step-3 checkpoint on 2 GPUs with the global batch kept, to the uninterrupted 4-GPU run's
+    losses within RELATIVE_TOLERANCE."""
+    if torch.cuda.device_count() < 4:
+        pytest.fail(f"needs 4 GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x4 or -x8")
+    name = "torch-fsdp-kernels"
+    full = launch(tmp_path, {"full": case_config(tmp_path / "full", name, 4)}, "nccl", 4, "0,1,2,3", GROUP_TIMEOUT)
+    config = case_config(tmp_path / "elastic", name, 4)
+    config.parallelism.collective_timeout_minutes = 0.5
+    started = time.monotonic()
+    output = train_losing_a_node(tmp_path / "elastic", config, nproc=2, devices=("0,1", "2,3"))
+    seconds = time.monotonic() - started
+    assert "resuming on 2 processes a run written by 4" in output, output[-6000:]
+    run_dir = Path(config.logging.run_dir)
+    state = json.loads((run_dir / "checkpoints" / "step-6" / "state.json").read_text())
+    assert (state["world_size"], state["global_batch"]) == (2, GLOBAL_BATCH), state
+    worst = worst_relative(state["losses"], full["full"]["losses"])
+    print(
+        f"{name}: a node of 2 GPUs lost after step 3, the job done on the 2 left in {seconds:.0f} s: worst "
+        f"relative difference to the uninterrupted run {worst:.2e}"
+    )
+    assert worst < RELATIVE_TOLERANCE, (state["losses"], full["full"]["losses"])
 
 
 @pytest.mark.gpu

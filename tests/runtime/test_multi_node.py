@@ -17,7 +17,6 @@ before, and async and sync saves resume to the same losses.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.configs import tiny_config
-from tests.runtime.worker_groups import worker_env, write_configs
+from tests.runtime.worker_groups import free_port, worker_env, write_configs
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import ConfigError
 from tigon.runtime.storage import RunStorage
@@ -77,12 +76,6 @@ def node_config(home: Path, name: str, max_steps: int, parallelism: dict, **chec
         checkpoint={"every_steps": 2, "keep_last": 2, "resume": True, "export": False, **checkpoint},
         logging={"run_dir": str(home / name), "tensorboard": False, "progress_bar": False, "every_steps": 1},
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch_nodes(tmp_path: Path, runs: dict[str, dict], timeout: float = 600) -> list[dict[str, dict]]:

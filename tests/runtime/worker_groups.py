@@ -1,16 +1,20 @@
 """Processes the runtime tests start: the environment of one run from the repository (`process_env`), and torchrun
 worker groups that train run configs (gloo on the CPU, NCCL on GPUs) and record each rank's losses (`launch`), and
 what a run leaves to compare: the logits of its export (`exported_logits`, `capture_before_export`), its logged
-steps (`logged_steps`) and TensorBoard tags (`tensorboard_tags`), and values within a tolerance (`assert_close`)."""
+steps (`logged_steps`) and TensorBoard tags (`tensorboard_tags`), and values within a tolerance (`assert_close`);
+and elastic jobs of two nodes that lose one (`train_losing_a_node`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
 import yaml
 
@@ -219,3 +223,56 @@ def worst_relative(got: list[float], want: list[float]) -> float:
     """The largest relative difference of two runs' per-step losses (same number of steps, at least one)."""
     assert len(got) == len(want) > 0
     return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def elastic_agent(config_file: str, port: int, host: bool, nproc: int, **variables: str) -> subprocess.Popen:
+    """One node of an elastic job: a torch elastic agent of 1 to 2 nodes of `nproc` processes running `python -m
+    tigon.runtime train`, restarting its workers up to 3 times; the node at `host` keeps the rendezvous store.
+    `variables` go to its environment."""
+    rendezvous = f"is_host={int(host)},last_call_timeout=1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", str(nproc)]
+    command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic-test"]
+    command += ["--rdzv_conf", rendezvous, "--max_restarts", "3", "-m", "tigon.runtime", "train", config_file]
+    return subprocess.Popen(
+        command,
+        cwd=Path(config_file).parent,
+        env={**worker_env(), **variables},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def train_losing_a_node(
+    directory: Path, config, nproc: int = 1, devices: tuple[str, str] | None = None, timeout: float = 420
+) -> str:
+    """Train `config` as an elastic job of two nodes of `nproc` processes (on `devices`, CUDA_VISIBLE_DEVICES for
+    each) and lose the second for good: its workers stop in their fourth optimizer step (benchmarks/rank_fault), so
+    the run cannot end without it, and once the step-3 checkpoint is in place the node is killed whole (agent and
+    workers, which torch elastic starts in sessions of their own). The first node's agent restarts its workers on
+    the node left; its finished output (the job must end with status 0)."""
+    (config_file,) = write_configs(directory, {"run": config})
+    port = free_port()
+    visible = [{"CUDA_VISIBLE_DEVICES": device} for device in devices] if devices else [{}, {}]
+    survivor = elastic_agent(config_file, port, True, nproc, **visible[0])
+    stuck = {"FAULT_RANK": "any", "FAULT_AT_STEP": "4", "FAULT_KIND": "hang"}
+    stuck["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), worker_env()["PYTHONPATH"]])
+    lost = elastic_agent(config_file, port, False, nproc, **stuck, **visible[1])
+    step_3 = Path(config.logging.run_dir) / "checkpoints" / "step-3" / ckpt.STATE_FILE
+    deadline = time.monotonic() + timeout
+    while not step_3.is_file() and time.monotonic() < deadline and lost.poll() is None:
+        time.sleep(0.1)
+    assert step_3.is_file(), lost.communicate()[0][-6000:]
+    for process in psutil.Process(lost.pid).children(recursive=True):
+        process.kill()
+    lost.kill()
+    lost.wait()
+    output = survivor.communicate(timeout=timeout)[0]
+    assert survivor.returncode == 0, output[-6000:]
+    return output
