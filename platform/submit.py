@@ -87,7 +87,7 @@ def check_fewer_nodes(config: RunConfig, template: JobTemplate) -> None:
             "DeepSpeed's ZeRO checkpoints load only on the number of processes that wrote them: train with "
             "parallelism.strategy fsdp, or pick a template without min_nnodes"
         )
-    batch = config.training.micro_batch_size * config.training.gradient_accumulation_steps * nodes * per_node
+    batch = config.training.global_batch(nodes * per_node)
     uneven = ", ".join(str(count) for count in range(fewest, nodes) if batch % (count * per_node))
     if uneven:
         raise SubmissionError(

@@ -27,7 +27,6 @@ from tigon.runtime.run import (
     check_config,
     check_resumable,
     finish,
-    global_batch_of,
     non_finite_loss_message,
     prepare,
     start_over,
@@ -67,7 +66,7 @@ class AdapterCheckpoints:
         self.remote = storage.run_storage(config.checkpoint.remote_dir)
         self.config_json = config.model_dump_json(indent=2)
         self.state = ckpt.TrainState(
-            world_size=env.world_size, global_batch=global_batch_of(config.training, env.world_size)
+            world_size=env.world_size, global_batch=config.training.global_batch(env.world_size)
         )
         self.latest: Path | None = None
         if config.checkpoint.resume:
@@ -76,7 +75,7 @@ class AdapterCheckpoints:
             check_resumable(self.latest, config)
             self.state = ckpt.TrainState(**json.loads((self.latest / ckpt.STATE_FILE).read_text()))
             self.state.world_size = env.world_size
-            self.state.global_batch = global_batch_of(config.training, env.world_size)
+            self.state.global_batch = config.training.global_batch(env.world_size)
         else:
             start_over(config, env, self.remote)
         barrier(env)

@@ -236,6 +236,10 @@ class TrainingConfig(Section):
             raise ValueError(f"{value!r} is no memory at all; write a size like 72GiB")
         return value
 
+    def global_batch(self, world_size: int) -> int:
+        """Sequences an optimizer step trains on `world_size` processes: micro-batch x accumulation x processes."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * world_size
+
     @property
     def resolved_fp8_scaling(self) -> str:
         """fp8_scaling, or tensorwise."""

@@ -78,7 +78,7 @@ def deepspeed_config(
     built = {
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
-        "train_batch_size": training.micro_batch_size * training.gradient_accumulation_steps * world_size,
+        "train_batch_size": training.global_batch(world_size),
         "gradient_clipping": training.max_grad_norm or 0.0,
         "bf16": {"enabled": training.precision == "bf16"},
         "fp16": {"enabled": training.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},

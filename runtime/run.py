@@ -252,11 +252,6 @@ def check_resumable(checkpoint_dir: Path, config: RunConfig) -> None:
         )
 
 
-def global_batch_of(training: TrainingConfig, world_size: int) -> int:
-    """Sequences an optimizer step trains: micro-batch x accumulation x processes."""
-    return training.micro_batch_size * training.gradient_accumulation_steps * world_size
-
-
 def saved_global_batch(config: RunConfig) -> tuple[int, int] | None:
     """(global batch, processes) of the run's newest checkpoint, in `logging.run_dir` or else in
     `checkpoint.remote_dir`; None without one. A checkpoint written before the global batch was recorded gives
@@ -284,7 +279,7 @@ def saved_global_batch(config: RunConfig) -> tuple[int, int] | None:
     if saved is None:
         return None
     training = TrainingConfig.model_validate(json.loads(saved)["training"])
-    return global_batch_of(training, world_size), world_size
+    return training.global_batch(world_size), world_size
 
 
 def keep_global_batch(config: RunConfig, world_size: int) -> RunConfig:
@@ -297,13 +292,13 @@ def keep_global_batch(config: RunConfig, world_size: int) -> RunConfig:
     before the planner (which keeps the global batch it is given)."""
     saved = saved_global_batch(config) if config.checkpoint.resume else None
     training = config.training
-    if saved is None or global_batch_of(training, world_size) == saved[0]:
+    if saved is None or training.global_batch(world_size) == saved[0]:
         return config
     batch, saved_world = saved
     if saved_world == world_size:
         raise ConfigError(
             f"checkpoint.resume: the checkpoint in {config.logging.run_dir} trained global batches of {batch} "
-            f"sequences, and this config's are {global_batch_of(training, world_size)} (training.micro_batch_size x "
+            f"sequences, and this config's are {training.global_batch(world_size)} (training.micro_batch_size x "
             f"gradient_accumulation_steps x {world_size} processes); its data position counts global batches, so "
             f"set micro_batch_size x gradient_accumulation_steps to {batch // world_size}, or start a new run in "
             "another logging.run_dir"
@@ -372,7 +367,7 @@ def plan_steps(config: RunConfig, n_sequences: int, world_size: int, warn: bool 
     """(optimizer steps in the run, global batches per epoch); `warn` (rank 0) logs a warmup longer than the run,
     which a shortened smoke run of a real config may mean on purpose."""
     training = config.training
-    global_batch = global_batch_of(training, world_size)
+    global_batch = training.global_batch(world_size)
     per_epoch = n_sequences // global_batch
     if per_epoch == 0:
         raise ConfigError(

@@ -47,7 +47,6 @@ from tigon.runtime.run import (
     TrainResult,
     check_resumable,
     finish,
-    global_batch_of,
     non_finite_loss_message,
     plan_steps,
     start_over,
@@ -100,14 +99,14 @@ def resume_or_start_over(config: RunConfig, strategy, env: DistEnv, remote, tota
     """(the train state, the step resumed from or None): the latest checkpoint's, when `checkpoint.resume` finds
     one, or a fresh state with the run directory cleared of an earlier run's files."""
     run_dir = Path(config.logging.run_dir)
-    state = ckpt.TrainState(world_size=env.world_size, global_batch=global_batch_of(config.training, env.world_size))
+    state = ckpt.TrainState(world_size=env.world_size, global_batch=config.training.global_batch(env.world_size))
     resumed_from = None
     latest = storage.resume_point(config.checkpoint.remote_dir, run_dir, env) if config.checkpoint.resume else None
     if latest is not None:
         check_resumable(latest, config)
         state = strategy.load_checkpoint(latest)
         resumed_from = state.step
-        state.world_size, state.global_batch = env.world_size, global_batch_of(config.training, env.world_size)
+        state.world_size, state.global_batch = env.world_size, config.training.global_batch(env.world_size)
         if env.is_main:
             logger.info("resumed from %s (step %d, epoch %d)", latest, state.step, state.epoch)
             if state.step > total_steps:
