@@ -371,6 +371,26 @@ def test_kernels_are_grouped_by_kind_from_their_names():
     assert {name: kind_of(name) for name in names} == names
 
 
+def test_a_step_timeline_tells_exposed_communication_from_overlapped():
+    """Two compute streams overlapping, a collective half under computation, a gap: each part counted once."""
+    from tigon.runtime.profiling import covered, timeline
+
+    assert covered([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == 4.0
+    assert covered([]) == 0.0
+    kernels = [
+        ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", (0.0, 4.0)),
+        ("_rms_norm_forward_kernel", (3.0, 5.0)),  # a second stream: overlaps the matmul by 1 ms
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", (4.0, 8.0)),  # 1 ms under computation, 3 ms exposed
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", (9.0, 10.0)),  # after a 1 ms gap
+    ]
+    assert timeline(kernels, wall_ms=12.0) == {
+        "computing": 6.0,
+        "communication exposed": 3.0,
+        "communication overlapped": 1.0,
+        "idle": 3.0,
+    }
+
+
 def test_recompute_curve_collects_and_plots_selective_and_whole_settings(tmp_path):
     """Two tiny runs as `gpu_run.sh recompute-curve` names them (selective, whole layers): collected as points
     with their settings and the planner's estimates, tabled, and drawn."""
