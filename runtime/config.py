@@ -314,6 +314,12 @@ class ParallelismConfig(Section):
         "last micro-batch; saves (1 - 1/shards) of those bytes for one reduce-scatter a micro-batch (the shards "
         "accumulate in model.dtype)",
     )
+    copy_engine_gathers: bool = Field(
+        False,
+        description="fsdp on GPUs whose shard group sits on one node: gather the weights with the GPUs' copy "
+        "engines out of symmetric memory instead of NCCL's kernels, which take SMs from the matrix products they "
+        "overlap; the same bytes, so the same training",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on GPUs, gloo on CPUs")
     collective_timeout_minutes: float = Field(
         30,
@@ -351,6 +357,15 @@ class ParallelismConfig(Section):
                 f"parallelism.accumulate_sharded is an FSDP2 setting and strategy is {self.strategy!r}, which "
                 "would ignore it (DeepSpeed ZeRO-2/3 always accumulate partitioned gradients; DDP keeps whole ones); "
                 "set strategy: fsdp, or remove accumulate_sharded"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _copy_engine_gathers_with_fsdp(self) -> ParallelismConfig:
+        if self.copy_engine_gathers and self.strategy != "fsdp":
+            raise ValueError(
+                f"parallelism.copy_engine_gathers replaces FSDP2's all-gathers and strategy is {self.strategy!r}; set "
+                "strategy: fsdp, or remove copy_engine_gathers"
             )
         return self
 

@@ -43,6 +43,7 @@ from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, shard_ranks, wrap_model
 from tigon.runtime.fp8 import precompute_scales
+from tigon.runtime.gathers import check_copy_engine_gathers, use_copy_engine_gathers
 from tigon.runtime.model import build_model
 from tigon.runtime.optim import build_optimizer, build_scheduler, load_schedule
 
@@ -257,6 +258,9 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(module, **options, **({"reshard_after_forward": True} if frozen else {}))
+    if config.parallelism.copy_engine_gathers:
+        check_copy_engine_gathers(shard_ranks(config, env), env, device, module)
+        use_copy_engine_gathers([*layers, module])
     if env.distributed:
         receive_rank0_weights(module, full_state, device)
     if env.is_main:

@@ -204,6 +204,12 @@ def test_demo_example_is_a_tiny_llama_with_kernels():
             True,
             "parallelism.accumulate_sharded is an FSDP2 setting and strategy is 'ddp'",
         ),
+        (
+            "parallelism",
+            "copy_engine_gathers",
+            True,
+            "parallelism.copy_engine_gathers replaces FSDP2's all-gathers and strategy is 'ddp'",
+        ),
     ],
 )
 def test_silent_mistakes_are_errors(tmp_path, section, key, value, expected):

@@ -364,6 +364,26 @@ def test_a_run_resumed_on_half_the_gpus_continues_it(tmp_path):
 
 
 @pytest.mark.gpu
+def test_copy_engine_gathers_train_bit_for_bit_as_nccl_gathers(tmp_path):
+    """FSDP2 in bf16 on every GPU (up to 4), its weights gathered by NCCL and then by the GPUs' copy engines
+    (`parallelism.copy_engine_gathers`): a gather moves the same bytes either way, so the losses are equal."""
+    gpus = min(torch.cuda.device_count(), 4)
+    if gpus < 2:
+        pytest.fail(f"needs 2 or more GPUs, found {torch.cuda.device_count()}: run on nvidia-h100-x2, -x4 or -x8")
+    nccl = case_config(tmp_path / "nccl", "torch-fsdp-kernels-bf16", gpus)
+    copied = nccl.model_copy(
+        update={
+            "parallelism": nccl.parallelism.model_copy(update={"copy_engine_gathers": True}),
+            "logging": nccl.logging.model_copy(update={"run_dir": str(tmp_path / "copied")}),
+        }
+    )
+    devices = ",".join(str(gpu) for gpu in range(gpus))
+    runs = launch(tmp_path, {"nccl": nccl, "copied": copied}, "nccl", gpus, devices, GROUP_TIMEOUT)
+    print(f"{gpus} GPUs: NCCL's gathers {runs['nccl']['losses']}, copy engines' {runs['copied']['losses']}")
+    assert len(runs["nccl"]["losses"]) > 3 and runs["copied"]["losses"] == runs["nccl"]["losses"], runs
+
+
+@pytest.mark.gpu
 def test_a_lost_node_leaves_the_nccl_job_on_the_gpus_left(tmp_path):
     """Two elastic "nodes" of 2 GPUs each (GPUs 0-1 and 2-3, `torchrun --nnodes 1:2`), FSDP2 over NCCL, fp32: the
     second node's workers stop for good in their fourth optimizer step and the node is then killed whole. NCCL

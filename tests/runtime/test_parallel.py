@@ -225,6 +225,10 @@ def test_fp16_under_fsdp2_deepspeed_and_lightning_matches_ddp_and_resumes_exactl
     [
         ({"parallelism": {"cpu_offload": True}}, "parallelism.cpu_offload needs strategy 'fsdp' or 'deepspeed'"),
         (
+            {"parallelism": {"strategy": "fsdp", "copy_engine_gathers": True}},
+            "parallelism.copy_engine_gathers copies between GPUs' memories and this run is on cpu; set it to false",
+        ),
+        (
             {"parallelism": {"strategy": "fsdp"}, "trainer": "hf", "training": {"precision": "fp16"}},
             "fp16 with trainer 'hf' and parallelism.strategy 'fsdp' is not supported",
         ),
