@@ -382,6 +382,7 @@ class Workload:
     world_size: int = 1
     shard_size: int | None = None  # fsdp: ranks each parameter is sharded over (`parallelism.shard_size`); None: all
     accumulate_sharded: bool = False  # the config accumulates FSDP2's gradients sharded (in any weight dtype)
+    copy_engine_gathers: bool = False  # FSDP2 gathers out of a symmetric-memory workspace (copy_engine_gathers)
     fused_loss: bool = True  # with the kernels on, the loss uses tigon's fused linear cross entropy (no logits)
     kernels_fit: bool = True  # tigon's kernel table covers this model family
     frozen: FrozenModel | None = None  # a reference model or teacher run beside it (see frozen_model)
@@ -535,6 +536,7 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         world_size=world_size,
         shard_size=shard_group(config, world_size),
         accumulate_sharded=config.parallelism.accumulate_sharded,
+        copy_engine_gathers=config.parallelism.copy_engine_gathers,
         fused_loss=shape.model_type in FAMILIES,  # the kernels patch every table family's *ForCausalLM forward
         kernels_fit=shape.model_type in FAMILIES,
         frozen=frozen_model(config, shape),
@@ -888,6 +890,8 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     if (work.strategy == "fsdp" or zero3) and n > 1:
         weights = 0 if work.cpu_offload else weights // n
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
+        if work.copy_engine_gathers:  # the workspace holds the largest shard: a layer's, or the embedding's and head's
+            gathered += max(s.layer_params, s.vocab * s.hidden * (1 if s.tied else 2)) * c // n
     forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens + gathered
     head = s.vocab * s.hidden * c if gathered else 0
     return weights, c * s.hidden * tokens + head, forward
@@ -1039,6 +1043,8 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
     if work.strategy == "fsdp" and n > 1:
         weights, grads, states = weights // n, grads // n, states // n
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
+        if work.copy_engine_gathers:  # the workspace holds the largest shard: a layer's, or the embedding's and head's
+            gathered += max(s.layer_params, s.vocab * s.hidden * (1 if s.tied else 2)) * c // n
         if work.cpu_offload:
             weights, states = 0, 0
     elif work.strategy == "deepspeed":

@@ -143,6 +143,18 @@ def test_fsdp2_accumulation_keeps_whole_float32_gradients_during_the_next_micro_
     assert two.peak - one.peak == LLAMA_1B.params * 4 - one.parts.get("gradients", 0)
 
 
+def test_copy_engine_gathers_count_their_workspace_of_the_largest_shard():
+    """`parallelism.copy_engine_gathers` keeps a symmetric-memory workspace, outside PyTorch's allocator, as large
+    as the largest unit's shard: on Llama-3.2-1B (tied) a layer's or the embedding's, whichever is larger."""
+    plain = bf16_work(LLAMA_1B, 4096, strategy="fsdp", world_size=4)
+    copied = dataclasses.replace(plain, copy_engine_gathers=True)
+    setting = Setting(4, 1, False, True)
+    largest = max(LLAMA_1B.layer_params, LLAMA_1B.vocab * LLAMA_1B.hidden) * 2 // 4
+    assert largest == LLAMA_1B.vocab * LLAMA_1B.hidden // 2  # the embedding: 262 M weights
+    assert estimate(copied, setting).parts["overhead"] - estimate(plain, setting).parts["overhead"] == largest
+    assert estimate(copied, setting).peak - estimate(plain, setting).peak == largest
+
+
 def test_sharded_accumulation_keeps_only_each_ranks_shard_of_the_gradients():
     """With `parallelism.accumulate_sharded` every micro-batch reduce-scatters: between micro-batches a rank holds
     its shard of the gradients in the weights' dtype, not all of them in float32 (the CPU worker test of this
