@@ -48,6 +48,17 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 WARMUP_ENV = {"TIGON_WARMUP": "1"}
 
 
+#: an elastic job's rendezvous builds each round's address afresh: with torch elastic's shared TCP store a node that
+#: stays rank 0 when another joins does not publish the new round's address, and the joining node waits until its
+#: timeout (tests/runtime/test_elastic.py)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def elastic_env(template: JobTemplate) -> dict[str, str]:
+    """ELASTIC_ENV for a job that may change its number of nodes (min_nnodes), else nothing."""
+    return dict(ELASTIC_ENV) if template.fewest_nodes < template.nnodes else {}
+
+
 def warmup_env(config: RunConfig) -> dict[str, str]:
     """The entrypoint's warm-up settings for this run: TIGON_WARMUP_ARGS with the model's sizes, vocabulary, family
     and tokens per micro-batch, so the kernels compiled before training are the ones the run uses. Without the
@@ -118,7 +129,7 @@ def _pod_template(
 ) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
-    env = {**warmup, **template.env}
+    env = {**warmup, **elastic_env(template), **template.env}
     if template.shared_memory:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": template.shared_memory}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -300,7 +311,7 @@ def flyte_task_options(template: JobTemplate, config: RunConfig | None = None) -
         "limits": resources,
         "pod_template": PodTemplate(pod_spec=pod_spec),
         "container_image": template.image,
-        "environment": {**(warmup_env(config) if config else WARMUP_ENV), **template.env},
+        "environment": {**(warmup_env(config) if config else WARMUP_ENV), **elastic_env(template), **template.env},
         # Flyte retries a FlyteRecoverableException (lost node, network) as often as a PyTorchJob's backoffLimit.
         "retries": template.max_restarts,
     }

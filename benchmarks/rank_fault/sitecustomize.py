@@ -6,13 +6,21 @@ Python imports this module at start-up when its folder is on PYTHONPATH. In the 
 AdamW's step raises a RuntimeError on its FAULT_AT_STEP-th call (FAULT_KIND=raise, the default), or stops there
 for good without a word (FAULT_KIND=hang: a rank stuck in I/O or a deadlock), while the other ranks go on into the
 next step's collectives. FAULT_RANK=any picks every process started with these variables (one node's, where
-the ranks are dealt by an elastic rendezvous). Without FAULT_AT_STEP it does nothing.
+the ranks are dealt by an elastic rendezvous). FAULT_WORLD_SIZE=N limits the fault to a job of N processes
+(WORLD_SIZE), so that an elastic job's workers restarted at another size run on. Without FAULT_AT_STEP it does
+nothing.
 """
 
 import os
 import time
 
-if os.environ.get("FAULT_AT_STEP") and os.environ.get("FAULT_RANK", "1") in (os.environ.get("RANK"), "any"):
+world_size = os.environ.get("FAULT_WORLD_SIZE")
+this_size = world_size is None or world_size == os.environ.get("WORLD_SIZE")
+if (
+    os.environ.get("FAULT_AT_STEP")
+    and os.environ.get("FAULT_RANK", "1") in (os.environ.get("RANK"), "any")
+    and this_size
+):
     import torch.optim
 
     fault_at = int(os.environ["FAULT_AT_STEP"])

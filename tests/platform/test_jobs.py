@@ -112,8 +112,13 @@ def test_a_job_that_goes_on_with_fewer_nodes_asks_torch_elastic_for_a_range():
     args = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"]
     assert "--nnodes=1:3" in args
     assert flyte_task_options(template)["task_config"].nnodes == "1:3"
+    # each rendezvous round publishes its own address, so a node that joins (or comes back) finds it
+    env = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in env
+    assert flyte_task_options(template)["environment"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     fixed = get_template("h100x8x2")
     assert fixed.elastic_nodes == 2 and flyte_task_options(fixed)["task_config"].nnodes == 2
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in flyte_task_options(fixed)["environment"]
     assert get_template("h100x8x2").model_copy(update={"min_nnodes": 3}).fewest_nodes == 2  # up to nnodes
 
 

@@ -1,4 +1,4 @@
-"""A node lost for good: an elastic job goes on with the nodes left, on the CPU over gloo.
+"""Nodes lost and gained: an elastic job goes on with the nodes it has, on the CPU over gloo.
 
 Two "nodes" are two torch elastic agents of one process each (`torchrun --nnodes 1:2`, c10d rendezvous on
 localhost, one run directory they share), each running `python -m tigon.runtime train` as a job template's pods
@@ -8,6 +8,10 @@ first node's worker fails in its next collective, its agent restarts it, the ren
 left (the job's minimum), and the run resumes from its newest checkpoint on one process with its global batch kept
 (accumulation 1 -> 2): every per-step loss equals the uninterrupted two-process run's within RELATIVE_TOLERANCE (the
 one process sums a step's gradients in another order).
+
+The other way, a node that joins a running job (a lost one coming back, or a new one): the job starts on one node,
+the second joins after the step-3 checkpoint, and the run resumes on two processes (accumulation 2 -> 1) to the
+one-process run's losses.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ from __future__ import annotations
 import json
 
 from tests.runtime.configs import resumable_config
-from tests.runtime.worker_groups import RELATIVE_TOLERANCE, launch, train_losing_a_node, worst_relative
+from tests.runtime.worker_groups import (
+    RELATIVE_TOLERANCE,
+    launch,
+    train_gaining_a_node,
+    train_losing_a_node,
+    worst_relative,
+)
 from tigon.runtime import checkpoint as ckpt
 
 STEPS = 9
@@ -32,4 +42,19 @@ def test_a_lost_node_leaves_the_job_on_the_nodes_left_with_the_same_losses(tmp_p
     assert (state["world_size"], state["global_batch"]) == (1, 4), state
     worst = worst_relative(state["losses"], full)
     print(f"a node lost after step 3: worst relative difference to the uninterrupted run {worst:.2e}")
+    assert len(state["losses"]) == STEPS and worst < RELATIVE_TOLERANCE, (state["losses"], full)
+
+
+def test_a_node_that_joins_a_running_job_takes_its_share_with_the_same_losses(tmp_path):
+    sections = {"training": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}
+    alone = resumable_config(tmp_path, "alone", STEPS, False, **sections)
+    full = launch(tmp_path, {"alone": alone}, nproc=1)["alone"]["losses"]
+    output = train_gaining_a_node(tmp_path / "elastic", resumable_config(tmp_path, "run", STEPS, False, **sections))
+    assert "resuming on 2 processes a run written by 1: micro-batch 2 x accumulation 1 (was 2 x 2)" in output, output[
+        -6000:
+    ]
+    state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / ckpt.STATE_FILE).read_text())
+    assert (state["world_size"], state["global_batch"]) == (2, 4), state
+    worst = worst_relative(state["losses"], full)
+    print(f"a node joined after step 3: worst relative difference to the one-process run {worst:.2e}")
     assert len(state["losses"]) == STEPS and worst < RELATIVE_TOLERANCE, (state["losses"], full)

@@ -276,3 +276,29 @@ def train_losing_a_node(
     output = survivor.communicate(timeout=timeout)[0]
     assert survivor.returncode == 0, output[-6000:]
     return output
+
+
+def train_gaining_a_node(directory: Path, config, timeout: float = 420) -> str:
+    """Train `config` as an elastic job of one to two one-process nodes that starts with one: its worker stops in
+    its fifth optimizer step while it trains alone (benchmarks/rank_fault), after the step-3 checkpoint, and there
+    a second node joins. The first node's agent sees it waiting and restarts its workers, the rendezvous forms with
+    both, and the run resumes on two processes. Both agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with
+    torch elastic's shared store a node that stays rank 0 does not publish the new round's address, and the joining
+    node waits for it until its timeout. The first node's finished output (the job must end with status 0 on
+    both)."""
+    (config_file,) = write_configs(directory, {"run": config})
+    port = free_port()
+    held = {"FAULT_RANK": "any", "FAULT_AT_STEP": "5", "FAULT_KIND": "hang", "FAULT_WORLD_SIZE": "1"}
+    held["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), worker_env()["PYTHONPATH"]])
+    fresh = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first = elastic_agent(config_file, port, True, 1, **held, **fresh)
+    step_3 = Path(config.logging.run_dir) / "checkpoints" / "step-3" / ckpt.STATE_FILE
+    deadline = time.monotonic() + timeout
+    while not step_3.is_file() and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.1)
+    assert step_3.is_file(), first.communicate()[0][-6000:]
+    second = elastic_agent(config_file, port, False, 1, **fresh)
+    output = first.communicate(timeout=timeout)[0]
+    joined = second.communicate(timeout=timeout)[0]
+    assert first.returncode == 0 and second.returncode == 0, (output[-6000:], joined[-3000:])
+    return output
