@@ -31,18 +31,23 @@ from tigon.runtime import checkpoint as ckpt
 STEPS = 9
 
 
+def assert_resumed_to(tmp_path, output: str, resumed: str, world_size: int, reference: list[float]) -> None:
+    """The elastic run logged `resumed`, ended on `world_size` processes with its global batch of 4, and every
+    per-step loss is the reference run's within RELATIVE_TOLERANCE."""
+    assert resumed in output, output[-6000:]
+    state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / ckpt.STATE_FILE).read_text())
+    assert (state["world_size"], state["global_batch"]) == (world_size, 4), state
+    worst = worst_relative(state["losses"], reference)
+    print(f"resumed on {world_size} processes: worst relative difference to the reference run {worst:.2e}")
+    assert len(state["losses"]) == STEPS and worst < RELATIVE_TOLERANCE, (state["losses"], reference)
+
+
 def test_a_lost_node_leaves_the_job_on_the_nodes_left_with_the_same_losses(tmp_path):
     sections = {"training": {"micro_batch_size": 2}}  # a checkpoint every 3 steps
     full = launch(tmp_path, {"full": resumable_config(tmp_path, "full", STEPS, False, **sections)})["full"]["losses"]
     output = train_losing_a_node(tmp_path / "elastic", resumable_config(tmp_path, "run", STEPS, False, **sections))
-    assert "resuming on 1 processes a run written by 2: micro-batch 2 x accumulation 2 (was 2 x 1)" in output, output[
-        -6000:
-    ]
-    state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / ckpt.STATE_FILE).read_text())
-    assert (state["world_size"], state["global_batch"]) == (1, 4), state
-    worst = worst_relative(state["losses"], full)
-    print(f"a node lost after step 3: worst relative difference to the uninterrupted run {worst:.2e}")
-    assert len(state["losses"]) == STEPS and worst < RELATIVE_TOLERANCE, (state["losses"], full)
+    resumed = "resuming on 1 processes a run written by 2: micro-batch 2 x accumulation 2 (was 2 x 1)"
+    assert_resumed_to(tmp_path, output, resumed, 1, full)
 
 
 def test_a_node_that_joins_a_running_job_takes_its_share_with_the_same_losses(tmp_path):
@@ -50,11 +55,5 @@ def test_a_node_that_joins_a_running_job_takes_its_share_with_the_same_losses(tm
     alone = resumable_config(tmp_path, "alone", STEPS, False, **sections)
     full = launch(tmp_path, {"alone": alone}, nproc=1)["alone"]["losses"]
     output = train_gaining_a_node(tmp_path / "elastic", resumable_config(tmp_path, "run", STEPS, False, **sections))
-    assert "resuming on 2 processes a run written by 1: micro-batch 2 x accumulation 1 (was 2 x 2)" in output, output[
-        -6000:
-    ]
-    state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{STEPS}" / ckpt.STATE_FILE).read_text())
-    assert (state["world_size"], state["global_batch"]) == (2, 4), state
-    worst = worst_relative(state["losses"], full)
-    print(f"a node joined after step 3: worst relative difference to the one-process run {worst:.2e}")
-    assert len(state["losses"]) == STEPS and worst < RELATIVE_TOLERANCE, (state["losses"], full)
+    resumed = "resuming on 2 processes a run written by 1: micro-batch 2 x accumulation 1 (was 2 x 2)"
+    assert_resumed_to(tmp_path, output, resumed, 2, full)
