@@ -890,8 +890,6 @@ def frozen_bytes(work: Workload, tokens: int) -> tuple[int, int, int]:
     if (work.strategy == "fsdp" or zero3) and n > 1:
         weights = 0 if work.cpu_offload else weights // n
         gathered = (2 * s.layer_params + s.vocab * s.hidden * (1 if s.tied else 2)) * c
-        if work.copy_engine_gathers:  # the workspace holds the largest shard: a layer's, or the embedding's and head's
-            gathered += max(s.layer_params, s.vocab * s.hidden * (1 if s.tied else 2)) * c // n
     forward = (4 * s.hidden + 3 * s.intermediate) * c * tokens + gathered
     head = s.vocab * s.hidden * c if gathered else 0
     return weights, c * s.hidden * tokens + head, forward
