@@ -7,9 +7,9 @@ On a GPU the kernels are the CUDA kernels the step launched (their own device ti
 ops (their own CPU time; the rest of the step is Python and framework work). Grouping is by name: a kernel
 goes to the first kind whose patterns its name contains, so matrix products, attention (cuDNN's, flash's),
 Triton kernels (tigon's, Liger-Kernel's, torch.compile's), PyTorch's own elementwise and reduction kernels,
-copies and fills, the optimizer's fused kernels and NCCL's collectives are told apart, and the rest is
-"other". What no kernel covers (the step's wall time less the busy time) is, on a GPU, time the device
-waited on the host; the profiler itself adds a little to the wall time.
+copies and fills, the optimizer's fused kernels and communication (NCCL's kernels, copies from another GPU) are
+told apart, and the rest is "other". What no kernel covers (the step's wall time less the busy time) is, on a
+GPU, time the device waited on the host; the profiler itself adds a little to the wall time.
 
 On several GPUs NCCL's collectives run on their own streams, beside the computation: kernels' own times then add
 up to more than the step. A GPU step's profile also lays its kernels on the timeline (`timeline_ms`): the time
@@ -29,7 +29,7 @@ import torch
 from tigon.runtime.files import atomic_path
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("communication", ("nccl",)),
+    ("communication", ("nccl", "memcpy ptop")),  # NCCL's kernels; peer-to-peer copies (copy-engine gathers)
     ("attention", ("sdpa", "fmha", "flash", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "grouped_mm", "aten::mm", "aten::addmm", "aten::bmm")),
     ("optimizer", ("multi_tensor_apply", "adam", "foreach")),

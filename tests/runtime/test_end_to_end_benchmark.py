@@ -366,6 +366,7 @@ def test_kernels_are_grouped_by_kind_from_their_names():
         "triton_poi_fused_add_0": "triton kernels",
         "Memset (Device)": "copies",
         "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "Memcpy PtoP (Device -> Device)": "communication",  # a copy engine reading another GPU's memory
         "cudaLaunchKernelExC": "other",
     }
     assert {name: kind_of(name) for name in names} == names
