@@ -1,6 +1,6 @@
 """Where a profiled step's GPU time goes on its timeline, from the Chrome trace `logging.profile_step` writes.
 
-    python -m benchmarks.step_timeline RUN/profile-trace.json [--out timeline.json]
+    python -m benchmarks.step_timeline RUN/trace.json [--out timeline.json]
 
 On several GPUs the kernels' own times (`profile.json`) add up to more than the step, since NCCL's collectives
 run beside the computation. This reads the trace's kernels and reports:
@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tigon.runtime.profiling import kind_of, timeline
+from tigon.runtime.profiling import kind_of, merged, timeline
 
 SHOWN = 8  # spans and gaps listed
 
@@ -31,17 +31,6 @@ def kernels_of(trace: dict) -> list[tuple[str, float, float]]:
     kinds = {"kernel", "gpu_memcpy", "gpu_memset"}
     events = [e for e in trace["traceEvents"] if e.get("cat") in kinds and e.get("ph") == "X"]
     return sorted(((e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events), key=lambda k: k[1])
-
-
-def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The spans' union as sorted, disjoint spans."""
-    out: list[list[float]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(start, end) for start, end in out]
 
 
 def uncovered(span: tuple[float, float], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -149,7 +138,7 @@ def text(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", type=Path, help="a profiled step's Chrome trace (RUN/profile-trace.json)")
+    parser.add_argument("trace", type=Path, help="a profiled step's Chrome trace (RUN/trace.json)")
     parser.add_argument("--out", type=Path, help="also write the report as JSON here")
     args = parser.parse_args(argv)
     report = analyse(kernels_of(json.loads(args.trace.read_text())))

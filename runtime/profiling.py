@@ -49,14 +49,20 @@ def kind_of(name: str) -> str:
 Interval = tuple[float, float]
 
 
+def merged(intervals: list[Interval]) -> list[Interval]:
+    """The intervals' union as sorted, disjoint intervals."""
+    union: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([start, end])
+    return [(start, end) for start, end in union]
+
+
 def covered(intervals: list[Interval]) -> float:
     """How much of the timeline the intervals (start, end) cover together, counting overlaps once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    return sum(end - start for start, end in merged(intervals))
 
 
 def timeline(kernels: list[tuple[str, Interval]], wall_ms: float) -> dict[str, float]:

@@ -22,7 +22,7 @@ def test_a_trace_is_laid_out_with_its_exposed_collectives_gaps_and_slower_produc
         kernel("_rms_norm_forward_kernel", 6000, 500, 7),  # after a 1 ms gap
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 6500, "dur": 100},
     ]
-    trace = tmp_path / "profile-trace.json"
+    trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     out = tmp_path / "timeline.json"
     assert step_timeline.main([str(trace), "--out", str(out)]) == 0
