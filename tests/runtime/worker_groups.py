@@ -18,6 +18,7 @@ import psutil
 import torch
 import yaml
 
+from tigon.platform.jobs import ELASTIC_ENV
 from tigon.runtime import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,12 @@ def script_env(out: Path, **variables: str) -> dict[str, str]:
     return env
 
 
+def rank_fault_env(**fault: str) -> dict[str, str]:
+    """benchmarks/rank_fault's variables (`fault`: FAULT_RANK, FAULT_AT_STEP, ...) with its folder first on
+    PYTHONPATH, where Python finds its sitecustomize at start-up."""
+    return {**fault, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), python_path()])}
+
+
 def worker_env() -> dict[str, str]:
     """`process_env` with one thread per process, for the members of a worker group."""
     return process_env(OMP_NUM_THREADS="1")
@@ -122,8 +129,7 @@ def train_with_a_failing_rank(
     (`kind` "raise") or never returns ("hang"; benchmarks/rank_fault) while the others go on into the next step;
     the finished torchrun, its output captured. A job that does not end fails at the timeout."""
     (config_file,) = write_configs(tmp_path, {"run": config})
-    env = process_env(OMP_NUM_THREADS="1", FAULT_RANK="1", FAULT_AT_STEP="3", FAULT_KIND=kind)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), env["PYTHONPATH"]])
+    env = process_env(OMP_NUM_THREADS="1", **rank_fault_env(FAULT_RANK="1", FAULT_AT_STEP="3", FAULT_KIND=kind))
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     command = [*torchrun(ranks), "-m", "tigon.runtime", "train", config_file]
@@ -249,6 +255,16 @@ def elastic_agent(config_file: str, port: int, host: bool, nproc: int, **variabl
     )
 
 
+def wait_for_checkpoint(config, step: int, node: subprocess.Popen, timeout: float) -> None:
+    """Wait until the run's step-`step` checkpoint is in place; fail with `node`'s output if it ends first or the
+    timeout passes."""
+    state = Path(config.logging.run_dir) / "checkpoints" / f"step-{step}" / ckpt.STATE_FILE
+    deadline = time.monotonic() + timeout
+    while not state.is_file() and time.monotonic() < deadline and node.poll() is None:
+        time.sleep(0.1)
+    assert state.is_file(), node.communicate()[0][-6000:]
+
+
 def train_losing_a_node(
     directory: Path, config, nproc: int = 1, devices: tuple[str, str] | None = None, timeout: float = 420
 ) -> str:
@@ -261,14 +277,9 @@ def train_losing_a_node(
     port = free_port()
     visible = [{"CUDA_VISIBLE_DEVICES": device} for device in devices] if devices else [{}, {}]
     survivor = elastic_agent(config_file, port, True, nproc, **visible[0])
-    stuck = {"FAULT_RANK": "any", "FAULT_AT_STEP": "4", "FAULT_KIND": "hang"}
-    stuck["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), worker_env()["PYTHONPATH"]])
+    stuck = rank_fault_env(FAULT_RANK="any", FAULT_AT_STEP="4", FAULT_KIND="hang")
     lost = elastic_agent(config_file, port, False, nproc, **stuck, **visible[1])
-    step_3 = Path(config.logging.run_dir) / "checkpoints" / "step-3" / ckpt.STATE_FILE
-    deadline = time.monotonic() + timeout
-    while not step_3.is_file() and time.monotonic() < deadline and lost.poll() is None:
-        time.sleep(0.1)
-    assert step_3.is_file(), lost.communicate()[0][-6000:]
+    wait_for_checkpoint(config, 3, lost, timeout)
     for process in psutil.Process(lost.pid).children(recursive=True):
         process.kill()
     lost.kill()
@@ -282,22 +293,15 @@ def train_gaining_a_node(directory: Path, config, timeout: float = 420) -> str:
     """Train `config` as an elastic job of one to two one-process nodes that starts with one: its worker stops in
     its fifth optimizer step while it trains alone (benchmarks/rank_fault), after the step-3 checkpoint, and there
     a second node joins. The first node's agent sees it waiting and restarts its workers, the rendezvous forms with
-    both, and the run resumes on two processes. Both agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with
-    torch elastic's shared store a node that stays rank 0 does not publish the new round's address, and the joining
-    node waits for it until its timeout. The first node's finished output (the job must end with status 0 on
-    both)."""
+    both, and the run resumes on two processes. Both agents run with the platform's elastic environment
+    (ELASTIC_ENV), without which the joining node waits for the new round's address until its timeout. The first
+    node's finished output (the job must end with status 0 on both)."""
     (config_file,) = write_configs(directory, {"run": config})
     port = free_port()
-    held = {"FAULT_RANK": "any", "FAULT_AT_STEP": "5", "FAULT_KIND": "hang", "FAULT_WORLD_SIZE": "1"}
-    held["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks" / "rank_fault"), worker_env()["PYTHONPATH"]])
-    fresh = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    first = elastic_agent(config_file, port, True, 1, **held, **fresh)
-    step_3 = Path(config.logging.run_dir) / "checkpoints" / "step-3" / ckpt.STATE_FILE
-    deadline = time.monotonic() + timeout
-    while not step_3.is_file() and time.monotonic() < deadline and first.poll() is None:
-        time.sleep(0.1)
-    assert step_3.is_file(), first.communicate()[0][-6000:]
-    second = elastic_agent(config_file, port, False, 1, **fresh)
+    held = rank_fault_env(FAULT_RANK="any", FAULT_AT_STEP="5", FAULT_KIND="hang", FAULT_WORLD_SIZE="1")
+    first = elastic_agent(config_file, port, True, 1, **held, **ELASTIC_ENV)
+    wait_for_checkpoint(config, 3, first, timeout)
+    second = elastic_agent(config_file, port, False, 1, **ELASTIC_ENV)
     output = first.communicate(timeout=timeout)[0]
     joined = second.communicate(timeout=timeout)[0]
     assert first.returncode == 0 and second.returncode == 0, (output[-6000:], joined[-3000:])
