@@ -1,4 +1,4 @@
-"""Attention over packed documents without a dense mask: PyTorch's variable-length flash kernel.
+"""Attention over packed documents without a dense mask: cuDNN's or PyTorch's variable-length kernel.
 
     name = transformers_name(config.model.attn_implementation)   # what the model is built with
     inputs = model_inputs(batch, config.model.attn_implementation)  # tigon.runtime.data: adds the boundaries
@@ -6,12 +6,15 @@
 A packed row holds several documents; attention must not cross them. SDPA can only be told so by a dense
 (B, 1, T, T) mask, which costs O(T^2) memory and forces its memory-efficient kernel. "varlen" instead hands
 the documents' boundaries (`cu_seq_lens_q/k`, cumulative token offsets over the flattened batch, and the
-longest document) to `torch.nn.attention.varlen.varlen_attn`, PyTorch's own flash-attention kernel for
-variable-length sequences (torch 2.10+, CUDA, bf16/fp16): no mask exists, and each document attends only to
-itself. `model_inputs` derives the boundaries from position ids once per batch, on the batch's (CPU) copy,
-and drops the padding: rows lose their tokens after the last labelled one and are concatenated into one.
+longest document) to a variable-length kernel: no mask exists, and each document attends only to itself. On
+Hopper and Blackwell GPUs with NVIDIA's cuDNN frontend installed that is cuDNN's fused attention on ragged
+tensors (`tigon.runtime.cudnn_attention`, the faster); elsewhere, or with a sliding window,
+`torch.nn.attention.varlen.varlen_attn`, PyTorch's flash-attention kernel for variable-length sequences
+(torch 2.10+, CUDA, bf16/fp16). `model_inputs` derives the boundaries from position ids once per batch, on the
+batch's (CPU) copy, and drops the padding: rows lose their tokens after the last labelled one and are
+concatenated into one.
 
-Where that kernel cannot run (a CPU, float32 without autocast, dropout, an older torch) the same boundaries
+Where neither kernel can run (a CPU, float32 without autocast, dropout, an older torch) the same boundaries
 drive exact per-document SDPA, so a "varlen" config trains anywhere. Rows that are one document each get no
 boundaries and take SDPA's causal kernel (cuDNN or flash). "auto" is "varlen" where CUDA is available and
 "sdpa" (the dense mask) elsewhere.
@@ -25,10 +28,13 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tigon.runtime import cudnn_attention
 
 VARLEN = "tigon_varlen"  # the name tigon's variable-length attention is registered under in transformers
 HALF = (torch.float16, torch.bfloat16)
@@ -198,10 +204,20 @@ def varlen_attention(
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], head_dim) for x in (query, key, value))
-    options = _kernel_options(q, k, dropout, window, scaling)
-    if options is None:
-        out = _per_document(q, k, v, cu_seq_lens_q, scaling, dropout, window)
-    else:
-        varlen_attn, _ = _torch_varlen()
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **options)
+    out = _documents_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling, dropout, window)
     return out.view(batch, length, heads, head_dim), None
+
+
+def _documents_attention(q, k, v, offsets, longest: int, scale, dropout: float, window: int | None) -> torch.Tensor:
+    """Causal attention within each document of (tokens, heads, dim) q, k, v: cuDNN's ragged kernel, else PyTorch's
+    varlen flash kernel, else per-document SDPA."""
+    if cudnn_attention.supports(q, k, dropout, window):
+        try:
+            return cudnn_attention.attend(q, k, v, offsets, longest, scale)
+        except cudnn_attention.Unsupported as error:
+            warnings.warn(f"{error}; these documents take PyTorch's varlen kernel", stacklevel=2)
+    options = _kernel_options(q, k, dropout, window, scale)
+    if options is None:
+        return _per_document(q, k, v, offsets, scale, dropout, window)
+    varlen_attn, _ = _torch_varlen()
+    return varlen_attn(q, k, v, offsets, offsets, longest, longest, **options)

@@ -77,9 +77,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the weights")
     attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
         "auto",
-        description="auto: varlen on a CUDA GPU, else sdpa. varlen: packed documents through PyTorch's "
-        "variable-length flash kernel, no mask; sdpa / eager: a dense block-diagonal mask for packed rows; "
-        "flash_attention_2 (the flash-attn package) and flex_attention (CUDA): documents from position ids",
+        description="auto: varlen on a CUDA GPU, else sdpa. varlen: packed documents through a variable-length "
+        "kernel (cuDNN's on Hopper/Blackwell with nvidia-cudnn-frontend installed, else PyTorch's flash), no "
+        "mask; sdpa / eager: a dense block-diagonal mask for packed rows; flash_attention_2 (the flash-attn "
+        "package) and flex_attention (CUDA): documents from position ids",
     )
 
     @model_validator(mode="after")

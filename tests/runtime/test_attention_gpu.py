@@ -1,4 +1,4 @@
-"""Packed documents on a GPU: PyTorch's variable-length flash kernel ("varlen") and flex attention, bf16.
+"""Packed documents on a GPU: "varlen" through cuDNN's ragged kernel and PyTorch's flash kernel, and flex attention.
 
     python -m pytest -m gpu tests/runtime/test_attention_gpu.py
 
@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from tests.kernels.helpers import saved_bytes
 from tests.runtime.documents import packed_batch
-from tigon.runtime import attention, planner
+from tigon.runtime import attention, cudnn_attention, planner
 from tigon.runtime.data import model_inputs
 
 pytestmark = pytest.mark.gpu
@@ -44,6 +44,17 @@ def models(implementation: str, model_class=LlamaForCausalLM, config_class=Llama
     return dense, other
 
 
+@pytest.fixture(params=["cudnn", "flash"])
+def varlen_kernel(request, monkeypatch) -> str:
+    """The kernel varlen attention runs: cuDNN's (its frontend installed) or PyTorch's flash (as without it)."""
+    if request.param == "flash":
+        monkeypatch.setattr(cudnn_attention, "frontend", lambda: None)
+    else:
+        assert cudnn_attention.frontend() is not None, "install nvidia-cudnn-frontend to test cuDNN's varlen kernel"
+        torch.use_deterministic_algorithms(False)  # cuDNN's kernel runs only without them (the suite turns them on)
+    return request.param
+
+
 def bf16():
     return torch.autocast("cuda", torch.bfloat16)
 
@@ -52,14 +63,21 @@ def gradients(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("implementation", ["varlen", "flex_attention"])
-def test_packed_documents_train_as_if_alone(implementation):
+def test_packed_documents_train_as_if_alone_through_varlen(varlen_kernel):
+    q = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda")  # the kernel runs, not the per-document fallback
+    runs = cudnn_attention.supports(q, q[:, :2], 0.0, None) or attention._kernel_options(q, q[:, :2], 0.0, None)
+    assert runs and cudnn_attention.supports(q, q[:, :2], 0.0, None) == (varlen_kernel == "cudnn")
+    trains_as_if_alone("varlen")
+
+
+def test_packed_documents_train_as_if_alone_through_flex_attention():
+    trains_as_if_alone("flex_attention")
+
+
+def trains_as_if_alone(implementation: str) -> None:
     dense, other = models(implementation)
     batch = {key: value.cuda() for key, value in packed_batch(ROWS, vocab=1000).items()}
     inputs = model_inputs(batch, implementation)
-    if implementation == "varlen":  # the kernel runs, not the per-document fallback
-        q = torch.empty(1, 4, 64, dtype=torch.bfloat16, device="cuda")
-        assert attention._kernel_options(q, q[:, :2], 0.0, None) is not None
     with bf16():
         dense_out = dense(**model_inputs(batch, "sdpa"), use_cache=False)
         out = other(**inputs, use_cache=False)
@@ -90,9 +108,9 @@ def test_a_sliding_window_applies_within_each_document():
 
 
 @pytest.mark.parametrize("kernels", [False, True])
-def test_a_varlen_layer_saves_what_the_planner_counts(kernels, restore_rope):
+def test_a_varlen_layer_saves_what_the_planner_counts(kernels, varlen_kernel, restore_rope):
     """A Llama decoder layer under varlen (bf16, packed documents): the planner's unmasked attention formula, and
-    nothing of (T, T) size; beyond it only the kernel's 16-byte RNG state."""
+    nothing of (T, T) size; beyond it only the flash kernel's 16-byte RNG state."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from tigon.kernels.patching import apply
@@ -120,4 +138,5 @@ def test_a_varlen_layer_saves_what_the_planner_counts(kernels, restore_rope):
     shape = planner.ModelShape.from_hf_config(config)
     work = planner.Workload(shape, tokens, weight_bytes=2, compute_bytes=2, autocast=False, attention="varlen")
     counted = planner.layer_bytes(work, kernels) * tokens
-    assert measured - 16 == counted, (measured, counted)
+    random_state = 16 if varlen_kernel == "flash" else 0
+    assert measured - random_state == counted, (measured, counted)
