@@ -28,7 +28,9 @@
 #   .whl-tf/, carried beside .whl: see docs/benchmarks.md, "Per model family"); E2E_MICRO the micro-batch of e2e-longest, default 8;
 #   e2e-longest-families searches each family's longest sequence at micro-batch 1, up to its context length, with the same
 #   E2E_FAMILIES, E2E_VARIANTS and E2E_BUDGET); e2e-profile adds one profiled step per variant (time per kernel kind;
-#   E2E_SEQS, E2E_VARIANTS); packed runs the packed-attention GPU tests, then benchmarks/packed_attention.py (real
+#   E2E_SEQS, E2E_VARIANTS); varlen runs cuDNN's ragged attention's GPU tests, then benchmarks/varlen_attention.py
+#   (cuDNN's kernel against PyTorch's varlen flash on packed documents; carry .whl-cudnn/: nvidia-cudnn-frontend, whose
+#   wheel also makes every other step's varlen attention cuDNN's); packed runs the packed-attention GPU tests, then benchmarks/packed_attention.py (real
 #   tokens/s and peak memory on packed fine-tuning data: tigon varlen, flex and dense mask against HF + Liger-Kernel;
 #   PACKED_BUDGET seconds, default 360); fp16-smoke trains the demo in fp16 with the torch, Lightning and HF
 #   trainers under DDP and FSDP2 (one process) and prints the end of each run's log)
@@ -117,6 +119,8 @@ for step in "$@"; do
     e2e-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 4 --warmup 1 --steps 2 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-families-${f//,/-}.json" 2>&1 | tee "$out/e2e-families-${f//,/-}.log" ;;
     e2e-longest) v=${E2E_VARIANTS:-eager,liger,tigon,planner}; python3 -m benchmarks.end_to_end --seqs 8192 --micro-batch "${E2E_MICRO:-8}" --variants "$v" --longest --steps 1 --warmup 1 --out "$out/e2e-longest-${v//,/-}.json" 2>&1 | tee "$out/e2e-longest-${v//,/-}.log" ;;
     e2e-longest-families) f=${E2E_FAMILIES:-all}; v=${E2E_VARIANTS:-eager,liger,tigon}; python3 -m benchmarks.end_to_end --family "$f" --variants "$v" --seqs 4096 --micro-batch 1 --longest-only --steps 1 --warmup 1 --time-budget "${E2E_BUDGET:-520}" --out "$out/e2e-longest-${f//,/-}.json" 2>&1 | tee "$out/e2e-longest-${f//,/-}.log" ;;
+    varlen) python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_cudnn_attention_gpu.py > "$out/varlen-tests.log" 2>&1; tail -n 30 "$out/varlen-tests.log"
+      python3 -m benchmarks.varlen_attention --out "$out/varlen-attention.json" 2>&1 | tee "$out/varlen-attention.log" ;;
     packed) python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_attention_gpu.py > "$out/packed-tests.log" 2>&1; tail -n 30 "$out/packed-tests.log"
       python3 -m benchmarks.packed_attention --time-budget "${PACKED_BUDGET:-360}" --out "$out/packed.json" 2>&1 | tee "$out/packed.log" ;;
     fp16-smoke) for run in ${FP16_RUNS:-torch:ddp torch:fsdp lightning:ddp lightning:fsdp hf:ddp}; do
