@@ -22,7 +22,7 @@ import torch
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.harness import write_json_atomic
+from benchmarks.harness import write_report
 
 BACKENDS = {
     "default": None,
@@ -147,11 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="attention.json", help="JSON results file (markdown beside it)")
     args = parser.parse_args(argv)
     rows = [row for shape in SHAPES for row in measure(*shape)]
-    write_json_atomic(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
-    table = markdown(rows)
-    with open(args.out.removesuffix(".json") + ".md", "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    write_report(args.out, payload, markdown(rows))
 
 
 if __name__ == "__main__":

@@ -104,5 +104,12 @@ def write_json_atomic(path: str, payload: dict) -> None:
     atomic_write_text(path, json.dumps(payload, indent=1))
 
 
+def write_report(path: str, payload: dict, table: str) -> None:
+    """The results file `path` (JSON, whole or not at all) and its markdown table beside it (.md); prints the table."""
+    write_json_atomic(path, payload)
+    atomic_write_text(path.removesuffix(".json") + ".md", table + "\n")
+    print(table)
+
+
 def as_dicts(measurements: list[Measurement]) -> list[dict]:
     return [asdict(m) for m in measurements]

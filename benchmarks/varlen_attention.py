@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from benchmarks.harness import write_json_atomic
+from benchmarks.harness import write_report
 from tigon.runtime import cudnn_attention
 
 TOKENS = 32768  # a micro-batch of 8 x 4096
@@ -126,12 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("cuDNN's ragged attention does not run here: it needs a Hopper or Blackwell GPU and "
                          "nvidia-cudnn-frontend (pip install nvidia-cudnn-frontend)")  # fmt: skip
     rows = [row for model in MODELS for mix in MIXES for row in measure(*model, *mix)]
-    write_json_atomic(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                 "cudnn": torch.backends.cudnn.version(), "rows": rows})  # fmt: skip
-    table = markdown(rows)
-    with open(args.out.removesuffix(".json") + ".md", "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "cudnn": torch.backends.cudnn.version(), "rows": rows}  # fmt: skip
+    write_report(args.out, payload, markdown(rows))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.varlen_attention import TOKENS, flops, lengths, markdown
@@ -30,3 +32,11 @@ def test_the_table_gives_cudnns_speed_up_on_its_row():
     table = markdown(rows).splitlines()
     assert table[2] == "| m | d (3) | flash | 2.000 | 100 | 3.0e-03 |  |"
     assert table[3] == "| m | d (3) | cudnn | 1.600 | 125 | 3.0e-03 | 1.25x |"
+
+
+def test_the_report_is_the_json_and_its_table_beside_it(tmp_path, capsys):
+    from benchmarks.harness import write_report
+
+    write_report(str(tmp_path / "varlen.json"), {"rows": [1]}, "| a |")
+    assert json.loads((tmp_path / "varlen.json").read_text()) == {"rows": [1]}
+    assert (tmp_path / "varlen.md").read_text() == "| a |\n" and "| a |" in capsys.readouterr().out
