@@ -5,7 +5,7 @@
 
 cuDNN's fused attention (SDPA's default kernel on Hopper) also takes documents of different lengths laid back to
 back ("THD": tokens, heads, dim), each located by a ragged offset, with the causal mask inside each document. On
-an H200 it runs a packed micro-batch's forward and backward 1.3x-1.5x faster than PyTorch's variable-length flash
+an H200 it runs a packed micro-batch's forward and backward 1.35x-1.5x faster than PyTorch's variable-length flash
 kernel at the same error (docs/benchmarks.md). PyTorch reaches it only through nested tensors, whose path in
 torch 2.11 is slow and returns wrong gradients for these shapes, so tigon builds the cuDNN graphs itself with
 NVIDIA's cuDNN frontend (`nvidia-cudnn-frontend`, part of tigon's runtime extra on Linux).
