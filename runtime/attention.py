@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tigon.runtime import cudnn_attention
 
 VARLEN = "tigon_varlen"  # the name tigon's variable-length attention is registered under in transformers
-HALF = (torch.float16, torch.bfloat16)
+HALF = cudnn_attention.HALF  # the dtypes both variable-length kernels take
 IMPLEMENTATIONS = ("varlen", "sdpa", "eager", "flash_attention_2", "flex_attention")  # what "auto" leaves
 
 

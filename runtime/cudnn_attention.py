@@ -83,8 +83,7 @@ class Graphs:
                  head_dim: int, scale: float, handle) -> None:  # fmt: skip
         cudnn = frontend()
         io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
-        self.handle = handle
-        shape = dict(batch=batch, length=length, head_dim=head_dim)
+        self.handle, self.batch = handle, batch
 
         def graph():
             return cudnn.pygraph(
@@ -162,7 +161,7 @@ class Graphs:
             g.deselect_workspace_greater_than(2 * tokens * heads * head_dim * 4)
             g.check_support()
             g.build_plans()
-        self.forward, self.backward, self.f, self.b, self.shape = forward, backward, f, b, shape
+        self.forward, self.backward, self.f, self.b = forward, backward, f, b
         self.workspace = max(forward.get_workspace_size(), backward.get_workspace_size())
 
     def run(self, graph, pack: dict, device: torch.device) -> None:
@@ -200,12 +199,14 @@ def graphs(device_index: int, dtype: torch.dtype, batch: int, heads: int, kv_hea
         raise Unsupported(f"cuDNN built no attention graph for {key}: {error}") from error
 
 
-def _graphs_for(q: torch.Tensor, k: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int, scale: float) -> Graphs:
-    return graphs(
+def _prepared(q: torch.Tensor, k: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int, scale: float):
+    """The graphs of these tensors' shape bucket and their ragged layout (`ragged_layout`), for either pass."""
+    g = graphs(
         q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
         bucket(cu_seq_lens.numel() - 1, 16), q.shape[1], k.shape[1], bucket(max_length, 64), bucket(q.shape[0], 1024),
         q.shape[2], scale,
     )  # fmt: skip
+    return g, *ragged_layout(cu_seq_lens, g.batch, q.shape[1], k.shape[1], q.shape[2])
 
 
 @torch.library.custom_op("tigon::cudnn_varlen_attention", mutates_args=())
@@ -213,10 +214,7 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each document: the output and the softmax statistics (tokens, heads) in fp32."""
-    g = _graphs_for(q, k, cu_seq_lens, max_length, scale)
-    lengths, q_offsets, kv_offsets, stats_offsets = ragged_layout(
-        cu_seq_lens, g.shape["batch"], q.shape[1], k.shape[1], q.shape[2]
-    )
+    g, lengths, q_offsets, kv_offsets, stats_offsets = _prepared(q, k, cu_seq_lens, max_length, scale)
     out = torch.empty_like(q)
     stats = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     f = g.f
@@ -238,10 +236,7 @@ def attention_backward_op(
     cu_seq_lens: torch.Tensor, max_length: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of q, k and v."""
-    g = _graphs_for(q, k, cu_seq_lens, max_length, scale)
-    lengths, q_offsets, kv_offsets, stats_offsets = ragged_layout(
-        cu_seq_lens, g.shape["batch"], q.shape[1], k.shape[1], q.shape[2]
-    )
+    g, lengths, q_offsets, kv_offsets, stats_offsets = _prepared(q, k, cu_seq_lens, max_length, scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     b = g.b
     g.run(g.backward, {
