@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tigon.runtime import cudnn_attention
+from tigon.runtime.host_copies import to_device
 
 VARLEN = "tigon_varlen"  # the name tigon's variable-length attention is registered under in transformers
 HALF = cudnn_attention.HALF  # the dtypes both variable-length kernels take
@@ -84,7 +85,7 @@ def document_boundaries(
     flat = starts.flatten().nonzero().flatten()
     ends = torch.cat([flat, flat.new_tensor([starts.numel()])])
     longest = int((ends[1:] - ends[:-1]).max())
-    offsets = ends.to(device=device or position_ids.device, dtype=torch.int32, non_blocking=True)
+    offsets = to_device(ends.to(torch.int32), device or position_ids.device)
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 

@@ -188,11 +188,31 @@ def token_loss_sum(
 ):
     """Sum (not mean) of the next-token cross-entropy over label tokens, in float32. `skip_unlabelled`
     (kernels.skip_unlabelled): a model training with tigon's fused loss projects only the positions with a loss."""
+    return inputs_loss_sum(
+        model, loss_inputs(model, batch, attn_implementation, device, precision, skip_unlabelled), device, precision
+    )
+
+
+def loss_inputs(
+    model: nn.Module,
+    batch: dict,
+    attn_implementation: str,
+    device: torch.device,
+    precision: str,
+    skip_unlabelled: bool = False,
+) -> dict:
+    """The model's keyword arguments for `token_loss_sum` of a collated CPU `batch`, copied to `device` without
+    waiting for it (so a step's inputs can be made while the previous step runs)."""
     from tigon.kernels.patching.causal_lm import has_fused_loss
 
     positions = skip_unlabelled and model.training and has_fused_loss(model)
     inputs = model_inputs(batch, attn_implementation, device, token_multiple(precision), loss_positions=positions)
     inputs["use_cache"] = False
+    return inputs
+
+
+def inputs_loss_sum(model: nn.Module, inputs: dict, device: torch.device, precision: str):
+    """`token_loss_sum` of the inputs `loss_inputs` made."""
     # The model's own shifted loss as a sum (num_items_in_batch=1); the caller normalizes over the global
     # batch. A model patched with tigon's fused linear cross entropy computes it without logits in training.
     with autocast(device, precision):
@@ -200,14 +220,15 @@ def token_loss_sum(
 
 
 def global_token_counts(micro_batches: list[dict], env: DistEnv, device: torch.device, step: int) -> tuple[float, int]:
-    """(label tokens, all tokens) of the global batch, summed over ranks; an error if no token carries a label."""
+    """(label tokens, all tokens) of the global batch, summed over ranks; an error if no token carries a label. In
+    one process the counts stay on the CPU: reading them then waits for no GPU work."""
     counts = torch.tensor(
         [
             sum(label_tokens(batch["labels"]) for batch in micro_batches),
             sum(batch["input_ids"].numel() for batch in micro_batches),
         ],
         dtype=torch.float64,
-        device=device,
+        device=device if env.distributed else "cpu",
     )
     all_reduce_sum(counts, env)
     n_label, n_tokens = float(counts[0]), int(counts[1])

@@ -46,6 +46,7 @@ from torch.utils.data import Dataset
 
 from tigon.kernels.reference import out_of_range
 from tigon.runtime.attention import IMPLEMENTATIONS, document_boundaries, resolve
+from tigon.runtime.host_copies import to_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -787,7 +788,7 @@ def model_inputs(
         if not single_documents(positions) or bool((lengths < positions.shape[1]).any()):
             lengths = grown_to_multiple(lengths, positions.shape[1], token_multiple)
             return unpadded(batch, lengths, device, loss_positions)
-    inputs = {key: batch[key] if device is None else batch[key].to(device, non_blocking=True) for key in MODEL_INPUTS}
+    inputs = {key: batch[key] if device is None else to_device(batch[key], device) for key in MODEL_INPUTS}
     if loss_positions:
         inputs |= _loss_positions(batch["labels"], device)
     if attention in ("varlen", "flash_attention_2", "flex_attention") or single_documents(positions):
@@ -825,7 +826,7 @@ def _loss_positions(labels: torch.Tensor, device: torch.device | str | None) -> 
     positions = positions_with_loss(labels)
     if positions is None:
         return {}
-    return {"loss_positions": positions if device is None else positions.to(device, non_blocking=True)}
+    return {"loss_positions": positions if device is None else to_device(positions, device)}
 
 
 def labelled_lengths(labels: torch.Tensor) -> torch.Tensor:
@@ -894,9 +895,7 @@ def unpadded(
     labels[:, 0] = IGNORE_INDEX
     keep = torch.arange(labels.shape[1], device=labels.device) < lengths[:, None]
     flat = {"input_ids": batch["input_ids"][keep], "labels": labels[keep], "position_ids": batch["position_ids"][keep]}
-    inputs = {
-        key: (value if device is None else value.to(device, non_blocking=True))[None] for key, value in flat.items()
-    }
+    inputs = {key: (value if device is None else to_device(value, device))[None] for key, value in flat.items()}
     target = inputs["position_ids"].device
     if loss_positions:
         inputs |= _loss_positions(flat["labels"][None], device)

@@ -24,13 +24,22 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime import post_training, storage
-from tigon.runtime.batches import GlobalBatchSampler, collate, global_token_counts, token_loss_sum, train_order
+from tigon.runtime.batches import (
+    GlobalBatchSampler,
+    collate,
+    global_token_counts,
+    inputs_loss_sum,
+    loss_inputs,
+    train_order,
+)
 from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv, all_reduce_sum, barrier
@@ -148,7 +157,23 @@ def train_loop(
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
-    one_step = functools.partial(_optimizer_step, strategy, sampler, prepared.train_dataset, state, config, env, device)
+    dataset = prepared.train_dataset
+
+    def inputs_at(position: Position) -> StepInputs:
+        chunks = sampler.micro_batches(*position)
+        return step_inputs(strategy, [collate([dataset[i] for i in chunk]) for chunk in chunks], config, device)
+
+    ahead = InputsAhead(inputs_at)
+
+    def one_step() -> tuple[float, float, int]:
+        """One optimizer step at the run's position (`state`); the next step's inputs are made before its loss is
+        read. Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens)."""
+        position = (state.epoch, state.batches_in_epoch)
+        launched = launch_step(strategy, ahead.take(position), config, env, device, state.step + 1)
+        if state.step + 1 < total_steps:
+            ahead.make_ahead(next_position(position, per_epoch))
+        return launched.read()
+
     strategy.model.train()
     collector = QuietCollector(config.training.freeze_gc, device)
     try:
@@ -206,40 +231,92 @@ def train_loop(
     return LoopResult(train_seconds, tokens_this_run, profile)
 
 
-def _optimizer_step(strategy, sampler, dataset, state, config, env, device):
-    """One optimizer step over this rank's micro-batches of the global batch at the run's position (`state`).
-
-    Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens processed).
-    """
-    micro_batches = [
-        collate([dataset[i] for i in indices]) for indices in sampler.micro_batches(state.epoch, state.batches_in_epoch)
-    ]
-    return run_global_batch(strategy, micro_batches, config, env, device, state.step + 1)
+Position = tuple[int, int]  # (epoch, global batches consumed in it)
 
 
-def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
-    """Forward and backward over this rank's micro-batches of one global batch, then the update (`strategy.step`).
+@dataclass
+class StepInputs:
+    """This rank's micro-batches of one optimizer step, collated on the CPU, and for the next-token loss the model's
+    inputs made from them, on the device (a preference objective or distillation makes its own: None)."""
 
-    Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
-    before clipping, tokens processed); `step` (1-based) names the step in errors.
-    """
-    if config.objective.type != "sft":  # a preference objective or distillation
-        return post_training.run_global_batch(strategy, micro_batches, config, env, device, step)
-    training = config.training
-    n_label, n_tokens = global_token_counts(micro_batches, env, device, step)
+    micro_batches: list[dict]
+    inputs: list[dict] | None
+
+
+@dataclass
+class LaunchedStep:
+    """An optimizer step whose work is queued on the device; `read` waits for it."""
+
+    loss: torch.Tensor | float  # over the whole global batch
+    grad_norm: torch.Tensor | float  # before clipping
+    tokens: int  # processed on all ranks
+
+    def read(self) -> tuple[float, float, int]:
+        return float(self.loss), float(self.grad_norm), self.tokens
+
+
+class InputsAhead:
+    """The next optimizer step's inputs, made while the device still runs the current step.
+
+    Collating, unpadding and copying a step's micro-batches takes the host milliseconds; made after the previous
+    step's loss is read (which waits for the device), they leave the device idle at every step's start."""
+
+    def __init__(self, make: Callable[[Position], StepInputs]):
+        self.make = make
+        self.held: tuple[Position, StepInputs] | None = None
+
+    def take(self, position: Position) -> StepInputs:
+        """The inputs at `position`: those made ahead, else made now."""
+        held, self.held = self.held, None
+        return held[1] if held is not None and held[0] == position else self.make(position)
+
+    def make_ahead(self, position: Position) -> None:
+        self.held = (position, self.make(position))
+
+
+def next_position(position: Position, per_epoch: int) -> Position:
+    epoch, batch = position
+    return (epoch + 1, 0) if batch + 1 >= per_epoch else (epoch, batch + 1)
+
+
+def step_inputs(strategy, micro_batches: list[dict], config: RunConfig, device) -> StepInputs:
+    """`StepInputs` of this rank's collated micro-batches; the model's inputs are queued for the device."""
+    if config.objective.type != "sft":
+        return StepInputs(micro_batches, None)
+    make = functools.partial(
+        loss_inputs,
+        strategy.model,
+        attn_implementation=config.model.attn_implementation,
+        device=device,
+        precision=config.training.precision,
+        skip_unlabelled=config.kernels.skip_unlabelled,
+    )
+    return StepInputs(micro_batches, [make(batch) for batch in micro_batches])
+
+
+def launch_step(strategy, prepared: StepInputs, config: RunConfig, env: DistEnv, device, step: int) -> LaunchedStep:
+    """Forward and backward over this rank's micro-batches of one global batch, then the update (`strategy.step`),
+    all queued on the device; `step` (1-based) names the step in errors."""
+    if prepared.inputs is None:  # a preference objective or distillation
+        return LaunchedStep(
+            *post_training.run_global_batch(strategy, prepared.micro_batches, config, env, device, step)
+        )
+    n_label, n_tokens = global_token_counts(prepared.micro_batches, env, device, step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for index, batch in enumerate(micro_batches):
-        with strategy.accumulating(last=index == len(micro_batches) - 1):
-            summed = token_loss_sum(
-                strategy.model,
-                batch,
-                config.model.attn_implementation,
-                device,
-                training.precision,
-                config.kernels.skip_unlabelled,
-            )
+    for index, inputs in enumerate(prepared.inputs):
+        with strategy.accumulating(last=index == len(prepared.inputs) - 1):
+            summed = inputs_loss_sum(strategy.model, inputs, device, config.training.precision)
             strategy.backward(summed * (env.world_size / n_label))  # gradients are averaged over the ranks
         loss_sum += summed.detach()
     grad_norm = strategy.step()
     all_reduce_sum(loss_sum, env)
-    return float(loss_sum) / n_label, float(grad_norm), n_tokens  # read last: each waits for the GPU
+    return LaunchedStep(loss_sum / n_label, grad_norm, n_tokens)
+
+
+def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
+    """One optimizer step over this rank's collated micro-batches of a global batch (`launch_step`), read.
+
+    Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
+    before clipping, tokens processed).
+    """
+    return launch_step(strategy, step_inputs(strategy, micro_batches, config, device), config, env, device, step).read()

@@ -334,6 +334,48 @@ def test_epochs_bf16_autocast_and_gradient_checkpointing(tmp_path):
     assert all(math.isfinite(loss) for loss in result.losses) and result.losses[-1] < result.losses[0]
 
 
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_each_step_trains_the_inputs_made_while_the_previous_step_ran(tmp_path, monkeypatch, attention):
+    """Two epochs with an evaluation between steps: every step's inputs are made once, ahead of it (across the epoch
+    boundary too), and the losses are those of a run that makes each step's inputs when the step starts."""
+    from tigon.runtime import torch_trainer
+
+    def run(name):
+        config = tiny_config(
+            tmp_path / name,
+            n_train=40,
+            model={"attn_implementation": attention},
+            training={"max_steps": None, "epochs": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 2},
+            eval={"every_steps": 3, "metrics": []},
+        )
+        return config, train(config)
+
+    made = []
+    step_inputs = torch_trainer.step_inputs
+    monkeypatch.setattr(torch_trainer, "step_inputs", lambda *args: made.append(args) or step_inputs(*args))
+    config, ahead = run("ahead")
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    per_epoch = len(build_datasets(config, load_tokenizer(config.model))[0]) // 2
+    assert per_epoch >= 2 and ahead.steps == 2 * per_epoch, (per_epoch, ahead.steps)
+    assert len(made) == ahead.steps  # none made twice, none made and dropped
+
+    monkeypatch.setattr(torch_trainer.InputsAhead, "make_ahead", lambda self, position: None)
+    made.clear()
+    _, at_start = run("at_start")
+    assert len(made) == at_start.steps
+    assert ahead.losses == at_start.losses
+
+
+def test_next_position_rolls_over_into_the_next_epoch():
+    from tigon.runtime.torch_trainer import next_position
+
+    assert next_position((0, 0), 3) == (0, 1)
+    assert next_position((0, 2), 3) == (1, 0)
+    assert next_position((4, 0), 1) == (5, 0)
+
+
 def test_lora_trains_only_adapters(tmp_path):
     config = tiny_config(tmp_path, training={"max_steps": 3}, lora={"enabled": True, "r": 4})
     from tigon.runtime import trainer
