@@ -86,7 +86,7 @@ def restore_modeling(restore_rope):
         if module is None:
             continue
         names = (*family.rms_norm, *family.offset_layer_norm, *family.mlp, *family.packed_mlp, *family.experts)
-        names += family.expert_mlp
+        names += family.expert_mlp + ((family.loss_rows_layer,) if family.loss_rows_layer else ())
         saved[module] = {name: getattr(module, name) for name in names}
         if family.causal_lm is not None:  # a vision encoder's row has none
             causal_lm = getattr(module, family.causal_lm)

@@ -37,6 +37,7 @@ from tigon.kernels.patching.causal_lm import (
     fused_forward,
     keep_last_hidden_state,
 )
+from tigon.kernels.patching.last_layer import FIRST_TRANSFORMERS, loss_rows_class
 from tigon.kernels.utils import check_chunk_size
 
 logger = logging.getLogger("tigon.kernels")
@@ -84,6 +85,9 @@ class Family:
     `logits_multiplier` name the family's head quirks, read from the text config (Gemma 2/3 and PaliGemma
     softcap the logits, Granite divides them; `logits_multiplier` names the config field the logits are multiplied
     by, before any softcap: Falcon-H1's `lm_head_multiplier`, MUSE Glimmer's `output_multiplier`).
+    `loss_rows_layer` names the decoder layer class of a family whose layers are Llama's pre-norm block and whose
+    decoder ends in its norm: with the fused loss, the last layer computes past its attention only the rows the loss
+    reads (`tigon.kernels.patching.last_layer`; MoE rows leave it, as their routers' auxiliary loss counts every row).
 
     Vision-language rows: `vision_mlp` lists the vision tower's gated MLPs (built from `config.vision_config`,
     so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
@@ -120,6 +124,7 @@ class Family:
     final_logit_softcapping: bool = False
     logits_scaling: bool = False
     logits_multiplier: str | None = None
+    loss_rows_layer: str | None = None
     before: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
 
     def installed(self) -> Family:
@@ -224,8 +229,20 @@ def _gated_deltanet_norm(name: str) -> tuple[str, str]:
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_models("llama"), ("LlamaRMSNorm",), ("LlamaMLP",), causal_lm="LlamaForCausalLM"),
-    "mistral": Family(_models("mistral"), ("MistralRMSNorm",), ("MistralMLP",), causal_lm="MistralForCausalLM"),
+    "llama": Family(
+        _models("llama"),
+        ("LlamaRMSNorm",),
+        ("LlamaMLP",),
+        causal_lm="LlamaForCausalLM",
+        loss_rows_layer="LlamaDecoderLayer",
+    ),
+    "mistral": Family(
+        _models("mistral"),
+        ("MistralRMSNorm",),
+        ("MistralMLP",),
+        causal_lm="MistralForCausalLM",
+        loss_rows_layer="MistralDecoderLayer",
+    ),
     "mixtral": Family(
         _models("mixtral"),
         ("MixtralRMSNorm",),
@@ -270,9 +287,19 @@ FAMILIES: dict[str, Family] = {
         causal_lm="HunYuanMoEV1ForCausalLM",
     ),
     "ministral": Family(
-        _models("ministral"), ("MinistralRMSNorm",), ("MinistralMLP",), causal_lm="MinistralForCausalLM"
+        _models("ministral"),
+        ("MinistralRMSNorm",),
+        ("MinistralMLP",),
+        causal_lm="MinistralForCausalLM",
+        loss_rows_layer="MinistralDecoderLayer",
     ),
-    "qwen2": Family(_models("qwen2"), ("Qwen2RMSNorm",), ("Qwen2MLP",), causal_lm="Qwen2ForCausalLM"),
+    "qwen2": Family(
+        _models("qwen2"),
+        ("Qwen2RMSNorm",),
+        ("Qwen2MLP",),
+        causal_lm="Qwen2ForCausalLM",
+        loss_rows_layer="Qwen2DecoderLayer",
+    ),
     "qwen2_moe": Family(
         _models("qwen2_moe"),
         ("Qwen2MoeRMSNorm",),
@@ -281,7 +308,13 @@ FAMILIES: dict[str, Family] = {
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen2MoeForCausalLM",
     ),
-    "qwen3": Family(_models("qwen3"), ("Qwen3RMSNorm",), ("Qwen3MLP",), causal_lm="Qwen3ForCausalLM"),
+    "qwen3": Family(
+        _models("qwen3"),
+        ("Qwen3RMSNorm",),
+        ("Qwen3MLP",),
+        causal_lm="Qwen3ForCausalLM",
+        loss_rows_layer="Qwen3DecoderLayer",
+    ),
     "qwen3_moe": Family(
         _models("qwen3_moe"),
         ("Qwen3MoeRMSNorm",),
@@ -334,8 +367,16 @@ FAMILIES: dict[str, Family] = {
         ("HunYuanDenseV1RMSNorm",),  # with the query and key norms, applied after RoPE
         ("HunYuanDenseV1MLP",),
         causal_lm="HunYuanDenseV1ForCausalLM",
+        loss_rows_layer="HunYuanDenseV1DecoderLayer",
     ),
-    "gemma": Family(_models("gemma"), ("GemmaRMSNorm",), ("GemmaMLP",), gemma_norm=True, causal_lm="GemmaForCausalLM"),
+    "gemma": Family(
+        _models("gemma"),
+        ("GemmaRMSNorm",),
+        ("GemmaMLP",),
+        gemma_norm=True,
+        causal_lm="GemmaForCausalLM",
+        loss_rows_layer="GemmaDecoderLayer",
+    ),
     "gemma2": Family(
         _models("gemma2"),
         ("Gemma2RMSNorm",),
@@ -437,7 +478,13 @@ FAMILIES: dict[str, Family] = {
         before=(("5.20", (("norm_casting", "llama"),)),),  # older lines multiply the weight after the cast
         causal_lm="DeepseekV4ForCausalLM",
     ),
-    "smollm3": Family(_models("smollm3"), ("SmolLM3RMSNorm",), ("SmolLM3MLP",), causal_lm="SmolLM3ForCausalLM"),
+    "smollm3": Family(
+        _models("smollm3"),
+        ("SmolLM3RMSNorm",),
+        ("SmolLM3MLP",),
+        causal_lm="SmolLM3ForCausalLM",
+        loss_rows_layer="SmolLM3DecoderLayer",
+    ),
     "olmo3": Family(
         _models("olmo3"),
         ("Olmo3RMSNorm",),
@@ -719,6 +766,11 @@ def _transformers_release():
     return Version(Version(_transformers_version()).base_version)
 
 
+def _takes_loss_rows(family: Family) -> bool:
+    release = _transformers_release()
+    return family.loss_rows_layer is not None and release is not None and release.major >= FIRST_TRANSFORMERS
+
+
 def _swapped_classes(family: Family) -> dict[str, tuple[type, str]]:
     """Class name -> (tigon module, report name) for every MLP-like class the row swaps."""
     return {name: swap for field_name, swap in MLP_SWAPS.items() for name in getattr(family, field_name)}
@@ -741,6 +793,7 @@ def modeling_module(model_type: str, family: Family | None = None):
     targets = [*family.rms_norm, *family.centered_norm, *family.offset_layer_norm, *_swapped_classes(family)]
     targets += family.vision_mlp
     targets += [family.causal_lm] if family.causal_lm else []
+    targets += [family.loss_rows_layer] if family.loss_rows_layer else []
     targets += ["apply_rotary_pos_emb"] if family.rope else []
     missing = [name for name in targets if not hasattr(module, name)]
     activations = importlib.import_module("transformers.activations")
@@ -911,6 +964,9 @@ def apply(
                 causal_lm.__dict__[CHECK_TARGETS] = check_targets
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
+        for layer in model.modules():
+            if _takes_loss_rows(family) and type(layer).__name__ == family.loss_rows_layer:
+                layer.__class__ = loss_rows_class(type(layer))
     report.skipped = skipped
     if fused_linear_cross_entropy and family.causal_lm is None:
         report.skipped.append(_NO_LM_HEAD.format(model_type))
@@ -1035,6 +1091,8 @@ def apply_to(
         causal_lm = getattr(module, family.causal_lm)
         causal_lm.forward = fused_forward(causal_lm.forward, family)
         report.applied["fused_linear_cross_entropy"] = 1
+        if _takes_loss_rows(family):
+            setattr(module, family.loss_rows_layer, loss_rows_class(getattr(module, family.loss_rows_layer)))
     if rope and family.rope:
         module.apply_rotary_pos_emb = _rope_function(family, module)
         report.applied["rope"] = 1

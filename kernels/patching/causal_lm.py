@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tigon.kernels.patching.last_layer import LOSS_ROWS, last_layer_takes_rows
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -59,10 +61,12 @@ def causal_lm_loss(
     num_items_in_batch: int | float | torch.Tensor | None = None,
     ignore_index: int = -100,
     loss_positions: torch.Tensor | None = None,
+    hidden_at_positions: bool = False,
 ) -> torch.Tensor:
     """`ForCausalLMLoss` of the head over `hidden` `(B, S, H)`, without the logits. `loss_positions` (indices into
     the flattened `(B * S)` positions, after the shift) limits the head and the loss to those positions: given every
-    position with a label, the loss and gradients are unchanged, as the others add nothing to either."""
+    position with a label, the loss and gradients are unchanged, as the others add nothing to either.
+    `hidden_at_positions`: `hidden` holds those positions' rows only (`tigon.kernels.patching.last_layer`)."""
     from tigon.kernels.functional import fused_linear_cross_entropy
 
     head = model.get_output_embeddings()
@@ -73,7 +77,9 @@ def causal_lm_loss(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = shift_labels.reshape(-1).to(hidden.device)
     if loss_positions is not None:
-        hidden, targets = hidden.index_select(0, loss_positions), targets.index_select(0, loss_positions)
+        targets = targets.index_select(0, loss_positions)
+        if not hidden_at_positions:
+            hidden = hidden.index_select(0, loss_positions)
     if family.logits_scaling:
         hidden = hidden / config.logits_scaling
     if family.logits_multiplier:
@@ -171,7 +177,8 @@ def fused_forward(original, family: Family):
 
     `skip_logits` (keyword only, tigon's) forces the choice; by default the logits are skipped when
     training with labels. `loss_positions` (keyword only, tigon's; `causal_lm_loss`) lets the fused loss project only
-    the positions with a label, where prompts carry none; the logits path ignores it (its loss is the same).
+    the positions with a label, where prompts carry none, and a family's last decoder layer compute only those rows
+    past its attention (`tigon.kernels.patching.last_layer`); the logits path ignores it (its loss is the same).
     """
     original = getattr(original, "__tigon_original__", original)
     names = [name for name in inspect.signature(original).parameters][1:]
@@ -196,8 +203,12 @@ def fused_forward(original, family: Family):
         box = keep_last_hidden_state(self)
         box.append(None)
         no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
+        if loss_positions is not None and keep == 0 and last_layer_takes_rows(decoder_of(self)):
+            kwargs[LOSS_ROWS] = loss_positions  # the last layer computes only the rows the loss reads
         out = original(self, **kwargs, logits_to_keep=no_positions, return_dict=True)
         hidden = keep_positions(box.pop(), keep)
+        # only those rows, unless the decoder ran fewer layers than it holds (config.num_hidden_layers)
+        rows = LOSS_ROWS in kwargs and hidden.shape[:2] == (1, loss_positions.numel())
         loss_of = functools.partial(
             causal_lm_loss,
             self,
@@ -207,6 +218,7 @@ def fused_forward(original, family: Family):
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=kwargs.get("ignore_index", -100),
             loss_positions=loss_positions,
+            hidden_at_positions=rows,
         )
         loss = run_as_forward(head, loss_of, hidden) if gathered_in_own_forward(head) else loss_of(hidden)
         if getattr(out, "aux_loss", None) is not None:

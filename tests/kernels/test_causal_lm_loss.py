@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+import tigon.kernels
 from tests.kernels.families import (
     FAMILY_CASES,
     assert_same_gradients,
@@ -15,8 +16,9 @@ from tests.kernels.families import (
     own_failure,
     tiny,
 )
-from tigon.kernels.patching import apply
-from tigon.kernels.patching.causal_lm import has_fused_loss
+from tigon.kernels.patching import FAMILIES, apply
+from tigon.kernels.patching.causal_lm import decoder_of, has_fused_loss
+from tigon.kernels.patching.last_layer import last_layer_takes_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,7 +37,8 @@ HEAD_OVERRIDES = {
 
 def loss_only_pair(model_type: str, **overrides):
     """(baseline, copy patched with the fused loss only), both in training mode."""
-    config_overrides = {**FAMILY_CASES[model_type].overrides, **HEAD_OVERRIDES.get(model_type, {}), **overrides}
+    case = FAMILY_CASES.get(model_type)  # the rows that share another's layout (Mistral, Qwen2) have no case
+    config_overrides = {**(case.overrides if case else {}), **HEAD_OVERRIDES.get(model_type, {}), **overrides}
     baseline = tiny(model_type, **config_overrides).train()
     patched = copy.deepcopy(baseline)
     report = apply(patched, rms_norm=False, rope=False, swiglu=False)
@@ -123,6 +126,50 @@ def test_loss_positions_project_only_those_positions(model_type):
         patched(input_ids=batch, labels=labels, loss_positions=fewer).loss,
         baseline(input_ids=batch, labels=labels).loss,
     )
+
+
+LOSS_ROWS_FAMILIES = [name for name, family in FAMILIES.items() if family.loss_rows_layer]
+
+
+@pytest.mark.parametrize("model_type", family_params(LOSS_ROWS_FAMILIES))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_last_layer_computes_only_the_rows_the_loss_reads(model_type, checkpointing):
+    """Given the positions with a loss, the last decoder layer's MLP runs on those rows only, the others' on every
+    row, and the loss and every gradient are transformers' (under gradient checkpointing too)."""
+    baseline, patched = loss_only_pair(model_type)
+    if checkpointing:
+        baseline.gradient_checkpointing_enable(), patched.gradient_checkpointing_enable()
+    batch = torch.randint(0, VOCAB, (3, 10))
+    labels = batch.clone()
+    labels[0, :6] = labels[1, :3] = labels[2, 4:] = -100
+    positions = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).flatten().nonzero().squeeze(1)
+    rows_seen = {}
+    layers = decoder_of(patched).layers
+    for index in (0, len(layers) - 1):
+        layers[index].mlp.register_forward_pre_hook(
+            lambda module, args, index=index: rows_seen.update({index: tuple(args[0].shape[:-1])})
+        )
+    expected = baseline(input_ids=batch, labels=labels)
+    got = patched(input_ids=batch, labels=labels, loss_positions=positions)
+    assert rows_seen == {0: (3, 10), len(layers) - 1: (1, len(positions))}
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-6 * max(1.0, expected.loss.item())
+    expected.loss.backward()
+    got.loss.backward()
+    assert_same_grads(patched, baseline, batch, labels)
+
+
+def test_apply_to_builds_layers_that_compute_only_the_rows_the_loss_reads(restore_modeling):
+    baseline = tiny("qwen3").train()
+    tigon.kernels.apply_to("qwen3", rms_norm=False, rope=False, swiglu=False)
+    patched = tiny("qwen3").train()
+    patched.load_state_dict(baseline.state_dict())
+    assert last_layer_takes_rows(patched.model)
+    batch = torch.randint(0, VOCAB, (2, 9))
+    labels = batch.clone()
+    labels[:, :5] = -100
+    positions = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).flatten().nonzero().squeeze(1)
+    got = patched(input_ids=batch, labels=labels, loss_positions=positions).loss
+    assert abs(got.item() - baseline(input_ids=batch, labels=labels).loss.item()) < 1e-6 * max(1.0, got.item())
 
 
 def test_has_fused_loss_looks_through_wrappers():

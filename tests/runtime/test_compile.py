@@ -67,6 +67,38 @@ def test_a_patched_decoder_layer_compiles_as_one_graph(tmp_path):
     assert (out - expected).abs().max().item() <= EXACT * expected.abs().max().item()
 
 
+def test_compiled_layers_compute_the_last_ones_loss_rows_as_eager(tmp_path, monkeypatch):
+    """With the fused loss skipping the prompts, the last compiled layer computes only the rows with a loss, with
+    no graph break, and trains as the eager layers do."""
+    from tigon.kernels.patching import last_layer
+
+    rows_taken = []
+    rows_forward = last_layer.loss_rows_forward
+
+    def counting(original):
+        forward = rows_forward(original)
+
+        def run(self, hidden_states, *args, **kwargs):
+            out = forward(self, hidden_states, *args, **kwargs)
+            rows_taken.append(out.shape[1] < hidden_states.shape[1])
+            return out
+
+        return run
+
+    monkeypatch.setattr(last_layer, "loss_rows_forward", counting)
+    last_layer.loss_rows_class.cache_clear()
+    training = {"max_steps": 2, "micro_batch_size": 2}
+    sections = dict(kernels={"enabled": True}, eval={"metrics": []}, data={"max_seq_len": 24})
+    eager = train(tiny_config(tmp_path / "eager", training=training, **sections))
+    assert any(rows_taken)
+    rows_taken.clear()
+    compiled = train(tiny_config(tmp_path / "compiled", training={**training, **COMPILED}, **sections))
+    last_layer.loss_rows_class.cache_clear()
+    assert any(rows_taken)
+    assert counters["stats"]["unique_graphs"] >= 1 and dict(counters["graph_break"]) == {}
+    assert worst_relative(compiled.losses, eager.losses) < EXACT, (compiled.losses, eager.losses)
+
+
 def test_compiled_layers_with_lora_train_as_eager(tmp_path):
     sections = dict(lora={"enabled": True, "r": 4}, eval={"metrics": []})
     training = {"max_steps": 2, "gradient_checkpointing": True}
