@@ -25,6 +25,7 @@ JSON to --out (rank 0), and a table on stdout.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -118,12 +119,17 @@ def worker(args: argparse.Namespace) -> None:
     dataset = random_dataset(micro * env.world_size * total, args.seq, vocab, config.training.seed)
     sampler = batches.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
     state = ckpt.TrainState(world_size=env.world_size)
+    ahead = torch_trainer.InputsAhead(
+        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device)
+    )
 
     def train_steps() -> list[float]:
         """`--interval` optimizer steps from where `state` stands; their losses."""
         losses = []
         for _ in range(args.interval):
-            loss, _, _ = torch_trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+            loss, _, _ = torch_trainer.train_step(
+                strategy, ahead, state, config, env, device, total, sampler.batches_per_epoch
+            )
             if cuda:
                 torch.cuda.synchronize(device)
             state.step += 1

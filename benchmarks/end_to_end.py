@@ -15,7 +15,7 @@ vocabulary with fewer layers. A vision-language family's model is its `*ForCondi
 included, trained on text alone (no image batch), as a text-only fine-tune of it runs. `NOT_BENCHMARKED` names the
 table's families without a preset, and why. In bf16 with AdamW, micro-batch 8 (or less where a preset caps it:
 Falcon-H1's PyTorch Mamba-2 mixer takes 1, Llama 4's all-experts MoE 2), gradient checkpointing on, trained on
-random tokens by the torch trainer's own `_optimizer_step` and strategy (its loss, clipping and AdamW step).
+random tokens by the torch trainer's own `train_step` and strategy (its loss, clipping and AdamW step).
 Variants:
 
 - eager:   Hugging Face modules (kernels.enabled: false)

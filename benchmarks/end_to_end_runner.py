@@ -10,6 +10,7 @@ process per probe; `Budget` stops starting runs once the next would not end in t
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -139,9 +140,16 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
         len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
     )
     state = ckpt.TrainState()
+    ahead = torch_trainer.InputsAhead(
+        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device)
+    )
 
     def one_step() -> tuple[float, int]:
-        loss, _, n_tokens = torch_trainer._optimizer_step(strategy, sampler, dataset, state, config, env, device)
+        total = steps + warmup + profile
+        loss, _, n_tokens = torch_trainer.train_step(
+            strategy, ahead, state, config, env, device, total, sampler.batches_per_epoch
+        )
+        state.step += 1
         state.batches_in_epoch += 1
         return loss, n_tokens
 

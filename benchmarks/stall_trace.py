@@ -6,7 +6,7 @@ thread's stack, placed in the steps of a run.
 
 `train` runs `tigon train` (the torch trainer) with each rank recording
 
-- when each optimizer step starts and ends (the trainer's `_optimizer_step`, wrapped);
+- when each optimizer step starts and ends (the trainer's `train_step`, wrapped);
 - every full collection (generation 2) and any other collection over 5 ms, with its duration;
 - every Triton kernel compiled (`triton.knobs.runtime.jit_cache_hook`: a kernel or a variant not yet in memory);
 - the main thread's innermost frames every 10 ms,
@@ -191,7 +191,7 @@ def train(config: str, out: Path, tag: str) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     trace = install()
-    torch_trainer._optimizer_step = trace.timed(torch_trainer._optimizer_step)
+    torch_trainer.train_step = trace.timed(torch_trainer.train_step)
     try:
         return tigon_main(["train", config])
     finally:

@@ -157,23 +157,8 @@ def train_loop(
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
-    dataset = prepared.train_dataset
-
-    def inputs_at(position: Position) -> StepInputs:
-        chunks = sampler.micro_batches(*position)
-        return step_inputs(strategy, [collate([dataset[i] for i in chunk]) for chunk in chunks], config, device)
-
-    ahead = InputsAhead(inputs_at)
-
-    def one_step() -> tuple[float, float, int]:
-        """One optimizer step at the run's position (`state`); the next step's inputs are made before its loss is
-        read. Returns (the step's loss over the whole global batch, the gradient norm before clipping, tokens)."""
-        position = (state.epoch, state.batches_in_epoch)
-        launched = launch_step(strategy, ahead.take(position), config, env, device, state.step + 1)
-        if state.step + 1 < total_steps:
-            ahead.make_ahead(next_position(position, per_epoch))
-        return launched.read()
-
+    ahead = InputsAhead(functools.partial(step_inputs_at, strategy, sampler, prepared.train_dataset, config, device))
+    one_step = functools.partial(train_step, strategy, ahead, state, config, env, device, total_steps, per_epoch)
     strategy.model.train()
     collector = QuietCollector(config.training.freeze_gc, device)
     try:
@@ -277,6 +262,34 @@ class InputsAhead:
 def next_position(position: Position, per_epoch: int) -> Position:
     epoch, batch = position
     return (epoch + 1, 0) if batch + 1 >= per_epoch else (epoch, batch + 1)
+
+
+def train_step(
+    strategy,
+    ahead: InputsAhead,
+    state: ckpt.TrainState,
+    config: RunConfig,
+    env: DistEnv,
+    device,
+    total_steps: int,
+    per_epoch: int,
+) -> tuple[float, float, int]:
+    """One optimizer step at the run's position (`state`, which the caller advances); the next step's inputs are
+    made before this one's loss is read. Returns (the step's loss over the whole global batch, the gradient norm
+    before clipping, tokens processed)."""
+    position = (state.epoch, state.batches_in_epoch)
+    launched = launch_step(strategy, ahead.take(position), config, env, device, state.step + 1)
+    if state.step + 1 < total_steps:
+        ahead.make_ahead(next_position(position, per_epoch))
+    return launched.read()
+
+
+def step_inputs_at(
+    strategy, sampler: GlobalBatchSampler, dataset, config: RunConfig, device, position: Position
+) -> StepInputs:
+    """`step_inputs` of this rank's micro-batches of the global batch at `position`."""
+    chunks = sampler.micro_batches(*position)
+    return step_inputs(strategy, [collate([dataset[i] for i in chunk]) for chunk in chunks], config, device)
 
 
 def step_inputs(strategy, micro_batches: list[dict], config: RunConfig, device) -> StepInputs:

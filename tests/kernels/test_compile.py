@@ -156,6 +156,15 @@ MODELS = {
 }
 
 
+def prompted(batch: torch.Tensor, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels whose first `prompt` positions carry no loss, and the positions with one (`loss_positions`): the fused
+    loss's head, and a Llama-style family's last layer, compute only those."""
+    labels = batch.clone()
+    labels[:, :prompt] = -100
+    with_loss = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).flatten()
+    return labels, with_loss.nonzero().squeeze(1)
+
+
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_patched_model_compiles_without_graph_breaks_and_same_loss(model_type, restore_rope):
     from tests.kernels.families import tiny
@@ -168,11 +177,12 @@ def test_patched_model_compiles_without_graph_breaks_and_same_loss(model_type, r
         assert applied.get("gated_experts") == 2
     compiled_model = copy.deepcopy(eager)
     batch = torch.randint(0, 131, (2, 9))
-    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=batch)
+    labels, positions = prompted(batch, 4)
+    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=labels, loss_positions=positions)
     assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
     torch._dynamo.reset()
-    got = torch.compile(compiled_model, backend="aot_eager")(input_ids=batch, labels=batch)
-    expected = eager(input_ids=batch, labels=batch)
+    got = torch.compile(compiled_model, backend="aot_eager")(input_ids=batch, labels=labels, loss_positions=positions)
+    expected = eager(input_ids=batch, labels=labels)
     assert got.logits is None and abs(got.loss.item() - expected.loss.item()) < 1e-6
     got.loss.backward()
     expected.loss.backward()
@@ -194,13 +204,15 @@ def test_patched_model_compiles_with_inductor_on_gpu(model_type, restore_rope):
     apply(eager)
     compiled_model = copy.deepcopy(eager)
     batch = torch.randint(0, 32000, (4, 512), device="cuda")
-    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=batch)
+    labels, positions = prompted(batch, 200)
+    explanation = torch._dynamo.explain(compiled_model)(input_ids=batch, labels=labels, loss_positions=positions)
     assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
     torch._dynamo.reset()
     compiled = torch.compile(compiled_model)
     for _ in range(2):  # the second call runs the cached graph
         compiled_model.zero_grad(), eager.zero_grad()
-        got, expected = compiled(input_ids=batch, labels=batch), eager(input_ids=batch, labels=batch)
+        got = compiled(input_ids=batch, labels=labels, loss_positions=positions)
+        expected = eager(input_ids=batch, labels=labels)
         assert abs(got.loss.item() - expected.loss.item()) < 1e-4 * expected.loss.item()
         got.loss.backward()
         expected.loss.backward()
