@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import warnings
 from typing import Any
 
 import torch
@@ -213,10 +212,7 @@ def _documents_attention(q, k, v, offsets, longest: int, scale, dropout: float, 
     """Causal attention within each document of (tokens, heads, dim) q, k, v: cuDNN's ragged kernel, else PyTorch's
     varlen flash kernel, else per-document SDPA."""
     if cudnn_attention.supports(q, k, dropout, window):
-        try:
-            return cudnn_attention.attend(q, k, v, offsets, longest, scale)
-        except cudnn_attention.Unsupported as error:
-            warnings.warn(f"{error}; these documents take PyTorch's varlen kernel", stacklevel=2)
+        return cudnn_attention.attend(q, k, v, offsets, longest, scale)
     options = _kernel_options(q, k, dropout, window, scale)
     if options is None:
         return _per_document(q, k, v, offsets, scale, dropout, window)

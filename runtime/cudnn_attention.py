@@ -16,11 +16,14 @@ empty. The softmax statistics the backward reads stay ragged, one float per toke
 backward's float32 accumulators are sized by the token count's bucket (left to cuDNN, they would be sized for every
 document at the longest one's length). Plans that need more workspace than two float32 copies of q are not taken:
 some of cuDNN's backward plans would hold every document's full score matrix (17 GB for 64 documents of 2048).
+A bucket cuDNN builds no graph for runs PyTorch's varlen flash kernel inside the same op, with a warning naming it,
+so eager and compiled layers fall back alike.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -200,12 +203,17 @@ def graphs(device_index: int, dtype: torch.dtype, batch: int, heads: int, kv_hea
 
 
 def _prepared(q: torch.Tensor, k: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int, scale: float):
-    """The graphs of these tensors' shape bucket and their ragged layout (`ragged_layout`), for either pass."""
-    g = graphs(
-        q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
-        bucket(cu_seq_lens.numel() - 1, 16), q.shape[1], k.shape[1], bucket(max_length, 64), bucket(q.shape[0], 1024),
-        q.shape[2], scale,
-    )  # fmt: skip
+    """The graphs of these tensors' shape bucket and their ragged layout (`ragged_layout`), for either pass; None
+    where cuDNN builds no graph for the bucket, said once (the warning names it)."""
+    try:
+        g = graphs(
+            q.device.index if q.device.index is not None else torch.cuda.current_device(), q.dtype,
+            bucket(cu_seq_lens.numel() - 1, 16), q.shape[1], k.shape[1], bucket(max_length, 64),
+            bucket(q.shape[0], 1024), q.shape[2], scale,
+        )  # fmt: skip
+    except Unsupported as error:
+        warnings.warn(f"{error}; these documents take PyTorch's varlen flash kernel", stacklevel=2)
+        return None
     return g, *ragged_layout(cu_seq_lens, g.batch, q.shape[1], k.shape[1], q.shape[2])
 
 
@@ -213,8 +221,18 @@ def _prepared(q: torch.Tensor, k: torch.Tensor, cu_seq_lens: torch.Tensor, max_l
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention within each document: the output and the softmax statistics (tokens, heads) in fp32."""
-    g, lengths, q_offsets, kv_offsets, stats_offsets = _prepared(q, k, cu_seq_lens, max_length, scale)
+    """Causal attention within each document: the output and the softmax statistics (tokens, heads) in fp32.
+
+    Where cuDNN builds no graph for the shape, PyTorch's varlen flash kernel computes the same function, its
+    log-sum-exp standing for the statistics (the backward takes the same kernel), in eager and compiled code alike.
+    """
+    prepared = _prepared(q, k, cu_seq_lens, max_length, scale)
+    if prepared is None:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, 0.0, True, False, scale=scale
+        )
+        return out, lse.t().contiguous()  # flash's (heads, tokens)
+    g, lengths, q_offsets, kv_offsets, stats_offsets = prepared
     out = torch.empty_like(q)
     stats = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     f = g.f
@@ -236,7 +254,14 @@ def attention_backward_op(
     cu_seq_lens: torch.Tensor, max_length: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gradients of q, k and v."""
-    g, lengths, q_offsets, kv_offsets, stats_offsets = _prepared(q, k, cu_seq_lens, max_length, scale)
+    prepared = _prepared(q, k, cu_seq_lens, max_length, scale)
+    if prepared is None:  # the forward took the flash kernel too
+        no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(
+            grad, q, k, v, out, stats.t().contiguous(), cu_seq_lens, cu_seq_lens, max_length, max_length, 0.0, True,
+            *no_dropout, scale=scale,
+        )  # fmt: skip
+    g, lengths, q_offsets, kv_offsets, stats_offsets = prepared
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     b = g.b
     g.run(g.backward, {

@@ -137,8 +137,9 @@ def test_the_backward_needs_memory_for_the_tokens_not_for_every_document_at_the_
     assert beyond <= 4 * q.numel() * 4, (beyond, q.numel() * 4)
 
 
-def test_a_shape_cudnn_builds_no_graph_for_takes_the_flash_kernel(monkeypatch):
-    from tigon.runtime import attention
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_shape_cudnn_builds_no_graph_for_takes_the_flash_kernel(monkeypatch, compiled):
+    """The op itself falls back, so a compiled layer does too: the output and the three gradients as flash's."""
 
     def refuse(*args, **kwargs):
         raise RuntimeError("no kernel for this shape")
@@ -147,7 +148,13 @@ def test_a_shape_cudnn_builds_no_graph_for_takes_the_flash_kernel(monkeypatch):
     monkeypatch.setattr(cudnn_attention, "REFUSED", set())
     cudnn_attention.graphs.cache_clear()
     q, k, v, grad, starts = documents(LENGTHS, 8, 2, 64, torch.bfloat16)
-    with pytest.warns(UserWarning, match="no kernel for this shape; these documents take PyTorch's varlen kernel"):
-        out = attention._documents_attention(q, k, v, starts, max(LENGTHS), None, 0.0, None)
-    assert relative(out, alone(q, k, v, grad, LENGTHS)[0]) < 1e-2
+
+    def layer(q, k, v):
+        return cudnn_attention.attend(q, k, v, starts, max(LENGTHS))
+
+    run = torch.compile(layer, fullgraph=True) if compiled else layer
+    with pytest.warns(UserWarning, match="no kernel for this shape; these documents take PyTorch's varlen flash"):
+        got = gradients_of(run(q, k, v), q, k, v, grad)
+    want = alone(q, k, v, grad, LENGTHS)
+    assert all(relative(mine, exact) < 1e-2 for mine, exact in zip(got, want, strict=True))
     cudnn_attention.graphs.cache_clear()
