@@ -10,6 +10,7 @@ import torch
 import tigon.kernels
 from tests.kernels.families import (
     FAMILY_CASES,
+    TRANSFORMERS_4,
     assert_same_gradients,
     family_params,
     float64_gradients,
@@ -129,8 +130,12 @@ def test_loss_positions_project_only_those_positions(model_type):
 
 
 LOSS_ROWS_FAMILIES = [name for name, family in FAMILIES.items() if family.loss_rows_layer]
+ROWS_NEED_5 = pytest.mark.skipif(
+    TRANSFORMERS_4, reason="transformers 4's decoder layers are left whole (some lines return tuples from them)"
+)
 
 
+@ROWS_NEED_5
 @pytest.mark.parametrize("model_type", family_params(LOSS_ROWS_FAMILIES))
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_last_layer_computes_only_the_rows_the_loss_reads(model_type, checkpointing):
@@ -158,6 +163,7 @@ def test_the_last_layer_computes_only_the_rows_the_loss_reads(model_type, checkp
     assert_same_grads(patched, baseline, batch, labels)
 
 
+@ROWS_NEED_5
 def test_apply_to_builds_layers_that_compute_only_the_rows_the_loss_reads(restore_modeling):
     baseline = tiny("qwen3").train()
     tigon.kernels.apply_to("qwen3", rms_norm=False, rope=False, swiglu=False)
