@@ -87,7 +87,8 @@ class Family:
     by, before any softcap: Falcon-H1's `lm_head_multiplier`, MUSE Glimmer's `output_multiplier`).
     `loss_rows_layer` names the decoder layer class of a family whose layers are Llama's pre-norm block and whose
     decoder ends in its norm: with the fused loss, the last layer computes past its attention only the rows the loss
-    reads (`tigon.kernels.patching.last_layer`; MoE rows leave it, as their routers' auxiliary loss counts every row).
+    reads (`tigon.kernels.patching.last_layer`; in an MoE row only while no router logits are output, as their
+    auxiliary loss counts every row).
 
     Vision-language rows: `vision_mlp` lists the vision tower's gated MLPs (built from `config.vision_config`,
     so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
@@ -260,6 +261,7 @@ FAMILIES: dict[str, Family] = {
         unfit=(_DEEPSEEK_V3_ROPE,),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="DeepseekV3ForCausalLM",
+        loss_rows_layer="DeepseekV3DecoderLayer",
     ),
     "deepseek_v2": Family(
         _models("deepseek_v2"),
@@ -277,6 +279,7 @@ FAMILIES: dict[str, Family] = {
         ),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="DeepseekV2ForCausalLM",
+        loss_rows_layer="DeepseekV2DecoderLayer",
     ),
     "hunyuan_v1_moe": Family(
         _models("hunyuan_v1_moe"),
@@ -285,6 +288,7 @@ FAMILIES: dict[str, Family] = {
         experts=("HunYuanMoEV1Experts",),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="HunYuanMoEV1ForCausalLM",
+        loss_rows_layer="HunYuanMoEV1DecoderLayer",
     ),
     "ministral": Family(
         _models("ministral"),
@@ -307,6 +311,7 @@ FAMILIES: dict[str, Family] = {
         experts=("Qwen2MoeExperts",),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen2MoeForCausalLM",
+        loss_rows_layer="Qwen2MoeDecoderLayer",
     ),
     "qwen3": Family(
         _models("qwen3"),
@@ -322,6 +327,7 @@ FAMILIES: dict[str, Family] = {
         experts=("Qwen3MoeExperts",),
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="Qwen3MoeForCausalLM",
+        loss_rows_layer="Qwen3MoeDecoderLayer",
     ),
     "qwen3_next": Family(
         _models("qwen3_next"),
@@ -503,6 +509,7 @@ FAMILIES: dict[str, Family] = {
         partial_rope=True,
         before=(("5.0", _EXPERTS_4X),),
         causal_lm="Glm4MoeForCausalLM",
+        loss_rows_layer="Glm4MoeDecoderLayer",
     ),
     "gpt_oss": Family(
         _models("gpt_oss"),

@@ -203,7 +203,10 @@ def fused_forward(original, family: Family):
         box = keep_last_hidden_state(self)
         box.append(None)
         no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
-        if loss_positions is not None and keep == 0 and last_layer_takes_rows(decoder_of(self)):
+        routed = kwargs.get(
+            "output_router_logits", getattr(self.config.get_text_config(), "output_router_logits", False)
+        )
+        if loss_positions is not None and keep == 0 and not routed and last_layer_takes_rows(decoder_of(self)):
             kwargs[LOSS_ROWS] = loss_positions  # the last layer computes only the rows the loss reads
         out = original(self, **kwargs, logits_to_keep=no_positions, return_dict=True)
         hidden = keep_positions(box.pop(), keep)

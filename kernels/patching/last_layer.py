@@ -6,7 +6,8 @@ runs over every position (the kept positions attend to all of them), and from th
 the MLP, then the decoder's final norm) it runs on the kept rows only: on instruction data, about half of the last
 layer's matrix work. Exact: each kept row's value is the whole layer's.
 
-A family takes it where its decoder layer is Llama's pre-norm block (`Family.loss_rows_layer` names the class): the
+A family takes it where its decoder layer is Llama's pre-norm block (`Family.loss_rows_layer` names the class; an
+MoE family only while its router logits are not output, since their auxiliary loss counts every row): the
 fused forward passes the positions down as a keyword (`LOSS_ROWS`), which every swapped layer removes and the last
 one uses (the decoder's last, as `last_layer_takes_rows` marks it).
 """

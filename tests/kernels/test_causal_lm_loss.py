@@ -164,6 +164,26 @@ def test_the_last_layer_computes_only_the_rows_the_loss_reads(model_type, checkp
 
 
 @ROWS_NEED_5
+def test_an_moe_last_layer_keeps_every_row_while_router_logits_count_them():
+    """The auxiliary loss averages the routers' choices over every row, so with router logits output the last layer
+    computes them all; the loss and auxiliary loss are transformers'."""
+    baseline, patched = loss_only_pair("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1)
+    batch = torch.randint(0, VOCAB, (2, 9))
+    labels = batch.clone()
+    labels[:, :5] = -100
+    positions = torch.nn.functional.pad(labels[:, 1:] != -100, (0, 1), value=False).flatten().nonzero().squeeze(1)
+    rows_seen = []
+    decoder_of(patched).layers[-1].mlp.register_forward_pre_hook(
+        lambda module, args: rows_seen.append(tuple(args[0].shape[:-1]))
+    )
+    got = patched(input_ids=batch, labels=labels, loss_positions=positions)
+    expected = baseline(input_ids=batch, labels=labels)
+    assert rows_seen == [(2, 9)]
+    assert torch.equal(got.aux_loss, expected.aux_loss)
+    assert abs(got.loss.item() - expected.loss.item()) < 1e-6 * max(1.0, expected.loss.item())
+
+
+@ROWS_NEED_5
 def test_apply_to_builds_layers_that_compute_only_the_rows_the_loss_reads(restore_modeling):
     baseline = tiny("qwen3").train()
     tigon.kernels.apply_to("qwen3", rms_norm=False, rope=False, swiglu=False)
