@@ -85,10 +85,10 @@ class Family:
     `logits_multiplier` name the family's head quirks, read from the text config (Gemma 2/3 and PaliGemma
     softcap the logits, Granite divides them; `logits_multiplier` names the config field the logits are multiplied
     by, before any softcap: Falcon-H1's `lm_head_multiplier`, MUSE Glimmer's `output_multiplier`).
-    `loss_rows_layer` names the decoder layer class of a family whose layers are Llama's pre-norm block and whose
-    decoder ends in its norm: with the fused loss, the last layer computes past its attention only the rows the loss
-    reads (`tigon.kernels.patching.last_layer`; in an MoE row only while no router logits are output, as their
-    auxiliary loss counts every row).
+    `loss_rows_layer` names the decoder layer class of a family whose layers are Llama's pre-norm block, or Gemma's
+    with a norm after each branch too, and whose decoder ends in its norm: with the fused loss, the last layer
+    computes past its attention only the rows the loss reads (`tigon.kernels.patching.last_layer`; in an MoE row
+    only while no router logits are output, as their auxiliary loss counts every row).
 
     Vision-language rows: `vision_mlp` lists the vision tower's gated MLPs (built from `config.vision_config`,
     so `apply` swaps them and `apply_to` leaves them), `layer_norm` swaps every affine `torch.nn.LayerNorm`
@@ -391,6 +391,7 @@ FAMILIES: dict[str, Family] = {
         in_place_norm_backward=False,
         final_logit_softcapping=True,
         causal_lm="Gemma2ForCausalLM",
+        loss_rows_layer="Gemma2DecoderLayer",
     ),
     "gemma3_text": Family(
         _models("gemma3"),
@@ -400,6 +401,7 @@ FAMILIES: dict[str, Family] = {
         in_place_norm_backward=False,
         final_logit_softcapping=True,
         causal_lm="Gemma3ForCausalLM",
+        loss_rows_layer="Gemma3DecoderLayer",
     ),
     "gemma4_text": Family(
         _models("gemma4"),
@@ -604,6 +606,7 @@ FAMILIES: dict[str, Family] = {
         layer_norm=True,
         unfit=(_VISION_FC_MLP,),
         causal_lm="Gemma3ForConditionalGeneration",  # no final_logit_softcapping here, unlike Gemma3ForCausalLM
+        loss_rows_layer="Gemma3DecoderLayer",
     ),
     "gemma4": Family(
         _models("gemma4"),

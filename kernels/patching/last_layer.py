@@ -6,7 +6,8 @@ runs over every position (the kept positions attend to all of them), and from th
 the MLP, then the decoder's final norm) it runs on the kept rows only: on instruction data, about half of the last
 layer's matrix work. Exact: each kept row's value is the whole layer's.
 
-A family takes it where its decoder layer is Llama's pre-norm block (`Family.loss_rows_layer` names the class; an
+A family takes it where its decoder layer is Llama's pre-norm block, or Gemma 2/3's with a norm after each branch
+too (`Family.loss_rows_layer` names the class; an
 MoE family only while its router logits are not output, since their auxiliary loss counts every row): the
 fused forward passes the positions down as a keyword (`LOSS_ROWS`), which every swapped layer removes and the last
 one uses (the decoder's last, as `last_layer_takes_rows` marks it).
@@ -40,7 +41,13 @@ def loss_rows_forward(original):
         if rows is None or args or not getattr(self, LAST, False):
             return original(self, hidden_states, *args, **kwargs)
         attended, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-        hidden_states = rows_of(hidden_states, rows) + rows_of(attended, rows)
+        residual, attended = rows_of(hidden_states, rows), rows_of(attended, rows)
+        if hasattr(self, "pre_feedforward_layernorm"):  # Gemma's block: each branch's output is normed too
+            hidden_states = residual + self.post_attention_layernorm(attended)
+            return hidden_states + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(hidden_states))
+            )
+        hidden_states = residual + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
     return forward
