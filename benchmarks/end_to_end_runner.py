@@ -143,9 +143,9 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
     ahead = torch_trainer.InputsAhead(
         functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device)
     )
+    total = steps + warmup + profile
 
     def one_step() -> tuple[float, int]:
-        total = steps + warmup + profile
         loss, _, n_tokens = torch_trainer.train_step(
             strategy, ahead, state, config, env, device, total, sampler.batches_per_epoch
         )

@@ -974,9 +974,10 @@ def apply(
                 causal_lm.__dict__[CHECK_TARGETS] = check_targets
                 keep_last_hidden_state(causal_lm)  # the hook exists before any torch.compile trace
                 report.applied["fused_linear_cross_entropy"] = 1
-        for layer in model.modules():
-            if _takes_loss_rows(family) and type(layer).__name__ == family.loss_rows_layer:
-                layer.__class__ = loss_rows_class(type(layer))
+        if _takes_loss_rows(family):
+            for layer in model.modules():
+                if type(layer).__name__ == family.loss_rows_layer:
+                    layer.__class__ = loss_rows_class(type(layer))
     report.skipped = skipped
     if fused_linear_cross_entropy and family.causal_lm is None:
         report.skipped.append(_NO_LM_HEAD.format(model_type))

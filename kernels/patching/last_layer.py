@@ -7,10 +7,9 @@ the MLP, then the decoder's final norm) it runs on the kept rows only: on instru
 layer's matrix work. Exact: each kept row's value is the whole layer's.
 
 A family takes it where its decoder layer is Llama's pre-norm block, or Gemma 2/3's with a norm after each branch
-too (`Family.loss_rows_layer` names the class; an
-MoE family only while its router logits are not output, since their auxiliary loss counts every row): the
-fused forward passes the positions down as a keyword (`LOSS_ROWS`), which every swapped layer removes and the last
-one uses (the decoder's last, as `last_layer_takes_rows` marks it).
+too (`Family.loss_rows_layer` names the class; an MoE family only while its router logits are not output, since
+their auxiliary loss counts every row): the fused forward passes the positions down as a keyword (`LOSS_ROWS`),
+which every swapped layer removes and the last one uses (the decoder's last, as `last_layer_takes_rows` marks it).
 """
 
 from __future__ import annotations
