@@ -119,8 +119,9 @@ def worker(args: argparse.Namespace) -> None:
     dataset = random_dataset(micro * env.world_size * total, args.seq, vocab, config.training.seed)
     sampler = batches.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
     state = ckpt.TrainState(world_size=env.world_size)
+    whole_rows = batches.static_shapes(config, dataset)
     ahead = torch_trainer.InputsAhead(
-        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device)
+        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device, whole_rows)
     )
 
     def train_steps() -> list[float]:

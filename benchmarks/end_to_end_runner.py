@@ -140,8 +140,9 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
         len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
     )
     state = ckpt.TrainState()
+    whole_rows = batches.static_shapes(config, dataset)
     ahead = torch_trainer.InputsAhead(
-        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device)
+        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device, whole_rows)
     )
     total = steps + warmup + profile
 

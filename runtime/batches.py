@@ -193,6 +193,29 @@ def token_loss_sum(
     )
 
 
+#: `training.static_shapes: auto` keeps rows whole where their padding is under this fraction of their tokens
+STATIC_PADDING_LIMIT = 0.02
+
+
+def static_shapes(config: RunConfig, dataset: PackedDataset) -> bool:
+    """Whether every training micro-batch feeds the model its rows whole (`training.static_shapes`). Only varlen
+    attention drops padding, so only it needs to; auto turns it on for compiled layers, whose graphs otherwise
+    follow every new token count, where the rows are nearly full."""
+    setting = config.training.static_shapes
+    sft = config.objective.type == "sft"
+    if not sft or resolve(config.model.attn_implementation) != "varlen" or setting is False or not len(dataset):
+        return False
+    padding = 1 - sum(dataset.row_tokens()) / (len(dataset) * config.data.max_seq_len)
+    if setting == "auto" and (not config.training.compile or padding >= STATIC_PADDING_LIMIT):
+        return False
+    logger.info(
+        "static shapes: every micro-batch feeds its rows whole (%d tokens; %.1f%% of the rows is padding)",
+        config.training.micro_batch_size * config.data.max_seq_len,
+        100 * padding,
+    )
+    return True
+
+
 def loss_inputs(
     model: nn.Module,
     batch: dict,
@@ -200,13 +223,16 @@ def loss_inputs(
     device: torch.device,
     precision: str,
     skip_unlabelled: bool = False,
+    whole_rows: bool = False,
 ) -> dict:
     """The model's keyword arguments for `token_loss_sum` of a collated CPU `batch`, copied to `device` without
-    waiting for it (so a step's inputs can be made while the previous step runs)."""
+    waiting for it (so a step's inputs can be made while the previous step runs); `whole_rows`: `static_shapes`."""
     from tigon.kernels.patching.causal_lm import has_fused_loss
 
     positions = skip_unlabelled and model.training and has_fused_loss(model)
-    inputs = model_inputs(batch, attn_implementation, device, token_multiple(precision), loss_positions=positions)
+    inputs = model_inputs(
+        batch, attn_implementation, device, token_multiple(precision), loss_positions=positions, whole_rows=whole_rows
+    )
     inputs["use_cache"] = False
     return inputs
 

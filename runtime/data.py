@@ -754,6 +754,7 @@ def model_inputs(
     device: torch.device | str | None = None,
     token_multiple: int = 1,
     loss_positions: bool = False,
+    whole_rows: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for a Hugging Face causal LM's forward on a batch of PackedDataset items.
 
@@ -774,7 +775,8 @@ def model_inputs(
     keeps as many of the dropped padding tokens as make the row's length a multiple of it. `loss_positions`, for a
     model with tigon's fused loss (`tigon.kernels.patching.causal_lm.has_fused_loss`), adds the positions whose next
     token carries a loss (`positions_with_loss`, found on the batch as given), so the head skips prompts and padding
-    without a GPU synchronization.
+    without a GPU synchronization. `whole_rows` (`training.static_shapes`): "varlen" keeps every row whole, padding and
+    all, so micro-batches of as many rows have the same token count.
     """
     missing = [key for key in MODEL_INPUTS if key not in batch]
     if missing:
@@ -783,6 +785,9 @@ def model_inputs(
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attn_implementation {attn_implementation!r}; use auto, {', '.join(IMPLEMENTATIONS)}")
     positions = batch["position_ids"]
+    if attention == "varlen" and whole_rows:
+        lengths = torch.full((positions.shape[0],), positions.shape[1])
+        return unpadded(batch, grown_to_multiple(lengths, positions.shape[1], token_multiple), device, loss_positions)
     if attention == "varlen":
         lengths = labelled_lengths(batch["labels"])
         if not single_documents(positions) or bool((lengths < positions.shape[1]).any()):

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
-from tigon.runtime.batches import GlobalBatchSampler, collate, train_order
+from tigon.runtime.batches import GlobalBatchSampler, collate, static_shapes, train_order
 from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import ConfigError, RunConfig
 from tigon.runtime.distributed import DistEnv
@@ -171,6 +171,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
         return train_prepared(config, prepared)
     prepare_objective(config, prepared)  # the reference or the teacher, before the model is sharded or wrapped
     dataset = prepared.train_dataset
+    whole_rows = static_shapes(config, dataset)
     order = train_order(config, dataset, env.world_size, env.rank)
     reporter = make_reporter(config, total_steps, device, enabled=env.is_main, initial_step=checkpoints.state.step)
     evaluation = Evaluation(config, prepared, checkpoints.state, reporter)
@@ -196,7 +197,7 @@ def train_with_lightning(config: RunConfig, datasets: str | Path | None = None) 
             started = time.perf_counter()
             lr = strategy.lr()
             loss, grad_norm, n_tokens = run_global_batch(
-                strategy, micro_batches, config, env, device, checkpoints.state.step + 1
+                strategy, micro_batches, config, env, device, checkpoints.state.step + 1, whole_rows
             )
             clock["seconds"] += time.perf_counter() - started
             clock["tokens"] += n_tokens

@@ -38,6 +38,7 @@ from tigon.runtime.batches import (
     global_token_counts,
     inputs_loss_sum,
     loss_inputs,
+    static_shapes,
     train_order,
 )
 from tigon.runtime.collector import QuietCollector
@@ -157,7 +158,9 @@ def train_loop(
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
-    ahead = InputsAhead(functools.partial(step_inputs_at, strategy, sampler, prepared.train_dataset, config, device))
+    dataset = prepared.train_dataset
+    make = functools.partial(step_inputs_at, strategy, sampler, dataset, config, device, static_shapes(config, dataset))
+    ahead = InputsAhead(make)
     one_step = functools.partial(train_step, strategy, ahead, state, config, env, device, total_steps, per_epoch)
     strategy.model.train()
     collector = QuietCollector(config.training.freeze_gc, device)
@@ -285,15 +288,23 @@ def train_step(
 
 
 def step_inputs_at(
-    strategy, sampler: GlobalBatchSampler, dataset, config: RunConfig, device, position: Position
+    strategy,
+    sampler: GlobalBatchSampler,
+    dataset,
+    config: RunConfig,
+    device,
+    whole_rows: bool,
+    position: Position,
 ) -> StepInputs:
     """`step_inputs` of this rank's micro-batches of the global batch at `position`."""
     chunks = sampler.micro_batches(*position)
-    return step_inputs(strategy, [collate([dataset[i] for i in chunk]) for chunk in chunks], config, device)
+    micro_batches = [collate([dataset[i] for i in chunk]) for chunk in chunks]
+    return step_inputs(strategy, micro_batches, config, device, whole_rows)
 
 
-def step_inputs(strategy, micro_batches: list[dict], config: RunConfig, device) -> StepInputs:
-    """`StepInputs` of this rank's collated micro-batches; the model's inputs are queued for the device."""
+def step_inputs(strategy, micro_batches: list[dict], config: RunConfig, device, whole_rows: bool = False) -> StepInputs:
+    """`StepInputs` of this rank's collated micro-batches; the model's inputs are queued for the device.
+    `whole_rows`: `tigon.runtime.batches.static_shapes`."""
     if config.objective.type != "sft":
         return StepInputs(micro_batches, None)
     make = functools.partial(
@@ -303,6 +314,7 @@ def step_inputs(strategy, micro_batches: list[dict], config: RunConfig, device) 
         device=device,
         precision=config.training.precision,
         skip_unlabelled=config.kernels.skip_unlabelled,
+        whole_rows=whole_rows,
     )
     return StepInputs(micro_batches, [make(batch) for batch in micro_batches])
 
@@ -326,10 +338,19 @@ def launch_step(strategy, prepared: StepInputs, config: RunConfig, env: DistEnv,
     return LaunchedStep(loss_sum / n_label, grad_norm, n_tokens)
 
 
-def run_global_batch(strategy, micro_batches: list[dict], config: RunConfig, env: DistEnv, device, step: int):
+def run_global_batch(
+    strategy,
+    micro_batches: list[dict],
+    config: RunConfig,
+    env: DistEnv,
+    device,
+    step: int,
+    whole_rows: bool = False,
+):
     """One optimizer step over this rank's collated micro-batches of a global batch (`launch_step`), read.
 
     Shared with the Lightning adapter. Returns (the step's loss over the whole global batch, the gradient norm
     before clipping, tokens processed).
     """
-    return launch_step(strategy, step_inputs(strategy, micro_batches, config, device), config, env, device, step).read()
+    inputs = step_inputs(strategy, micro_batches, config, device, whole_rows)
+    return launch_step(strategy, inputs, config, env, device, step).read()

@@ -180,6 +180,58 @@ def test_fp8_batches_keep_padding_up_to_a_multiple_of_16():
         model_inputs(full, "varlen", token_multiple=16)
 
 
+def test_whole_rows_feed_one_token_count_with_the_same_loss_and_gradients():
+    """`whole_rows` (training.static_shapes): every row whole, padding and all, so micro-batches of as many rows have
+    the same token count; no labelled token sees the padding, so the loss, every gradient and the head's positions
+    are the padding-free batch's."""
+    _, model = tiny()
+    batch = packed_batch(rows=[[1, 7, 13], [3, 11, 5, 4], [9, 17]])  # rows of 26: 5, 3 and 0 padding tokens
+    plain, whole = model_inputs(batch, "varlen"), model_inputs(batch, "varlen", whole_rows=True)
+    assert plain["input_ids"].shape == (1, 70) and whole["input_ids"].shape == (1, 78)
+    assert whole["cu_seq_lens_q"].tolist()[-1] == 78
+    assert int((whole["labels"] != -100).sum()) == int((plain["labels"] != -100).sum())
+    losses, grads = [], []
+    for inputs in (plain, whole):
+        model.zero_grad()
+        loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(gradients(model))
+    assert abs(losses[1] - losses[0]) <= 1e-6 * losses[0]
+    assert relative(grads[1], grads[0]) < 1e-6
+    batch["labels"][1, 1:12] = -100  # a prompt: the head skips it in either layout
+    positions = [model_inputs(batch, "varlen", loss_positions=True, whole_rows=whole) for whole in (False, True)]
+    assert len(positions[0]["loss_positions"]) == len(positions[1]["loss_positions"]) == 64  # 51 labels, to 16s
+    with pytest.raises(ValueError, match="make data.max_seq_len a multiple of 16"):
+        model_inputs(batch, "varlen", token_multiple=16, whole_rows=True)  # 78 tokens
+    assert model_inputs(batch, "sdpa", whole_rows=True)["input_ids"].shape == (3, 26)  # rows stay rows: one shape
+
+
+@pytest.mark.parametrize(
+    ("setting", "compiled", "attention", "fill", "whole"),
+    [
+        ("auto", True, "varlen", 1.0, True),
+        ("auto", True, "varlen", 0.5, False),  # half the rows padding: computing it costs more than a static graph
+        ("auto", False, "varlen", 1.0, False),  # eager layers have no graph to keep
+        (True, False, "varlen", 0.5, True),
+        (False, True, "varlen", 1.0, False),
+        (True, True, "sdpa", 1.0, False),  # rows that keep their padding already have one shape
+    ],
+)
+def test_static_shapes_where_the_setting_and_the_data_ask(setting, compiled, attention, fill, whole):
+    from tests.runtime.configs import data_config
+    from tigon.runtime.batches import static_shapes
+    from tigon.runtime.data import PackedDataset
+
+    config = data_config("train.jsonl", max_seq_len=32)
+    config.training.micro_batch_size, config.training.compile = 4, compiled
+    config.training.static_shapes, config.model.attn_implementation = setting, attention
+    document = int(32 * fill)
+    documents = [(list(range(document)), list(range(document)))] * 10
+    dataset = PackedDataset(documents, 32, pad_token_id=0, packing=False)  # a document a row
+    assert static_shapes(config, dataset) is whole
+
+
 def test_without_boundaries_rows_attend_as_wholes():
     """No boundaries (rows of one document, or generation): transformers' causal SDPA, as the sdpa model."""
     dense, varlen = tiny()

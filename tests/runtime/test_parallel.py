@@ -16,6 +16,7 @@ logits as the one-process run's export (within LOGITS_TOLERANCE).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,16 @@ def test_one_process_fsdp2_cpu_offload_and_zero1_match_ddp(tmp_path):
         worst = max(abs(a - b) / abs(b) for a, b in zip(runs[name].losses, runs["ddp"].losses, strict=True))
         assert worst < RELATIVE_TOLERANCE, (name, runs[name].losses, runs["ddp"].losses)
         assert (tmp_path / name / "checkpoints" / "step-3").is_dir()
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_fsdp2_in_one_process_points_to_the_plain_model_unless_it_offloads(tmp_path, caplog, cpu_offload):
+    """FSDP2 over one process shards nothing and costs its copies: the run says so, and names the fix; CPU
+    offloading, which needs FSDP2, is left unremarked."""
+    parallelism = {"strategy": "fsdp", "cpu_offload": cpu_offload}
+    config = tiny_config(tmp_path, parallelism=parallelism, training={"max_steps": 1}, eval={"metrics": []})
+    with caplog.at_level(logging.WARNING, logger="tigon.runtime"):
+        train(config)
+    warned = [r.getMessage() for r in caplog.records if "fsdp on one process shards nothing" in r.getMessage()]
+    assert len(warned) == (0 if cpu_offload else 1)
+    assert not warned or "parallelism.strategy: ddp trains the model itself" in warned[0]
