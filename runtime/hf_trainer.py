@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from tigon.runtime.adapters import AdapterCheckpoints, finish_adapter_run, prepare_adapter
-from tigon.runtime.batches import GlobalBatchSampler, autocast, balancing_costs, collate
+from tigon.runtime.batches import GlobalBatchSampler, autocast, balancing_costs, collate, static_shapes
 from tigon.runtime.collector import QuietCollector
 from tigon.runtime.config import RunConfig
 from tigon.runtime.data import model_inputs
@@ -253,11 +253,13 @@ def train_with_hf(config: RunConfig, datasets: str | Path | None = None) -> Trai
     order = OrderSampler(epoch_order(config, prepared.train_dataset, env.world_size, log=env.is_main), steps)
     attn = config.model.attn_implementation
     positions = config.kernels.skip_unlabelled and has_fused_loss(prepared.model)
+    whole_rows = static_shapes(config, prepared.train_dataset)
 
     def collator(items: list[dict]) -> dict:
         if objective:  # the objective's code picks the model's inputs (pairs as rows, the labels as targets)
             return collate(items)
-        return {**model_inputs(collate(items), attn, loss_positions=positions), "use_cache": False}
+        inputs = model_inputs(collate(items), attn, loss_positions=positions, whole_rows=whole_rows)
+        return {**inputs, "use_cache": False}
 
     class TigonHFTrainer(Trainer):
         step_loss = 0.0
