@@ -167,16 +167,17 @@ def teacher_outputs(
     teacher = state.reference
     head_weight(teacher, "the teacher")
     with torch.no_grad():
-        hidden = final_hidden(teacher, inputs)
+        hidden = final_hidden(teacher, inputs, rows=positions)
     with frozen_head(teacher) as (weight, _):  # whole until the student's ops are done
         hidden, weight = in_compute_dtype(hidden, weight)
         yield at_positions(hidden, positions), weight
 
 
 def at_positions(hidden: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-    """Hidden states `(..., H)` flattened to rows, only those at `positions` (None: every row)."""
+    """Hidden states `(..., H)` flattened to rows, only those at `positions` (sorted; None: every row). States with
+    as many rows as positions are those rows already (`final_hidden`'s `rows`), or every row, which they name."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    return rows if positions is None else rows.index_select(0, positions)
+    return rows if positions is None or len(rows) == len(positions) else rows.index_select(0, positions)
 
 
 def distill_sums(
@@ -202,7 +203,8 @@ def distill_sums(
             return ce.float(), jsd.float()
 
         def losses(direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            return on_head(model, op, at_positions(final_hidden(model, inputs, direct=direct), positions))
+            hidden = final_hidden(model, inputs, direct=direct, rows=positions)
+            return on_head(model, op, at_positions(hidden, positions))
 
         return in_root_forward(model, losses)
 

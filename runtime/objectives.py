@@ -101,16 +101,19 @@ def check_objective(config: RunConfig) -> None:
         )
 
 
-def final_hidden(model: nn.Module, inputs: dict[str, torch.Tensor], direct: bool = False) -> torch.Tensor:
+def final_hidden(
+    model: nn.Module, inputs: dict[str, torch.Tensor], direct: bool = False, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """The decoder's last hidden states `(B, T, H)` from a forward (through any DDP wrapper) that keeps no logits.
 
     `direct`: call the model's forward method itself, not through its hooks (inside `in_root_forward`, where the
-    FSDP2 root's hooks already ran)."""
+    FSDP2 root's hooks already ran). `rows`: the positions a loss reads, which a family's last layer may compute
+    alone (`tigon.kernels.patching.causal_lm.last_hidden_state`)."""
     from tigon.kernels.patching.causal_lm import last_hidden_state
 
     module = unwrap(model)
     forward = functools.partial(type(module).forward, module) if direct else model
-    return last_hidden_state(forward, module, **inputs)
+    return last_hidden_state(forward, module, rows, **inputs)
 
 
 def in_root_forward(model: nn.Module, function: Callable[[bool], T]) -> T:
@@ -236,7 +239,7 @@ def preference_loss(
         if source == "model":
             frozen = state_of(model).reference
             with torch.no_grad():
-                ref_hidden = layout.op_layout(final_hidden(frozen, layout.inputs))
+                ref_hidden = layout.op_layout(final_hidden(frozen, layout.inputs, rows=layout.read))
             ref_weight, ref_bias = stack.enter_context(frozen_head(frozen))  # whole until the policy's op is done
             ref_hidden, ref_weight, ref_bias = in_compute_dtype(ref_hidden, ref_weight, ref_bias)
             reference = {"ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias}
@@ -260,7 +263,7 @@ def policy_loss(
     direct: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The fused preference op on the trained model's final hidden states and head (`direct`: see final_hidden)."""
-    hidden = layout.op_layout(final_hidden(model, layout.inputs, direct))
+    hidden = layout.op_layout(final_hidden(model, layout.inputs, direct, layout.read))
     op = functools.partial(preference_op, target=layout.target, reference=reference, batch=batch, config=config)
     return on_head(model, functools.partial(op, device=device, env=env), hidden)
 
@@ -430,7 +433,7 @@ def sequence_reference_logps(model: nn.Module, batch: dict, config: RunConfig, d
 
     layout = run_layout(batch, config, device)
     with torch.no_grad(), autocast(device, config.training.precision):
-        hidden = layout.op_layout(final_hidden(model, layout.inputs))
+        hidden = layout.op_layout(final_hidden(model, layout.inputs, rows=layout.read))
         with frozen_head(model) as (weight, bias):
             hidden, weight, bias = in_compute_dtype(hidden, weight, bias)
             logps = F.sequence_logps(hidden, weight, layout.target, bias)

@@ -1,7 +1,7 @@
 """A micro-batch of preference items as the model runs it and as the fused preference ops read it.
 
     rows = preference_rows(batch, packing, config.model.attn_implementation, device)
-    hidden = rows.op_layout(final_hidden(model, rows.inputs))     # (2N, T, H) for the fused op, with rows.target
+    hidden = rows.op_layout(final_hidden(model, rows.inputs, rows=rows.read))  # (2N, T, H) for the fused op
 
 The fused ops take one row per sequence, `(sequences, T, hidden)`: a micro-batch of N pairs (KTO: N completions and
 their N mismatched sequences) is 2N rows, the first rows then the second rows of its items, cut to the longest
@@ -12,7 +12,8 @@ SFT rows (`tigon.runtime.data.model_inputs`: varlen boundaries, or a block-diago
 sequence's final hidden states are then gathered into the op's rows. Every token sees the same positions and the
 same tokens in both layouts, so the ops receive the same completion log-probs up to floating-point rounding. With
 `skip_prompts` the op's rows keep only the positions with a target (the completions), in either layout: the prompts
-carry none, so the loss and metrics stay the same while the op's head projects fewer positions.
+carry none, so the loss and metrics stay the same while the op's head projects fewer positions, and the model's last
+layer computes past its attention only the positions the op reads (`read`; `tigon.kernels.patching.last_layer`).
 """
 
 from __future__ import annotations
@@ -40,13 +41,33 @@ class PreferenceRows:
     inputs: dict[str, Any]
     target: torch.Tensor
     index: torch.Tensor | None = None
+    read: torch.Tensor | None = None  # `positions_read`: the model's positions `index` reads
+    read_index: torch.Tensor | None = None  # `index` into `read`'s rows
 
     def op_layout(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's final hidden states `(rows, length, H)` as the fused ops take them, `(2N, T, H)`."""
+        """The model's final hidden states `(rows, length, H)`, or `(1, len(read), H)` at the positions `read`
+        names, as the fused ops take them, `(2N, T, H)`."""
         if self.index is None:
             return hidden
+        at_read = self.read is not None and hidden.shape[:2] == (1, len(self.read))  # else read is every position
         flat = torch.cat([hidden.flatten(0, 1), hidden.new_zeros(1, hidden.shape[-1])])
-        return flat[self.index]
+        return flat[self.read_index if at_read else self.index]
+
+
+def positions_read(index: torch.Tensor, beyond: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The positions of the model's flattened output that `index` reads (all but `beyond`, the zero row), sorted,
+    with as many unread ones as make their count a multiple the fused ops' chunks keep (`projected_count`), and
+    `index` into them (`beyond` becoming their count); None where too few positions are left unread to skip."""
+    read = torch.zeros(beyond, dtype=torch.bool)
+    read[index[index != beyond]] = True
+    count = int(read.sum())
+    kept = projected_count(count, beyond)
+    if kept is None:
+        return None
+    read[(~read).nonzero().squeeze(1)[: kept - count]] = True
+    positions = read.nonzero().squeeze(1)
+    found = torch.searchsorted(positions, index.clamp(max=beyond - 1))
+    return positions, torch.where(index == beyond, kept, found)
 
 
 def completion_columns(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -98,10 +119,12 @@ def preference_rows(
         inputs = model_inputs(packed, attn_implementation, device)
         inputs.pop("labels")
     columns = completion_columns(target) if skip_prompts else None
+    read = None
     if columns is not None:
         order, valid = columns
         every = index if index is not None else torch.arange(target.numel()).view_as(target)
         index = torch.where(valid, every.gather(1, order), beyond)
         target = torch.where(valid, target.gather(1, order), IGNORE_INDEX)
-    index = index.to(device, non_blocking=True) if index is not None else None
-    return PreferenceRows(inputs, target.to(device, non_blocking=True), index)
+        read = positions_read(index, beyond)
+    on_device = [None if t is None else t.to(device, non_blocking=True) for t in (index, *(read or (None, None)))]
+    return PreferenceRows(inputs, target.to(device, non_blocking=True), *on_device)

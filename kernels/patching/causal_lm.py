@@ -142,9 +142,22 @@ def keep_last_hidden_state(causal_lm: nn.Module) -> list:
     return decoder.__dict__[LAST_HIDDEN]
 
 
-def last_hidden_state(model: nn.Module, inner: nn.Module, **inputs) -> torch.Tensor:
+def takes_loss_rows(causal_lm: nn.Module, kwargs: dict) -> bool:
+    """Whether a forward of `causal_lm` with these keyword arguments may have its last decoder layer compute only
+    the rows a loss reads (`tigon.kernels.patching.last_layer`): the family's layer takes them, and no router
+    logits are output (their auxiliary loss counts every row)."""
+    config = causal_lm.config.get_text_config()
+    routed = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+    return not routed and last_layer_takes_rows(decoder_of(causal_lm))
+
+
+def last_hidden_state(model: nn.Module, inner: nn.Module, rows: torch.Tensor | None = None, **inputs) -> torch.Tensor:
     """The decoder's last hidden states `(B, T, H)` from a forward of `model` (`inner`, or a wrapper of it) that
-    keeps no logit positions, so the head projects nothing."""
+    keeps no logit positions, so the head projects nothing. `rows` (sorted positions of the flattened `(B, T)`):
+    where the family's last layer takes them (`takes_loss_rows`), it computes only those rows past its attention,
+    and the states come back as `(1, len(rows), H)`."""
+    if rows is not None and takes_loss_rows(inner, inputs):
+        inputs[LOSS_ROWS] = rows
     box = keep_last_hidden_state(inner)
     box.append(None)
     device = inner.get_output_embeddings().weight.device
@@ -203,10 +216,7 @@ def fused_forward(original, family: Family):
         box = keep_last_hidden_state(self)
         box.append(None)
         no_positions = torch.empty(0, dtype=torch.long, device=head.weight.device)
-        routed = kwargs.get(
-            "output_router_logits", getattr(self.config.get_text_config(), "output_router_logits", False)
-        )
-        if loss_positions is not None and keep == 0 and not routed and last_layer_takes_rows(decoder_of(self)):
+        if loss_positions is not None and keep == 0 and takes_loss_rows(self, kwargs):
             kwargs[LOSS_ROWS] = loss_positions  # the last layer computes only the rows the loss reads
         out = original(self, **kwargs, logits_to_keep=no_positions, return_dict=True)
         hidden = keep_positions(box.pop(), keep)

@@ -156,6 +156,19 @@ def test_packed_documents_train_as_if_alone(checkpointing):
             assert relative(real[start:end], alone) < 1e-6
 
 
+def assert_same_loss_and_gradients(model, expected: dict, got: dict) -> None:
+    """The model's loss and every gradient on the inputs `got` are those on `expected`."""
+    losses, grads = [], []
+    for inputs in (expected, got):
+        model.zero_grad()
+        loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(gradients(model))
+    assert abs(losses[1] - losses[0]) <= 1e-6 * losses[0]
+    assert relative(grads[1], grads[0]) < 1e-6
+
+
 def test_fp8_batches_keep_padding_up_to_a_multiple_of_16():
     """FP8 matmuls contract the weight gradient over the tokens, which the GPU's kernel takes only in multiples of
     16: `token_multiple` keeps the first padding tokens after the rows' last labels (93 real tokens -> 96), and the
@@ -165,15 +178,7 @@ def test_fp8_batches_keep_padding_up_to_a_multiple_of_16():
     plain, fp8 = model_inputs(batch, "varlen"), model_inputs(batch, "varlen", token_multiple=token_multiple("fp8"))
     assert plain["input_ids"].shape[1] == 93 and fp8["input_ids"].shape[1] == 96
     assert fp8["cu_seq_lens_q"].tolist()[-1] == 96
-    losses, grads = [], []
-    for inputs in (plain, fp8):
-        model.zero_grad()
-        loss = model(**inputs, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(gradients(model))
-    assert abs(losses[1] - losses[0]) <= 1e-6 * losses[0]
-    assert relative(grads[1], grads[0]) < 1e-6
+    assert_same_loss_and_gradients(model, plain, fp8)
     assert token_multiple("bf16") == 1
     full = packed_batch(rows=[[3, 4], [7]])  # 7 tokens in rows of 7: no padding to keep
     with pytest.raises(ValueError, match="make data.max_seq_len a multiple of 16"):
@@ -190,15 +195,7 @@ def test_whole_rows_feed_one_token_count_with_the_same_loss_and_gradients():
     assert plain["input_ids"].shape == (1, 70) and whole["input_ids"].shape == (1, 78)
     assert whole["cu_seq_lens_q"].tolist()[-1] == 78
     assert int((whole["labels"] != -100).sum()) == int((plain["labels"] != -100).sum())
-    losses, grads = [], []
-    for inputs in (plain, whole):
-        model.zero_grad()
-        loss = model(**inputs, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(gradients(model))
-    assert abs(losses[1] - losses[0]) <= 1e-6 * losses[0]
-    assert relative(grads[1], grads[0]) < 1e-6
+    assert_same_loss_and_gradients(model, plain, whole)
     batch["labels"][1, 1:12] = -100  # a prompt: the head skips it in either layout
     positions = [model_inputs(batch, "varlen", loss_positions=True, whole_rows=whole) for whole in (False, True)]
     assert len(positions[0]["loss_positions"]) == len(positions[1]["loss_positions"]) == 64  # 51 labels, to 16s

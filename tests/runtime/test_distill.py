@@ -145,6 +145,39 @@ def test_the_heads_project_only_the_completions(tmp_path):
     assert torch.equal(target, every[positions]) and int((target != -100).sum()) == int((every != -100).sum())
 
 
+def test_the_last_layer_computes_only_the_completions(tmp_path):
+    """With the prompts skipped, the student's last layer runs its MLP on only the positions its head projects, and
+    the states there and their gradients are the whole layer's (the teacher's forward takes the same rows)."""
+    from tigon.kernels.patching import apply
+    from tigon.kernels.patching.causal_lm import decoder_of
+    from tigon.runtime.batches import collate
+    from tigon.runtime.data import build_datasets
+    from tigon.runtime.distill import at_positions, distill_inputs
+    from tigon.runtime.model import build_model
+    from tigon.runtime.objectives import final_hidden
+    from tigon.runtime.tokenizer import load_tokenizer
+
+    config = distill_config(tmp_path)
+    tokenizer = load_tokenizer(config.model)
+    batch = collate([build_datasets(config, tokenizer)[0][i] for i in range(4)])
+    inputs, _, positions = distill_inputs(batch, config, torch.device("cpu"), skip_prompts=True)
+    model = build_model(config, len(tokenizer)).train()
+    apply(model, rms_norm=False, rope=False, swiglu=False)  # the last-layer swap, without the interpreted kernels
+    rows_seen = []
+    decoder_of(model).layers[-1].mlp.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[:-1]))
+    weights = torch.randn(len(positions), model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    outputs, gradients = [], []
+    for rows in (None, positions):
+        model.zero_grad()
+        hidden = at_positions(final_hidden(model, dict(inputs), rows=rows), positions)
+        (hidden * weights).sum().backward()
+        outputs.append(hidden.detach())
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert [tuple(shape) for shape in rows_seen] == [tuple(inputs["input_ids"].shape), (1, len(positions))]
+    assert torch.allclose(outputs[1], outputs[0], atol=1e-6, rtol=1e-5)
+    assert float((gradients[1] - gradients[0]).norm() / gradients[0].norm()) < 1e-5
+
+
 @pytest.mark.parametrize("beta", [0.0, 1.0], ids=["forward-kl", "reverse-kl"])
 def test_distill_kl_directions_and_evaluation(tmp_path, beta):
     """beta 0 and 1 are the forward and reverse KL; a held-out evaluation reports the two terms and their mix."""

@@ -219,3 +219,33 @@ def test_packed_pairs_under_fsdp2_give_the_padded_ddp_run(tmp_path):
     assert len(pairs) > 8 and len(padded["losses"]) == 2
     for got, want in pairs:
         assert abs(got - want) <= 1e-5 * abs(want) + 1e-7, (padded, packed)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_last_layer_computes_only_the_positions_the_op_reads(tmp_path, packing):
+    """With the prompts skipped, the model's last layer runs its MLP on only the positions the op's rows read, and
+    the op's hidden states and their gradients are those of the whole layer's output gathered the same way."""
+    from tigon.kernels.patching import apply
+    from tigon.kernels.patching.causal_lm import decoder_of
+    from tigon.runtime.model import build_model
+
+    records = [{**pair, "prompt": "Add the numbers: " * (1 + i % 3) + pair["prompt"]} for i, pair in enumerate(PAIRS)]
+    config = preference_config(tmp_path, "dpo", records=records, data={"packing": packing, "max_seq_len": 64})
+    model = build_model(config, len(load_tokenizer(config.model))).train()
+    apply(model, rms_norm=False, rope=False, swiglu=False)  # the last-layer swap, without the interpreted kernels
+    layout = preference_rows(micro_batch(config, 4), packing, "varlen", torch.device("cpu"), skip_prompts=True)
+    positions = layout.inputs["input_ids"].numel()
+    assert layout.read is not None and len(layout.read) % 16 == 0 and len(layout.read) < positions / 2
+    rows_seen = []
+    decoder_of(model).layers[-1].mlp.register_forward_pre_hook(lambda _, args: rows_seen.append(args[0].shape[:-1]))
+    weights = torch.randn(layout.target.shape + (model.config.hidden_size,), generator=torch.Generator().manual_seed(0))
+    outputs, gradients = [], []
+    for read in (None, layout.read):
+        model.zero_grad()
+        hidden = layout.op_layout(final_hidden(model, layout.inputs, rows=read))
+        (hidden * weights).sum().backward()
+        outputs.append(hidden.detach())
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert [tuple(shape) for shape in rows_seen] == [tuple(layout.inputs["input_ids"].shape), (1, len(layout.read))]
+    assert torch.allclose(outputs[1], outputs[0], atol=1e-6, rtol=1e-5)
+    assert float((gradients[1] - gradients[0]).norm() / gradients[0].norm()) < 1e-5
