@@ -13,6 +13,7 @@
 #   VARIANTS="tigon-compiled planner-compiled" bash benchmarks/headline.sh   # decoder layers compiled (training.compile)
 #   TAG=ckpt10 SETS="training.checkpoint_layers=10" VARIANTS=tigon bash benchmarks/headline.sh   # config overrides
 #   DOCS=mixed TAG=mixed SEQS=4096 VARIANTS="liger planner" bash benchmarks/headline.sh   # packed fine-tuning data
+#   GPUS=1 TAG=one SETS=parallelism.strategy=ddp bash benchmarks/headline.sh   # one GPU, the plain model (FSDP2 over one process shards nothing)
 #
 # A variant that runs out of memory at one length is not run at longer ones. Run from the repository root.
 set -uo pipefail
