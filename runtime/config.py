@@ -207,9 +207,9 @@ class TrainingConfig(Section):
     static_shapes: bool | Literal["auto"] = Field(
         "auto",
         description="under varlen attention, every micro-batch feeds the model micro_batch_size x data.max_seq_len "
-        "tokens: its packed rows whole, their padding computed (a short micro-batch gets rows of padding), so "
-        "compiled layers keep one graph of static shapes instead of one for any token count (FP8's casts gain "
-        "most); auto: on under training.compile when the training rows' padding is under 2% of their tokens",
+        "tokens: its packed rows whole, their padding computed, so compiled layers keep one graph of static shapes "
+        "instead of one for any token count (FP8's casts gain most); auto: on under training.compile when the "
+        "training rows' padding is under 2% of their tokens",
     )
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor",

@@ -56,8 +56,8 @@ class PreferenceRows:
 
 def positions_read(index: torch.Tensor, beyond: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The positions of the model's flattened output that `index` reads (all but `beyond`, the zero row), sorted,
-    with as many unread ones as make their count a multiple the fused ops' chunks keep (`projected_count`), and
-    `index` into them (`beyond` becoming their count); None where too few positions are left unread to skip."""
+    with as many unread ones as `projected_count` adds (to a multiple of 16, as FP8 layers need), and `index` into
+    them (`beyond` becoming their count); None where too few positions are left unread to skip."""
     read = torch.zeros(beyond, dtype=torch.bool)
     read[index[index != beyond]] = True
     count = int(read.sum())
