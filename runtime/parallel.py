@@ -266,8 +266,8 @@ def shard_model(
     if not env.distributed and not frozen and not config.parallelism.cpu_offload:
         logger.warning(
             "fsdp on one process shards nothing, yet copies every weight through its all-gathers and keeps the "
-            "gradients in float32: parallelism.strategy: ddp trains the model itself (on one H200, the Llama-3-8B "
-            "shape's FP8 step 21%% shorter, with room to recompute nothing)"
+            "gradients in float32: parallelism.strategy: ddp trains the model itself, without those copies and with "
+            "gradients in the weights' dtype (docs/benchmarks.md, FP8 on instruction data, one GPU)"
         )
     if env.is_main:
         groups = "" if mesh is None else f" ({mesh.size(0)} replicas of {mesh.size(1)}-rank shard groups)"
