@@ -25,7 +25,6 @@ JSON to --out (rank 0), and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -119,10 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     dataset = random_dataset(micro * env.world_size * total, args.seq, vocab, config.training.seed)
     sampler = batches.GlobalBatchSampler(len(dataset), micro, 1, env.world_size, env.rank, config.training.seed)
     state = ckpt.TrainState(world_size=env.world_size)
-    whole_rows = batches.static_shapes(config, dataset)
-    ahead = torch_trainer.InputsAhead(
-        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device, whole_rows)
-    )
+    ahead = torch_trainer.inputs_ahead(strategy, sampler, dataset, config, device)
 
     def train_steps() -> list[float]:
         """`--interval` optimizer steps from where `state` stands; their losses."""

@@ -10,7 +10,6 @@ process per probe; `Budget` stops starting runs once the next would not end in t
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import subprocess
 import sys
@@ -140,10 +139,7 @@ def run_steps(config, steps: int, warmup: int, liger=None, profile: bool = False
         len(dataset), training.micro_batch_size, training.gradient_accumulation_steps, 1, 0, training.seed
     )
     state = ckpt.TrainState()
-    whole_rows = batches.static_shapes(config, dataset)
-    ahead = torch_trainer.InputsAhead(
-        functools.partial(torch_trainer.step_inputs_at, strategy, sampler, dataset, config, device, whole_rows)
-    )
+    ahead = torch_trainer.inputs_ahead(strategy, sampler, dataset, config, device)
     total = steps + warmup + profile
 
     def one_step() -> tuple[float, int]:

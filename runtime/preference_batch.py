@@ -119,12 +119,12 @@ def preference_rows(
         inputs = model_inputs(packed, attn_implementation, device)
         inputs.pop("labels")
     columns = completion_columns(target) if skip_prompts else None
-    read = None
+    read = read_index = None
     if columns is not None:
         order, valid = columns
         every = index if index is not None else torch.arange(target.numel()).view_as(target)
         index = torch.where(valid, every.gather(1, order), beyond)
         target = torch.where(valid, target.gather(1, order), IGNORE_INDEX)
-        read = positions_read(index, beyond)
-    on_device = [None if t is None else t.to(device, non_blocking=True) for t in (index, *(read or (None, None)))]
-    return PreferenceRows(inputs, target.to(device, non_blocking=True), *on_device)
+        read, read_index = positions_read(index, beyond) or (None, None)
+    moved = (None if t is None else t.to(device, non_blocking=True) for t in (target, index, read, read_index))
+    return PreferenceRows(inputs, *moved)

@@ -158,9 +158,7 @@ def train_loop(
     train_seconds, tokens_this_run, profile = 0.0, 0, None
     profile_at = config.logging.profile_step
     saving = None  # the checkpoint being written in the background (checkpoint.async_save)
-    dataset = prepared.train_dataset
-    make = functools.partial(step_inputs_at, strategy, sampler, dataset, config, device, static_shapes(config, dataset))
-    ahead = InputsAhead(make)
+    ahead = inputs_ahead(strategy, sampler, prepared.train_dataset, config, device)
     one_step = functools.partial(train_step, strategy, ahead, state, config, env, device, total_steps, per_epoch)
     strategy.model.train()
     collector = QuietCollector(config.training.freeze_gc, device)
@@ -260,6 +258,13 @@ class InputsAhead:
 
     def make_ahead(self, position: Position) -> None:
         self.held = (position, self.make(position))
+
+
+def inputs_ahead(strategy, sampler: GlobalBatchSampler, dataset, config: RunConfig, device) -> InputsAhead:
+    """`InputsAhead` of the global batches `sampler` deals from `dataset` (`step_inputs_at`), their rows whole where
+    `training.static_shapes` asks."""
+    whole_rows = static_shapes(config, dataset)
+    return InputsAhead(functools.partial(step_inputs_at, strategy, sampler, dataset, config, device, whole_rows))
 
 
 def next_position(position: Position, per_epoch: int) -> Position:
