@@ -42,7 +42,7 @@ from torch import nn
 from tigon.runtime import checkpoint as ckpt
 from tigon.runtime.config import RunConfig
 from tigon.runtime.distributed import DistEnv, barrier, shard_ranks, wrap_model
-from tigon.runtime.fp8 import cast_once_layers, cast_weights, drop_weight_casts, precompute_scales
+from tigon.runtime.fp8 import precompute_scales
 from tigon.runtime.gathers import check_copy_engine_gathers, use_copy_engine_gathers
 from tigon.runtime.model import build_model
 from tigon.runtime.optim import build_optimizer, build_scheduler, load_schedule
@@ -75,7 +75,6 @@ class DDPStrategy:
         enabled = config.training.precision == "fp16"
         self.scaler = scaler if scaler is not None else self.new_scaler(device, enabled)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.fp8_cast_once = cast_once_layers(module, config)
 
     @classmethod
     def build(cls, module: nn.Module, config: RunConfig, env: DistEnv, device: torch.device, total_steps: int):
@@ -101,9 +100,7 @@ class DDPStrategy:
         return True
 
     def accumulating(self, last: bool):
-        """The context of one micro-batch's forward and backward; gradients are synchronized on the last. FP8
-        weights cast once a step are cast before the first."""
-        cast_weights(self.fp8_cast_once, self.config.training.compile_backend)
+        """The context of one micro-batch's forward and backward; gradients are synchronized on the last."""
         return contextlib.nullcontext() if last or not self.env.distributed else self.model.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -116,9 +113,7 @@ class DDPStrategy:
 
     def step(self) -> torch.Tensor | float:
         """Clip, update, advance the schedule, zero the gradients; the gradient norm before clipping, left on the
-        device so that the update is queued behind the backward before anything waits for the GPU. FP8 weights
-        cast once a step drop their casts first."""
-        drop_weight_casts(self.fp8_cast_once)
+        device so that the update is queued behind the backward before anything waits for the GPU."""
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.clip()
         self.scaler.step(self.optimizer)

@@ -130,7 +130,6 @@ from typing import Literal
 
 from tigon.runtime.config import ConfigError, RunConfig, parse_memory
 from tigon.runtime.distributed import DistEnv, shard_ranks
-from tigon.runtime.fp8 import casts_weights_once
 from tigon.runtime.hub import config_json
 from tigon.runtime.model_types import text_overrides
 from tigon.runtime.tokenizer import load_tokenizer
@@ -411,7 +410,6 @@ class Workload:
 
     compiled: bool = False  # training.compile: compiled layers run tigon's gated activations out of place
     fp8: bool = False  # training.precision fp8: the decoder's Linear layers in FP8 (compiled)
-    fp8_cast_once: bool = False  # FP8 weights cast once a step (`fp8.casts_weights_once`), kept for the step
 
     @property
     def linear_params(self) -> int:
@@ -548,7 +546,6 @@ def workload(config: RunConfig, world_size: int | None = None, shape: ModelShape
         reference_pass=objective.preference and objective.reference_source == "precomputed",
         compiled=config.training.compile,
         fp8=config.training.precision == "fp8",
-        fp8_cast_once=casts_weights_once(config),
     )
 
 
@@ -1104,21 +1101,19 @@ def estimate(work: Workload, setting: Setting, loss_chunk_tokens: int | None = N
         held, loss_grads, top_grads, step = zero_moments(work, zero, setting.accumulation)
         fixed.update(held)
         first_grads = top_grads
-    # FP8 weights cast once a step: a byte each, dropped before the update
-    fixed_in_step = {**fixed, "fp8 weight casts": work.linear_params} if work.fp8_cast_once else fixed
-    loss = {**fixed_in_step, "activations": loss_casts + activations, "loss and logits": loss_peak, **loss_grads}
+    loss = {**fixed, "activations": loss_casts + activations, "loss and logits": loss_peak, **loss_grads}
     if work.frozen is not None:
         loss["frozen hidden states and head"] = frozen_read
     moments = {
         "loss": loss,
         "backward (top layer)": {
-            **fixed_in_step,
+            **fixed,
             "activations": casts + activations,
             "backward buffers": top_recomputed + top_transient,
             **top_grads,
         },
         "backward (first layer)": {
-            **fixed_in_step,
+            **fixed,
             "activations": first_kept + per_batch + mask,
             "backward buffers": first_recomputed + first_transient,
             **first_grads,

@@ -13,17 +13,8 @@ import torch
 
 from tests.runtime.configs import COMPILED, TINY_MODEL, resumable_config, tiny_config
 from tests.runtime.worker_groups import launch, worst_relative
-from tigon.runtime import parallel
 from tigon.runtime.config import ConfigError
-from tigon.runtime.fp8 import (
-    EMULATE_VARIABLE,
-    cast_once_layers,
-    cast_weights,
-    check_device,
-    drop_weight_casts,
-    float8_config,
-    float8_linear_cast_once,
-)
+from tigon.runtime.fp8 import EMULATE_VARIABLE, check_device
 from tigon.runtime.model import build_model
 from tigon.runtime.trainer import train
 
@@ -131,104 +122,6 @@ def test_fp8_under_fsdp2_casts_weights_before_the_all_gather(tmp_path):
     assert len(weights) == 14 and all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in weights)
     rowwise = build_model(tiny_config(tmp_path, training={**FP8, "fp8_scaling": "rowwise"}, parallelism=fsdp), 64)
     assert not any(isinstance(p, WeightWithDynamicFloat8CastTensor) for p in rowwise.parameters())
-
-
-def test_fp8_casts_weights_once_a_step_only_on_the_unsharded_model_with_tensorwise_scaling(tmp_path):
-    kind = float8_linear_cast_once()
-    config = tiny_config(tmp_path, training=FP8)
-    model = build_model(config, 64)
-    assert [type(model.get_submodule(name)) for name in model.tigon_fp8_layers] == [kind] * 14
-    assert len(cast_once_layers(model, config)) == 14
-    for sections in ({"training": {**FP8, "fp8_scaling": "rowwise"}}, {"parallelism": {"strategy": "fsdp"}}):
-        config = tiny_config(tmp_path, **{"training": FP8, **sections})
-        model = build_model(config, 64)
-        assert not any(isinstance(module, kind) for module in model.modules())
-        assert cast_once_layers(model, config) == []
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_a_weight_cast_once_gives_torchaos_values_over_two_micro_batches(tmp_path, compiled):
-    """Two micro-batches' forward and backward through one cast: outputs, input gradients and the accumulated
-    weight gradient equal torchao's Float8Linear, which casts the weight in each; corrupting the cast changes the
-    output, so the layer reads it."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    torch.manual_seed(0)
-    recipe = float8_config(tiny_config(tmp_path, training=FP8))
-    reference = Float8Linear.from_float(torch.nn.Linear(48, 32, bias=False), config=recipe)
-    layer = Float8Linear.from_float(torch.nn.Linear(48, 32, bias=False), config=recipe)
-    layer.__class__ = float8_linear_cast_once()
-    layer.weight = torch.nn.Parameter(reference.weight.detach().clone())
-    if compiled:
-        reference.compile(backend="aot_eager")
-        layer.compile(backend="aot_eager")
-    cast_weights([layer], "aot_eager")
-    assert layer.weight_bits.dtype == torch.float8_e4m3fn and layer.weight_bits.shape == (48, 32)
-    x = torch.randn(3, 5, 48)
-    for _ in range(2):
-        x_want, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
-        want, got = reference(x_want), layer(x_got)
-        assert torch.equal(got, want)
-        gradient = torch.randn(3, 5, 32)
-        want.backward(gradient)
-        got.backward(gradient)
-        assert torch.equal(x_got.grad, x_want.grad)
-        x = torch.randn(3, 5, 48) * 3
-    assert torch.equal(layer.weight.grad, reference.weight.grad)
-    layer.weight_bits = torch.zeros_like(layer.weight_bits)
-    with torch.no_grad():
-        assert not torch.equal(layer(x), reference(x))
-        drop_weight_casts([layer])
-        assert layer.weight_bits is None and torch.equal(layer(x), reference(x))
-
-
-@pytest.mark.gpu
-def test_a_weight_cast_once_gives_torchaos_values_on_fp8_tensor_cores(tmp_path, monkeypatch):
-    """On an FP8 GPU, Inductor-compiled, at the Llama-3-8B shape's gate projection: the cast made once equals the
-    one torchao makes inside the compiled layer, so outputs and every gradient over two micro-batches are equal."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    monkeypatch.delenv(EMULATE_VARIABLE)
-    torch.manual_seed(0)
-    recipe = float8_config(tiny_config(tmp_path, training=FP8))
-    device = torch.device("cuda")
-    reference = Float8Linear.from_float(torch.nn.Linear(4096, 14336, bias=False, device=device), config=recipe)
-    layer = Float8Linear.from_float(torch.nn.Linear(4096, 14336, bias=False, device=device), config=recipe)
-    layer.__class__ = float8_linear_cast_once()
-    layer.weight = torch.nn.Parameter(reference.weight.detach().clone())
-    reference.compile()
-    layer.compile()
-    cast_weights([layer], "inductor")
-    for _ in range(2):
-        x = torch.randn(2, 1000, 4096, device=device)
-        x_want, x_got = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            want, got = reference(x_want), layer(x_got)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-        gradient = torch.randn_like(want)
-        want.backward(gradient)
-        got.backward(gradient)
-        assert torch.equal(x_got.grad, x_want.grad)
-    assert torch.equal(layer.weight.grad, reference.weight.grad)
-
-
-def test_training_with_weights_cast_once_a_step_equals_casting_them_in_every_matmul(tmp_path, monkeypatch):
-    """Micro-batch 2 x accumulation 2: the weights are cast once a step (four casts in four steps, each after the
-    update), and the losses equal the run in which every matmul casts its weight (torchao's Float8Linear)."""
-    training = {**FP8, "max_steps": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
-    sections = dict(eval={"metrics": []}, training=training)
-    real_cast, casts = parallel.cast_weights, []
-
-    def counting_cast(layers, backend):
-        casts.append(bool(layers) and layers[0].weight_bits is None)
-        real_cast(layers, backend)
-
-    monkeypatch.setattr(parallel, "cast_weights", counting_cast)
-    once = train(tiny_config(tmp_path / "once", **sections))
-    assert casts == [True, False] * 4
-    monkeypatch.setattr(parallel, "cast_once_layers", lambda module, config: [])
-    every = train(tiny_config(tmp_path / "every", **sections))
-    assert once.losses == every.losses
 
 
 @pytest.mark.parametrize(
