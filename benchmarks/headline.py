@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         result = paired(Path(args.out), args.base, args.other)
         print(
             f"{args.other} over {args.base}, {result['steps']} steps: median step time ratio "
-            f"{result['median_ratio']:.4f}, total {result['total_ratio']:.4f}"
+            f"{result['median_ratio']:.4f} ({1 / result['median_ratio']:.3f}x the speed), total "
+            f"{result['total_ratio']:.4f}"
         )
         return 0
     if args.command == "scaling":

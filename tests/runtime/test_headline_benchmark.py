@@ -156,3 +156,33 @@ def test_the_docs_plots_redraw_from_the_recorded_reports(tmp_path):
     assert main(["plot", "--scaling", *scaling, "--headline", *headline, "--out-dir", str(tmp_path)]) == 0
     for name in ("multi-gpu-scaling.png", "multi-gpu-memory.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tiny_bars_run_pairs_the_planner_exact_and_fp8_with_the_base(tmp_path):
+    """benchmarks/bars.sh on the CPU: the base at the largest micro-batch that fits, then the planner in bf16 and in
+    FP8 (emulated), each paired with it; the base's setting is flex attention's, which the smoke run swaps for SDPA."""
+    env = script_env(
+        tmp_path,
+        TINY="1",
+        GPUS="2",
+        SEQ="1024",
+        STEPS="5",
+        MICRO_BATCH="2",
+        BASE="eager",
+        SETS="model.attn_implementation=sdpa training.compile_backend=aot_eager",
+        TIGON_FP8_EMULATE="1",
+    )
+    done = subprocess.run(
+        ["bash", "benchmarks/bars.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    pairs = (tmp_path / "headline" / "bars.txt").read_text().splitlines()
+    assert [line.split(",")[0] for line in pairs] == [
+        "planner-bars-1024 over eager-bars2-1024",
+        "planner-compiled-bars-fp8-1024 over eager-bars2-1024",
+    ]
+    assert all("x the speed" in line for line in pairs)
+    base = (tmp_path / "headline" / "eager-bars2-1024" / "config.yaml").read_text()
+    assert "gradient_checkpointing: false" in base and "strategy: fsdp" in base
+    fp8 = (tmp_path / "headline" / "planner-compiled-bars-fp8-1024" / "config.yaml").read_text()
+    assert "precision: fp8" in fp8 and "compile: true" in fp8
