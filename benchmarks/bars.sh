@@ -36,14 +36,13 @@ for micro in $MICROS; do
   run "bars$micro" "$BASE" training.gradient_checkpointing=false model.attn_implementation=flex_attention \
     "training.micro_batch_size=$micro" "training.gradient_accumulation_steps=$((MICRO_BATCH / micro))"
   name=$BASE-bars$micro-$SEQS
-  if [[ -s $out/$name/metrics.jsonl ]]; then
-    base=$name
-    break
-  fi
-  if ! grep -qi "out of memory" "$out/$name.log"; then
+  if grep -qi "out of memory" "$out/$name.log"; then continue; fi
+  if [[ ! -s $out/$name/metrics.jsonl ]]; then
     echo "$name failed (not for memory): see $out/$name.log"
     exit 1
   fi
+  base=$name
+  break
 done
 if [[ -z $base ]]; then
   echo "$BASE ran out of memory at every micro-batch of $MICROS: nothing to measure against; try smaller ones (MICROS)"
