@@ -236,6 +236,9 @@ def paired(out: Path, base: str, other: str) -> dict:
     return {"steps": steps, "median_ratio": statistics.median(ratios), "total_ratio": total}
 
 
+TIME_LIMIT = "stopped at the time limit"  # benchmarks/headline.sh's last line in a run it stopped (LIMIT)
+
+
 def collect(out: Path) -> dict:
     """Every run under `out`: tokens/s after warm-up, rank 0's peak memory, out-of-memory, the longest fit."""
     runs = []
@@ -266,7 +269,7 @@ def collect(out: Path) -> dict:
                 "final_loss": summary["final_loss"],
             }
         elif not row["oom"]:
-            row["error"] = log_text.strip().splitlines()[-1] if log_text.strip() else "no log"
+            row["error"] = failure_line(log_text)
         runs.append(row)
     runs.sort(key=lambda r: (VARIANTS.index(r["variant"]) if r["variant"] in VARIANTS else 9, r["seq"]))
     longest = {}
@@ -277,6 +280,14 @@ def collect(out: Path) -> dict:
     (out / "headline.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "headline.md").write_text(markdown(report))
     return report
+
+
+def failure_line(log_text: str) -> str:
+    """What a failed run's log says went wrong: its last line naming an error (each rank's `error:` line, the time
+    limit's), else its last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    named = [line for line in lines if "error:" in line.lower() or line.startswith(TIME_LIMIT)]
+    return (named or lines or ["no log"])[-1]
 
 
 def recompute_text(training: dict) -> str:

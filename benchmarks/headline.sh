@@ -50,6 +50,7 @@ for seq in $SEQS; do
     echo "== $name at seq $seq on $GPUS GPUs${SETS:+ ($SETS)}"
     timeout "$LIMIT" torchrun --standalone --nproc_per_node "$GPUS" "${entry[@]}" > "$out/$name-$seq.log" 2>&1
     status=$?
+    if ((status == 124)); then echo "stopped at the time limit: LIMIT=$LIMIT s" >> "$out/$name-$seq.log"; fi
     tail -n 3 "$out/$name-$seq.log"
     if grep -qi "out of memory" "$out/$name-$seq.log"; then stopped[$variant]=$seq; fi
     echo "   exit $status"

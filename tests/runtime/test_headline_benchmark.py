@@ -186,3 +186,26 @@ def test_tiny_bars_run_pairs_the_planner_exact_and_fp8_with_the_base(tmp_path):
     assert "gradient_checkpointing: false" in base and "strategy: fsdp" in base
     fp8 = (tmp_path / "headline" / "planner-compiled-bars-fp8-1024" / "config.yaml").read_text()
     assert "precision: fp8" in fp8 and "compile: true" in fp8
+
+
+def test_a_failed_run_is_tabulated_with_the_line_that_names_its_error(tmp_path):
+    """A rank's `error:` line rather than torchrun's closing banner, and a run stopped at the time limit as such."""
+    from benchmarks.headline import collect
+
+    logs = {
+        "tigon-32": "09:54:34 tigon.runtime: rank 0 of 2 failed\n[rank 0] error: dataset x.jsonl: too short\n"
+        "Traceback (most recent call last):\n  File ...\n============\n",
+        "liger-32": "step 1\nSignalException: Process 612 got signal: 15\nstopped at the time limit: LIMIT=60 s\n",
+        "eager-32": "",
+    }
+    for name, text in logs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text("{}\n")
+        (tmp_path / f"{name}.log").write_text(text)
+    errors = {row["variant"]: row["error"] for row in collect(tmp_path)["runs"]}
+    assert errors == {
+        "tigon": "[rank 0] error: dataset x.jsonl: too short",
+        "liger": "stopped at the time limit: LIMIT=60 s",
+        "eager": "no log",
+    }
+    assert "| tigon | 32 | | | [rank 0] error: dataset x.jsonl: too short | |" in (tmp_path / "headline.md").read_text()
