@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         result = paired(Path(args.out), args.base, args.other)
         print(
             f"{args.other} over {args.base}, {result['steps']} steps: median step time ratio "
-            f"{result['median_ratio']:.4f} ({1 / result['median_ratio']:.3f}x the speed), total "
+            f"{result['median_ratio']:.4f} ({1 / result['median_ratio']:.3f}x as fast), total "
             f"{result['total_ratio']:.4f}"
         )
         return 0
