@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tigon against HF + Liger-Kernel's fastest setting, in one command: instruction data (documents of mixed lengths,
 # half of each a prompt, packed) at the Llama-3-8B shape; HF + Liger-Kernel with flex attention and nothing
-# recomputed at the largest micro-batch of MICROS (8 4 2) that fits (accumulating to MICRO_BATCH rows per GPU), then
+# recomputed at the largest micro-batch of MICROS (8 4 2) dividing MICRO_BATCH that fits (accumulating to it), then
 # tigon's planner in bf16 (exact) and in FP8 (compiled layers), each paired with it step by step
 # (`benchmarks/headline.py paired`). Every run lands under $OUT/headline (benchmarks/headline.sh); the pairs are
 # printed and written to $OUT/headline/bars.txt.
@@ -10,7 +10,7 @@
 #   GPUS=1 bash benchmarks/bars.sh                  # one GPU: the plain model (parallelism.strategy: ddp)
 #   FP8=0 SHAPE=llama-3.2-1b bash benchmarks/bars.sh   # exact only, the Llama-3.2-1B shape
 #   MICROS="4 2" GPUS=4 bash benchmarks/bars.sh     # skip a micro-batch known not to fit
-#   TINY=1 GPUS=2 SEQ=32 STEPS=5 MICRO_BATCH=2 BASE=eager SETS="model.attn_implementation=sdpa \
+#   TINY=1 GPUS=2 SEQ=1024 STEPS=5 MICRO_BATCH=2 BASE=eager SETS="model.attn_implementation=sdpa \
 #     training.compile_backend=aot_eager" TIGON_FP8_EMULATE=1 bash benchmarks/bars.sh   # CPU smoke run
 #
 # SETS (KEY=VALUE config overrides) apply to every run, after this script's own; LIMIT bounds each run's seconds.
@@ -32,7 +32,7 @@ run() {  # run TAG VARIANT SETTINGS...
 
 base=
 for micro in $MICROS; do
-  if ((micro > MICRO_BATCH)); then continue; fi
+  if ((micro > MICRO_BATCH || MICRO_BATCH % micro)); then continue; fi  # micro x accumulation = MICRO_BATCH
   run "bars$micro" "$BASE" training.gradient_checkpointing=false model.attn_implementation=flex_attention \
     "training.micro_batch_size=$micro" "training.gradient_accumulation_steps=$((MICRO_BATCH / micro))"
   name=$BASE-bars$micro-$SEQS
@@ -45,7 +45,8 @@ for micro in $MICROS; do
   break
 done
 if [[ -z $base ]]; then
-  echo "$BASE ran out of memory at every micro-batch of $MICROS: nothing to measure against; try smaller ones (MICROS)"
+  echo "$BASE fit at no micro-batch of MICROS=\"$MICROS\" dividing MICRO_BATCH=$MICRO_BATCH: nothing to measure" \
+    "against; try smaller ones (MICROS)"
   exit 1
 fi
 run bars planner
