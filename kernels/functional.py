@@ -7,6 +7,7 @@ import torch
 from tigon.kernels.ops.cpo import fused_linear_cpo
 from tigon.kernels.ops.cross_entropy import cross_entropy
 from tigon.kernels.ops.dpo import fused_linear_dpo
+from tigon.kernels.ops.fp8_linear import fp8_linear
 from tigon.kernels.ops.fused_add_rms_norm import fused_add_rms_norm
 from tigon.kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from tigon.kernels.ops.fused_linear_jsd import fused_linear_jsd
@@ -27,6 +28,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_one",
     "cross_entropy",
+    "fp8_linear",
     "fused_add_rms_norm",
     "fused_linear_cpo",
     "fused_linear_cross_entropy",

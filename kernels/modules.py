@@ -153,6 +153,31 @@ class ReLUSquared(nn.Module):
         return F.relu_squared(x, in_place_backward=x.is_contiguous())
 
 
+class FP8Linear(nn.Linear):
+    """nn.Linear whose matrix products run in FP8, one dynamic scale per tensor (`fp8_linear`): the input in
+    the autocast dtype (bf16) as nn.Linear would take it, the weight in its own dtype. `keep_input` for a layer
+    whose input its producer keeps anyway (an attention block's output projection)."""
+
+    keep_input: bool = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, keep_input: bool = False) -> FP8Linear:
+        """An FP8Linear on `linear`'s own parameters."""
+        with torch.device("meta"):
+            module = cls(linear.in_features, linear.out_features, bias=False)
+        module.weight, module.bias = linear.weight, linear.bias
+        module.keep_input = keep_input
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return F.fp8_linear(x, self.weight, self.bias, keep_input=self.keep_input)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 tensorwise{', keep_input' if self.keep_input else ''}"
+
+
 class _GatedLinears(nn.Module):
     """A gated MLP made of the Linear layers named in `LINEARS` and an activation read from the config."""
 

@@ -110,6 +110,65 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+#: torchao's floor under a tensor's absolute maximum: an all-zero tensor scales by the format's maximum / 1e-12
+FP8_AMAX_FLOOR = 1e-12
+
+
+def fp8_amax(x: torch.Tensor) -> torch.Tensor:
+    """The absolute maximum of `x` as a float32 scalar (NaN if `x` holds one)."""
+    return x.abs().max().to(torch.float32)
+
+
+def fp8_cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` scaled by the FP8 format's maximum over `amax` and cast to `dtype` (saturating), with the inverse scale
+    `torch._scaled_mm` takes; torchao's tensorwise cast (its scale in float64, then rounded to float32)."""
+    fp8_max = torch.finfo(dtype).max
+    scale = (fp8_max / amax.to(torch.float64).clamp(min=FP8_AMAX_FLOOR)).to(torch.float32)
+    cast = (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
+    return cast, scale.reciprocal()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` through FP8 as torchao's tensorwise float8 training computes it: e4m3 input and weight in
+    the forward, an e5m2 output gradient in the backward, each with its own dynamic scale."""
+    return _FP8LinearReference.apply(x, weight)
+
+
+class _FP8LinearReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        x2d = x.reshape(-1, x.shape[-1])
+        x_fp8, x_inverse = fp8_cast(x2d, fp8_amax(x2d), torch.float8_e4m3fn)
+        w_fp8, w_inverse = fp8_cast(weight, fp8_amax(weight), torch.float8_e4m3fn)
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            out = torch._scaled_mm(
+                x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype, use_fast_accum=True
+            )
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2d, grad2d = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        x_fp8, x_inverse = fp8_cast(x2d, fp8_amax(x2d), torch.float8_e4m3fn)
+        w_fp8, w_inverse = fp8_cast(weight, fp8_amax(weight), torch.float8_e4m3fn)
+        g_fp8, g_inverse = fp8_cast(grad2d, fp8_amax(grad2d), torch.float8_e5m2)
+        grad_x = torch._scaled_mm(
+            g_fp8, w_fp8.t().contiguous().t(), scale_a=g_inverse, scale_b=w_inverse, out_dtype=grad.dtype
+        )
+        if not ctx.needs_input_grad[1]:
+            return grad_x.view(x.shape), None
+        grad_w = torch._scaled_mm(
+            g_fp8.t().contiguous(),
+            x_fp8.t().contiguous().t(),
+            scale_a=g_inverse,
+            scale_b=x_inverse,
+            out_dtype=grad.dtype,
+        )
+        return grad_x.view(x.shape), grad_w.to(weight.dtype)
+
+
 def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` with `gate, up = gate_up.chunk(2, -1)`, as Phi-3's and GLM-4's MLPs and the MoE experts do."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -1,18 +1,22 @@
-"""FP8 matrix products for `training.precision: fp8`, through torchao's float8 training.
+"""FP8 matrix products for `training.precision: fp8`.
 
     names = convert_to_fp8(model, config, layers)  # before compile and FSDP2, as torchao asks
 
-The decoder layers' Linear layers become torchao `Float8Linear`s: each matmul casts its input, weight and output
-gradient to FP8 with dynamic scales (per tensor or per row, `training.fp8_scaling`) and runs on the GPU's FP8
-tensor cores. Everything else (embeddings, norms, RoPE, the gated activation, attention, the head and the fused
-loss) runs under bf16 autocast, as in `precision: bf16`. The head stays a plain Linear because the fused loss
-reads its weight directly. FP8 matmuls need both dimensions to be multiples of 16, so other layers are skipped.
+The decoder layers' Linear layers compute their products in FP8 with dynamic scales (per tensor or per row,
+`training.fp8_scaling`) on the GPU's FP8 tensor cores. Everything else (embeddings, norms, RoPE, the gated
+activation, attention, the head and the fused loss) runs under bf16 autocast, as in `precision: bf16`. The head
+stays a plain Linear because the fused loss reads its weight directly. FP8 matmuls need both dimensions to be
+multiples of 16, so other layers are skipped.
 
-Under FSDP2 with tensorwise scaling, weights are cast to FP8 before the all-gather (half the bytes of bf16), and
-`precompute_scales` computes every weight's scale in one all-reduce after the optimizer step.
+With tensorwise scaling the layers become tigon's `FP8Linear` (`tigon.kernels.ops.fp8_linear`): torchao's
+numbers, with casts that write each operand and its transpose in one pass and keep the input's FP8 transpose for
+the backward (the attention output projection keeps its input, which attention keeps anyway). Rowwise scaling,
+and tensorwise under FSDP2, take torchao's `Float8Linear`: under FSDP2 it casts the weights to FP8 before the
+all-gather (half the bytes of bf16), and `precompute_scales` computes every weight's scale in one all-reduce
+after the optimizer step.
 
-`TIGON_FP8_EMULATE=1` is for tests only: torchao emulates the FP8 matmuls in higher precision, so a machine
-without an FP8 GPU runs the same casts and scales (slowly).
+`TIGON_FP8_EMULATE=1` is for tests only: it lets a machine without an FP8 GPU run FP8 (torchao emulates its
+matmuls in higher precision; tigon's run on the CPU's own `torch._scaled_mm`).
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import os
 import torch
 from torch import nn
 
+from tigon.kernels.modules import FP8Linear
 from tigon.runtime.config import ConfigError, RunConfig
 
 logger = logging.getLogger("tigon.runtime")
 
 EMULATE_VARIABLE = "TIGON_FP8_EMULATE"
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+#: projections that read the attention kernel's output, which the kernel keeps for its own backward: their FP8 layer
+#: keeps that input too, not an FP8 copy of it (the planner counts no copy)
+ATTENTION_OUTPUT_PROJECTIONS = {"o_proj", "out_proj"}
 
 
 def emulated() -> bool:
@@ -76,10 +84,14 @@ def decoder_linear_names(model: nn.Module, layers: list[nn.Module]) -> list[str]
     return names
 
 
-def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module]) -> list[str]:
-    """Swap the Linear layers of the decoder `layers` for torchao Float8Linear in place; returns their names."""
-    from torchao.float8 import convert_to_float8_training
+def uses_torchao(config: RunConfig) -> bool:
+    """Whether the FP8 layers are torchao's: rowwise scaling, or FSDP2 (FP8 all-gather); tigon's otherwise."""
+    return config.training.resolved_fp8_scaling == "rowwise" or config.parallelism.strategy == "fsdp"
 
+
+def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module]) -> list[str]:
+    """Swap the Linear layers of the decoder `layers` for FP8 ones in place (tigon's FP8Linear, or torchao's
+    Float8Linear where `uses_torchao`); returns their names."""
     check_device()
     names = decoder_linear_names(model, layers)
     if not names:
@@ -87,10 +99,22 @@ def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module])
             f"training.precision: fp8 found no Linear layer with dimensions that are multiples of 16 in "
             f"{type(model).__name__}'s decoder layers; use precision: bf16"
         )
-    chosen = set(names)
-    convert_to_float8_training(model, config=float8_config(config), module_filter_fn=lambda _, name: name in chosen)
+    if uses_torchao(config):
+        from torchao.float8 import convert_to_float8_training
+
+        chosen = set(names)
+        convert_to_float8_training(model, config=float8_config(config), module_filter_fn=lambda _, name: name in chosen)
+    else:
+        for name in names:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            keep_input = child in ATTENTION_OUTPUT_PROJECTIONS
+            setattr(owner, child, FP8Linear.from_linear(getattr(owner, child), keep_input=keep_input))
     logger.info(
-        "fp8 (%s scaling): %d Linear layers of the decoder layers", config.training.resolved_fp8_scaling, len(names)
+        "fp8 (%s scaling, %s): %d Linear layers of the decoder layers",
+        config.training.resolved_fp8_scaling,
+        "torchao" if uses_torchao(config) else "tigon's casts",
+        len(names),
     )
     return names
 

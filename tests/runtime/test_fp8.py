@@ -1,18 +1,22 @@
-"""`training.precision: fp8`: the decoder layers' Linear layers through torchao's float8 training.
+"""`training.precision: fp8`: the decoder layers' Linear layers in FP8, tigon's (tensorwise) or torchao's.
 
 These machines have no FP8 GPU, so the tests set TIGON_FP8_EMULATE=1: torchao casts inputs, weights and output
-gradients to FP8 with the same dynamic scales and runs the matmuls on the FP8 values in higher precision. What
-a GPU adds (its FP8 tensor cores' accumulation) is measured by `bash benchmarks/gpu_run.sh fp8`. The layers
+gradients to FP8 with the same dynamic scales and runs the matmuls on the FP8 values in higher precision, and
+tigon's layers run the CPU's own `torch._scaled_mm`. What a GPU adds (its FP8 tensor cores' accumulation) is
+measured by `bash benchmarks/gpu_run.sh fp8`. The layers
 are compiled with `aot_eager`, as in tests/runtime/test_compile.py, since fp8 requires training.compile.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from tests.runtime.configs import COMPILED, TINY_MODEL, resumable_config, tiny_config
 from tests.runtime.worker_groups import launch, worst_relative
+from tigon.kernels.modules import FP8Linear
 from tigon.runtime.config import ConfigError
 from tigon.runtime.fp8 import EMULATE_VARIABLE, check_device
 from tigon.runtime.model import build_model
@@ -39,10 +43,12 @@ def emulated(monkeypatch):
     torch._dynamo.reset()
 
 
-def float8_names(model: torch.nn.Module) -> list[str]:
+def float8_names(model: torch.nn.Module, kind: type | None = None) -> list[str]:
+    """The FP8 layers' names: tigon's and torchao's, or only those of `kind`."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    kinds = kind or (FP8Linear, Float8Linear)
+    return [name for name, module in model.named_modules() if isinstance(module, kinds)]
 
 
 @pytest.mark.parametrize("kernels", [False, True])
@@ -54,9 +60,51 @@ def test_fp8_swaps_exactly_the_decoder_layers_linear_layers(tmp_path, kernels):
         for i in range(2)
         for j, name in enumerate(LAYER_LINEARS)
     ]
-    assert float8_names(model) == want
+    assert float8_names(model, FP8Linear) == want  # tensorwise on one process: tigon's casts
+    assert [name for name in want if model.get_submodule(name).keep_input] == want[3::7]  # o_proj: attention's output
     assert model.tigon_fp8_layers == want
     assert type(model.lm_head) is torch.nn.Linear  # the fused loss reads its weight
+
+
+@pytest.mark.parametrize(
+    ("sections", "torchao"),
+    [({}, False), ({"training": {"fp8_scaling": "rowwise"}}, True), ({"parallelism": {"strategy": "fsdp"}}, True)],
+    ids=["tensorwise", "rowwise", "fsdp"],
+)
+def test_fp8_layers_are_tigons_unless_rowwise_or_fsdp(tmp_path, sections, torchao):
+    from torchao.float8.float8_linear import Float8Linear
+
+    training = {**FP8, **sections.pop("training", {})}
+    model = build_model(tiny_config(tmp_path, training=training, **sections), 64)
+    assert len(float8_names(model, Float8Linear if torchao else FP8Linear)) == 14
+    assert len(float8_names(model)) == 14
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tigons_fp8_layer_equals_torchaos(weight_dtype):
+    """Forward and backward against torchao's Float8Linear (tensorwise, emulated here): the same FP8 operands, so
+    the products differ only where torchao's emulation divides by a scale and `torch._scaled_mm` multiplies by
+    its inverse, a float32 rounding that moves a bf16 result by one unit at most (the GPU test compares bits with
+    torchao's own products). Outside autocast: under a CPU autocast torchao's emulated product runs in bf16."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=False, dtype=weight_dtype)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    grad = torch.randn(32, 48, dtype=torch.bfloat16)
+    results = []
+    for module in (FP8Linear.from_linear(linear), Float8Linear.from_float(copy.deepcopy(linear), config)):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf)
+        out.backward(grad)
+        results.append((out, leaf.grad, module.weight.grad))
+    for tigon, torchao in zip(*results, strict=True):
+        assert tigon.dtype == torchao.dtype
+        assert ((tigon.double() - torchao.double()).norm() / torchao.double().norm()).item() < 1e-4
 
 
 def test_fp8_skips_layers_whose_dimensions_are_not_multiples_of_16(tmp_path):
