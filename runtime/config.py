@@ -219,12 +219,18 @@ class TrainingConfig(Section):
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
         "fp32",
         description="autocast precision of the forward pass; fp8: the decoder layers' Linear layers in FP8 "
-        "(torchao float8 training, a GPU of compute capability 8.9 or higher), everything else in bf16",
+        "(torchao's float8 training recipe, a GPU of compute capability 8.9 or higher), everything else in bf16",
     )
     fp8_scaling: Literal["tensorwise", "rowwise"] | None = Field(
         None,
         description="with precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP2) or one per "
         "row (closer to bf16); unset: tensorwise",
+    )
+    fp8_layers: Literal["auto", "torchao"] = Field(
+        "auto",
+        description="with precision fp8: auto takes tigon's FP8 layers (one-pass casts) for tensorwise scaling "
+        "outside FSDP2 and torchao's Float8Linear elsewhere (rowwise; FSDP2's FP8 all-gather); torchao takes "
+        "torchao's everywhere",
     )
     plan: Literal["manual", "auto"] = Field(
         "manual",
@@ -749,11 +755,15 @@ class RunConfig(Section):
     def _fp8_where_it_runs(self) -> RunConfig:
         training = self.training
         if training.precision != "fp8":
-            if training.fp8_scaling is not None:
-                raise ValueError(
-                    f"training.fp8_scaling applies to precision fp8, not {training.precision!r}; set "
-                    "training.precision: fp8, or remove fp8_scaling"
-                )
+            for name, unset in (
+                ("fp8_scaling", training.fp8_scaling is None),
+                ("fp8_layers", training.fp8_layers == "auto"),
+            ):
+                if not unset:
+                    raise ValueError(
+                        f"training.{name} applies to precision fp8, not {training.precision!r}; set "
+                        f"training.precision: fp8, or remove {name}"
+                    )
             return self
         problems = {
             "lora.enabled": (self.lora.enabled, "FP8 trains full weights; LoRA's frozen base gains nothing"),
@@ -768,7 +778,8 @@ class RunConfig(Section):
             ),
             "training.compile false": (
                 not training.compile,
-                "torchao's FP8 casts are fast only when torch.compile fuses them; set training.compile: true",
+                "FP8 layers run compiled (torchao's casts are fast only fused; q, k and v share one cast of their "
+                "input only in a compiled graph); set training.compile: true",
             ),
             f"data.max_seq_len {self.data.max_seq_len}": (
                 self.data.max_seq_len % 16 != 0,

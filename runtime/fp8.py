@@ -85,8 +85,14 @@ def decoder_linear_names(model: nn.Module, layers: list[nn.Module]) -> list[str]
 
 
 def uses_torchao(config: RunConfig) -> bool:
-    """Whether the FP8 layers are torchao's: rowwise scaling, or FSDP2 (FP8 all-gather); tigon's otherwise."""
-    return config.training.resolved_fp8_scaling == "rowwise" or config.parallelism.strategy == "fsdp"
+    """Whether the FP8 layers are torchao's: asked for (`training.fp8_layers: torchao`), rowwise scaling, or FSDP2
+    (FP8 all-gather); tigon's otherwise."""
+    training = config.training
+    return (
+        training.fp8_layers == "torchao"
+        or training.resolved_fp8_scaling == "rowwise"
+        or config.parallelism.strategy == "fsdp"
+    )
 
 
 def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module]) -> list[str]:
