@@ -37,10 +37,6 @@ E5M2 = torch.float8_e5m2  # output gradient
 AMAX_BLOCK = 4096
 AMAX_PROGRAMS_PER_SM = 8
 CAST_WARPS = 4
-# (rows, columns) of a cast's tile: measured on an H200 (benchmarks/fp8_linear.py's sweep), both layouts at once ran
-# fastest in tall tiles whose transpose is written as words of 4 bytes, the transpose alone in wide ones
-BOTH_LAYOUTS_TILE = (128, 64)
-ONE_LAYOUT_TILE = (64, 128)
 
 
 def _float32_at_or_above(value: float) -> float:
@@ -150,6 +146,15 @@ def amax_forward(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def _cast_config(n_rows: int, rows: bool, transposed: bool) -> tuple[int, int, bool]:
+    """(tile rows, tile columns, transposed layout stored as 4-byte words) for a cast. On an H200
+    (`python -m benchmarks.fp8_linear --sweep`, docs/benchmarks.md) storing the transpose as words of four rows'
+    bytes took a quarter to a third off a cast of both layouts; one layout takes byte stores in wide tiles."""
+    if rows and transposed and n_rows % 4 == 0:
+        return 128, 64, True
+    return 64, 128, False
+
+
 def cast_forward(
     x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,8 +163,7 @@ def cast_forward(
     n_rows, n_cols = x.shape
     out = torch.empty((n_rows, n_cols) if rows else (0,), dtype=torch.uint8, device=x.device)
     out_t = torch.empty((n_cols, n_rows) if transposed else (0,), dtype=torch.uint8, device=x.device)
-    packed_words = rows and transposed and n_rows % 4 == 0
-    block_rows, block_cols = BOTH_LAYOUTS_TILE if packed_words else ONE_LAYOUT_TILE
+    block_rows, block_cols, packed_words = _cast_config(n_rows, rows, transposed)
     inverse_scale = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, triton.cdiv(n_rows, block_rows)), max(1, triton.cdiv(n_cols, block_cols)))
     _cast_kernel[grid](
