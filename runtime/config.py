@@ -226,11 +226,11 @@ class TrainingConfig(Section):
         description="with precision fp8: one scale per tensor (fastest; FP8 all-gather under FSDP2) or one per "
         "row (closer to bf16); unset: tensorwise",
     )
-    fp8_layers: Literal["auto", "torchao"] = Field(
+    fp8_layers: Literal["auto", "tigon", "torchao"] = Field(
         "auto",
         description="with precision fp8: auto takes tigon's FP8 layers (one-pass casts) for tensorwise scaling "
-        "outside FSDP2 and torchao's Float8Linear elsewhere (rowwise; FSDP2's FP8 all-gather); torchao takes "
-        "torchao's everywhere",
+        "outside FSDP2 and torchao's Float8Linear elsewhere (rowwise; FSDP2's FP8 all-gather); tigon takes "
+        "tigon's for tensorwise scaling everywhere (bf16 all-gather under FSDP2); torchao takes torchao's",
     )
     plan: Literal["manual", "auto"] = Field(
         "manual",
@@ -766,6 +766,11 @@ class RunConfig(Section):
                     )
             return self
         problems = {
+            "training.fp8_layers tigon and fp8_scaling rowwise": (
+                training.fp8_layers == "tigon" and training.resolved_fp8_scaling == "rowwise",
+                "tigon's FP8 layers scale per tensor; set fp8_scaling: tensorwise, or fp8_layers: auto for torchao's "
+                "rowwise layers",
+            ),
             "lora.enabled": (self.lora.enabled, "FP8 trains full weights; LoRA's frozen base gains nothing"),
             "parallelism.strategy deepspeed": (
                 self.parallelism.strategy == "deepspeed",

@@ -13,7 +13,7 @@ numbers, with casts that write each operand and its transpose in one pass and ke
 the backward (the attention output projection keeps its input, which attention keeps anyway). Rowwise scaling,
 and tensorwise under FSDP2, take torchao's `Float8Linear`: under FSDP2 it casts the weights to FP8 before the
 all-gather (half the bytes of bf16), and `precompute_scales` computes every weight's scale in one all-reduce
-after the optimizer step.
+after the optimizer step. `training.fp8_layers` picks either everywhere (tigon's all-gather bf16 weights).
 
 `TIGON_FP8_EMULATE=1` is for tests only: it lets a machine without an FP8 GPU run FP8 (torchao emulates its
 matmuls in higher precision; tigon's run on the CPU's own `torch._scaled_mm`).
@@ -85,14 +85,12 @@ def decoder_linear_names(model: nn.Module, layers: list[nn.Module]) -> list[str]
 
 
 def uses_torchao(config: RunConfig) -> bool:
-    """Whether the FP8 layers are torchao's: asked for (`training.fp8_layers: torchao`), rowwise scaling, or FSDP2
-    (FP8 all-gather); tigon's otherwise."""
+    """Whether the FP8 layers are torchao's (`training.fp8_layers`): asked for, or under `auto` with rowwise
+    scaling or FSDP2 (FP8 all-gather); tigon's otherwise."""
     training = config.training
-    return (
-        training.fp8_layers == "torchao"
-        or training.resolved_fp8_scaling == "rowwise"
-        or config.parallelism.strategy == "fsdp"
-    )
+    if training.fp8_layers != "auto":
+        return training.fp8_layers == "torchao"
+    return training.resolved_fp8_scaling == "rowwise" or config.parallelism.strategy == "fsdp"
 
 
 def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module]) -> list[str]:
