@@ -31,7 +31,8 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 # token's position. On an H200 RoPE, cross entropy and the packed SwiGLU ran as fast either way (the JSD, KL and
 # MoE kernels use their counts the same way; not timed). The norms keep their row counts specialized: their
 # kernels ran 8% (RMSNorm) and 20% (LayerNorm) faster on a count divisible by 16, which micro-batches of whole rows
-# (8 rows of 4096, say) always have.
+# (8 rows of 4096, say) always have. So does the FP8 cast: the rows of its transposed layout are n_rows long, whose
+# divisibility lets its stores be wide, and a micro-batch that trains in FP8 has tokens in multiples of 16.
 DATA_COUNTS = ("n_rows", "rows_per_program", "n_blocks", "seq_len", "stride_pb")
 
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import check_float, multiprocessor_count, use_triton
+from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, multiprocessor_count, use_triton
 
 E4M3 = torch.float8_e4m3fn  # input and weight
 E5M2 = torch.float8_e5m2  # output gradient
@@ -142,7 +142,7 @@ def amax_forward(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n > 0:
         programs = min(triton.cdiv(n, AMAX_BLOCK), multiprocessor_count(x.device) * AMAX_PROGRAMS_PER_SM)
-        _amax_kernel[(programs,)](x, bits, n, BLOCK=AMAX_BLOCK, num_warps=8)
+        _amax_kernel[(programs,)](x, bits, n, BLOCK=AMAX_BLOCK, num_warps=8, **LAUNCH_OPTIONS)
     return bits.view(torch.float32)
 
 

@@ -22,8 +22,10 @@ def kernel_launches(source: str) -> list[ast.Call]:
 
 
 def passes_launch_options(call: ast.Call) -> bool:
+    """`**LAUNCH_OPTIONS`, or the fusion setting by name (the FP8 cast rounds its product before the clamp)."""
     return any(
-        keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id == "LAUNCH_OPTIONS"
+        (keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id == "LAUNCH_OPTIONS")
+        or keyword.arg == "enable_fp_fusion"
         for keyword in call.keywords
     )
 
@@ -38,8 +40,11 @@ def test_every_kernel_launch_passes_the_launch_options():
 
 
 def test_the_check_sees_a_launch_without_the_options():
-    source = "kernel[(4,)](x, y, BLOCK=8, num_warps=4)\nkernel[(4,)](x, y, num_warps=4, **LAUNCH_OPTIONS)\n"
-    assert [passes_launch_options(call) for call in kernel_launches(source)] == [False, True]
+    source = (
+        "kernel[(4,)](x, y, BLOCK=8, num_warps=4)\nkernel[(4,)](x, y, num_warps=4, **LAUNCH_OPTIONS)\n"
+        "kernel[(4,)](x, y, enable_fp_fusion=False)\n"
+    )
+    assert [passes_launch_options(call) for call in kernel_launches(source)] == [False, True, True]
 
 
 def jit_kernels(source: str) -> dict[str, ast.FunctionDef]:
@@ -68,8 +73,8 @@ def leaves_data_counts_unspecialized(kernel: ast.FunctionDef) -> bool:
     return unspecialized == takes_counts
 
 
-# Faster with their row counts specialized (kernels/utils.py says by how much): the one exception.
-SPECIALIZED_ROW_COUNTS = ("rms_norm.py", "layer_norm.py")
+# Faster with their row counts specialized (kernels/utils.py says why): the exceptions.
+SPECIALIZED_ROW_COUNTS = ("rms_norm.py", "layer_norm.py", "fp8_linear.py")
 
 
 def test_every_kernel_that_takes_a_data_count_leaves_it_unspecialized():
@@ -81,7 +86,7 @@ def test_every_kernel_that_takes_a_data_count_leaves_it_unspecialized():
             else:
                 kernels[f"{path.name}:{name}"] = leaves_data_counts_unspecialized(kernel)
     assert sum(1 for where in kernels if where.startswith("cross_entropy.py")) == 6, kernels
-    assert len(norms) == 5 and not any(norms.values()), norms
+    assert len(norms) == 6 and not any(norms.values()), norms  # the norms' 5 kernels and the FP8 cast
     assert [where for where, ok in kernels.items() if not ok] == []
 
 
