@@ -126,8 +126,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--sweep", action="store_true", help="time the cast kernel's tiles and stores instead")
     args = parser.parse_args()
+    device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     if args.sweep:
-        device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
         write_json_atomic(args.out, {"device": device, "tokens": args.tokens, "sweep": sweep(args.tokens)})
         return
     bandwidth = measure_copy_bandwidth()
@@ -152,7 +152,6 @@ def main() -> None:
         f"{c['amax_ms']:.3f} | {c['amax_floor_ms']:.3f} |"
         for c in casts
     ]
-    device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     payload = {"device": device, "tokens": args.tokens, "layers": layers, "casts": casts}
     write_report(args.out, payload, "\n".join(lines))
 

@@ -22,7 +22,7 @@ from tigon.kernels.ops.kto import KTO
 from tigon.kernels.ops.moe_experts import grouped_mm_available
 from tigon.kernels.ops.orpo import ORPO
 from tigon.kernels.ops.simpo import SimPO
-from tigon.kernels.utils import FLOAT_DTYPES, interpreter_active, is_dtensor
+from tigon.kernels.utils import FLOAT_DTYPES, autocast_operands, interpreter_active, is_dtensor
 
 GATED_ACTIVATIONS = {
     "silu": ("swiglu", None),
@@ -170,8 +170,7 @@ class FP8Linear(nn.Linear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        (x,) = autocast_operands(x)
         return F.fp8_linear(x, self.weight, self.bias, keep_input=self.keep_input)
 
     def extra_repr(self) -> str:

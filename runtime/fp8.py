@@ -67,8 +67,16 @@ def float8_config(config: RunConfig):
     from torchao.float8 import Float8LinearConfig
 
     recipe = Float8LinearConfig.from_recipe_name(config.training.resolved_fp8_scaling)
-    all_gather = config.parallelism.strategy == "fsdp" and config.training.resolved_fp8_scaling == "tensorwise"
-    return dataclasses.replace(recipe, enable_fsdp_float8_all_gather=all_gather, emulate=emulated())
+    return dataclasses.replace(recipe, enable_fsdp_float8_all_gather=fp8_all_gather(config), emulate=emulated())
+
+
+def fp8_all_gather(config: RunConfig) -> bool:
+    """Whether FSDP2 all-gathers FP8 weights: torchao's layers with tensorwise scaling under FSDP2."""
+    return (
+        config.parallelism.strategy == "fsdp"
+        and config.training.resolved_fp8_scaling == "tensorwise"
+        and uses_torchao(config)
+    )
 
 
 def decoder_linear_names(model: nn.Module, layers: list[nn.Module]) -> list[str]:
@@ -103,7 +111,8 @@ def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module])
             f"training.precision: fp8 found no Linear layer with dimensions that are multiples of 16 in "
             f"{type(model).__name__}'s decoder layers; use precision: bf16"
         )
-    if uses_torchao(config):
+    torchao = uses_torchao(config)
+    if torchao:
         from torchao.float8 import convert_to_float8_training
 
         chosen = set(names)
@@ -117,16 +126,16 @@ def convert_to_fp8(model: nn.Module, config: RunConfig, layers: list[nn.Module])
     logger.info(
         "fp8 (%s scaling, %s): %d Linear layers of the decoder layers",
         config.training.resolved_fp8_scaling,
-        "torchao" if uses_torchao(config) else "tigon's casts",
+        "torchao" if torchao else "tigon's casts",
         len(names),
     )
     return names
 
 
 def precompute_scales(model: nn.Module, config: RunConfig) -> None:
-    """After the optimizer step, under FSDP2 with tensorwise scaling: every FP8 weight's scale in one all-reduce
-    (torchao's recommendation), instead of one per layer in the next forward."""
-    if config.training.precision == "fp8" and float8_config(config).enable_fsdp_float8_all_gather:
+    """After the optimizer step, where FSDP2 all-gathers torchao's FP8 weights: every FP8 weight's scale in one
+    all-reduce (torchao's recommendation), instead of one per layer in the next forward."""
+    if config.training.precision == "fp8" and fp8_all_gather(config):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)
