@@ -91,15 +91,16 @@ def compiled_contexts():
     return create_selective_checkpoint_contexts(compiled_policy)
 
 
-def checkpointed_forward(forward):
-    """`forward` checkpointed under the compiled policy: set as the layer's own forward before it is compiled, so
-    the checkpoint is traced into the layer's graph (transformers' own checkpointing may sit outside it)."""
+def checkpointed_forward(forward, selective: bool = True):
+    """`forward` checkpointed, under the compiled policy when `selective` (else whole): set as the layer's own
+    forward before it is compiled, so the checkpoint is traced into the layer's graph and AOTAutograd's partitioner
+    recomputes only what the backward reads. (transformers' own checkpointing wraps `__call__` on some releases,
+    outside the compiled forward, whose recompute then runs all of it again: down_proj's product too.)"""
+    options = {"context_fn": compiled_contexts} if selective else {}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(
-            functools.partial(forward, **kwargs), *args, use_reentrant=False, context_fn=compiled_contexts
-        )
+        return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, **options)
 
     return run
 

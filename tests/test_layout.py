@@ -145,7 +145,8 @@ def test_runtime_modules_import_each_other_one_way():
 
 def test_test_modules_import_helpers_not_other_test_modules():
     """docs/architecture.md: helpers several test modules use live in helper modules (configs.py, worker_groups.py,
-    helpers.py, ...), so no test module imports another. tests/compat collects the patching tests again on purpose."""
+    helpers.py, ...), so no test module imports another. tests/compat collects the patching tests (and one compile
+    test) again on purpose."""
     import ast
 
     wrong = []

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tigon.kernels import reference
-from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, multiprocessor_count, use_triton
+from tigon.kernels.utils import LAUNCH_OPTIONS, check_float, check_same_device, multiprocessor_count, use_triton
 
 E4M3 = torch.float8_e4m3fn  # input and weight
 E5M2 = torch.float8_e5m2  # output gradient
@@ -285,9 +285,12 @@ class FP8LinearFunction(torch.autograd.Function):
         return (grad_x if need_x else None), (grad_weight if need_weight else None), None, None
 
 
-def check_fp8_linear_inputs(x: torch.Tensor, weight: torch.Tensor, trains_weight: bool) -> None:
+def check_fp8_linear_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, trains_weight: bool
+) -> None:
     check_float("x", x)
     check_float("weight", weight)
+    check_same_device("x", x, weight=weight, bias=bias)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"fp8_linear: x has {x.shape[-1]} features and weight has shape {tuple(weight.shape)}; the weight must "
@@ -316,7 +319,7 @@ def fp8_linear(
     forward: for an input that the op producing it keeps anyway (attention keeps its output, which the output
     projection reads), so the copy would be memory spent twice."""
     trains_weight = weight.requires_grad and torch.is_grad_enabled()
-    check_fp8_linear_inputs(x, weight, trains_weight)
+    check_fp8_linear_inputs(x, weight, bias, trains_weight)
     out = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, trains_weight, keep_input)
     out = out.view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)

@@ -58,7 +58,7 @@ def fused_add_rms_norm_op(
 def _(x, residual, weight, eps, offset, casting):
     dtype = torch.promote_types(weight.dtype, x.dtype) if weight is not None and casting != "gemma" else x.dtype
     rows = x.numel() // x.shape[-1]
-    return x.new_empty(x.shape, dtype=dtype), torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)
 
 
 def _fused_add_setup(ctx, inputs, output):

@@ -421,7 +421,10 @@ def fused_linear_cross_entropy_op(
             borrow_weight_grad=borrow_weight_grad,
         )  # fmt: skip
     loss, z_loss = reduce_rows(loss_rows, z_rows, options)
-    fresh = [loss, z_loss, *rest]  # outputs may not alias each other: a new empty tensor per missing one
+    predicted, *grads = rest
+    if predicted is None:
+        predicted = target.new_empty(0, dtype=torch.int64)
+    fresh = [loss, z_loss, predicted, *grads]  # outputs may not alias each other: a new empty tensor per missing one
     return tuple(t if t is not None else loss_rows.new_empty(0) for t in fresh)
 
 

@@ -422,7 +422,7 @@ def layer_norm_op(
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     rows = x.numel() // x.shape[-1]
-    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("tigon::layer_norm_backward", mutates_args=())
@@ -443,7 +443,7 @@ def layer_norm_backward_op(
 
 @layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd):
-    return torch.empty_like(x), *(t.new_empty(t.shape) if t is not None else x.new_empty(0) for t in (weight, bias))
+    return x.new_empty(x.shape), *(t.new_empty(t.shape) if t is not None else x.new_empty(0) for t in (weight, bias))
 
 
 def _layer_norm_setup(ctx, inputs, output):

@@ -327,7 +327,7 @@ def rms_norm_backward_op(
 
 @rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, offset, casting, grad_residual=None):
-    return torch.empty_like(x), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
 
 
 def _rms_norm_setup(ctx, inputs, output):

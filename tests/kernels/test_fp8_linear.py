@@ -199,6 +199,14 @@ def test_mismatched_weight_is_refused(device):
         fp8_linear(torch.randn(16, 48, device=device, dtype=torch.bfloat16), w)
 
 
+def test_a_weight_or_bias_on_another_device_is_refused_with_the_fix():
+    x, w, _ = layer_inputs(16, 32, 32, torch.bfloat16, torch.float32, "cpu", seed=1)
+    with pytest.raises(ValueError, match=r"weight is on meta but x is on cpu; move it with weight.to\(x.device\)"):
+        fp8_linear(x, w.to("meta"))
+    with pytest.raises(ValueError, match=r"bias is on meta but x is on cpu"):
+        fp8_linear(x, w, torch.zeros(32, device="meta"))
+
+
 def test_compiled_projections_of_one_input_cast_it_once_and_cast_weights_in_the_backward(device):
     """q, k and v of one input, compiled with Inductor's partitioner: the forward graph casts the input once and
     keeps its transposed cast once; the weights' transposed casts stay inside the backward op, not kept from the

@@ -129,6 +129,26 @@ def test_static_shapes_feed_compiled_layers_one_token_count_with_the_same_losses
     assert worst_relative(runs[True], runs[False]) < EXACT, runs
 
 
+def backward_products(model, batch) -> int:
+    """How many matrix products the backward of one step runs (through the profiler: compiled code's higher-order
+    operators included)."""
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        loss.backward()
+    return sum(event.count for event in profile.key_averages() if event.key in ("aten::mm", "aten::addmm"))
+
+
+def test_a_compiled_checkpointed_layer_recomputes_only_what_its_backward_reads(tmp_path):
+    """The checkpoint sits inside the compiled forward on every transformers release (4.x's checkpoints `__call__`,
+    outside it, and its recompute ran the whole compiled forward again), so AOTAutograd's partitioner recomputes
+    only what the backward reads: not down_proj's product, whose output nothing reads. Each tiny Llama layer: its 7
+    products' two gradients and 6 products again; the head: its input's and weight's gradients."""
+    training = {"gradient_checkpointing": True, **COMPILED}
+    sections = dict(kernels={"enabled": True, "fused_linear_cross_entropy": False})
+    compiled = build_model(tiny_config(tmp_path, training=training, **sections), 64).train()
+    assert backward_products(compiled, torch.randint(0, 64, (2, 9))) == 2 * (2 * 7 + 6) + 2
+
+
 def test_compiled_layers_with_lora_train_as_eager(tmp_path):
     sections = dict(lora={"enabled": True, "r": 4}, eval={"metrics": []})
     training = {"max_steps": 2, "gradient_checkpointing": True}
@@ -232,7 +252,25 @@ def test_softcapped_eager_attention_gets_the_compile_hint_unless_compiled(tmp_pa
     assert ("training.compile: true fuses them" in caplog.text) is not compiled
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gated_deltanet_layers_get_the_compile_hint_unless_compiled(tmp_path, caplog, compiled):
+    """Qwen3-Next's Gated DeltaNet layers run transformers' PyTorch recurrence where flash-linear-attention is not
+    installed (as here)."""
+    deltanet = dict(
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    model = {"config_name": "qwen3_next", "config_overrides": {**TINY_MODEL, "head_dim": 16, **deltanet}}
+    config = tiny_config(tmp_path, model=model, training=COMPILED if compiled else {})
+    with caplog.at_level("INFO", logger="tigon.runtime"):
+        build_model(config, vocab_size=64)
+    assert ("Gated DeltaNet layers run transformers' PyTorch recurrence" in caplog.text) is not compiled
+
+
 def test_sdpa_attention_gets_no_compile_hint(tmp_path, caplog):
     with caplog.at_level("INFO", logger="tigon.runtime"):
         build_model(tiny_config(tmp_path), vocab_size=64)
-    assert "training.compile: true fuses them" not in caplog.text
+    assert "training.compile: true fuses" not in caplog.text
