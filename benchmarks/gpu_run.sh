@@ -3,7 +3,7 @@
 # Results land under $OUT. Usage: bash benchmarks/gpu_run.sh [tests] [packed] [attention] [demo] [tune] [bench] [bench-main] [bench-distill] [bench-sweeps] [host-overhead] [flce-traffic]
 #   [compile (benchmarks/end_to_end.py with and without --compile: tokens/s and peak memory of HF eager and tigon, each
 #   with its decoder layers eager and compiled; COMPILE_FAMILIES, default "llama qwen3" (Llama-3.2-1B, Qwen3-1.7B);
-#   E2E_VARIANTS, E2E_SEQS (4096), E2E_MICRO (4))]
+#   E2E_VARIANTS, E2E_SEQS (4096), E2E_MICRO (4), E2E_STEPS (5 timed steps))]
 #   [fp8 (benchmarks/end_to_end.py --compile, tigon in bf16 and with --precision fp8: tokens/s and peak memory of the
 #   Llama-3-8B shape on one GPU; E2E_SHAPE, E2E_SEQS (4096), E2E_MICRO (4))]
 #   [fp8-loss (benchmarks/fp8_loss_curve.py: the demo task, widened to FP8_HIDDEN (1024) x FP8_LAYERS (4), trained
@@ -101,7 +101,7 @@ for step in "$@"; do
     compile) for family in ${COMPILE_FAMILIES:-llama qwen3}; do for mode in eager compiled; do  # training.compile off and on
         flag=(); [ "$mode" = compiled ] && flag=(--compile)
         python3 -m benchmarks.end_to_end --family "$family" --variants "${E2E_VARIANTS:-eager,tigon}" "${flag[@]}" --seqs "${E2E_SEQS:-4096}" \
-          --micro-batch "${E2E_MICRO:-4}" --steps 5 --warmup 2 --out "$out/compile-$family-$mode.json" 2>&1 | tee "$out/compile-$family-$mode.log"
+          --micro-batch "${E2E_MICRO:-4}" --steps "${E2E_STEPS:-5}" --warmup 2 --out "$out/compile-$family-$mode.json" 2>&1 | tee "$out/compile-$family-$mode.log"
       done; done ;;
     fp8) for precision in bf16 fp8; do  # tigon compiled, bf16 against FP8 matmuls
         python3 -m benchmarks.end_to_end --family llama --shape "${E2E_SHAPE:-llama-3-8b}" --variants tigon --compile \
