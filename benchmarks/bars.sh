@@ -10,6 +10,8 @@
 #   GPUS=1 bash benchmarks/bars.sh                  # one GPU: the plain model (parallelism.strategy: ddp)
 #   FP8=0 SHAPE=llama-3.2-1b bash benchmarks/bars.sh   # exact only, the Llama-3.2-1B shape
 #   MICROS="4 2" GPUS=4 bash benchmarks/bars.sh     # skip a micro-batch known not to fit
+#   FP8_LAYERS="auto tigon" GPUS=4 bash benchmarks/bars.sh   # FP8 twice: the default layers (torchao's under FSDP2,
+#                                                   # with FP8 all-gathers) and tigon's (bf16 all-gathers)
 #   TINY=1 GPUS=2 SEQ=1024 STEPS=5 MICRO_BATCH=2 BASE=eager SETS="model.attn_implementation=sdpa \
 #     training.compile_backend=aot_eager" TIGON_FP8_EMULATE=1 bash benchmarks/bars.sh   # CPU smoke run
 #
@@ -20,6 +22,7 @@ export SEQS=${SEQ:-4096} STEPS=${STEPS:-16} MICRO_BATCH=${MICRO_BATCH:-8} DOCS=$
 BASE=${BASE:-liger}  # the variant tigon is measured against
 MICROS=${MICROS:-"8 4 2"}  # the base's micro-batches to try, largest first
 FP8=${FP8:-1}
+FP8_LAYERS=${FP8_LAYERS:-auto}  # training.fp8_layers of the FP8 runs, one run each
 out=${OUT:-bench-out}/headline
 if [[ "$GPUS" == 1 ]]; then strategy=ddp; else strategy=fsdp; fi
 extra=${SETS:-}
@@ -52,8 +55,12 @@ fi
 run bars planner
 others=("planner-bars-$SEQS")
 if [[ "$FP8" == 1 ]]; then
-  run bars-fp8 planner-compiled training.precision=fp8
-  others+=("planner-compiled-bars-fp8-$SEQS")
+  for layers in $FP8_LAYERS; do
+    tag=bars-fp8
+    if [[ "$layers" != auto ]]; then tag=bars-fp8-$layers; fi
+    run "$tag" planner-compiled training.precision=fp8 "training.fp8_layers=$layers"
+    others+=("planner-compiled-$tag-$SEQS")
+  done
 fi
 for other in "${others[@]}"; do
   python3 -m benchmarks.headline paired --out "$out" "$base" "$other" || exit 1

@@ -221,7 +221,7 @@ def assert_compiled_layers_train_as_eager(model_type: str, backend: str, device:
 
     eager = tiny(model_type, **FAMILY_CASES[model_type].overrides).to(device)
     apply(eager)
-    batch = torch.randint(0, 131, (2, 19), device=device)
+    batch = torch.randint(0, 131, (2, 9), device=device)
     if own_failure(eager, batch) is not None:
         pytest.skip(f"transformers {transformers.__version__}'s own {model_type} forward fails on a text batch")
     compiled_model = copy.deepcopy(eager)

@@ -160,7 +160,8 @@ def test_the_docs_plots_redraw_from_the_recorded_reports(tmp_path):
 
 def test_tiny_bars_run_pairs_the_planner_exact_and_fp8_with_the_base(tmp_path):
     """benchmarks/bars.sh on the CPU: the base at the largest micro-batch that fits, then the planner in bf16 and in
-    FP8 (emulated), each paired with it; the base's setting is flex attention's, which the smoke run swaps for SDPA."""
+    FP8 (emulated, the layers `FP8_LAYERS` names), each paired with it; the base's setting is flex attention's,
+    which the smoke run swaps for SDPA."""
     env = script_env(
         tmp_path,
         TINY="1",
@@ -171,6 +172,7 @@ def test_tiny_bars_run_pairs_the_planner_exact_and_fp8_with_the_base(tmp_path):
         BASE="eager",
         SETS="model.attn_implementation=sdpa training.compile_backend=aot_eager",
         TIGON_FP8_EMULATE="1",
+        FP8_LAYERS="tigon",
     )
     done = subprocess.run(
         ["bash", "benchmarks/bars.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
@@ -179,13 +181,13 @@ def test_tiny_bars_run_pairs_the_planner_exact_and_fp8_with_the_base(tmp_path):
     pairs = (tmp_path / "headline" / "bars.txt").read_text().splitlines()
     assert [line.split(",")[0] for line in pairs] == [
         "planner-bars-1024 over eager-bars2-1024",
-        "planner-compiled-bars-fp8-1024 over eager-bars2-1024",
+        "planner-compiled-bars-fp8-tigon-1024 over eager-bars2-1024",
     ]
     assert all("x as fast)" in line for line in pairs)
     base = (tmp_path / "headline" / "eager-bars2-1024" / "config.yaml").read_text()
     assert "gradient_checkpointing: false" in base and "strategy: fsdp" in base
-    fp8 = (tmp_path / "headline" / "planner-compiled-bars-fp8-1024" / "config.yaml").read_text()
-    assert "precision: fp8" in fp8 and "compile: true" in fp8
+    fp8 = (tmp_path / "headline" / "planner-compiled-bars-fp8-tigon-1024" / "config.yaml").read_text()
+    assert "precision: fp8" in fp8 and "compile: true" in fp8 and "fp8_layers: tigon" in fp8
 
 
 def test_a_failed_run_is_tabulated_with_the_line_that_names_its_error(tmp_path):
