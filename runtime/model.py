@@ -366,12 +366,36 @@ def compile_decoder_layers(model: nn.Module, backend: str) -> int:
     its forward, inside the graph, on every transformers release (`recompute.checkpointed_forward`); FSDP2, applied
     after this, shards each compiled layer."""
     layers = required_layers(model, "training.compile", "set training.compile: false")
+    if backend == "aot_eager" and has_gated_deltanet(model) and not softplus_backward_strides_agree():
+        raise ConfigError(
+            "training.compile_backend: aot_eager runs the traced graph on PyTorch's own kernels, and this PyTorch's "
+            "compile-time softplus_backward lays its output out unlike its kernel, which fails the backward of "
+            f"{model.config.get_text_config().model_type}'s Gated DeltaNet layers; set training.compile_backend: "
+            "inductor (which generates that code itself) or training.compile: false"
+        )
     for layer in layers:
         if layer.gradient_checkpointing:
             layer.gradient_checkpointing = False
             layer.forward = checkpointed_forward(layer.forward, selective=False)
         layer.compile(backend=backend)
     return len(layers)
+
+
+def has_gated_deltanet(model: nn.Module) -> bool:
+    """Whether the model's decoder has Gated DeltaNet (linear attention) layers: Qwen3-Next, Qwen3.5."""
+    return "linear_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or ())
+
+
+def softplus_backward_strides_agree() -> bool:
+    """Whether PyTorch's compile-time (fake) softplus_backward gives its output its kernel's strides when the
+    gradient and the input are laid out differently, as in a Gated DeltaNet layer's backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    grad, x = torch.randn(2, 3, 4), torch.randn(2, 4, 3).transpose(1, 2)
+    real = torch.ops.aten.softplus_backward(grad, x, 1.0, 20.0)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.aten.softplus_backward(mode.from_tensor(grad), mode.from_tensor(x), 1.0, 20.0)
+    return real.stride() == fake.stride()
 
 
 def build_model(
@@ -437,7 +461,7 @@ def _hint_compile(model: nn.Module) -> None:
             "fuses them (1.5x the tokens/s at less memory for Gemma-2-2B on an H200, docs/benchmarks.md)",
             text.model_type,
         )
-    if "linear_attention" in (getattr(text, "layer_types", None) or ()) and importlib.util.find_spec("fla") is None:
+    if has_gated_deltanet(model) and importlib.util.find_spec("fla") is None:
         logger.info(
             "%s: its Gated DeltaNet layers run transformers' PyTorch recurrence (flash-linear-attention is not "
             "installed); training.compile: true fuses it (1.69x the tokens/s on Qwen3.5's default widths on an H200, "

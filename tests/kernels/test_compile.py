@@ -192,7 +192,8 @@ def test_patched_model_compiles_without_graph_breaks_and_same_loss(model_type, r
 
 # PyTorch's fake softplus_backward lays its output out as the input, its CPU kernel as the gradient, when the two
 # differ; the Gated DeltaNet layers' backward then views the real output with the fake strides and fails. Inductor
-# lowers the op itself, so this is the aot_eager backend's failure on the CPU, not the layers'.
+# lowers the op itself, so this is the aot_eager backend's failure, not the layers' (the runtime refuses aot_eager
+# for these families while the installed PyTorch has it: tests/runtime/test_compile.py).
 SOFTPLUS_STRIDES = pytest.mark.xfail(
     strict=True, raises=RuntimeError, reason="PyTorch's fake softplus_backward strides (Gated DeltaNet, aot_eager)"
 )

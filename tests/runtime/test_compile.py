@@ -252,10 +252,8 @@ def test_softcapped_eager_attention_gets_the_compile_hint_unless_compiled(tmp_pa
     assert ("training.compile: true fuses them" in caplog.text) is not compiled
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gated_deltanet_layers_get_the_compile_hint_unless_compiled(tmp_path, caplog, compiled):
-    """Qwen3-Next's Gated DeltaNet layers run transformers' PyTorch recurrence where flash-linear-attention is not
-    installed (as here)."""
+def tiny_qwen3_next(tmp_path, training: dict):
+    """Qwen3-Next at tiny widths: a Gated DeltaNet layer, then an attention one."""
     deltanet = dict(
         linear_key_head_dim=16,
         linear_value_head_dim=16,
@@ -264,10 +262,27 @@ def test_gated_deltanet_layers_get_the_compile_hint_unless_compiled(tmp_path, ca
         layer_types=["linear_attention", "full_attention"],
     )
     model = {"config_name": "qwen3_next", "config_overrides": {**TINY_MODEL, "head_dim": 16, **deltanet}}
-    config = tiny_config(tmp_path, model=model, training=COMPILED if compiled else {})
+    return tiny_config(tmp_path, model=model, training=training)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gated_deltanet_layers_get_the_compile_hint_unless_compiled(tmp_path, caplog, compiled):
+    """Qwen3-Next's Gated DeltaNet layers run transformers' PyTorch recurrence where flash-linear-attention is not
+    installed (as here). (Built only: Inductor compiles at the first call.)"""
+    config = tiny_qwen3_next(tmp_path, {"compile": True} if compiled else {})
     with caplog.at_level("INFO", logger="tigon.runtime"):
         build_model(config, vocab_size=64)
     assert ("Gated DeltaNet layers run transformers' PyTorch recurrence" in caplog.text) is not compiled
+
+
+def test_aot_eager_on_gated_deltanet_layers_is_refused_with_the_fix_while_pytorch_needs_it(tmp_path):
+    """This PyTorch's fake softplus_backward strides differ from its kernel's (the check fails once PyTorch agrees:
+    then the refusal and tests/kernels/test_compile.py's expected failures go)."""
+    from tigon.runtime.model import softplus_backward_strides_agree
+
+    assert not softplus_backward_strides_agree()
+    with pytest.raises(ConfigError, match="compile_backend: inductor .* or training.compile: false"):
+        build_model(tiny_qwen3_next(tmp_path, COMPILED), vocab_size=64)
 
 
 def test_sdpa_attention_gets_no_compile_hint(tmp_path, caplog):
