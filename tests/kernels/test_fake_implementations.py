@@ -9,17 +9,9 @@ or row-strided inputs, on the CPU and on a GPU.
 
 import pytest
 import torch
+from torch.library import opcheck
 
-from tigon.kernels.ops import (
-    fp8_linear,  # noqa: F401  (registers tigon::fp8_*)
-    fused_add_rms_norm,  # noqa: F401
-    fused_linear_cross_entropy,  # noqa: F401
-    gated_activation,  # noqa: F401
-    layer_norm,  # noqa: F401
-    relu_squared,  # noqa: F401
-    rms_norm,  # noqa: F401
-    rope,  # noqa: F401
-)
+import tigon.kernels.functional  # noqa: F401  (imports every op's file: registers every tigon:: op)
 
 ops = torch.ops.tigon
 
@@ -48,15 +40,10 @@ LAYOUTS = {
 }
 
 
-def layout_params():
-    return [pytest.param(make, id=name) for name, make in LAYOUTS.items()]
+LAYOUT_PARAMS = [pytest.param(make, id=name) for name, make in LAYOUTS.items()]
 
 
-def opcheck(op, args) -> None:
-    torch.library.opcheck(op, args)
-
-
-@pytest.mark.parametrize("make", layout_params())
+@pytest.mark.parametrize("make", LAYOUT_PARAMS)
 @pytest.mark.parametrize("casting", ["llama", "gemma"])
 def test_rms_norm(make, casting):
     torch.manual_seed(0)
@@ -68,7 +55,7 @@ def test_rms_norm(make, casting):
     opcheck(ops.rms_norm_backward.default, (dy, x, None, rstd, 0.0, casting))
 
 
-@pytest.mark.parametrize("make", layout_params())
+@pytest.mark.parametrize("make", LAYOUT_PARAMS)
 def test_fused_add_rms_norm(make):
     torch.manual_seed(0)
     x, residual, weight = make(), make(), torch.randn(16)
@@ -77,7 +64,7 @@ def test_fused_add_rms_norm(make):
     opcheck(ops.rms_norm_backward.default, (make(), new_residual, weight, rstd, 0.0, "llama", make()))
 
 
-@pytest.mark.parametrize("make", layout_params())
+@pytest.mark.parametrize("make", LAYOUT_PARAMS)
 def test_layer_norm(make):
     torch.manual_seed(0)
     x, weight, bias = make(), torch.randn(16), torch.randn(16)
@@ -87,7 +74,7 @@ def test_layer_norm(make):
     opcheck(ops.layer_norm_backward.default, (make(), x, None, None, mean, rstd))
 
 
-@pytest.mark.parametrize("make", layout_params())
+@pytest.mark.parametrize("make", LAYOUT_PARAMS)
 def test_element_wise_activations(make):
     torch.manual_seed(0)
     gate, up, grad = make(), make(), make()
